@@ -1,0 +1,48 @@
+# Targets install what they need into $(VENV). On a GPU machine override TORCH:
+#   make install TORCH='torch'
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTO_SRC := proto/teacher/v1/teacher.proto
+PROTO_OUT := distill_common/proto
+
+.PHONY: install proto proto-check test test-slow test-gpu serve demo bench clean
+
+$(STAMP): pyproject.toml requirements/ci.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)" -c requirements/ci.txt
+	$(PY) -m pip install -q -c requirements/ci.txt -e '.[dev,plot]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Regenerates the Python stubs from the contract. Never edit them by hand.
+proto: $(STAMP)
+	$(PY) -m distill_common.protogen
+
+proto-check: $(STAMP)
+	$(PY) -m distill_common.protogen --check
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
+
+# A teacher server on the built-in demo model (MODEL=path or hub id to override).
+MODEL ?= builtin:tiny
+serve: $(STAMP)
+	$(PY) -m teacher_server --model $(MODEL)
+
+# The main job on the embedded default: builds its own model, serves it, students distil.
+demo: $(STAMP)
+	$(PY) -m distill_demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,1 @@
+"""Code both programs share: the generated contract, tensor wire format, session groups."""

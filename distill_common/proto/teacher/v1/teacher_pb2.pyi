@@ -1,0 +1,225 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TeacherInfo(_message.Message):
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "device_type", "tp_size", "max_batch_tokens", "max_seq_len", "max_sessions", "max_inflight", "tokenizer_fingerprint", "torch_version", "nccl_version")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NCCL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    dtype: str
+    device_type: str
+    tp_size: int
+    max_batch_tokens: int
+    max_seq_len: int
+    max_sessions: int
+    max_inflight: int
+    tokenizer_fingerprint: str
+    torch_version: str
+    nccl_version: str
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ...) -> None: ...
+
+class OutputSpec(_message.Message):
+    __slots__ = ("logits", "topk", "hidden_layers", "dtype")
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    logits: bool
+    topk: int
+    hidden_layers: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, logits: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("device_type", "device_uuid", "torch_version", "nccl_version", "host")
+    DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NCCL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    device_type: str
+    device_uuid: str
+    torch_version: str
+    nccl_version: str
+    host: str
+    def __init__(self, device_type: _Optional[str] = ..., device_uuid: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("job_id", "job_rank", "outputs", "peer", "max_inflight", "tokenizer_fingerprint", "vocab_size", "weight")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_RANK_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    job_rank: int
+    outputs: OutputSpec
+    peer: PeerInfo
+    max_inflight: int
+    tokenizer_fingerprint: str
+    vocab_size: int
+    weight: float
+    def __init__(self, job_id: _Optional[str] = ..., job_rank: _Optional[int] = ..., outputs: _Optional[_Union[OutputSpec, _Mapping]] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("session_id", "info", "store_host", "store_port", "store_prefix", "backend", "teacher_rank", "student_rank", "group_size", "timeout_s", "heartbeat_interval_s", "lease_s", "max_inflight", "output_dtype")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    STORE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TEACHER_RANK_FIELD_NUMBER: _ClassVar[int]
+    STUDENT_RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    info: TeacherInfo
+    store_host: str
+    store_port: int
+    store_prefix: str
+    backend: str
+    teacher_rank: int
+    student_rank: int
+    group_size: int
+    timeout_s: float
+    heartbeat_interval_s: float
+    lease_s: float
+    max_inflight: int
+    output_dtype: str
+    def __init__(self, session_id: _Optional[str] = ..., info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., backend: _Optional[str] = ..., teacher_rank: _Optional[int] = ..., student_rank: _Optional[int] = ..., group_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., max_inflight: _Optional[int] = ..., output_dtype: _Optional[str] = ...) -> None: ...
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("session_id", "batch_id", "input_ids", "attention_mask")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    batch_id: int
+    input_ids: Tensor
+    attention_mask: Tensor
+    def __init__(self, session_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class SubmitResponse(_message.Message):
+    __slots__ = ("batch_id", "inflight")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    inflight: int
+    def __init__(self, batch_id: _Optional[int] = ..., inflight: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("batches_sent", "inflight")
+    BATCHES_SENT_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    batches_sent: int
+    inflight: int
+    def __init__(self, batches_sent: _Optional[int] = ..., inflight: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("session_id", "drain")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    drain: bool
+    def __init__(self, session_id: _Optional[str] = ..., drain: _Optional[bool] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ("batches_sent",)
+    BATCHES_SENT_FIELD_NUMBER: _ClassVar[int]
+    batches_sent: int
+    def __init__(self, batches_sent: _Optional[int] = ...) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionStatus(_message.Message):
+    __slots__ = ("session_id", "job_id", "job_rank", "backend", "state", "batches_submitted", "batches_sent", "tokens_served", "bytes_sent", "inflight", "last_heartbeat_age_s", "weight")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_RANK_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_SUBMITTED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_SENT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    job_id: str
+    job_rank: int
+    backend: str
+    state: str
+    batches_submitted: int
+    batches_sent: int
+    tokens_served: int
+    bytes_sent: int
+    inflight: int
+    last_heartbeat_age_s: float
+    weight: float
+    def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., job_rank: _Optional[int] = ..., backend: _Optional[str] = ..., state: _Optional[str] = ..., batches_submitted: _Optional[int] = ..., batches_sent: _Optional[int] = ..., tokens_served: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., inflight: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("info", "sessions", "busy_fraction", "queue_depth")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    info: TeacherInfo
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionStatus]
+    busy_fraction: float
+    queue_depth: int
+    def __init__(self, info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., busy_fraction: _Optional[float] = ..., queue_depth: _Optional[int] = ...) -> None: ...
