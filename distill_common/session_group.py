@@ -1,0 +1,201 @@
+"""The data plane: a process group made for one session, outside both default worlds.
+
+`init_process_group` can be called once per process and `new_group` only splits the
+default world, but a student job keeps its own DDP world and the teacher its own
+tensor-parallel world. So a session's group is built by hand on the teacher's
+TCPStore under a PrefixStore that only the admitted student knows:
+``ProcessGroupNCCL(prefix_store, rank, 2, options)`` between GPUs, or
+``ProcessGroupGloo(prefix_store, rank, 2, options)`` when either side is on CPU.
+
+What this is not: a general communicator. It carries point-to-point sends from the
+teacher (rank 0) to one student (rank 1), in order; tags are only meaningful to gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+TEACHER_RANK = 0
+STUDENT_RANK = 1
+GROUP_SIZE = 2
+
+
+class TransferError(RuntimeError):
+    """A send or receive on a session group failed or timed out; the group is unusable."""
+
+
+@contextlib.contextmanager
+def _env(**values: str):
+    """Sets environment variables for the duration (read by the NCCL group's constructor)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def nccl_version() -> str:
+    if not torch.cuda.is_available():
+        return ""
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # a CUDA build without NCCL
+        return ""
+    return ".".join(str(part) for part in version) if isinstance(version, tuple) else str(version)
+
+
+def device_uuid(device: torch.device) -> str:
+    if device.type != "cuda":
+        return ""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """The local IP address this machine uses to reach host:port (no packet is sent)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except socket.gaierror as e:
+        raise ConnectionError(f"cannot resolve teacher host {host!r}: {e}") from e
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return probe.getsockname()[0]
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the teacher's TCPStore."""
+    try:
+        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as e:  # torch raises DistStoreError / RuntimeError subclasses
+        raise ConnectionError(
+            f"cannot reach the teacher's store at {host}:{port} within {timeout_s:.0f}s: {e}. "
+            "Is --store-port reachable from this machine?") from e
+
+
+@dataclass
+class SessionGroup:
+    """One session's two-rank group and how to wait on its work with a deadline."""
+
+    backend: str
+    rank: int
+    pg: object
+    device: torch.device
+    timeout_s: float
+
+    @property
+    def peer(self) -> int:
+        return STUDENT_RANK if self.rank == TEACHER_RANK else TEACHER_RANK
+
+    def send(self, tensor: torch.Tensor, tag: int = 0):
+        return self.pg.send([tensor], self.peer, tag)
+
+    def recv(self, tensor: torch.Tensor, tag: int = 0):
+        return self.pg.recv([tensor], self.peer, tag)
+
+    def wait(self, work, timeout_s: float | None = None, what: str = "transfer") -> None:
+        """Waits for `work` at most `timeout_s`; raises TransferError otherwise.
+
+        gloo completes a work only inside wait(), which takes a timeout. NCCL's wait()
+        only makes the current stream wait, so the CPU polls the work's CUDA event to
+        learn that it finished, and gives up at the deadline.
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            if self.backend == "gloo":
+                work.wait(datetime.timedelta(seconds=timeout_s))
+                return
+            deadline = time.monotonic() + timeout_s
+            pause_s = 1e-5
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TransferError(f"{what} did not complete within {timeout_s:.1f}s")
+                time.sleep(pause_s)
+                pause_s = min(pause_s * 2, 1e-3)
+            work.wait()
+        except TransferError:
+            raise
+        except Exception as e:
+            raise TransferError(f"{what} failed: {e}") from e
+
+    def abort(self) -> None:
+        """Tears the group down without waiting for the peer (it may be dead)."""
+        for method in ("abort", "shutdown"):
+            fn = getattr(self.pg, method, None)
+            if fn is None:
+                continue
+            try:
+                fn()
+                return
+            except Exception as e:  # already broken: nothing more to free
+                log.debug("session group %s() raised %s", method, e)
+
+
+def build_group(store: dist.Store, prefix: str, *, backend: str, rank: int, device: torch.device,
+                timeout_s: float, gloo_host: str = "") -> SessionGroup:
+    """Builds the session group on `store` under `prefix`; blocks until the peer arrives.
+
+    Group formation waits for the other side at most `timeout_s` (gloo connects in the
+    constructor; NCCL connects at the first transfer, which `handshake` makes).
+    """
+    prefix_store = dist.PrefixStore(f"teacher-session/{prefix}", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        # A communicator error or timeout in a session group must clean up that group
+        # only: the default (tear down the process) would let one student kill the teacher.
+        with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
+            pg = dist.ProcessGroupNCCL(prefix_store, rank, GROUP_SIZE, options)
+    elif backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=gloo_host)] if gloo_host else \
+            [dist.ProcessGroupGloo.create_default_device()]
+        try:
+            pg = dist.ProcessGroupGloo(prefix_store, rank, GROUP_SIZE, options)
+        except Exception as e:
+            raise TransferError(f"session group did not form within {timeout_s:.0f}s: {e}") from e
+    else:
+        raise ValueError(f"unknown backend {backend!r}; use 'nccl' or 'gloo'")
+    return SessionGroup(backend=backend, rank=rank, pg=pg, device=device, timeout_s=timeout_s)
+
+
+def prefix_token(prefix: str) -> int:
+    """The handshake value both sides derive from the secret store prefix."""
+    return int(hashlib.sha256(prefix.encode()).hexdigest()[:15], 16)
+
+
+def handshake(group: SessionGroup, token: int, timeout_s: float) -> None:
+    """One small transfer teacher → student that proves the group works end to end.
+
+    It also makes NCCL create its communicator now, off the engine's critical path.
+    The student checks the token so a group formed under a wrong prefix fails loudly.
+    """
+    buffer = torch.tensor([token if group.rank == TEACHER_RANK else -1], dtype=torch.int64,
+                          device=group.device if group.backend == "nccl" else "cpu")
+    if group.rank == TEACHER_RANK:
+        group.wait(group.send(buffer), timeout_s, what="session handshake send")
+    else:
+        group.wait(group.recv(buffer), timeout_s, what="session handshake receive")
+        got = int(buffer.item())
+        if got != token:
+            raise TransferError(f"session handshake carried {got}, expected {token}: "
+                                "the group formed with the wrong peer")

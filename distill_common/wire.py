@@ -1,0 +1,75 @@
+"""Dense tensors on the control plane (token ids and masks only) and dtype names.
+
+Token ids travel as raw little-endian bytes with an explicit dtype and shape: no
+pickle, no torch.load. Decoding validates every field, because the bytes come from
+the network.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+from distill_common.proto.teacher.v1 import teacher_pb2 as pb
+
+# Names used in the proto for the dtypes of tensors that cross the control plane.
+ID_DTYPES = {"int32": np.int32, "int64": np.int64}
+MASK_DTYPES = {"int32": np.int32, "int64": np.int64, "bool": np.bool_}
+
+# Names for the dtypes of teacher outputs (OutputSpec.dtype, TeacherInfo.dtype).
+OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WireError(ValueError):
+    """A tensor on the wire is malformed; the message says what is wrong."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, candidate in OUTPUT_DTYPES.items():
+        if candidate == dtype:
+            return name
+    raise WireError(f"dtype {dtype} is not an output dtype; use one of {sorted(OUTPUT_DTYPES)}")
+
+
+def parse_output_dtype(name: str) -> torch.dtype:
+    try:
+        return OUTPUT_DTYPES[name]
+    except KeyError:
+        raise WireError(f"unknown dtype {name!r}; use one of {sorted(OUTPUT_DTYPES)}") from None
+
+
+def encode(tensor: torch.Tensor) -> pb.Tensor:
+    """A CPU int/bool tensor as a proto Tensor (little-endian, row-major)."""
+    array = tensor.detach().cpu().contiguous().numpy()
+    if sys.byteorder != "little":
+        array = array.byteswap().view(array.dtype.newbyteorder())
+    name = {np.dtype(np.int32): "int32", np.dtype(np.int64): "int64", np.dtype(np.bool_): "bool"}.get(array.dtype)
+    if name is None:
+        raise WireError(f"token ids and masks must be int32, int64 or bool, got {tensor.dtype}")
+    return pb.Tensor(dtype=name, shape=list(array.shape), data=array.tobytes())
+
+
+def decode(message: pb.Tensor, *, what: str, dtypes: dict, max_elements: int) -> torch.Tensor:
+    """Validates and decodes a proto Tensor into a CPU torch tensor.
+
+    `what` names the field in error messages; `max_elements` bounds the allocation
+    before any byte is interpreted.
+    """
+    if message.dtype not in dtypes:
+        raise WireError(f"{what} has dtype {message.dtype!r}; it must be one of {sorted(dtypes)} (token ids are integers)")
+    shape = list(message.shape)
+    if any(dim < 0 for dim in shape):
+        raise WireError(f"{what} has a negative dimension in shape {shape}")
+    count = 1
+    for dim in shape:
+        count *= dim
+        if count > max_elements:
+            raise WireError(f"{what} of shape {shape} has more than {max_elements} elements")
+    np_dtype = np.dtype(dtypes[message.dtype]).newbyteorder("<")
+    if len(message.data) != count * np_dtype.itemsize:
+        raise WireError(
+            f"{what} has {len(message.data)} bytes but shape {shape} of {message.dtype} needs {count * np_dtype.itemsize}")
+    array = np.frombuffer(message.data, dtype=np_dtype).astype(np_dtype.newbyteorder("="), copy=True)
+    return torch.from_numpy(array.reshape(shape))

@@ -1,0 +1,64 @@
+"""Errors a training job sees from the teacher, one class per gRPC status family.
+
+Each message is the teacher's own, which says what to change.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class TeacherError(RuntimeError):
+    """Base class; `code` is the gRPC status code (None for data-plane errors)."""
+
+    code: grpc.StatusCode | None = None
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class InvalidRequest(TeacherError, ValueError):
+    """INVALID_ARGUMENT: the batch or the join request is malformed."""
+
+
+class Incompatible(TeacherError):
+    """FAILED_PRECONDITION: this student cannot be served by this teacher as configured."""
+
+
+class SessionNotFound(TeacherError):
+    """NOT_FOUND: the session is unknown or has ended (expired lease, teacher restart)."""
+
+
+class LimitExceeded(TeacherError):
+    """RESOURCE_EXHAUSTED: a limit of the teacher (the message names its flag)."""
+
+
+class TeacherUnavailable(TeacherError, ConnectionError):
+    """UNAVAILABLE / DEADLINE_EXCEEDED: the teacher cannot be reached or is shutting down."""
+
+
+class AuthenticationFailed(TeacherError):
+    """UNAUTHENTICATED: a missing or wrong --auth-token."""
+
+
+class TransferFailed(TeacherError):
+    """The data plane failed: a receive timed out or the session group broke."""
+
+
+_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.FAILED_PRECONDITION: Incompatible,
+    grpc.StatusCode.NOT_FOUND: SessionNotFound,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceeded,
+    grpc.StatusCode.UNAVAILABLE: TeacherUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: TeacherUnavailable,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationFailed,
+}
+
+
+def from_rpc_error(error: grpc.RpcError, what: str) -> TeacherError:
+    code = error.code()
+    cls = _BY_CODE.get(code, TeacherError)
+    return cls(f"{what}: {error.details()} [{code.name}]", code)

@@ -1,0 +1,445 @@
+"""Distillation losses: the student's logits against the teacher's (full or top-k), and hidden states.
+
+Conventions shared by every loss here:
+
+* ``p`` is the teacher's distribution, ``q`` the student's, both ``softmax(logits / T)``.
+  ``forward_kl`` is KL(p || q) (mass-covering), ``reverse_kl`` is KL(q || p) (mode-seeking),
+  ``jsd`` is the generalized Jensen-Shannon divergence of the GKD paper (Agarwal et al., 2024)
+  and TRL's ``generalized_jsd_loss``::
+
+      m = beta * p + (1 - beta) * q
+      JSD(beta) = beta * KL(p || m) + (1 - beta) * KL(q || m)
+
+  so ``beta`` weighs the *teacher*. It must lie strictly inside (0, 1): at either end JSD(beta)
+  is identically 0 (m equals one of the two distributions and its term has weight 0). TRL
+  maps beta=0 and beta=1 to forward and reverse KL, which are the limits of JSD(beta)/beta and
+  JSD(beta)/(1-beta), not of JSD(beta) itself; rather than jump from ~0 to a full KL at the
+  boundary we refuse the endpoints and say which ``kind`` to use instead.
+* The result is the mean over the tokens the mask selects of the per-token divergence,
+  times T² (Hinton et al., 2015: the gradient w.r.t. the logits scales as 1/T, so T² keeps
+  the loss's gradient magnitude comparable across temperatures). The result is a float32
+  scalar (float64 when an input is float64).
+* ``mask`` is [B, S], bool or integer, nonzero = the token counts. A mask that selects no
+  token gives a 0 that is still connected to the student's graph (its gradient is zeros), so
+  a step on an all-padding micro-batch neither crashes nor produces NaN.
+* A probability of exactly 0 (a logit of -inf, e.g. vocabulary padding masked on both sides)
+  contributes 0 to the divergence and to the gradient (0 * log 0 = 0), not NaN.
+* The teacher is a constant: no gradient ever flows into teacher tensors.
+
+Memory. With a 150k vocabulary, float32 [tokens, vocab] tensors are ~0.6 MB per token, so the
+logit losses never build them for the whole batch, in forward or backward. ``_ChunkedDivergence``
+is an autograd Function (the Liger-kernel approach): its forward walks over the selected tokens
+``chunk_tokens`` at a time, upcasts one chunk of student and teacher rows to float32, computes
+the chunk's loss *and* its gradient w.r.t. the student logits in closed form, and writes that
+gradient, in the student logits' dtype, into one preallocated buffer shaped like the student
+logits. Backward only scales the buffer by the incoming gradient (and returns it as is when
+that is 1). Peak extra memory is that one buffer, which autograd would hold as the student
+logits' gradient anyway, plus a few float32 [chunk_tokens, vocab] temporaries. We chose this
+over per-chunk ``torch.utils.checkpoint`` because checkpointing re-runs each chunk's forward
+during backward and keeps autograd's own saved tensors per chunk alive while it does so; the
+closed-form gradients below are short and checked against autograd in tests/test_losses.py.
+Tokens are selected by the mask before anything is upcast, so padding costs nothing.
+The gradient is computed in forward whenever grad mode is on and the student logits require
+grad; under ``torch.no_grad()`` (evaluation) only the loss is computed.
+
+Top-k (``topk_kd_loss``). The teacher sends only its k largest logits per token, so its tail
+mass is unknown. We renormalise the teacher over its top-k support, p_k = softmax(values / T),
+and compare it with the student restricted to the same k vocabulary entries and renormalised
+over them, q_k = softmax(student_logits[..., indices] / T): a divergence between two
+distributions on the k-support. This matches the student's *relative* preferences among the
+teacher's candidates exactly and needs no guess about the teacher's tail, but it does not, by
+itself, push student mass from outside the support onto it; the language-modelling
+cross-entropy on the labels (usually mixed in) does that. The alternative, an explicit "tail"
+bucket, needs the teacher's tail mass, which these inputs do not carry (it would need the
+teacher's full-vocabulary logsumexp); approximating it as 0 makes KL(p || q) reward the student
+for any mass it puts on the support regardless of the teacher's actual confidence.
+
+Hidden states (``hidden_state_loss``). Per-token MSE (mean over features) or 1 - cosine
+similarity, averaged over masked tokens, in float32. A ``HiddenProjection`` maps the student's
+hidden size to the teacher's when they differ.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LOSS_KINDS = ("forward_kl", "reverse_kl", "jsd")
+HIDDEN_LOSS_KINDS = ("mse", "cosine")
+
+
+# --------------------------------------------------------------------------- logit losses
+
+
+def kd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    kind: str = "forward_kl",
+    temperature: float = 1.0,
+    jsd_beta: float = 0.5,
+    chunk_tokens: int = 4096,
+) -> torch.Tensor:
+    """Divergence between the teacher's and the student's full next-token distributions.
+
+    student_logits [B, S, V] (any float dtype), teacher_logits [B, S, V] (any float dtype,
+    e.g. bf16 as received), mask [B, S] or None (all tokens count). Returns the mean over
+    masked tokens of the per-token divergence, times temperature². See the module docstring
+    for ``kind``, ``jsd_beta`` and how ``chunk_tokens`` bounds memory.
+    """
+    _check_options(kind, temperature, jsd_beta, chunk_tokens)
+    _check_logits("student_logits", student_logits)
+    _check_logits("teacher_logits", teacher_logits)
+    batch, seq, vocab = student_logits.shape
+    if teacher_logits.shape[-1] != vocab:
+        raise ValueError(
+            f"student vocab {vocab} != teacher vocab {teacher_logits.shape[-1]}: logit distillation needs the same "
+            "tokenizer on both sides (distil hidden states or use a teacher with the student's tokenizer)"
+        )
+    if teacher_logits.shape[:2] != (batch, seq):
+        raise ValueError(
+            f"teacher_logits {tuple(teacher_logits.shape)} and student_logits {tuple(student_logits.shape)} differ in "
+            "[batch, seq]: the teacher's outputs must be for the same batch the student ran on"
+        )
+    _check_same_device(student_logits, teacher_logits=teacher_logits, mask=mask)
+    token_index = _selected_tokens(mask, batch, seq)
+
+    student_rows = student_logits.reshape(batch * seq, vocab)
+    teacher_rows = teacher_logits.detach().reshape(batch * seq, vocab)
+    if token_index is not None and token_index.numel() == 0:
+        return _connected_zero(student_logits)
+    return _ChunkedDivergence.apply(
+        student_rows, teacher_rows, token_index, kind, float(temperature), float(jsd_beta), int(chunk_tokens),
+        torch.is_grad_enabled() and student_logits.requires_grad,
+    )
+
+
+def topk_kd_loss(
+    student_logits: torch.Tensor,
+    teacher_topk_values: torch.Tensor,
+    teacher_topk_indices: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    kind: str = "forward_kl",
+    temperature: float = 1.0,
+    jsd_beta: float = 0.5,
+    chunk_tokens: int = 4096,
+) -> torch.Tensor:
+    """Divergence on the teacher's top-k support, both sides renormalised over it.
+
+    student_logits [B, S, V]; teacher_topk_values [B, S, k] teacher *logits* (not
+    probabilities) at teacher_topk_indices [B, S, k] (int32 or int64, distinct per token, as
+    ``torch.topk`` gives). Only the indices of masked tokens are checked and used, so padding
+    positions may hold anything. See the module docstring for the tail-mass treatment.
+    """
+    _check_options(kind, temperature, jsd_beta, chunk_tokens)
+    _check_logits("student_logits", student_logits)
+    _check_logits("teacher_topk_values", teacher_topk_values)
+    batch, seq, vocab = student_logits.shape
+    if teacher_topk_indices.shape != teacher_topk_values.shape:
+        raise ValueError(
+            f"teacher_topk_indices {tuple(teacher_topk_indices.shape)} != teacher_topk_values "
+            f"{tuple(teacher_topk_values.shape)}: both must be [B, S, k]"
+        )
+    if teacher_topk_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"teacher_topk_indices must be int32 or int64, got {teacher_topk_indices.dtype}")
+    if teacher_topk_values.shape[:2] != (batch, seq):
+        raise ValueError(
+            f"teacher top-k {tuple(teacher_topk_values.shape)} and student_logits {tuple(student_logits.shape)} differ "
+            "in [batch, seq]: the teacher's outputs must be for the same batch the student ran on"
+        )
+    k = teacher_topk_values.shape[-1]
+    if k < 1:
+        raise ValueError("teacher top-k has k = 0: ask the teacher for --topk >= 1 or distil full logits")
+    _check_same_device(student_logits, teacher_topk_values=teacher_topk_values,
+                       teacher_topk_indices=teacher_topk_indices, mask=mask)
+    token_index = _selected_tokens(mask, batch, seq)
+    if token_index is None:
+        token_index = torch.arange(batch * seq, device=student_logits.device)
+    if token_index.numel() == 0:
+        return _connected_zero(student_logits)
+
+    # Select the masked tokens' k entries directly: gathering whole [tokens, V] rows first
+    # would copy the vocabulary for nothing. Autograd scatters the [N, k] gradient back.
+    indices = teacher_topk_indices.reshape(batch * seq, k)[token_index].long()
+    values = teacher_topk_values.detach().reshape(batch * seq, k)[token_index]
+    _check_topk_indices(indices, vocab)
+    student_support = student_logits.reshape(batch * seq, vocab)[token_index.unsqueeze(1), indices]
+    return _ChunkedDivergence.apply(
+        student_support, values, None, kind, float(temperature), float(jsd_beta), int(chunk_tokens),
+        torch.is_grad_enabled() and student_logits.requires_grad,
+    )
+
+
+class _ChunkedDivergence(torch.autograd.Function):
+    """mean over selected rows of divergence(softmax(teacher/T), softmax(student/T)) * T².
+
+    Inputs are 2-D: student_rows and teacher_rows [rows, V]; token_index (long [N]) selects
+    the rows that count, or None for all of them. The gradient w.r.t. student_rows is computed
+    chunk by chunk in forward; see the module docstring.
+    """
+
+    @staticmethod
+    def forward(ctx, student_rows, teacher_rows, token_index, kind, temperature, jsd_beta, chunk_tokens, need_grad):
+        n_tokens = student_rows.shape[0] if token_index is None else token_index.numel()
+        compute_dtype = torch.promote_types(torch.promote_types(student_rows.dtype, teacher_rows.dtype), torch.float32)
+        # Rows the mask drops get a zero gradient, hence zeros rather than empty.
+        grad_buffer = torch.zeros_like(student_rows) if need_grad else None
+        loss_sum = torch.zeros((), dtype=compute_dtype, device=student_rows.device)
+        # d(T² * L / N)/d(student logits) = T² / N * (1/T) * dL/d(student logits / T).
+        grad_scale = temperature / n_tokens
+        for start in range(0, n_tokens, chunk_tokens):
+            end = min(start + chunk_tokens, n_tokens)
+            rows = slice(start, end) if token_index is None else token_index[start:end]
+            chunk_loss, chunk_grad = _divergence_and_grad(
+                student_rows, teacher_rows, rows, kind, temperature, jsd_beta, need_grad, compute_dtype
+            )
+            loss_sum += chunk_loss
+            if need_grad:
+                grad_buffer[rows] = chunk_grad.mul_(grad_scale).to(grad_buffer.dtype)
+            del chunk_grad  # free this chunk's float32 gradient before the next chunk's temporaries appear
+        ctx.save_for_backward(grad_buffer)
+        return loss_sum * (temperature * temperature / n_tokens)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad_buffer,) = ctx.saved_tensors
+        # Scaling a vocabulary-sized buffer allocates a second one; skip that in the usual case
+        # of backward on the loss itself. Not scaled in place, so that retain_graph and a second
+        # backward still see the unscaled buffer. (.item() syncs, but forward already synced on
+        # the number of selected tokens.)
+        if grad_output.numel() == 1 and grad_output.item() == 1.0:
+            grad_student = grad_buffer
+        else:
+            grad_student = grad_buffer * grad_output  # a 0-dim grad_output keeps the buffer's dtype
+        return grad_student, None, None, None, None, None, None, None
+
+
+def _divergence_and_grad(
+    student_rows: torch.Tensor,
+    teacher_rows: torch.Tensor,
+    rows: slice | torch.Tensor,
+    kind: str,
+    temperature: float,
+    jsd_beta: float,
+    need_grad: bool,
+    compute_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """For the chunk ``rows`` (a slice, or a tensor of row indices): (sum over its rows of the
+    divergence, the gradient of that sum w.r.t. student_rows[rows] / T), in ``compute_dtype``.
+
+    With s = student / T, q = softmax(s), p = softmax(teacher / T), per row:
+      forward_kl  KL(p||q)              d/ds = q - p
+      reverse_kl  KL(q||p)              d/ds = q * (log q - log p - KL(q||p))
+      jsd         b KL(p||m) + (1-b) KL(q||m), m = b p + (1-b) q
+                                        d/ds = (1-b) * q * (log q - log m - KL(q||m))
+    (JSD: the two terms' derivatives through m cancel, leaving dL/dq_i = (1-b) log(q_i/m_i);
+    the softmax Jacobian then gives q * (g - <q, g>)).
+
+    The chunk's rows are selected, upcast and scaled inside one expression so that those
+    copies die at once, and later steps work in place on tensors this function owns: at most
+    five float32 [rows, V] tensors are alive at a time (JSD; four for the KLs).
+    """
+    log_q = torch.log_softmax(_take_rows(student_rows, rows).to(compute_dtype) / temperature, dim=-1)
+    log_p = torch.log_softmax(_take_rows(teacher_rows, rows).to(compute_dtype) / temperature, dim=-1)
+    if kind == "forward_kl":
+        p = log_p.exp()
+        loss = _xlog_ratio_(p, log_p.sub_(log_q)).sum()
+        del log_p
+        return loss, (log_q.exp_().sub_(p) if need_grad else None)
+
+    q = log_q.exp()
+    if kind == "reverse_kl":
+        log_ratio, grad_weight, teacher_term = log_q.sub_(log_p), 1.0, 0.0  # log q - log p
+        del log_p
+    else:
+        log_m = log_q + math.log1p(-jsd_beta)
+        torch.logaddexp(log_p + math.log(jsd_beta), log_m, out=log_m)  # log(b p + (1-b) q)
+        p = log_p.exp()
+        teacher_term = jsd_beta * _xlog_ratio_(p, log_p.sub_(log_m)).sum()
+        del p, log_p
+        log_ratio, grad_weight = log_q.sub_(log_m), 1.0 - jsd_beta  # log q - log m
+        del log_m
+    kl_q = _xlog_ratio_(q, log_ratio.clone()).sum(dim=-1, keepdim=True)  # per row KL(q||p) or KL(q||m)
+    loss = grad_weight * kl_q.sum() + teacher_term
+    if not need_grad:
+        return loss, None
+    grad = log_ratio.sub_(kl_q).mul_(q).masked_fill_(q == 0, 0.0)  # q = 0 may have a NaN log ratio
+    if grad_weight != 1.0:
+        grad.mul_(grad_weight)
+    return loss, grad
+
+
+def _take_rows(rows_2d: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    return rows_2d[rows] if isinstance(rows, slice) else rows_2d.index_select(0, rows)
+
+
+def _xlog_ratio_(prob: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
+    """prob * log_ratio, in place in log_ratio, and 0 where prob == 0: 0 * log 0 = 0, whereas
+    a log ratio of -inf - (-inf) would make it NaN."""
+    return log_ratio.mul_(prob).masked_fill_(prob == 0, 0.0)
+
+
+# --------------------------------------------------------------------------- hidden states
+
+
+class HiddenProjection(nn.Module):
+    """A learned, bias-free linear map from the student's hidden size to the teacher's.
+
+    Initialised to the identity when the sizes are equal, so distillation starts by comparing
+    the raw hidden states, and to a random (semi-)orthogonal matrix otherwise: that preserves
+    the norm of the student's states when projecting up (W^T W = I) and is a norm-preserving
+    projection onto a random subspace when projecting down, so the initial loss reflects the
+    states and not a scale set by the init (the default Kaiming-uniform init shrinks them ~1/sqrt(3)).
+    """
+
+    def __init__(self, student_hidden_size: int, teacher_hidden_size: int, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if student_hidden_size < 1 or teacher_hidden_size < 1:
+            raise ValueError(f"hidden sizes must be >= 1, got student {student_hidden_size}, teacher {teacher_hidden_size}")
+        self.student_hidden_size = student_hidden_size
+        self.teacher_hidden_size = teacher_hidden_size
+        self.weight = nn.Parameter(torch.empty(teacher_hidden_size, student_hidden_size, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            if self.student_hidden_size == self.teacher_hidden_size:
+                self.weight.copy_(torch.eye(self.teacher_hidden_size))
+            else:
+                nn.init.orthogonal_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Cast to the weight's dtype: a float32 projection on bf16 activations would otherwise fail in F.linear.
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+    def extra_repr(self) -> str:
+        return f"student_hidden_size={self.student_hidden_size}, teacher_hidden_size={self.teacher_hidden_size}"
+
+
+def hidden_state_loss(
+    student_hidden: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    kind: str = "mse",
+    projection: nn.Module | None = None,
+) -> torch.Tensor:
+    """Per-token distance between hidden states, averaged over masked tokens, in float32.
+
+    student_hidden [B, S, Hs], teacher_hidden [B, S, Ht]. ``projection`` (e.g. a
+    ``HiddenProjection(Hs, Ht)``) is applied to the student's states first, to the masked
+    tokens only. ``mse``: mean over features of the squared error; ``cosine``: 1 - cosine
+    similarity. The projection's output is upcast to float32 (float64 stays float64).
+    """
+    if kind not in HIDDEN_LOSS_KINDS:
+        raise ValueError(f"--hidden-loss {kind!r} is not supported: use one of {', '.join(HIDDEN_LOSS_KINDS)}")
+    for name, tensor in (("student_hidden", student_hidden), ("teacher_hidden", teacher_hidden)):
+        if tensor.dim() != 3 or not tensor.is_floating_point():
+            raise ValueError(f"{name} must be a float tensor [batch, seq, hidden], got {tensor.dtype} {tuple(tensor.shape)}")
+    batch, seq, _ = student_hidden.shape
+    if teacher_hidden.shape[:2] != (batch, seq):
+        raise ValueError(
+            f"teacher_hidden {tuple(teacher_hidden.shape)} and student_hidden {tuple(student_hidden.shape)} differ in "
+            "[batch, seq]: the teacher's outputs must be for the same batch the student ran on"
+        )
+    _check_same_device(student_hidden, teacher_hidden=teacher_hidden, mask=mask)
+    student_size, teacher_size = student_hidden.shape[-1], teacher_hidden.shape[-1]
+    if projection is None and student_size != teacher_size:
+        raise ValueError(
+            f"student hidden size {student_size} != teacher hidden size {teacher_size}: pass "
+            f"projection=HiddenProjection({student_size}, {teacher_size}) (and train it with the student)"
+        )
+    token_index = _selected_tokens(mask, batch, seq)
+    if token_index is not None and token_index.numel() == 0:
+        return _connected_zero(student_hidden, *(projection.parameters() if projection is not None else ()))
+
+    student = student_hidden.reshape(batch * seq, student_size)
+    teacher = teacher_hidden.detach().reshape(batch * seq, teacher_size)
+    if token_index is not None:
+        student, teacher = student[token_index], teacher[token_index]
+    if projection is not None:
+        student = projection(student)
+        if student.shape[-1] != teacher_size:
+            raise ValueError(f"projection maps student hidden size {student_size} to {student.shape[-1]}, "
+                             f"but the teacher's hidden size is {teacher_size}")
+    compute_dtype = torch.promote_types(torch.promote_types(student.dtype, teacher.dtype), torch.float32)
+    student, teacher = student.to(compute_dtype), teacher.to(compute_dtype)
+    if kind == "mse":
+        per_token = (student - teacher).square().mean(dim=-1)
+    else:
+        per_token = 1.0 - F.cosine_similarity(student, teacher, dim=-1)
+    return per_token.mean()
+
+
+# --------------------------------------------------------------------------- validation and helpers
+
+
+def _check_options(kind: str, temperature: float, jsd_beta: float, chunk_tokens: int) -> None:
+    if kind not in LOSS_KINDS:
+        raise ValueError(f"--kd-loss {kind!r} is not supported: use one of {', '.join(LOSS_KINDS)}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"--temperature must be > 0 and finite, got {temperature!r}")
+    if kind == "jsd" and not (isinstance(jsd_beta, (int, float)) and 0.0 < jsd_beta < 1.0):
+        raise ValueError(
+            f"--jsd-beta must be strictly between 0 and 1, got {jsd_beta!r}: JSD(beta) vanishes at the ends; "
+            "for the beta -> 0 limit use --kd-loss forward_kl, for beta -> 1 use --kd-loss reverse_kl"
+        )
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"--kd-chunk-tokens must be an int >= 1, got {chunk_tokens!r}")
+
+
+def _check_logits(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dim() != 3 or not tensor.is_floating_point():
+        raise ValueError(f"{name} must be a float tensor [batch, seq, vocab or k], got {tensor.dtype} {tuple(tensor.shape)}")
+
+
+def _check_same_device(reference: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, tensor in others.items():
+        if tensor is not None and tensor.device != reference.device:
+            raise ValueError(f"{name} is on {tensor.device} but the student's tensor is on {reference.device}: "
+                             "move the teacher's outputs to the student's device first")
+
+
+def _check_topk_indices(indices: torch.Tensor, vocab: int) -> None:
+    """Range and distinctness of the masked tokens' top-k indices (out of range would be a
+    device-side assert on CUDA; a repeated index would silently count a vocabulary entry twice)."""
+    if indices.numel() == 0:
+        return
+    low, high = int(indices.min()), int(indices.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"teacher_topk_indices span [{low}, {high}] but the student vocab has {vocab} entries: "
+                         "logit distillation needs the same tokenizer on both sides")
+    if indices.shape[-1] > 1:
+        ordered = indices.sort(dim=-1).values
+        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+            raise ValueError("teacher_topk_indices repeat a vocabulary index within a token: top-k indices must be "
+                             "distinct (as torch.topk returns them)")
+
+
+def _selected_tokens(mask: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor | None:
+    """Flat indices (into batch * seq) of the tokens that count, or None when all do."""
+    if mask is None:
+        return None
+    if tuple(mask.shape) != (batch, seq):
+        raise ValueError(f"mask {tuple(mask.shape)} must be [batch, seq] = {(batch, seq)}")
+    if mask.is_floating_point() or mask.is_complex():
+        raise ValueError(f"mask must be bool or integer (1 = the token counts), got {mask.dtype}; "
+                         "per-token weights are not supported")
+    return torch.nonzero(mask.reshape(-1), as_tuple=False).squeeze(1)
+
+
+def _connected_zero(*tensors: torch.Tensor) -> torch.Tensor:
+    """A float32 zero attached to the graph of ``tensors`` (their gradients come out as zeros).
+
+    Summing an empty slice rather than 0 * sum(x) keeps it 0 even when x holds inf.
+    """
+    zero = torch.zeros((), dtype=torch.float32, device=tensors[0].device)
+    for tensor in tensors:
+        zero = zero + tensor.reshape(-1)[:0].sum().to(torch.float32)
+    return zero

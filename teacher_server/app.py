@@ -1,0 +1,110 @@
+"""Builds the teacher server from its config and runs it until SIGTERM/SIGINT.
+
+gRPC (grpc.aio) and HTTP (uvicorn) share one asyncio loop; the engine runs in its own
+thread; the TCPStore on which session groups form lives in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import signal
+import socket
+
+import grpc
+import torch.distributed as dist
+import uvicorn
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from teacher_server.config import ServerConfig
+from teacher_server.engine import Engine
+from teacher_server.http_app import create_app
+from teacher_server.metrics import Metrics
+from teacher_server.model_runner import ModelRunner
+from teacher_server.service import SERVICE_NAME, TeacherService, generic_handler
+
+log = logging.getLogger(__name__)
+
+
+def advertised_host(config: ServerConfig) -> str:
+    if config.advertise_host:
+        return config.advertise_host
+    if config.host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    if config.host not in ("0.0.0.0", "::", ""):
+        return config.host
+    return socket.gethostbyname(socket.gethostname())
+
+
+class TeacherServer:
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.advertise_host = advertised_host(config)
+        self.runner = ModelRunner(config.model, config.device, config.dtype, config.trust_remote_code)
+        self.metrics = Metrics(self.runner.device)
+        self.store = dist.TCPStore("0.0.0.0", config.store_port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=config.join_timeout_s))
+        self.store_port = self.store.port
+        self.engine = Engine(
+            self.runner, self.metrics, store=self.store, advertise_host=self.advertise_host,
+            max_batch_tokens=config.max_batch_tokens, max_sessions=config.max_sessions, lease_s=config.lease_s,
+            join_timeout_s=config.join_timeout_s, transfer_timeout_s=config.transfer_timeout_s)
+        self.service = TeacherService(self.engine, config, self.metrics, self.advertise_host, self.store_port)
+        self.health = health.aio.HealthServicer()
+        self._shutting_down = False
+        self.grpc_port = 0
+        self.http_port = 0
+
+    def ready(self) -> bool:
+        return not self._shutting_down and self.engine.accepting
+
+    async def serve(self) -> None:
+        c = self.config
+        self.engine.start()
+        # Token ids are small (16k int64 = 128 KiB); the limit only keeps garbage out.
+        max_message_bytes = max(4 << 20, 2 * 8 * c.max_batch_tokens + (64 << 10))
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
+                                          ("grpc.max_send_message_length", max_message_bytes)])
+        server.add_generic_rpc_handlers((generic_handler(self.service, self.metrics),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.grpc_port = server.add_insecure_port(f"{c.host}:{c.port}")
+        await server.start()
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+        http = uvicorn.Server(uvicorn.Config(create_app(self.engine, self.metrics, self.ready), host=c.host,
+                                             port=c.http_port, log_level="warning", lifespan="off"))
+        http.install_signal_handlers = lambda: None  # this loop handles signals (graceful shutdown)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        http_task = asyncio.create_task(http.serve())
+        while not http.started and not http_task.done():
+            await asyncio.sleep(0.01)
+        if http_task.done():
+            await http_task  # raises the bind error
+            raise RuntimeError(f"the HTTP server on port {c.http_port} stopped at start-up")
+        self.http_port = http.servers[0].sockets[0].getsockname()[1] if http.servers else c.http_port
+        log.info("teacher ready: gRPC %s:%d, HTTP :%d, store %s:%d, model %s", c.host, self.grpc_port,
+                 self.http_port, self.advertise_host, self.store_port, c.model)
+        print(f"READY grpc={self.grpc_port} http={self.http_port} store={self.store_port}", flush=True)
+
+        await stop.wait()
+        await self._shutdown(server, http, http_task)
+
+    async def _shutdown(self, server, http, http_task) -> None:
+        """Graceful: refuse new sessions, finish batches in flight, then close."""
+        log.info("shutting down: finishing batches in flight (grace %.0fs)", self.config.grace_period_s)
+        self._shutting_down = True
+        self.engine.stop_accepting()
+        await self.health.enter_graceful_shutdown()
+        drained = await asyncio.to_thread(self.engine.drain, self.config.grace_period_s)
+        if not drained:
+            log.warning("grace period over with batches still in flight; ending their sessions")
+        await asyncio.to_thread(self.engine.stop)
+        await server.stop(grace=1.0)
+        http.should_exit = True
+        await http_task
+        log.info("teacher stopped")

@@ -1,0 +1,105 @@
+"""The teacher server's settings: one dataclass, checked once, errors that name the flag."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerConfig:
+    model: str = "builtin:tiny"
+    device: str = "cpu"
+    dtype: str = ""  # empty: the model's own dtype
+    host: str = "0.0.0.0"
+    port: int = 50051
+    http_port: int = 8000
+    store_port: int = 29600
+    # The address students use to reach the store and the gloo data plane; empty
+    # means this machine's hostname (or 127.0.0.1 when --host is loopback).
+    advertise_host: str = ""
+    max_batch_tokens: int = 16384
+    max_seq_len: int = 8192
+    max_sessions: int = 64
+    max_inflight: int = 8
+    heartbeat_interval_s: float = 2.0
+    lease_s: float = 30.0
+    transfer_timeout_s: float = 120.0
+    join_timeout_s: float = 60.0
+    grace_period_s: float = 30.0
+    trust_remote_code: bool = False
+    log_level: str = "INFO"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"--device {self.device!r}: use cpu, cuda or cuda:N")
+        if self.dtype not in ("", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype {self.dtype!r}: use float32, bfloat16 or float16 (or omit for the model's)")
+        for name in ("port", "http_port", "store_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ValueError(f"--{name.replace('_', '-')} {value} is not a TCP port (0..65535)")
+        fixed_ports = [p for p in (self.port, self.http_port, self.store_port) if p]  # 0 = any free port
+        if len(set(fixed_ports)) != len(fixed_ports):
+            raise ValueError(f"--port, --http-port and --store-port must differ, got {self.port}, {self.http_port}, {self.store_port}")
+        if self.max_seq_len < 1:
+            raise ValueError("--max-seq-len must be >= 1")
+        if self.max_batch_tokens < self.max_seq_len:
+            raise ValueError(f"--max-batch-tokens ({self.max_batch_tokens}) must be >= --max-seq-len ({self.max_seq_len}): "
+                             "otherwise a single full-length sequence could never be served")
+        if self.max_sessions < 1 or self.max_inflight < 1:
+            raise ValueError("--max-sessions and --max-inflight must be >= 1")
+        if self.lease_s <= self.heartbeat_interval_s:
+            raise ValueError(f"--lease-s ({self.lease_s}) must exceed --heartbeat-interval-s ({self.heartbeat_interval_s})")
+        for name in ("transfer_timeout_s", "join_timeout_s", "grace_period_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        d = cls()
+        parser.add_argument("--model", default=d.model,
+                            help="a local Hugging Face model directory, a hub id, or builtin:tiny (a small random Llama)")
+        parser.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N")
+        parser.add_argument("--dtype", default=d.dtype, choices=["", "float32", "bfloat16", "float16"],
+                            help="the dtype to run the model in (default: the model's)")
+        parser.add_argument("--host", default=d.host, help="address the gRPC and HTTP servers bind to")
+        parser.add_argument("--port", type=int, default=d.port, help="gRPC port")
+        parser.add_argument("--http-port", type=int, default=d.http_port, help="HTTP port (health, metrics, status)")
+        parser.add_argument("--store-port", type=int, default=d.store_port,
+                            help="TCPStore port on which session process groups form")
+        parser.add_argument("--advertise-host", default=d.advertise_host,
+                            help="address students use for the store and the gloo data plane (default: this host)")
+        parser.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+                            help="token budget of one forward (rows x padded length), and the largest batch accepted")
+        parser.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="longest sequence accepted")
+        parser.add_argument("--max-sessions", type=int, default=d.max_sessions, help="sessions served at once")
+        parser.add_argument("--max-inflight", type=int, default=d.max_inflight,
+                            help="batches a session may have queued or in transfer")
+        parser.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
+        parser.add_argument("--lease-s", type=float, default=d.lease_s,
+                            help="a session without a heartbeat for this long is dropped")
+        parser.add_argument("--transfer-timeout-s", type=float, default=d.transfer_timeout_s,
+                            help="a send to a student that takes longer fails that session")
+        parser.add_argument("--join-timeout-s", type=float, default=d.join_timeout_s,
+                            help="how long the teacher waits for a joining student's end of the group")
+        parser.add_argument("--grace-period-s", type=float, default=d.grace_period_s,
+                            help="on SIGTERM, how long in-flight batches may take to finish")
+        parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub")
+        parser.add_argument("--log-level", default=d.log_level)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServerConfig":
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+
+    def log_non_defaults(self) -> None:
+        default = type(self)()
+        changed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                   if getattr(self, f.name) != getattr(default, f.name)}
+        log.info("teacher server settings (non-default): %s", changed or "none")

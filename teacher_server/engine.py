@@ -1,0 +1,364 @@
+"""The engine: one thread owns the model and the order of events.
+
+gRPC handlers validate, then call `admit`, `submit`, `heartbeat` or `leave`, which
+only touch queues under a lock and return. The engine thread packs the pending
+batches of all ready sessions into one forward up to the token budget (each session
+in its submit order, sessions picked by weighted fair share), splits the outputs per
+session and posts each session's sends on its own group. A sender thread per
+session waits for those sends with a deadline, so a slow or dead student holds up
+nobody but itself.
+
+Tensor parallelism (next): the events this loop applies (a session ready, a plan of
+batches, a session ended) are small and explicit, so rank 0 can broadcast each one
+to the other ranks, which then run the same forward and build the same groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from distill_common.session_group import (TEACHER_RANK, SessionGroup, TransferError, build_group, handshake,
+                                          prefix_token)
+from teacher_server.errors import NotFound, ResourceExhausted, Unavailable
+from teacher_server.metrics import Metrics
+from teacher_server.model_runner import ModelRunner
+from teacher_server.sessions import Batch, Session
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class _Planned:
+    session: Session
+    batch: Batch
+    row: int  # first row of this batch in the packed forward
+
+
+@dataclass
+class _SendJob:
+    batch: Batch
+    works: list
+    tensors: list  # held until the sends complete: NCCL reads them asynchronously
+    nbytes: int
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, metrics: Metrics, *, store, advertise_host: str,
+                 max_batch_tokens: int, max_sessions: int, lease_s: float, join_timeout_s: float,
+                 transfer_timeout_s: float):
+        self.runner = runner
+        self.metrics = metrics
+        self.store = store
+        self.advertise_host = advertise_host
+        self.max_batch_tokens = max_batch_tokens
+        self.max_sessions = max_sessions
+        self.lease_s = lease_s
+        self.join_timeout_s = join_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self._sessions: dict[str, Session] = {}
+        self._senders: dict[str, queue.Queue] = {}
+        self._cond = threading.Condition()
+        self._accepting = True
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.error: BaseException | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.healthy
+
+    def stop_accepting(self) -> None:
+        with self._cond:
+            self._accepting = False
+
+    def drain(self, timeout_s: float) -> bool:
+        """Waits until every submitted batch is sent; True when it finished in time."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while any(s.inflight for s in self._sessions.values() if s.state in ("ready", "draining")):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(min(remaining, 0.1))
+        return True
+
+    def stop(self) -> None:
+        for session in list(self._sessions.values()):
+            self._end(session, "shutdown", "the teacher is shutting down")
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    # ---- control, from the gRPC handlers: validate-free, quick ---------------------
+
+    def admit(self, session: Session) -> None:
+        with self._cond:
+            if not self.accepting:
+                raise Unavailable("the teacher is shutting down or unhealthy; join another replica or retry later")
+            live = sum(1 for s in self._sessions.values() if s.alive)
+            if live >= self.max_sessions:
+                raise ResourceExhausted(f"the teacher already serves {live} sessions (--max-sessions "
+                                        f"{self.max_sessions}); retry later or raise --max-sessions")
+            # A newcomer starts at the least-served session's clock: it gets its fair
+            # share from now on, not a burst that makes up for the time before it joined.
+            clocks = [s.virtual_tokens for s in self._sessions.values() if s.alive]
+            session.virtual_tokens = min(clocks) if clocks else 0.0
+            self._sessions[session.session_id] = session
+        self.metrics.sessions_joined.inc()
+        self.metrics.sessions_connected.inc()
+        threading.Thread(target=self._connect, args=(session,), name=f"connect-{session.session_id}",
+                         daemon=True).start()
+
+    def session(self, session_id: str) -> Session:
+        with self._cond:
+            session = self._sessions.get(session_id)
+        if session is None or not session.alive:
+            raise NotFound(f"session {session_id!r} is unknown or has ended; join again")
+        return session
+
+    def submit(self, session: Session, batch: Batch) -> int:
+        with self._cond:
+            if not session.alive or session.state == "draining":
+                raise NotFound(f"session {session.session_id} has ended ({session.failure or session.state}); join again")
+            session.pending.append(batch)
+            session.next_batch_id += 1
+            session.batches_submitted += 1
+            inflight = session.inflight
+            self._cond.notify_all()
+        self.metrics.inflight.labels(session.session_id, session.job_id).set(inflight)
+        self._update_queue_depth()
+        return inflight
+
+    def heartbeat(self, session: Session) -> None:
+        session.last_heartbeat = time.monotonic()
+
+    def leave(self, session: Session, drain: bool) -> None:
+        with self._cond:
+            if drain and session.inflight and session.state == "ready":
+                session.state = "draining"  # ended by the sender once the last batch is out
+                return
+        self._end(session, "left")
+
+    def sessions(self) -> list[Session]:
+        with self._cond:
+            return [s for s in self._sessions.values() if s.alive]
+
+    def queue_depth(self) -> int:
+        with self._cond:
+            return sum(len(s.pending) for s in self._sessions.values())
+
+    # ---- session groups ----------------------------------------------------------
+
+    def _connect(self, session: Session) -> None:
+        """Builds the teacher's end of the session group (blocks until the student's end)."""
+        try:
+            group = build_group(self.store, session.store_prefix, backend=session.backend, rank=TEACHER_RANK,
+                                device=self.runner.device, timeout_s=self.join_timeout_s,
+                                gloo_host=self.advertise_host)
+            handshake(group, prefix_token(session.store_prefix), self.join_timeout_s)
+        except Exception as e:
+            log.warning("session %s (job %s rank %d) did not connect: %s", session.session_id, session.job_id,
+                        session.job_rank, e)
+            self._end(session, "join_failed", f"the session group did not form: {e}")
+            return
+        sends: queue.Queue = queue.Queue()
+        with self._cond:
+            if not session.alive:  # left or expired while connecting
+                group.abort()
+                return
+            session.group = group
+            session.state = "ready"
+            session.last_heartbeat = time.monotonic()
+            self._senders[session.session_id] = sends
+            self._cond.notify_all()
+        threading.Thread(target=self._send_loop, args=(session, group, sends), name=f"send-{session.session_id}",
+                         daemon=True).start()
+        log.info("session %s ready: job %s rank %d, %s", session.session_id, session.job_id, session.job_rank,
+                 session.backend)
+
+    def _send_loop(self, session: Session, group: SessionGroup, sends: queue.Queue) -> None:
+        """Waits, in order, for each batch's sends to complete; fails the session on timeout."""
+        while True:
+            job = sends.get()
+            if job is None:
+                return
+            try:
+                for work in job.works:
+                    group.wait(work, self.transfer_timeout_s, what=f"sending batch {job.batch.batch_id}")
+            except TransferError as e:
+                log.warning("session %s: %s", session.session_id, e)
+                self._end(session, "transfer_failed", str(e))
+                return
+            labels = (session.session_id, session.job_id)
+            with self._cond:
+                session.batches_sent += 1
+                session.batches_sending -= 1
+                session.tokens_served += job.batch.tokens
+                session.bytes_sent += job.nbytes
+                finished = session.state == "draining" and session.inflight == 0
+                self._cond.notify_all()
+            self.metrics.batches.labels(*labels).inc()
+            self.metrics.tokens.labels(*labels).inc(job.batch.tokens)
+            self.metrics.bytes_sent.labels(*labels).inc(job.nbytes)
+            self.metrics.inflight.labels(*labels).set(session.inflight)
+            del job
+            if finished:
+                self._end(session, "left")
+                return
+
+    def _end(self, session: Session, reason: str, failure: str = "") -> None:
+        """Ends a session: drops its queue, aborts its group, forgets its metrics."""
+        with self._cond:
+            if not session.alive:
+                return
+            session.state = "closed" if reason == "left" else "failed"
+            session.failure = failure
+            session.pending.clear()
+            self._sessions.pop(session.session_id, None)
+            sends = self._senders.pop(session.session_id, None)
+            self._cond.notify_all()
+        if sends is not None:
+            sends.put(None)
+        if session.group is not None:
+            # Aborting never waits for the peer, which may be dead; other groups are untouched.
+            session.group.abort()
+        self.metrics.sessions_connected.dec()
+        self.metrics.sessions_ended.labels(reason).inc()
+        self.metrics.forget_session(session.session_id, session.job_id)
+        self._update_queue_depth()
+        log.info("session %s ended: %s%s", session.session_id, reason, f" ({failure})" if failure else "")
+
+    def _update_queue_depth(self) -> None:
+        self.metrics.queue_depth.set(self.queue_depth())
+
+    # ---- the loop ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                plan = self._next_plan()
+                if plan is None:
+                    return
+                if plan:
+                    self._execute(plan)
+        except BaseException as e:  # the engine is dead: /readyz turns 503 and the error is logged
+            self.error = e
+            log.exception("engine loop died")
+            raise
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for session in [s for s in self._sessions.values() if s.state in ("ready", "draining")]:
+            if now - session.last_heartbeat > self.lease_s:
+                threading.Thread(target=self._end, args=(session, "expired",
+                                 f"no heartbeat for {self.lease_s:.0f}s"), daemon=True).start()
+
+    def _next_plan(self) -> list[_Planned] | None:
+        """Waits for work, then picks batches for one forward (None: the engine stops)."""
+        with self._cond:
+            plan = self._pick()
+            while not plan:
+                if self._stopping:
+                    return None
+                self._cond.wait(timeout=0.5)
+                self._expire_leases()
+                plan = self._pick()
+            for planned in plan:
+                planned.session.pending.popleft()
+                planned.session.batches_sending += 1
+        self._update_queue_depth()
+        return plan
+
+    def _pick(self) -> list[_Planned]:
+        """Weighted fair share: the session least served (tokens / weight) goes first."""
+        taken: dict[str, int] = {}
+        plan: list[_Planned] = []
+        rows = seq = 0
+        candidates = [s for s in self._sessions.values() if s.state in ("ready", "draining") and s.pending]
+        while candidates:
+            candidates.sort(key=lambda s: s.virtual_tokens)
+            session = candidates[0]
+            index = taken.get(session.session_id, 0)
+            # Outputs computed but not yet received stay in teacher memory: a session may
+            # hold at most its max_inflight of them (checked again at Submit).
+            if index >= len(session.pending) or session.batches_sending + index >= session.max_inflight:
+                candidates.pop(0)
+                continue
+            batch = session.pending[index]
+            b, s = batch.input_ids.shape
+            if plan and (rows + b) * max(seq, s) > self.max_batch_tokens:
+                candidates.pop(0)  # does not fit this forward; the next one starts with it
+                continue
+            plan.append(_Planned(session, batch, rows))
+            rows, seq = rows + b, max(seq, s)
+            taken[session.session_id] = index + 1
+            session.virtual_tokens += batch.tokens / session.weight
+        return plan
+
+    def _execute(self, plan: list[_Planned]) -> None:
+        rows = sum(p.batch.input_ids.shape[0] for p in plan)
+        seq = max(p.batch.input_ids.shape[1] for p in plan)
+        input_ids = torch.zeros(rows, seq, dtype=torch.int64)
+        mask = torch.zeros(rows, seq, dtype=torch.int64)
+        for p in plan:
+            b, s = p.batch.input_ids.shape
+            input_ids[p.row:p.row + b, :s] = p.batch.input_ids
+            mask[p.row:p.row + b, :s] = p.batch.attention_mask
+        layers = sorted({layer for p in plan for layer in p.session.outputs.hidden_layers})
+        start = time.monotonic()
+        try:
+            out = self.runner.forward(input_ids, mask, hidden=bool(layers))
+            if self.runner.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # for the latency figure only
+        except Exception as e:  # e.g. out of memory: those sessions fail, the teacher stays up
+            log.exception("forward of %d x %d failed", rows, seq)
+            for session in {id(p.session): p.session for p in plan}.values():
+                self._end(session, "forward_failed", f"the teacher's forward failed: {e}")
+            return
+        self.metrics.record_forward(start, time.monotonic(), rows * seq)
+        for p in plan:
+            self._send(p, out)
+
+    def _send(self, p: _Planned, out) -> None:
+        session, batch = p.session, p.batch
+        b, s = batch.input_ids.shape
+        spec = session.outputs
+        logits = out.logits[p.row:p.row + b, :s]
+        tensors = []
+        if spec.logits:
+            tensors.append(logits.to(spec.dtype).contiguous())
+        if spec.topk:
+            values, indices = torch.topk(logits, spec.topk, dim=-1)
+            tensors.append(values.to(spec.dtype).contiguous())
+            tensors.append(indices.to(torch.int32).contiguous())
+        if spec.hidden_layers:
+            tensors.append(torch.stack([out.hidden_states[layer][p.row:p.row + b, :s]
+                                        for layer in spec.hidden_layers]).to(spec.dtype).contiguous())
+        if session.backend == "gloo":
+            tensors = [t.cpu() for t in tensors]
+        with self._cond:
+            sends = self._senders.get(session.session_id)
+            group = session.group
+        if sends is None or group is None:
+            return  # ended meanwhile
+        try:
+            works = [group.send(t) for t in tensors]
+        except Exception as e:
+            self._end(session, "transfer_failed", f"posting the send of batch {batch.batch_id} failed: {e}")
+            return
+        sends.put(_SendJob(batch, works, tensors, sum(t.numel() * t.element_size() for t in tensors)))

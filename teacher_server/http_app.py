@@ -1,0 +1,60 @@
+"""The HTTP side: liveness, readiness, Prometheus metrics and a JSON status."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from fastapi import FastAPI, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from distill_common import wire
+from teacher_server.engine import Engine
+from teacher_server.metrics import Metrics
+
+
+def create_app(engine: Engine, metrics: Metrics, ready: Callable[[], bool]) -> FastAPI:
+    app = FastAPI(title="teacher-server", docs_url=None, redoc_url=None)
+    info = engine.runner.info
+
+    @app.get("/healthz")
+    def healthz():
+        # Alive: the process answers and the engine thread has not died.
+        if not engine.healthy:
+            return JSONResponse({"status": "engine failed", "error": repr(engine.error)}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz():
+        if not ready():
+            return JSONResponse({"status": "not ready"}, status_code=503)
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/status")
+    def status():
+        now = time.monotonic()
+        return {
+            "model": info.model_name,
+            "architecture": info.architecture,
+            "dtype": wire.dtype_name(info.dtype),
+            "devices": [str(info.device)],
+            "vocab_size": info.vocab_size,
+            "hidden_size": info.hidden_size,
+            "num_layers": info.num_layers,
+            "ready": ready(),
+            "queue_depth": engine.queue_depth(),
+            "busy_fraction": metrics.busy_clock.fraction(),
+            "sessions": [{
+                "session_id": s.session_id, "job_id": s.job_id, "job_rank": s.job_rank, "backend": s.backend,
+                "state": s.state, "batches_submitted": s.batches_submitted, "batches_sent": s.batches_sent,
+                "tokens_served": s.tokens_served, "bytes_sent": s.bytes_sent, "inflight": s.inflight,
+                "weight": s.weight, "last_heartbeat_age_s": round(now - s.last_heartbeat, 3),
+            } for s in engine.sessions()],
+        }
+
+    return app

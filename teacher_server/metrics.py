@@ -1,0 +1,87 @@
+"""Prometheus metrics of the teacher (served at GET /metrics).
+
+Per-session series carry the labels `session` and `job` and are removed when the
+session ends, so a long-running teacher does not accumulate series.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+SESSION_LABELS = ("session", "job")
+
+
+class BusyClock:
+    """Fraction of wall time spent in forward over a sliding window."""
+
+    def __init__(self, window_s: float = 10.0):
+        self.window_s = window_s
+        self._spans: deque[tuple[float, float]] = deque()
+        self._started = time.monotonic()
+
+    def add(self, start: float, end: float) -> None:
+        self._spans.append((start, end))
+        horizon = end - self.window_s
+        while self._spans and self._spans[0][1] < horizon:
+            self._spans.popleft()
+
+    def fraction(self) -> float:
+        now = time.monotonic()
+        window_start = max(now - self.window_s, self._started)
+        if now <= window_start:
+            return 0.0
+        busy = sum(max(0.0, min(end, now) - max(start, window_start)) for start, end in list(self._spans))
+        return min(1.0, busy / (now - window_start))
+
+
+class Metrics:
+    def __init__(self, device: torch.device | None = None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.sessions_connected = Gauge("teacher_sessions_connected", "Sessions joined and not yet ended", registry=r)
+        self.sessions_joined = Counter("teacher_sessions_joined_total", "Sessions admitted at Join", registry=r)
+        self.sessions_ended = Counter("teacher_sessions_ended_total", "Sessions ended, by reason", ["reason"], registry=r)
+        self.batches = Counter("teacher_batches_total", "Batches whose outputs were sent", SESSION_LABELS, registry=r)
+        self.tokens = Counter("teacher_tokens_total", "Tokens (rows x length) served", SESSION_LABELS, registry=r)
+        self.bytes_sent = Counter("teacher_bytes_sent_total", "Bytes of outputs sent", SESSION_LABELS, registry=r)
+        self.inflight = Gauge("teacher_inflight_batches", "Batches submitted and not yet sent", SESSION_LABELS,
+                              registry=r)
+        self.queue_depth = Gauge("teacher_queue_depth", "Batches waiting for a forward, all sessions", registry=r)
+        self.forward_seconds = Histogram(
+            "teacher_forward_seconds", "Time of one packed forward (outputs ready on the device)", registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+        self.forward_tokens = Counter("teacher_forward_tokens_total", "Tokens run through forward, padding included",
+                                      registry=r)
+        self.busy_seconds = Counter("teacher_busy_seconds_total", "Seconds spent in forward", registry=r)
+        self.busy_clock = BusyClock()
+        self.busy_fraction = Gauge("teacher_busy_fraction", "Time in forward over wall time, last 10 s", registry=r)
+        self.busy_fraction.set_function(self.busy_clock.fraction)
+        self.rpc_errors = Counter("teacher_rpc_errors_total", "RPCs answered with an error", ["method", "code"],
+                                  registry=r)
+        self.gpu_memory_allocated = Gauge("teacher_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated",
+                                          registry=r)
+        self.gpu_memory_reserved = Gauge("teacher_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved",
+                                         registry=r)
+        if device is not None and device.type == "cuda":
+            self.gpu_memory_allocated.set_function(lambda: torch.cuda.memory_allocated(device))
+            self.gpu_memory_reserved.set_function(lambda: torch.cuda.memory_reserved(device))
+
+    def record_forward(self, start: float, end: float, tokens: int) -> None:
+        self.forward_seconds.observe(end - start)
+        self.forward_tokens.inc(tokens)
+        self.busy_seconds.inc(end - start)
+        self.busy_clock.add(start, end)
+
+    def forget_session(self, session_id: str, job: str) -> None:
+        for metric in (self.batches, self.tokens, self.bytes_sent, self.inflight):
+            try:
+                metric.remove(session_id, job)
+            except KeyError:
+                pass
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,237 @@
+"""The gRPC control plane: validate, hand to the engine, answer.
+
+Handlers never touch torch.distributed or the model. Every request arrives as raw
+bytes and is parsed here, so a malformed message becomes INVALID_ARGUMENT like any
+other bad input; typed errors raised below become their status code in one place
+(`_handler`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+import torch
+from google.protobuf import message as pb_message
+from google.protobuf import message_factory
+
+from distill_common import wire
+from distill_common.proto.teacher.v1 import teacher_pb2 as pb
+from distill_common.session_group import device_uuid
+from distill_common.wire import WireError
+from teacher_server.config import ServerConfig
+from teacher_server.engine import Engine
+from teacher_server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError
+from teacher_server.metrics import Metrics
+from teacher_server.sessions import Batch, OutputRequest, Session
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "teacher.v1.TeacherService"
+
+
+class TeacherService:
+    def __init__(self, engine: Engine, config: ServerConfig, metrics: Metrics, store_host: str, store_port: int):
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.store_host = store_host
+        self.store_port = store_port
+        self.info = engine.runner.info
+        self.teacher_uuid = device_uuid(self.info.device)
+
+    # ---- RPCs ---------------------------------------------------------------------
+
+    async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.TeacherInfo:
+        return self.teacher_info()
+
+    async def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
+        outputs = self._resolve_outputs(request.outputs)
+        backend = self._check_peer(request.peer)
+        self._check_vocabulary(request, outputs)
+        max_inflight = request.max_inflight or self.config.max_inflight
+        if max_inflight < 0 or max_inflight > self.config.max_inflight:
+            raise InvalidArgument(f"max_inflight {request.max_inflight} is outside 1..{self.config.max_inflight} "
+                                  "(the teacher's --max-inflight)")
+        weight = request.weight or 1.0
+        if not weight > 0 or weight != weight or weight == float("inf"):
+            raise InvalidArgument(f"weight {request.weight} must be a positive finite number")
+        session = Session(job_id=request.job_id[:128] or "unnamed", job_rank=request.job_rank, outputs=outputs,
+                          backend=backend, peer_device_type=request.peer.device_type, max_inflight=max_inflight,
+                          weight=weight)
+        self.engine.admit(session)
+        log.info("session %s joined: job %s rank %d, %s, outputs %s", session.session_id, session.job_id,
+                 session.job_rank, backend, outputs)
+        return pb.JoinResponse(
+            session_id=session.session_id, info=self.teacher_info(), store_host=self.store_host,
+            store_port=self.store_port, store_prefix=session.store_prefix, backend=backend, teacher_rank=0,
+            student_rank=1, group_size=2, timeout_s=self.config.transfer_timeout_s,
+            heartbeat_interval_s=self.config.heartbeat_interval_s, lease_s=self.config.lease_s,
+            max_inflight=max_inflight, output_dtype=wire.dtype_name(outputs.dtype))
+
+    async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitResponse:
+        session = self.engine.session(request.session_id)
+        if request.batch_id != session.next_batch_id:
+            raise InvalidArgument(f"batch_id {request.batch_id} is out of order: the session expects "
+                                  f"{session.next_batch_id} (batch ids count 0, 1, 2, ... per session)")
+        if session.inflight >= session.max_inflight:
+            raise ResourceExhausted(f"session already has {session.inflight} batches in flight (its max_inflight, "
+                                    f"at most the teacher's --max-inflight {self.config.max_inflight}); "
+                                    "receive outputs before submitting more")
+        batch = self._decode_batch(request)
+        inflight = self.engine.submit(session, batch)
+        return pb.SubmitResponse(batch_id=request.batch_id, inflight=inflight)
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        session = self.engine.session(request.session_id)
+        self.engine.heartbeat(session)
+        return pb.HeartbeatResponse(batches_sent=session.batches_sent, inflight=session.inflight)
+
+    async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
+        session = self.engine.session(request.session_id)
+        self.engine.leave(session, drain=request.drain)
+        return pb.LeaveResponse(batches_sent=session.batches_sent)
+
+    async def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.StatusResponse:
+        now = time.monotonic()
+        sessions = [pb.SessionStatus(
+            session_id=s.session_id, job_id=s.job_id, job_rank=s.job_rank, backend=s.backend, state=s.state,
+            batches_submitted=s.batches_submitted, batches_sent=s.batches_sent, tokens_served=s.tokens_served,
+            bytes_sent=s.bytes_sent, inflight=s.inflight, last_heartbeat_age_s=now - s.last_heartbeat,
+            weight=s.weight) for s in self.engine.sessions()]
+        return pb.StatusResponse(info=self.teacher_info(), sessions=sessions,
+                                 busy_fraction=self.metrics.busy_clock.fraction(),
+                                 queue_depth=self.engine.queue_depth())
+
+    # ---- validation ---------------------------------------------------------------
+
+    def teacher_info(self) -> pb.TeacherInfo:
+        i, c = self.info, self.config
+        return pb.TeacherInfo(
+            model_name=i.model_name, architecture=i.architecture, vocab_size=i.vocab_size, hidden_size=i.hidden_size,
+            num_layers=i.num_layers, dtype=wire.dtype_name(i.dtype), device_type=i.device.type, tp_size=1,
+            max_batch_tokens=c.max_batch_tokens, max_seq_len=c.max_seq_len, max_sessions=c.max_sessions,
+            max_inflight=c.max_inflight, tokenizer_fingerprint=i.tokenizer_fingerprint,
+            torch_version=i.torch_version, nccl_version=i.nccl_version)
+
+    def _resolve_outputs(self, spec: pb.OutputSpec) -> OutputRequest:
+        info = self.info
+        if spec.topk < 0 or spec.topk > info.vocab_size:
+            raise InvalidArgument(f"topk {spec.topk} must be between 0 and the vocabulary size {info.vocab_size}")
+        layers = tuple(spec.hidden_layers)
+        bad = [layer for layer in layers if not 0 <= layer <= info.num_layers]
+        if bad:
+            raise InvalidArgument(f"hidden layers {bad} are out of range: the teacher has {info.num_layers} layers, "
+                                  f"so use 0 (embeddings) .. {info.num_layers}")
+        if len(set(layers)) != len(layers):
+            raise InvalidArgument(f"hidden layers {list(layers)} repeat a layer")
+        if not (spec.logits or spec.topk or layers):
+            raise InvalidArgument("no outputs requested: ask for logits, topk > 0 or hidden layers")
+        try:
+            dtype = wire.parse_output_dtype(spec.dtype) if spec.dtype else info.dtype
+        except WireError as e:
+            raise InvalidArgument(f"outputs.dtype: {e}") from e
+        return OutputRequest(logits=spec.logits, topk=spec.topk, hidden_layers=layers, dtype=dtype)
+
+    def _check_peer(self, peer: pb.PeerInfo) -> str:
+        if peer.device_type not in ("cpu", "cuda"):
+            raise InvalidArgument(f"peer.device_type {peer.device_type!r} must be 'cpu' or 'cuda'")
+        teacher_major = torch.__version__.split(".")[0]
+        if peer.torch_version.split(".")[0] != teacher_major:
+            raise FailedPrecondition(f"student torch {peer.torch_version or '(unknown)'} cannot talk to the teacher's "
+                                     f"torch {torch.__version__}: use torch {teacher_major}.x on the student")
+        if not (peer.device_type == "cuda" and self.info.device.type == "cuda"):
+            return "gloo"
+        if peer.device_uuid and peer.device_uuid == self.teacher_uuid:
+            raise FailedPrecondition(
+                f"the student's GPU ({peer.device_uuid}) is the one the teacher uses: NCCL cannot put two ranks of "
+                "one communicator on one GPU. Run the student on another GPU (CUDA_VISIBLE_DEVICES)")
+        if peer.nccl_version.split(".")[:2] != self.info.nccl_version.split(".")[:2]:
+            raise FailedPrecondition(
+                f"the student's NCCL {peer.nccl_version or '(none)'} differs from the teacher's "
+                f"{self.info.nccl_version}: install the same torch/NCCL build on both sides")
+        return "nccl"
+
+    def _check_vocabulary(self, request: pb.JoinRequest, outputs: OutputRequest) -> None:
+        if not (outputs.logits or outputs.topk):
+            return  # hidden states only: vocabularies may differ
+        if request.vocab_size and request.vocab_size != self.info.vocab_size:
+            raise FailedPrecondition(
+                f"the student's vocabulary has {request.vocab_size} entries, the teacher's {self.info.vocab_size}: "
+                "logit distillation needs the same tokenizer on both sides (hidden-state distillation does not)")
+        theirs, ours = request.tokenizer_fingerprint, self.info.tokenizer_fingerprint
+        if theirs and ours and theirs != ours:
+            raise FailedPrecondition(
+                "the student's tokenizer differs from the teacher's (fingerprints "
+                f"{theirs[:12]} != {ours[:12]}): logit distillation needs the same tokenizer on both sides")
+
+    def _decode_batch(self, request: pb.SubmitRequest) -> Batch:
+        limits = self.config
+        shape = list(request.input_ids.shape)
+        if len(shape) != 2:
+            raise InvalidArgument(f"input_ids must be 2-D [batch, seq], got shape {shape}")
+        if any(dim <= 0 for dim in shape):
+            raise InvalidArgument(f"input_ids of shape {shape} is empty: send at least one token in one row")
+        if shape[1] > limits.max_seq_len:
+            raise InvalidArgument(f"sequence length {shape[1]} exceeds the teacher's --max-seq-len "
+                                  f"{limits.max_seq_len}: truncate or split sequences")
+        if shape[0] * shape[1] > limits.max_batch_tokens:
+            raise ResourceExhausted(f"batch of {shape[0]} x {shape[1]} = {shape[0] * shape[1]} tokens exceeds the "
+                                    f"teacher's --max-batch-tokens {limits.max_batch_tokens}: send smaller batches")
+        try:
+            ids = wire.decode(request.input_ids, what="input_ids", dtypes=wire.ID_DTYPES,
+                              max_elements=limits.max_batch_tokens).to(torch.int64)
+            if request.HasField("attention_mask"):
+                mask = wire.decode(request.attention_mask, what="attention_mask", dtypes=wire.MASK_DTYPES,
+                                   max_elements=limits.max_batch_tokens).to(torch.int64)
+            else:
+                mask = torch.ones_like(ids)
+        except WireError as e:
+            raise InvalidArgument(str(e)) from e
+        if mask.shape != ids.shape:
+            raise InvalidArgument(f"attention_mask shape {list(mask.shape)} differs from input_ids shape {shape}")
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.info.vocab_size:
+            raise InvalidArgument(f"token ids must lie in [0, {self.info.vocab_size}) (the teacher's vocabulary), "
+                                  f"got values in [{low}, {high}]: is the student using the teacher's tokenizer?")
+        if bool(((mask != 0) & (mask != 1)).any()):
+            raise InvalidArgument("attention_mask must hold only 0 and 1")
+        if not bool(mask.any(dim=1).all()):
+            raise InvalidArgument("every row of attention_mask needs at least one 1 (a row of padding only)")
+        return Batch(batch_id=request.batch_id, input_ids=ids, attention_mask=mask)
+
+
+def _handler(service: TeacherService, name: str, request_class, metrics: Metrics):
+    """Parses the raw request and maps typed errors to status codes: the one place for both."""
+    method = getattr(service, name)
+
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext):
+        try:
+            try:
+                request = request_class.FromString(raw)
+            except pb_message.DecodeError as e:
+                raise InvalidArgument(f"malformed {request_class.DESCRIPTOR.name}: {e}") from e
+            return await method(request, context)
+        except ServiceError as e:
+            metrics.rpc_errors.labels(name, e.code.name).inc()
+            await context.abort(e.code, str(e))
+        except Exception as e:
+            log.exception("%s failed", name)
+            metrics.rpc_errors.labels(name, "INTERNAL").inc()
+            await context.abort(grpc.StatusCode.INTERNAL, f"{name} failed inside the teacher: {e}")
+
+    return handle
+
+
+def generic_handler(service: TeacherService, metrics: Metrics) -> grpc.GenericRpcHandler:
+    descriptor = pb.DESCRIPTOR.services_by_name["TeacherService"]
+    handlers = {}
+    for method in descriptor.methods:
+        request_class = message_factory.GetMessageClass(method.input_type)
+        response_class = message_factory.GetMessageClass(method.output_type)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            _handler(service, method.name, request_class, metrics),
+            request_deserializer=None,  # raw bytes: parsed in _handler so bad bytes get INVALID_ARGUMENT
+            response_serializer=response_class.SerializeToString)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -1,0 +1,86 @@
+"""What the teacher knows of one student session, and the batches it has queued.
+
+Glossary: a *job* is a student training run (one or more processes); a *session*
+is one process of that job joined to the teacher, with its own process group.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class OutputRequest:
+    """What a session asked for at join, resolved against the teacher."""
+
+    logits: bool
+    topk: int
+    hidden_layers: tuple[int, ...]
+    dtype: torch.dtype
+
+    def shapes(self, batch: int, seq: int, vocab: int, hidden: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The tensors sent for a [batch, seq] input, in send order (the client mirrors this)."""
+        out = []
+        if self.logits:
+            out.append(((batch, seq, vocab), self.dtype))
+        if self.topk:
+            out.append(((batch, seq, self.topk), self.dtype))
+            out.append(((batch, seq, self.topk), torch.int32))
+        if self.hidden_layers:
+            out.append(((len(self.hidden_layers), batch, seq, hidden), self.dtype))
+        return out
+
+
+@dataclass
+class Batch:
+    batch_id: int
+    input_ids: torch.Tensor  # [B, S] int64, CPU
+    attention_mask: torch.Tensor  # [B, S] int64, CPU
+
+    @property
+    def tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+@dataclass
+class Session:
+    job_id: str
+    job_rank: int
+    outputs: OutputRequest
+    backend: str
+    peer_device_type: str
+    max_inflight: int
+    weight: float
+    session_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    # Only the admitted student learns the prefix, so only it can form the group.
+    store_prefix: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    state: str = "connecting"  # connecting -> ready -> draining -> closed | failed
+    group: object = None
+    pending: deque = field(default_factory=deque)  # Batch, validated, not yet run
+    next_batch_id: int = 0
+    batches_submitted: int = 0
+    batches_sent: int = 0
+    batches_sending: int = 0  # forwarded, transfer not yet complete
+    tokens_served: int = 0
+    bytes_sent: int = 0
+    # Weighted tokens the engine has scheduled for this session: the fair-share clock.
+    virtual_tokens: float = 0.0
+    last_heartbeat: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.monotonic)
+    failure: str = ""
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def inflight(self) -> int:
+        """Batches submitted whose outputs have not finished sending."""
+        return self.batches_submitted - self.batches_sent
+
+    @property
+    def alive(self) -> bool:
+        return self.state in ("connecting", "ready", "draining")

@@ -1,0 +1,405 @@
+"""The distillation losses against straightforward float64 references written out in full here.
+
+The references build whole [B, S, V] tensors and let autograd differentiate them; the losses
+under test chunk over tokens and compute their gradients in closed form, so matching values
+and gradients w.r.t. the student's logits checks both the math and the chunk bookkeeping.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from student_trainer.losses import (
+    HIDDEN_LOSS_KINDS,
+    LOSS_KINDS,
+    HiddenProjection,
+    hidden_state_loss,
+    kd_loss,
+    topk_kd_loss,
+)
+
+BATCH, SEQ, VOCAB, TOPK = 3, 17, 50, 8
+TEMPERATURE = 2.0
+JSD_BETA = 0.3
+RTOL, ATOL = 1e-5, 1e-6
+
+
+# --------------------------------------------------------------------------- references
+
+
+def reference_per_token(student_logits, teacher_logits, kind, temperature, beta):
+    """Divergence per token in float64, the textbook way: p teacher, q student."""
+    log_q = torch.log_softmax(student_logits.double() / temperature, dim=-1)
+    log_p = torch.log_softmax(teacher_logits.double() / temperature, dim=-1)
+    p, q = log_p.exp(), log_q.exp()
+    if kind == "forward_kl":
+        return (p * (log_p - log_q)).sum(-1)
+    if kind == "reverse_kl":
+        return (q * (log_q - log_p)).sum(-1)
+    log_m = (beta * p + (1 - beta) * q).log()
+    return beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (q * (log_q - log_m)).sum(-1)
+
+
+def masked_mean(per_token, mask):
+    weights = torch.ones_like(per_token) if mask is None else mask.double()
+    return (per_token * weights).sum() / weights.sum()
+
+
+def reference_kd(student_logits, teacher_logits, mask, kind, temperature, beta):
+    per_token = reference_per_token(student_logits, teacher_logits, kind, temperature, beta)
+    return temperature**2 * masked_mean(per_token, mask)
+
+
+def reference_topk(student_logits, values, indices, mask, kind, temperature, beta):
+    student_support = student_logits.gather(-1, indices.long())
+    per_token = reference_per_token(student_support, values, kind, temperature, beta)
+    return temperature**2 * masked_mean(per_token, mask)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def make_inputs(seed=0, *, batch=BATCH, seq=SEQ, vocab=VOCAB, student_dtype=torch.float32, teacher_dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    # Scale 3 gives peaked distributions, where softmax precision and small probabilities matter.
+    student = (3 * torch.randn(batch, seq, vocab, generator=gen)).to(student_dtype).requires_grad_()
+    teacher = (3 * torch.randn(batch, seq, vocab, generator=gen)).to(teacher_dtype)
+    mask = torch.rand(batch, seq, generator=gen) > 0.3
+    mask[0, 0] = True
+    return student, teacher, mask
+
+
+def reference_grad(fn, student, *args):
+    """(value, gradient w.r.t. student) of a reference evaluated on a float64 copy of ``student``."""
+    student64 = student.detach().double().requires_grad_()
+    value = fn(student64, *args)
+    value.backward()
+    return value.detach(), student64.grad
+
+
+def assert_close(actual, expected, rtol=RTOL, atol=ATOL):
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol)
+
+
+# --------------------------------------------------------------------------- full-logit loss
+
+
+@pytest.mark.parametrize("chunk_tokens", [7, 4096])
+@pytest.mark.parametrize("kind", LOSS_KINDS)
+def test_kd_loss_matches_reference(kind, chunk_tokens):
+    student, teacher, mask = make_inputs()
+    loss = kd_loss(student, teacher, mask, kind=kind, temperature=TEMPERATURE, jsd_beta=JSD_BETA,
+                   chunk_tokens=chunk_tokens)
+    loss.backward()
+    expected, expected_grad = reference_grad(reference_kd, student, teacher, mask, kind, TEMPERATURE, JSD_BETA)
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert_close(loss, expected)
+    assert_close(student.grad, expected_grad)
+    assert (student.grad[~mask] == 0).all(), "padding tokens must get no gradient"
+
+
+@pytest.mark.parametrize("kind", LOSS_KINDS)
+def test_kd_loss_without_mask_counts_every_token(kind):
+    student, teacher, _ = make_inputs(seed=1)
+    loss = kd_loss(student, teacher, kind=kind, temperature=0.7, jsd_beta=0.8, chunk_tokens=5)
+    loss.backward()
+    expected, expected_grad = reference_grad(reference_kd, student, teacher, None, kind, 0.7, 0.8)
+    assert_close(loss, expected)
+    assert_close(student.grad, expected_grad)
+
+
+@pytest.mark.parametrize("kind", LOSS_KINDS)
+def test_kd_loss_float64_gradient_is_exact(kind):
+    """In float64 the closed-form gradient must agree with autograd to rounding, not just to float32."""
+    student, teacher, mask = make_inputs(seed=2, student_dtype=torch.float64, teacher_dtype=torch.float64)
+    loss = kd_loss(student, teacher, mask, kind=kind, temperature=1.5, jsd_beta=JSD_BETA, chunk_tokens=4)
+    loss.backward()
+    expected, expected_grad = reference_grad(reference_kd, student, teacher, mask, kind, 1.5, JSD_BETA)
+    assert loss.dtype == torch.float64
+    assert_close(loss, expected, rtol=1e-12, atol=1e-13)
+    assert_close(student.grad, expected_grad, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("kind", LOSS_KINDS)
+def test_kd_loss_bf16_teacher(kind):
+    student, teacher, mask = make_inputs(seed=3, teacher_dtype=torch.bfloat16)
+    loss = kd_loss(student, teacher, mask, kind=kind, temperature=TEMPERATURE, jsd_beta=JSD_BETA, chunk_tokens=7)
+    loss.backward()
+    # The reference sees the same bf16-rounded teacher values, upcast.
+    expected, expected_grad = reference_grad(reference_kd, student, teacher, mask, kind, TEMPERATURE, JSD_BETA)
+    assert loss.dtype == torch.float32
+    assert_close(loss, expected)
+    assert_close(student.grad, expected_grad)
+
+
+@pytest.mark.parametrize("kind", LOSS_KINDS)
+def test_kd_loss_bf16_student_gets_bf16_gradient(kind):
+    student, teacher, mask = make_inputs(seed=4, student_dtype=torch.bfloat16, teacher_dtype=torch.bfloat16)
+    loss = kd_loss(student, teacher, mask, kind=kind, temperature=TEMPERATURE, jsd_beta=JSD_BETA, chunk_tokens=7)
+    loss.backward()
+    expected, expected_grad = reference_grad(reference_kd, student, teacher, mask, kind, TEMPERATURE, JSD_BETA)
+    assert loss.dtype == torch.float32 and student.grad.dtype == torch.bfloat16
+    assert_close(loss, expected)  # the loss itself is accumulated in float32
+    assert_close(student.grad, expected_grad, rtol=1e-2, atol=1e-5)  # only the stored gradient is rounded
+
+
+def test_kd_loss_scales_gradient_by_upstream_gradient():
+    student, teacher, mask = make_inputs(seed=5)
+    (0.25 * kd_loss(student, teacher, mask, kind="jsd", chunk_tokens=7)).backward()
+    _, expected_grad = reference_grad(lambda s: 0.25 * reference_kd(s, teacher, mask, "jsd", 1.0, 0.5), student)
+    assert_close(student.grad, expected_grad)
+
+
+def test_kd_loss_supports_retain_graph_and_second_backward():
+    student, teacher, mask = make_inputs(seed=6)
+    loss = kd_loss(student, teacher, mask, kind="reverse_kl", chunk_tokens=7)
+    loss.backward(retain_graph=True)
+    first = student.grad.clone()
+    loss.backward()
+    assert_close(student.grad, 2 * first)
+
+
+def test_kd_loss_flows_through_a_non_leaf_and_not_into_the_teacher():
+    student, teacher, mask = make_inputs(seed=7)
+    weight = torch.tensor(1.5, requires_grad=True)
+    teacher.requires_grad_()
+    loss = kd_loss(student * weight, teacher, mask, chunk_tokens=7)
+    loss.backward()
+    _, expected_grad = reference_grad(lambda s: reference_kd(s * 1.5, teacher.detach(), mask, "forward_kl", 1.0, 0.5),
+                                      student)
+    assert_close(student.grad, expected_grad)
+    assert weight.grad is not None and teacher.grad is None
+
+
+def test_kd_loss_under_no_grad_gives_the_value_only():
+    student, teacher, mask = make_inputs(seed=8)
+    with torch.no_grad():
+        loss = kd_loss(student, teacher, mask, kind="jsd", chunk_tokens=7)
+    assert loss.grad_fn is None
+    assert_close(loss, reference_kd(student.detach(), teacher, mask, "jsd", 1.0, 0.5))
+
+
+@pytest.mark.parametrize("kind", LOSS_KINDS)
+def test_kd_loss_zero_probabilities_contribute_nothing(kind):
+    """Vocabulary entries at -inf on both sides (e.g. padding) act as if they were not there."""
+    student, teacher, mask = make_inputs(seed=9)
+    dead = torch.zeros(VOCAB, dtype=torch.bool)
+    dead[[3, 17, 40]] = True
+    student_masked = student.detach().masked_fill(dead, float("-inf")).requires_grad_()
+    loss = kd_loss(student_masked, teacher.masked_fill(dead, float("-inf")), mask, kind=kind, chunk_tokens=7)
+    loss.backward()
+    live_student = student.detach()[..., ~dead].requires_grad_()
+    expected = kd_loss(live_student, teacher[..., ~dead], mask, kind=kind, chunk_tokens=7)
+    expected.backward()
+    assert torch.isfinite(loss)
+    assert_close(loss, expected)
+    assert_close(student_masked.grad[..., ~dead], live_student.grad)
+    assert (student_masked.grad[..., dead] == 0).all()
+
+
+def test_kd_loss_identical_distributions_give_zero():
+    student, _, mask = make_inputs(seed=10)
+    for kind in LOSS_KINDS:
+        loss = kd_loss(student, student.detach(), mask, kind=kind, temperature=3.0, chunk_tokens=7)
+        assert abs(loss.item()) < 1e-6
+
+
+# --------------------------------------------------------------------------- top-k loss
+
+
+def make_topk(teacher, k=TOPK, index_dtype=torch.int64):
+    values, indices = torch.topk(teacher, k, dim=-1)
+    return values, indices.to(index_dtype)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("chunk_tokens", [7, 4096])
+@pytest.mark.parametrize("kind", LOSS_KINDS)
+def test_topk_kd_loss_matches_reference(kind, chunk_tokens, index_dtype):
+    student, teacher, mask = make_inputs(seed=11)
+    values, indices = make_topk(teacher, index_dtype=index_dtype)
+    loss = topk_kd_loss(student, values, indices, mask, kind=kind, temperature=TEMPERATURE, jsd_beta=JSD_BETA,
+                        chunk_tokens=chunk_tokens)
+    loss.backward()
+    expected, expected_grad = reference_grad(reference_topk, student, values, indices, mask, kind, TEMPERATURE,
+                                             JSD_BETA)
+    assert_close(loss, expected)
+    assert_close(student.grad, expected_grad)
+    off_support = torch.ones_like(student.grad, dtype=torch.bool).scatter_(-1, indices.long(), False)
+    assert (student.grad[off_support] == 0).all() and (student.grad[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("kind", LOSS_KINDS)
+def test_topk_kd_loss_bf16_teacher_and_no_mask(kind):
+    student, teacher, _ = make_inputs(seed=12, teacher_dtype=torch.bfloat16)
+    values, indices = make_topk(teacher, index_dtype=torch.int32)
+    loss = topk_kd_loss(student, values, indices, kind=kind, temperature=0.5, jsd_beta=0.9, chunk_tokens=7)
+    loss.backward()
+    expected, expected_grad = reference_grad(reference_topk, student, values, indices, None, kind, 0.5, 0.9)
+    assert_close(loss, expected)
+    assert_close(student.grad, expected_grad)
+
+
+def test_topk_with_the_full_vocabulary_equals_the_full_loss():
+    student, teacher, mask = make_inputs(seed=13)
+    values, indices = make_topk(teacher, k=VOCAB)
+    for kind in LOSS_KINDS:
+        full = kd_loss(student, teacher, mask, kind=kind, temperature=TEMPERATURE, chunk_tokens=7)
+        topk = topk_kd_loss(student, values, indices, mask, kind=kind, temperature=TEMPERATURE, chunk_tokens=7)
+        assert_close(topk, full)
+
+
+def test_topk_ignores_garbage_at_padding_positions():
+    student, teacher, mask = make_inputs(seed=14)
+    values, indices = make_topk(teacher)
+    indices[~mask] = -1  # what a sender might leave in padding: out of range and repeated
+    loss = topk_kd_loss(student, values, indices, mask, chunk_tokens=7)
+    clean_values, clean_indices = make_topk(teacher)
+    assert_close(loss, reference_topk(student.detach(), clean_values, clean_indices, mask, "forward_kl", 1.0, 0.5))
+
+
+# --------------------------------------------------------------------------- empty masks
+
+
+def test_all_masked_gives_a_connected_zero():
+    student, teacher, _ = make_inputs(seed=15)
+    student.detach().view(-1)[0] = float("inf")  # 0 * sum(x) would be NaN here
+    nothing = torch.zeros(BATCH, SEQ, dtype=torch.int64)
+    values, indices = make_topk(teacher)
+    for loss in (
+        kd_loss(student, teacher, nothing, kind="jsd"),
+        topk_kd_loss(student, values, indices, nothing, kind="reverse_kl"),
+    ):
+        assert loss.item() == 0.0 and loss.dtype == torch.float32 and loss.requires_grad
+        student.grad = None
+        loss.backward()
+        assert student.grad is not None and (student.grad == 0).all()
+
+
+def test_hidden_all_masked_gives_a_connected_zero():
+    gen = torch.Generator().manual_seed(16)
+    student = torch.randn(BATCH, SEQ, 6, generator=gen, requires_grad=True)
+    projection = HiddenProjection(6, 10)
+    loss = hidden_state_loss(student, torch.randn(BATCH, SEQ, 10, generator=gen),
+                             torch.zeros(BATCH, SEQ, dtype=torch.bool), projection=projection)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert (student.grad == 0).all() and (projection.weight.grad == 0).all()
+
+
+# --------------------------------------------------------------------------- hidden states
+
+
+def reference_hidden(student_hidden, teacher_hidden, mask, kind, weight):
+    student = student_hidden.double() if weight is None else student_hidden.double() @ weight.double().T
+    teacher = teacher_hidden.double()
+    if kind == "mse":
+        per_token = ((student - teacher) ** 2).mean(-1)
+    else:
+        per_token = 1 - (student * teacher).sum(-1) / (student.norm(dim=-1) * teacher.norm(dim=-1))
+    return masked_mean(per_token, mask)
+
+
+@pytest.mark.parametrize("kind", HIDDEN_LOSS_KINDS)
+def test_hidden_state_loss_with_projection_matches_reference(kind):
+    gen = torch.Generator().manual_seed(17)
+    student = torch.randn(BATCH, SEQ, 6, generator=gen, requires_grad=True)
+    teacher = torch.randn(BATCH, SEQ, 10, generator=gen).to(torch.bfloat16)
+    mask = torch.rand(BATCH, SEQ, generator=gen) > 0.3
+    projection = HiddenProjection(6, 10)
+    with torch.no_grad():  # away from the init, so the test does not depend on it
+        projection.weight.add_(0.1 * torch.randn(10, 6, generator=gen))
+
+    loss = hidden_state_loss(student, teacher, mask, kind=kind, projection=projection)
+    loss.backward()
+
+    student64 = student.detach().double().requires_grad_()
+    weight64 = projection.weight.detach().double().requires_grad_()
+    expected = reference_hidden(student64, teacher, mask, kind, weight64)
+    expected.backward()
+    assert loss.dtype == torch.float32
+    assert_close(loss, expected)
+    assert_close(student.grad, student64.grad)
+    assert_close(projection.weight.grad, weight64.grad)
+
+
+@pytest.mark.parametrize("kind", HIDDEN_LOSS_KINDS)
+def test_hidden_state_loss_same_size_without_projection(kind):
+    gen = torch.Generator().manual_seed(18)
+    student = torch.randn(BATCH, SEQ, 12, generator=gen, requires_grad=True)
+    teacher = torch.randn(BATCH, SEQ, 12, generator=gen)
+    loss = hidden_state_loss(student, teacher, kind=kind)
+    loss.backward()
+    expected, expected_grad = reference_grad(reference_hidden, student, teacher, None, kind, None)
+    assert_close(loss, expected)
+    assert_close(student.grad, expected_grad)
+
+
+def test_hidden_projection_init():
+    assert torch.equal(HiddenProjection(7, 7).weight, torch.eye(7))
+    up = HiddenProjection(4, 9).weight.detach()  # columns orthonormal: norms preserved
+    torch.testing.assert_close(up.T @ up, torch.eye(4), atol=1e-5, rtol=0)
+    down = HiddenProjection(9, 4).weight.detach()  # rows orthonormal
+    torch.testing.assert_close(down @ down.T, torch.eye(4), atol=1e-5, rtol=0)
+    x = torch.randn(2, 3, 4)
+    projected = HiddenProjection(4, 9)(x.to(torch.bfloat16))  # casts to the weight's dtype
+    assert projected.shape == (2, 3, 9) and projected.dtype == torch.float32
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(kind="kl"), "--kd-loss 'kl'"),
+        (dict(temperature=0.0), "--temperature must be > 0"),
+        (dict(temperature=float("nan")), "--temperature must be > 0"),
+        (dict(kind="jsd", jsd_beta=0.0), "--jsd-beta must be strictly between 0 and 1"),
+        (dict(kind="jsd", jsd_beta=1.0), "use --kd-loss reverse_kl"),
+        (dict(chunk_tokens=0), "--kd-chunk-tokens"),
+    ],
+)
+def test_options_are_validated(kwargs, message):
+    student, teacher, mask = make_inputs()
+    values, indices = make_topk(teacher)
+    with pytest.raises(ValueError, match=message):
+        kd_loss(student, teacher, mask, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        topk_kd_loss(student, values, indices, mask, **kwargs)
+
+
+def test_jsd_beta_is_not_checked_for_other_kinds():
+    student, teacher, mask = make_inputs()
+    kd_loss(student, teacher, mask, kind="forward_kl", jsd_beta=0.0)
+
+
+def test_shape_errors_say_what_is_wrong():
+    student, teacher, mask = make_inputs()
+    with pytest.raises(ValueError, match="student vocab 50 != teacher vocab 64: logit distillation needs the same tokenizer"):
+        kd_loss(student, torch.randn(BATCH, SEQ, 64), mask)
+    with pytest.raises(ValueError, match=r"differ in \[batch, seq\]"):
+        kd_loss(student, teacher[:, :-1], mask[:, :-1])
+    with pytest.raises(ValueError, match=r"mask \(3, 16\) must be \[batch, seq\]"):
+        kd_loss(student, teacher, mask[:, :-1])
+    with pytest.raises(ValueError, match="mask must be bool or integer"):
+        kd_loss(student, teacher, mask.float())
+    with pytest.raises(ValueError, match="float tensor"):
+        kd_loss(student[0], teacher[0])
+
+    values, indices = make_topk(teacher)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        topk_kd_loss(student, values, indices.float(), mask)
+    with pytest.raises(ValueError, match=r"span \[0, 50\] but the student vocab has 50"):
+        topk_kd_loss(student, values, indices.masked_fill(indices == indices.max(), 50), mask)
+    with pytest.raises(ValueError, match="must be distinct"):
+        topk_kd_loss(student, values, indices[..., :1].expand(-1, -1, TOPK), mask)
+
+    hidden = torch.randn(BATCH, SEQ, 6)
+    with pytest.raises(ValueError, match=r"pass projection=HiddenProjection\(6, 10\)"):
+        hidden_state_loss(hidden, torch.randn(BATCH, SEQ, 10))
+    with pytest.raises(ValueError, match="--hidden-loss 'l1'"):
+        hidden_state_loss(hidden, hidden, kind="l1")
+    with pytest.raises(ValueError, match="the teacher's hidden size is 10"):
+        hidden_state_loss(hidden, torch.randn(BATCH, SEQ, 10), projection=HiddenProjection(6, 8))
