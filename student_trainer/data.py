@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +86,7 @@ def record_shape(record: Any) -> str:
     wrong when the record fits no shape.
     """
     if not isinstance(record, dict):
-        raise DataError(f"line is a JSON {type(record).__name__}, not an object")
+        raise DataError(f"line is a JSON {_json_type(record)}, not an object")
     shapes = [
         shape
         for shape, keys in (("text", ("text",)), ("prompt_completion", ("prompt", "completion")), ("messages", ("messages",)))
@@ -118,7 +119,7 @@ def record_shape(record: Any) -> str:
             if role not in ROLES:
                 raise DataError(f"messages[{index}] has role {role!r}; roles are {', '.join(ROLES)}")
             if not isinstance(message.get("content"), str):
-                raise DataError(f'messages[{index}] "content" is {_json_type(message.get("content"))}, not a string')
+                raise DataError(f'messages[{index}] "content" is a {_json_type(message.get("content"))}, not a string')
     return shape
 
 
@@ -132,7 +133,7 @@ def _check_string(record: dict, key: str, *, allow_empty: bool) -> None:
 
 def _json_type(value: Any) -> str:
     names = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
-    return "missing or null" if value is None else names.get(type(value), type(value).__name__)
+    return "null or missing value" if value is None else names.get(type(value), type(value).__name__)
 
 
 def read_jsonl(
@@ -196,8 +197,14 @@ def tokenize_record(record: dict, tokenizer) -> tuple[list[int], list[int]]:
     return tokenize_records([record], tokenizer)[0]
 
 
-def tokenize_records(records: Sequence[dict], tokenizer) -> list[tuple[list[int], list[int]]]:
-    """`tokenize_record` for many records; text fields are encoded in one batched call."""
+def tokenize_records(
+    records: Sequence[dict], tokenizer, *, labels: Sequence[str] | None = None
+) -> list[tuple[list[int], list[int]]]:
+    """`tokenize_record` for many records; text fields are encoded in one batched call.
+
+    `labels` (e.g. "path:LINE", one per record) name a record in the DataError raised
+    when the chat template rejects its conversation.
+    """
     eos_id = _eos_id(tokenizer)
     shapes = [record_shape(record) for record in records]
     # Gather every plain string to encode, so the Rust tokenizer sees one batch.
@@ -213,7 +220,7 @@ def tokenize_records(records: Sequence[dict], tokenizer) -> list[tuple[list[int]
     encoded = iter(_encode(tokenizer, strings))
 
     results: list[tuple[list[int], list[int]]] = []
-    for record, shape in zip(records, shapes):
+    for index, (record, shape) in enumerate(zip(records, shapes)):
         if shape == "text":
             ids = next(encoded) + [eos_id]
             mask = [1] * len(ids)
@@ -222,7 +229,8 @@ def tokenize_records(records: Sequence[dict], tokenizer) -> list[tuple[list[int]
             ids = prompt_ids + completion_ids + [eos_id]
             mask = [0] * len(prompt_ids) + [1] * (len(completion_ids) + 1)
         elif _has_chat_template(tokenizer):
-            ids, mask = _tokenize_chat(record["messages"], tokenizer, eos_id)
+            label = labels[index] if labels is not None else f"record {index}"
+            ids, mask = _tokenize_chat(record["messages"], tokenizer, eos_id, label)
         else:
             ids, mask = [], []
             for message in record["messages"]:
@@ -246,9 +254,15 @@ def _has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def _tokenize_chat(messages: list[dict], tokenizer, eos_id: int) -> tuple[list[int], list[int]]:
+# The pattern transformers looks for before it can fill `assistant_masks`.
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def _tokenize_chat(messages: list[dict], tokenizer, eos_id: int, label: str) -> tuple[list[int], list[int]]:
+    import jinja2  # needed by apply_chat_template itself, so present whenever a template is
+
     template = tokenizer.chat_template
-    if not isinstance(template, str) or "generation" not in template:
+    if not isinstance(template, str) or not _GENERATION_TAG.search(template):
         # Without the markers transformers returns an all-zero mask and only logs a
         # warning; training on that would silently train on nothing.
         raise TokenizerSetupError(
@@ -256,9 +270,13 @@ def _tokenize_chat(messages: list[dict], tokenizer, eos_id: int) -> tuple[list[i
             "assistant tokens cannot be told apart. Add the markers around assistant content in the "
             "template, or set tokenizer.chat_template = None to use the plain 'role: content' rendering."
         )
-    out = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
+    try:
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+    except jinja2.TemplateError as e:
+        # Templates enforce their own rules (e.g. strict user/assistant alternation).
+        raise DataError(f"{label}: the tokenizer's chat template rejected this conversation: {e}") from e
     ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
     if not ids or ids[-1] != eos_id:
         ids.append(eos_id)
@@ -322,8 +340,16 @@ class PackedDataset(torch.utils.data.Dataset):
         skip_bad_lines: bool = False,
     ) -> None:
         read_stats = ReadStats()
-        records = [record for _, record in read_jsonl(path, skip_bad_lines=skip_bad_lines, stats=read_stats)]
-        self._build(records, tokenizer, seq_len, mode, source=str(path), read_stats=read_stats)
+        numbered = list(read_jsonl(path, skip_bad_lines=skip_bad_lines, stats=read_stats))
+        self._build(
+            [record for _, record in numbered],
+            tokenizer,
+            seq_len,
+            mode,
+            source=str(path),
+            read_stats=read_stats,
+            labels=[f"{path}:{line_number}" for line_number, _ in numbered],
+        )
 
     @classmethod
     def from_records(
@@ -337,11 +363,27 @@ class PackedDataset(torch.utils.data.Dataset):
             except DataError as e:
                 raise DataError(f"<records>[{index}]: {e}; {EXPECTED_SHAPES}") from e
         dataset = cls.__new__(cls)
-        dataset._build(records, tokenizer, seq_len, mode, source="<records>", read_stats=ReadStats(records=len(records)))
+        dataset._build(
+            records,
+            tokenizer,
+            seq_len,
+            mode,
+            source="<records>",
+            read_stats=ReadStats(records=len(records)),
+            labels=[f"<records>[{index}]" for index in range(len(records))],
+        )
         return dataset
 
     def _build(
-        self, records: list[dict], tokenizer, seq_len: int, mode: str, *, source: str, read_stats: ReadStats
+        self,
+        records: list[dict],
+        tokenizer,
+        seq_len: int,
+        mode: str,
+        *,
+        source: str,
+        read_stats: ReadStats,
+        labels: list[str] | None = None,
     ) -> None:
         if mode not in PACK_MODES:
             raise ValueError(f"mode={mode!r} is not one of {PACK_MODES}; use 'pack' or 'truncate'.")
@@ -356,7 +398,7 @@ class PackedDataset(torch.utils.data.Dataset):
         self.mode = mode
         self.source = source
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _eos_id(tokenizer)
-        documents = tokenize_records(records, tokenizer)
+        documents = tokenize_records(records, tokenizer, labels=labels)
         stats = DatasetStats(records=len(records), skipped_bad_lines=read_stats.skipped_bad_lines)
         stats.document_tokens = sum(len(ids) for ids, _ in documents)
 

@@ -34,7 +34,9 @@ the chunk's loss *and* its gradient w.r.t. the student logits in closed form, an
 gradient, in the student logits' dtype, into one preallocated buffer shaped like the student
 logits. Backward only scales the buffer by the incoming gradient (and returns it as is when
 that is 1). Peak extra memory is that one buffer, which autograd would hold as the student
-logits' gradient anyway, plus a few float32 [chunk_tokens, vocab] temporaries. We chose this
+logits' gradient anyway, plus at most five float32 [chunk_tokens, vocab] temporaries (JSD;
+three for forward KL): 5 * 4 B * chunk_tokens * vocab, i.e. ~12 GB for the default 4096 tokens
+at a 152k vocabulary, so pick chunk_tokens from the vocabulary size (1024 there: ~3 GB). We chose this
 over per-chunk ``torch.utils.checkpoint`` because checkpointing re-runs each chunk's forward
 during backward and keeps autograd's own saved tensors per chunk alive while it does so; the
 closed-form gradients below are short and checked against autograd in tests/test_losses.py.
@@ -242,7 +244,7 @@ def _divergence_and_grad(
 
     The chunk's rows are selected, upcast and scaled inside one expression so that those
     copies die at once, and later steps work in place on tensors this function owns: at most
-    five float32 [rows, V] tensors are alive at a time (JSD; four for the KLs).
+    five float32 [rows, V] tensors are alive at a time (JSD; three for forward KL, four for reverse KL).
     """
     log_q = torch.log_softmax(_take_rows(student_rows, rows).to(compute_dtype) / temperature, dim=-1)
     log_p = torch.log_softmax(_take_rows(teacher_rows, rows).to(compute_dtype) / temperature, dim=-1)

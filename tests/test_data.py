@@ -54,8 +54,8 @@ def write_lines(path, lines):
     return path
 
 
-def text_records(count, words_per_record=5):
-    return [{"text": " ".join(f"w{i}x{j}" for j in range(words_per_record))} for i in range(count)]
+def text_records(count):
+    return [{"text": " ".join(f"w{i}x{j}" for j in range(5))} for i in range(count)]
 
 
 # --- tokenizer ---------------------------------------------------------------------------
@@ -174,6 +174,16 @@ def test_chat_template_without_generation_markers_is_refused(tokenizer):
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(TokenizerSetupError, match="generation"):
         tokenize_record({"messages": [{"role": "assistant", "content": "x"}]}, tokenizer)
+
+
+def test_chat_template_errors_name_the_line(tmp_path, tokenizer):
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
+        "{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+    )
+    path = write_lines(tmp_path / "chat.jsonl", [b'{"text": "ok"}', b'{"messages": [{"role": "system", "content": "x"}]}'])
+    with pytest.raises(DataError, match=f"{path}:2: .*no system turns"):
+        PackedDataset(path, tokenizer, seq_len=8)
 
 
 # --- bad lines ---------------------------------------------------------------------------
@@ -308,21 +318,23 @@ def test_resume_gives_the_identical_next_batches(truncated_dataset):
     def make(rank):
         return BatchIterator(truncated_dataset, 2, seed=3, rank=rank, world_size=2, num_epochs=3)
 
-    for rank in range(2):
-        uninterrupted = [b["input_ids"] for b in make(rank)]
-        assert len(uninterrupted) == 3 * (26 // 4)
-        interrupted = make(rank)
+    uninterrupted = {rank: [b["input_ids"] for b in make(rank)] for rank in range(2)}
+    assert len(uninterrupted[0]) == 3 * (26 // 4)
+    interrupted = {rank: make(rank) for rank in range(2)}
+    for it in interrupted.values():
         for _ in range(8):  # past the first epoch boundary (6 steps per epoch)
-            next(interrupted)
-        # The state goes through JSON as a checkpoint would; it is the same on every rank.
-        state = json.loads(json.dumps(interrupted.state_dict()))
-        assert state["epoch"] == 1 and state["position"] == 2
-        resumed = make(1 - rank)
-        resumed.rank = rank  # a rank may load the state another rank saved
+            next(it)
+    # Every rank holds the same state, so rank 0's checkpoint resumes them all.
+    assert interrupted[0].state_dict() == interrupted[1].state_dict()
+    # Through JSON, as a checkpoint would store it.
+    state = json.loads(json.dumps(interrupted[0].state_dict()))
+    assert (state["epoch"], state["position"]) == (1, 2)
+    for rank in range(2):
+        resumed = make(rank)
         resumed.load_state_dict(state)
         rest = [b["input_ids"] for b in resumed]
-        assert len(rest) == len(uninterrupted) - 8
-        assert all(torch.equal(x, y) for x, y in zip(rest, uninterrupted[8:]))
+        assert len(rest) == len(uninterrupted[rank]) - 8
+        assert all(torch.equal(x, y) for x, y in zip(rest, uninterrupted[rank][8:]))
 
 
 def test_resume_refuses_a_state_from_other_data_or_settings(truncated_dataset, tokenizer):
@@ -331,7 +343,8 @@ def test_resume_refuses_a_state_from_other_data_or_settings(truncated_dataset, t
         BatchIterator(truncated_dataset, 2, seed=4).load_state_dict(state)
     with pytest.raises(ResumeStateError, match="world_size"):
         BatchIterator(truncated_dataset, 2, seed=3, world_size=2).load_state_dict(state)
-    other = PackedDataset.from_records(text_records(26, words_per_record=6), tokenizer, seq_len=6, mode="truncate")
+    # Same size, same examples, other order: only the fingerprint tells them apart.
+    other = PackedDataset.from_records(text_records(26)[::-1], tokenizer, seq_len=6, mode="truncate")
     with pytest.raises(ResumeStateError, match="data_fingerprint"):
         BatchIterator(other, 2, seed=3).load_state_dict(state)
 

@@ -7,6 +7,10 @@ and gradients w.r.t. the student's logits checks both the math and the chunk boo
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -403,3 +407,31 @@ def test_shape_errors_say_what_is_wrong():
         hidden_state_loss(hidden, hidden, kind="l1")
     with pytest.raises(ValueError, match="the teacher's hidden size is 10"):
         hidden_state_loss(hidden, torch.randn(BATCH, SEQ, 10), projection=HiddenProjection(6, 8))
+
+
+# --------------------------------------------------------------------------- memory
+
+_PEAK_MEMORY_SCRIPT = """
+import resource, torch
+from student_trainer.losses import kd_loss
+student = torch.randn(1, 2048, 16000, requires_grad=True)
+teacher = torch.randn(1, 2048, 16000)
+baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+# Chunked first: the high-water mark only rises, so the unchunked run must come second.
+for chunk_tokens in (32, 2048):
+    kd_loss(student, teacher, kind="jsd", chunk_tokens=chunk_tokens).backward()
+    student.grad = None
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline_kb)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss is in KiB on Linux only")
+def test_chunking_bounds_peak_memory_in_forward_and_backward():
+    """Peak memory above the inputs is the one gradient buffer plus a chunk's temporaries, not
+    [tokens, vocab] float32 temporaries. In a fresh process, whose high-water mark is ours alone."""
+    logits_kb = 2048 * 16000 * 4 / 1024
+    result = subprocess.run([sys.executable, "-c", _PEAK_MEMORY_SCRIPT], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parent.parent, check=True)
+    chunked_kb, whole_kb = (int(line) for line in result.stdout.split())
+    assert whole_kb > 4 * logits_kb, "one chunk: the measurement must see JSD's five float32 temporaries"
+    assert chunked_kb < 2 * logits_kb, "chunked: the gradient buffer (1x the logits) and small chunk temporaries"

@@ -1,0 +1,100 @@
+"""A student process for the multi-process tests: receives outputs, checks them locally.
+
+It joins the teacher, submits batches of varied lengths with padding (several in
+flight), runs the same model locally on each batch and records the largest
+difference per output kind. The report (JSON) is what the test asserts on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from student_trainer import TeacherClient  # noqa: E402
+
+
+def random_batch(generator: torch.Generator, vocab: int, max_len: int):
+    rows = int(torch.randint(1, 4, (1,), generator=generator))
+    seq = int(torch.randint(4, max_len + 1, (1,), generator=generator))
+    ids = torch.randint(0, vocab, (rows, seq), generator=generator)
+    mask = torch.ones(rows, seq, dtype=torch.int64)
+    for row in range(rows):  # right padding of random length, at least one real token
+        real = int(torch.randint(1, seq + 1, (1,), generator=generator))
+        mask[row, real:] = 0
+    return ids, mask
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--address", required=True)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--inflight", type=int, default=3)
+    p.add_argument("--max-len", type=int, default=40)
+    p.add_argument("--topk", type=int, default=5)
+    p.add_argument("--hidden-layers", default="0,2")
+    p.add_argument("--no-logits", action="store_true")
+    p.add_argument("--pause-s", type=float, default=0.0, help="sleep between batches")
+    p.add_argument("--job-id", default="test-job")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(args.device)
+    layers = tuple(int(x) for x in args.hidden_layers.split(",") if x)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).to(device).eval()
+    generator = torch.Generator().manual_seed(args.seed)
+    worst = {"logits": 0.0, "topk_values": 0.0, "topk_gather": 0.0, "hidden": 0.0}
+    received = []
+    start = time.monotonic()
+    with TeacherClient(args.address, device, logits=not args.no_logits, topk=args.topk, hidden_layers=layers,
+                       dtype="float32", max_inflight=args.inflight, job_id=args.job_id) as teacher:
+        print(f"JOINED {teacher.session_id}", flush=True)
+        in_flight = []
+
+        def check(fut, ids, mask):
+            out = fut.result(timeout=120)
+            with torch.no_grad():
+                ref = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
+            valid = mask.to(device).bool()
+            if out.logits is not None:
+                assert out.logits.shape == ref.logits.shape, (out.logits.shape, ref.logits.shape)
+                worst["logits"] = max(worst["logits"], (out.logits - ref.logits)[valid].abs().max().item())
+            if args.topk:
+                ref_values = ref.logits.topk(args.topk, dim=-1).values
+                worst["topk_values"] = max(worst["topk_values"],
+                                           (out.topk_values - ref_values)[valid].abs().max().item())
+                gathered = ref.logits.gather(-1, out.topk_indices.long())
+                worst["topk_gather"] = max(worst["topk_gather"], (out.topk_values - gathered)[valid].abs().max().item())
+            for layer in layers:
+                diff = (out.hidden_states[layer] - ref.hidden_states[layer])[valid].abs().max().item()
+                worst["hidden"] = max(worst["hidden"], diff)
+            received.append(out.batch_id)
+
+        for _ in range(args.batches):
+            ids, mask = random_batch(generator, teacher.info.vocab_size, args.max_len)
+            in_flight.append((teacher.submit(ids, mask), ids, mask))
+            if len(in_flight) >= args.inflight:
+                check(*in_flight.pop(0))
+            if args.pause_s:
+                time.sleep(args.pause_s)
+        for item in in_flight:
+            check(*item)
+    report = {"received": received, "worst": worst, "seconds": time.monotonic() - start}
+    Path(args.out).write_text(json.dumps(report))
+    print(f"DONE {json.dumps(report)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
