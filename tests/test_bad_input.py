@@ -1,0 +1,193 @@
+"""Every bad input gets its status code and a message that says what to change; the
+server keeps serving."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from distill_common import wire
+from distill_common.proto.teacher.v1 import teacher_pb2 as pb
+from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
+from student_trainer import TeacherClient
+from student_trainer.errors import InvalidRequest, LimitExceeded
+from tests.helpers import ServerProcess, build_tiny_model, start_student, wait_for_line
+
+VOCAB = 384
+MAX_SEQ = 64
+MAX_TOKENS = 256
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("teacher") / "model", vocab_size=VOCAB)
+    server = ServerProcess("--model", str(model_dir), "--max-batch-tokens", str(MAX_TOKENS), "--max-seq-len",
+                           str(MAX_SEQ), "--lease-s", "2", "--heartbeat-interval-s", "0.5", "--join-timeout-s", "5")
+    server.model_dir = model_dir
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with TeacherClient(server.address, "cpu", logits=True) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.address) as channel:
+        yield pb_grpc.TeacherServiceStub(channel)
+
+
+def _code(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def _tensor(array: np.ndarray, dtype: str | None = None) -> pb.Tensor:
+    return pb.Tensor(dtype=dtype or str(array.dtype), shape=list(array.shape), data=array.astype("<" + array.dtype.str[1:]).tobytes())
+
+
+def _submit(client, **fields) -> pb.SubmitRequest:
+    request = pb.SubmitRequest(session_id=client.session_id, batch_id=client._next_batch_id)
+    for name, value in fields.items():
+        getattr(request, name).CopyFrom(value) if isinstance(value, pb.Tensor) else setattr(request, name, value)
+    return request
+
+
+def _assert_healthy(server):
+    with grpc.insecure_channel(server.address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert server.proc.poll() is None
+
+
+ids_ok = np.zeros((2, 8), dtype=np.int32)
+
+BAD_SUBMITS = {
+    "ids outside the vocabulary": (dict(input_ids=_tensor(np.full((2, 8), VOCAB, np.int32))),
+                                   grpc.StatusCode.INVALID_ARGUMENT, "[0, 384)"),
+    "negative ids": (dict(input_ids=_tensor(np.full((1, 3), -1, np.int64))), grpc.StatusCode.INVALID_ARGUMENT,
+                     "[0, 384)"),
+    "ids that are not integers": (dict(input_ids=_tensor(np.zeros((2, 8), np.float32))),
+                                  grpc.StatusCode.INVALID_ARGUMENT, "integers"),
+    "ids and mask of different shapes": (dict(input_ids=_tensor(ids_ok), attention_mask=_tensor(np.ones((2, 7), np.int64))),
+                                         grpc.StatusCode.INVALID_ARGUMENT, "differs"),
+    "an empty batch": (dict(input_ids=_tensor(np.zeros((0, 8), np.int32))), grpc.StatusCode.INVALID_ARGUMENT,
+                       "empty"),
+    "no input_ids at all": (dict(), grpc.StatusCode.INVALID_ARGUMENT, "2-D"),
+    "a sequence over --max-seq-len": (dict(input_ids=_tensor(np.zeros((1, MAX_SEQ + 1), np.int32))),
+                                      grpc.StatusCode.INVALID_ARGUMENT, "--max-seq-len"),
+    "a batch over --max-batch-tokens": (dict(input_ids=_tensor(np.zeros((5, MAX_SEQ), np.int32))),
+                                        grpc.StatusCode.RESOURCE_EXHAUSTED, "--max-batch-tokens"),
+    "bytes that do not match the shape": (dict(input_ids=pb.Tensor(dtype="int32", shape=[2, 8], data=b"\0" * 10)),
+                                          grpc.StatusCode.INVALID_ARGUMENT, "bytes"),
+    "a huge declared shape": (dict(input_ids=pb.Tensor(dtype="int32", shape=[1, 2**62], data=b"")),
+                              grpc.StatusCode.INVALID_ARGUMENT, "--max-seq-len"),
+    "a mask that is not 0/1": (dict(input_ids=_tensor(ids_ok), attention_mask=_tensor(np.full((2, 8), 2, np.int64))),
+                               grpc.StatusCode.INVALID_ARGUMENT, "0 and 1"),
+    "a batch id out of order": (dict(input_ids=_tensor(ids_ok), batch_id=99), grpc.StatusCode.INVALID_ARGUMENT,
+                                "out of order"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SUBMITS))
+def test_bad_submit(server, client, stub, case):
+    fields, code, words = BAD_SUBMITS[case]
+    got, details = _code(lambda: stub.Submit(_submit(client, **fields), timeout=10))
+    assert got == code, (got, details)
+    assert words in details, details
+    _assert_healthy(server)
+
+
+def test_unknown_session(server, stub):
+    got, details = _code(lambda: stub.Submit(pb.SubmitRequest(session_id="nope", input_ids=_tensor(ids_ok)), timeout=10))
+    assert got == grpc.StatusCode.NOT_FOUND and "join again" in details
+    got, _ = _code(lambda: stub.Heartbeat(pb.HeartbeatRequest(session_id="nope"), timeout=10))
+    assert got == grpc.StatusCode.NOT_FOUND
+
+
+def test_expired_session_is_not_found(server, stub, tmp_path):
+    # A student frozen with SIGSTOP keeps its sockets open but stops heartbeating: its
+    # lease (2 s here) runs out and its session ends.
+    student = start_student(server.address, server.model_dir, tmp_path / "s.json", "--batches", "1000",
+                            "--pause-s", "0.05")
+    try:
+        session_id = wait_for_line(student, "JOINED").split()[1]
+        os.kill(student.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 15
+        while True:
+            code, details = None, ""
+            try:
+                stub.Submit(pb.SubmitRequest(session_id=session_id, batch_id=0, input_ids=_tensor(ids_ok)), timeout=10)
+            except grpc.RpcError as e:
+                code, details = e.code(), e.details()
+            if code == grpc.StatusCode.NOT_FOUND:
+                break
+            assert time.monotonic() < deadline, f"session not expired after 15 s: {code} {details}"
+            time.sleep(0.2)
+        assert "join again" in details
+    finally:
+        os.kill(student.pid, signal.SIGKILL)
+        student.wait(10)
+    _assert_healthy(server)
+
+
+def test_malformed_message(server):
+    with grpc.insecure_channel(server.address) as channel:
+        for method in ("Submit", "Join", "Heartbeat"):
+            call = channel.unary_unary(f"/teacher.v1.TeacherService/{method}")
+            got, details = _code(lambda: call(b"\xff\xff\xff\xff", timeout=10))
+            assert got == grpc.StatusCode.INVALID_ARGUMENT, (method, got, details)
+            assert "malformed" in details
+    _assert_healthy(server)
+
+
+BAD_JOINS = {
+    "nothing requested": (pb.OutputSpec(), grpc.StatusCode.INVALID_ARGUMENT, "no outputs"),
+    "a hidden layer out of range": (pb.OutputSpec(hidden_layers=[3]), grpc.StatusCode.INVALID_ARGUMENT, "0 (embeddings) .. 2"),
+    "k over the vocabulary": (pb.OutputSpec(topk=VOCAB + 1), grpc.StatusCode.INVALID_ARGUMENT, "topk"),
+    "an unknown dtype": (pb.OutputSpec(logits=True, dtype="float8"), grpc.StatusCode.INVALID_ARGUMENT, "dtype"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_JOINS))
+def test_bad_join(server, stub, case):
+    outputs, code, words = BAD_JOINS[case]
+    peer = pb.PeerInfo(device_type="cpu", torch_version=torch.__version__)
+    got, details = _code(lambda: stub.Join(pb.JoinRequest(outputs=outputs, peer=peer), timeout=10))
+    assert got == code and words in details, (got, details)
+
+
+def test_incompatible_students_are_refused(server, stub):
+    peer = pb.PeerInfo(device_type="cpu", torch_version="1.13.1")
+    got, details = _code(lambda: stub.Join(pb.JoinRequest(outputs=pb.OutputSpec(logits=True), peer=peer), timeout=10))
+    assert got == grpc.StatusCode.FAILED_PRECONDITION and "torch" in details
+    peer = pb.PeerInfo(device_type="cpu", torch_version=torch.__version__)
+    got, details = _code(lambda: stub.Join(pb.JoinRequest(outputs=pb.OutputSpec(logits=True), peer=peer,
+                                                          vocab_size=VOCAB + 1), timeout=10))
+    assert got == grpc.StatusCode.FAILED_PRECONDITION and "same tokenizer" in details
+    # Hidden states only: any vocabulary is fine (the group is never formed: the
+    # session simply times out on the teacher's side).
+    stub.Join(pb.JoinRequest(outputs=pb.OutputSpec(hidden_layers=[1]), peer=peer, vocab_size=VOCAB + 1), timeout=10)
+
+
+def test_client_raises_python_exceptions_that_say_what_to_change(server, client):
+    with pytest.raises(InvalidRequest, match=r"\[0, 384\)"):
+        client.submit(torch.full((1, 4), VOCAB))
+    with pytest.raises(LimitExceeded, match="--max-batch-tokens"):
+        client.submit(torch.zeros(5, MAX_SEQ, dtype=torch.int64))
+    with pytest.raises(ValueError, match="int32, int64 or bool"):  # caught before it leaves the student
+        client.submit(torch.zeros(1, 4))
+    # The session is still good after the refusals.
+    out = client.submit(torch.randint(0, VOCAB, (2, 6))).result(timeout=60)
+    assert out.logits.shape == (2, 6, VOCAB)
