@@ -90,7 +90,8 @@ def main() -> int:
                 time.sleep(args.pause_s)
         for item in in_flight:
             check(*item)
-    report = {"received": received, "worst": worst, "seconds": time.monotonic() - start}
+        backend = teacher.backend
+    report = {"received": received, "worst": worst, "seconds": time.monotonic() - start, "backend": backend}
     Path(args.out).write_text(json.dumps(report))
     print(f"DONE {json.dumps(report)}", flush=True)
     return 0

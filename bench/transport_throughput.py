@@ -1,0 +1,128 @@
+"""Teacher -> student payload throughput through the project vs raw NCCL send/recv.
+
+Both are measured in this one run between the same two GPUs:
+  raw      two processes, init_process_group("nccl"), back-to-back isend/irecv of
+           one payload size;
+  project  a teacher server on --teacher-gpu serving builtin:wide (a Llama-3-sized
+           vocabulary on a one-layer body: full bf16 logits of a batch are the
+           payload) and a TeacherClient on --student-gpu keeping --inflight batches
+           in flight.
+Prints a table (and writes it to --out): size, raw GB/s, project GB/s, ratio.
+
+    python bench/transport_throughput.py --sizes-mib 64,256,1024,2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+VOCAB = 128256  # builtin:wide
+BYTES_PER_TOKEN = VOCAB * 2  # bf16 logits
+
+
+def batch_shape(size_bytes: int, max_seq: int = 4096) -> tuple[int, int]:
+    tokens = max(1, round(size_bytes / BYTES_PER_TOKEN))
+    rows = max(1, math.ceil(tokens / max_seq))
+    return rows, max(1, round(tokens / rows))
+
+
+def _raw_worker(rank: int, port: int, sizes: list[int], iters: int, gpus: list[int], results) -> None:
+    torch.cuda.set_device(gpus[rank])
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    for size in sizes:
+        rows, seq = batch_shape(size)
+        buffers = [torch.empty(rows, seq, VOCAB, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+        for step in range(iters + 3):
+            if step == 3:  # after warm-up
+                torch.cuda.synchronize()
+                dist.barrier(device_ids=[gpus[rank]])
+                start = time.perf_counter()
+            buf = buffers[step % 2]
+            work = dist.isend(buf, 1) if rank == 0 else dist.irecv(buf, 0)
+            if step % 2:
+                work.wait()
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        if rank == 1:
+            results[size] = rows * seq * BYTES_PER_TOKEN * iters / elapsed
+    dist.destroy_process_group()
+
+
+def measure_raw(sizes: list[int], iters: int, gpus: list[int]) -> dict[int, float]:
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(_raw_worker, args=(29731, sizes, iters, gpus, results), nprocs=2, join=True)
+    return dict(results)
+
+
+def measure_project(sizes: list[int], iters: int, teacher_gpu: int, student_gpu: int, inflight: int) -> dict[int, float]:
+    from student_trainer import TeacherClient
+    from tests.helpers import ServerProcess
+
+    max_tokens = max(r * s for r, s in map(batch_shape, sizes)) * inflight
+    server = ServerProcess("--model", "builtin:wide", "--device", f"cuda:{teacher_gpu}", "--dtype", "bfloat16",
+                           "--max-batch-tokens", str(max_tokens), "--max-seq-len", "4096",
+                           "--max-inflight", str(inflight))
+    results = {}
+    try:
+        for size in sizes:
+            rows, seq = batch_shape(size)
+            ids = torch.randint(0, VOCAB, (rows, seq))
+            with TeacherClient(server.address, f"cuda:{student_gpu}", logits=True, max_inflight=inflight,
+                               job_id="bench") as teacher:
+                for fut in [teacher.submit(ids) for _ in range(3)]:
+                    fut.result(timeout=120)
+                start = time.perf_counter()
+                futures = [teacher.submit(ids) for _ in range(iters)]
+                for fut in futures:
+                    fut.result(timeout=300)
+                elapsed = time.perf_counter() - start
+            results[size] = rows * seq * BYTES_PER_TOKEN * iters / elapsed
+    finally:
+        server.stop()
+    return results
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes-mib", default="64,256,1024,2048")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--inflight", type=int, default=4)
+    p.add_argument("--teacher-gpu", type=int, default=0)
+    p.add_argument("--student-gpu", type=int, default=1)
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(key, value)
+    sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
+    raw = measure_raw(sizes, args.iters, [args.teacher_gpu, args.student_gpu])
+    project = measure_project(sizes, args.iters, args.teacher_gpu, args.student_gpu, args.inflight)
+    lines = [f"teacher GPU {args.teacher_gpu} -> student GPU {args.student_gpu}, {args.iters} batches per size, "
+             f"{args.inflight} in flight, {torch.cuda.get_device_name(args.teacher_gpu)}, torch {torch.__version__}",
+             "| payload per batch | raw NCCL GB/s | project GB/s | project / raw |",
+             "|---|---|---|---|"]
+    for size in sizes:
+        lines.append(f"| {size >> 20} MiB | {raw[size] / 1e9:.1f} | {project[size] / 1e9:.1f} | "
+                     f"{project[size] / raw[size]:.1%} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
