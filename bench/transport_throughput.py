@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,7 +72,9 @@ def measure_project(sizes: list[int], iters: int, teacher_gpu: int, student_gpu:
     from student_trainer import TeacherClient
     from tests.helpers import ServerProcess
 
-    max_tokens = max(r * s for r, s in map(batch_shape, sizes)) * inflight
+    # Small batches pack into one forward up to 16k tokens (4 GiB of logits); a
+    # 2 GiB batch is a forward of its own.
+    max_tokens = max(16384, max(r * s for r, s in map(batch_shape, sizes)))
     server = ServerProcess("--model", "builtin:wide", "--device", f"cuda:{teacher_gpu}", "--dtype", "bfloat16",
                            "--max-batch-tokens", str(max_tokens), "--max-seq-len", "4096",
                            "--max-inflight", str(inflight))
@@ -84,10 +87,16 @@ def measure_project(sizes: list[int], iters: int, teacher_gpu: int, student_gpu:
                                job_id="bench") as teacher:
                 for fut in [teacher.submit(ids) for _ in range(3)]:
                     fut.result(timeout=120)
+                # Like a training loop: each batch's outputs are used and dropped, so
+                # its receive buffers return to the allocator.
                 start = time.perf_counter()
-                futures = [teacher.submit(ids) for _ in range(iters)]
-                for fut in futures:
-                    fut.result(timeout=300)
+                futures: deque = deque()
+                for _ in range(iters):
+                    futures.append(teacher.submit(ids))
+                    while futures and futures[0].done():
+                        futures.popleft().result()
+                while futures:
+                    futures.popleft().result(timeout=300)
                 elapsed = time.perf_counter() - start
             results[size] = rows * seq * BYTES_PER_TOKEN * iters / elapsed
     finally:
@@ -99,7 +108,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-mib", default="64,256,1024,2048")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--inflight", type=int, default=4)
+    p.add_argument("--inflight", default="8,16", help="batches in flight per student; several values compare")
     p.add_argument("--teacher-gpu", type=int, default=0)
     p.add_argument("--student-gpu", type=int, default=1)
     p.add_argument("--out", default="")
@@ -109,14 +118,16 @@ def main() -> int:
         os.environ.setdefault(key, value)
     sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
     raw = measure_raw(sizes, args.iters, [args.teacher_gpu, args.student_gpu])
-    project = measure_project(sizes, args.iters, args.teacher_gpu, args.student_gpu, args.inflight)
+    inflights = [int(x) for x in args.inflight.split(",")]
+    project = {k: measure_project(sizes, args.iters, args.teacher_gpu, args.student_gpu, k) for k in inflights}
     lines = [f"teacher GPU {args.teacher_gpu} -> student GPU {args.student_gpu}, {args.iters} batches per size, "
-             f"{args.inflight} in flight, {torch.cuda.get_device_name(args.teacher_gpu)}, torch {torch.__version__}",
-             "| payload per batch | raw NCCL GB/s | project GB/s | project / raw |",
-             "|---|---|---|---|"]
+             f"{torch.cuda.get_device_name(args.teacher_gpu)}, torch {torch.__version__}",
+             "| payload per batch | raw NCCL GB/s | " + " | ".join(f"project GB/s ({k} in flight) | project / raw"
+                                                          for k in inflights) + " |",
+             "|---|---|" + "---|---|" * len(inflights)]
     for size in sizes:
-        lines.append(f"| {size >> 20} MiB | {raw[size] / 1e9:.1f} | {project[size] / 1e9:.1f} | "
-                     f"{project[size] / raw[size]:.1%} |")
+        cells = " | ".join(f"{project[k][size] / 1e9:.1f} | {project[k][size] / raw[size]:.1%}" for k in inflights)
+        lines.append(f"| {size >> 20} MiB | {raw[size] / 1e9:.1f} | {cells} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
