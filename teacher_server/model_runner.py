@@ -12,38 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from distill_common.models import load_causal_lm
 from distill_common.session_group import nccl_version
 from distill_common.vocab import tokenizer_fingerprint
 from distill_common.wire import dtype_name, parse_output_dtype
 
 log = logging.getLogger(__name__)
-
-BUILTIN_PREFIX = "builtin:"
-
-
-def builtin_model(name: str, dtype: torch.dtype = torch.float32):
-    """A small random-weight Llama built from a config (no download): for demos and tests."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    shapes = {
-        "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2),
-        # A Llama-3-sized vocabulary on a one-layer body: outputs as large as a real
-        # teacher's for almost no compute, for measuring the data plane.
-        "wide": dict(vocab_size=128256, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
-                     num_attention_heads=4, num_key_value_heads=4),
-    }
-    if name not in shapes:
-        raise ValueError(f"--model builtin:{name} is unknown; builtin models: {', '.join('builtin:' + k for k in shapes)}")
-    config = LlamaConfig(max_position_embeddings=8192, **shapes[name])
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(0)  # the same weights in every process that builds it
-    try:
-        model = LlamaForCausalLM(config)
-    finally:
-        torch.random.set_rng_state(generator_state)
-    return model.to(dtype)
-
 
 @dataclass
 class ModelInfo:
@@ -90,24 +64,15 @@ class ModelRunner:
                  self.info.num_layers)
 
     def _load(self, model_name: str, dtype: str, trust_remote_code: bool):
-        if model_name.startswith(BUILTIN_PREFIX):
-            torch_dtype = parse_output_dtype(dtype) if dtype else torch.float32
-            with torch.device(self.device):
-                return builtin_model(model_name[len(BUILTIN_PREFIX):], torch_dtype)
-        from transformers import AutoModelForCausalLM
-
         try:
-            return AutoModelForCausalLM.from_pretrained(
-                model_name, dtype=parse_output_dtype(dtype) if dtype else "auto",
-                device_map=str(self.device) if self.device.type == "cuda" else None,
-                trust_remote_code=trust_remote_code)
-        except OSError as e:
-            raise ValueError(f"--model {model_name!r} could not be loaded: {e}. Give a local model directory "
-                             "or a hub id this machine can download") from e
+            return load_causal_lm(model_name, device=self.device, dtype=parse_output_dtype(dtype) if dtype else None,
+                                  trust_remote_code=trust_remote_code)
+        except ValueError as e:
+            raise ValueError(f"--model: {e}") from e
 
     @staticmethod
     def _fingerprint(model_name: str) -> str:
-        if model_name.startswith(BUILTIN_PREFIX) or not os.path.isdir(model_name):
+        if not os.path.isdir(model_name):  # builtin:, random: and hub ids without a local copy
             return ""
         try:
             from transformers import AutoTokenizer

@@ -1,0 +1,74 @@
+"""Where a model comes from: a Hugging Face directory or hub id, a built-in random
+model, or random weights in the shape of a real model's config.
+
+    builtin:tiny          a small random Llama built from a config (demos, tests)
+    builtin:wide          a Llama-3-sized vocabulary on a one-layer body (data-plane benches)
+    random:DIR_OR_HUB_ID  that model's config with random weights, built on the target
+                          device (benchmarks of real shapes without their weights)
+    anything else         AutoModelForCausalLM.from_pretrained
+"""
+
+from __future__ import annotations
+
+import torch
+
+BUILTIN_PREFIX = "builtin:"
+RANDOM_PREFIX = "random:"
+
+BUILTIN_SHAPES = {
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+    # Outputs as large as a real teacher's for almost no compute.
+    "wide": dict(vocab_size=128256, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=4),
+}
+
+
+def _seeded_init(build, seed: int = 0):
+    """Builds with a fixed seed, leaving the caller's RNG as it was: every process that
+    builds the same random model gets the same weights."""
+    cpu_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        return build()
+    finally:
+        torch.random.set_rng_state(cpu_state)
+
+
+def builtin_model(name: str, dtype: torch.dtype = torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if name not in BUILTIN_SHAPES:
+        raise ValueError(f"builtin:{name} is unknown; builtin models: "
+                         f"{', '.join(BUILTIN_PREFIX + k for k in BUILTIN_SHAPES)}")
+    config = LlamaConfig(max_position_embeddings=8192, **BUILTIN_SHAPES[name])
+    return _seeded_init(lambda: LlamaForCausalLM(config)).to(dtype)
+
+
+def load_causal_lm(spec: str, *, device: torch.device, dtype: torch.dtype | None = None,
+                   trust_remote_code: bool = False):
+    """The model named by `spec` on `device` (dtype None: the model's own, float32 for random ones)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if spec.startswith(BUILTIN_PREFIX):
+        with torch.device(device):
+            return builtin_model(spec[len(BUILTIN_PREFIX):], dtype or torch.float32)
+    if spec.startswith(RANDOM_PREFIX):
+        config = AutoConfig.from_pretrained(spec[len(RANDOM_PREFIX):], trust_remote_code=trust_remote_code)
+        # Built directly on the device, in the target dtype: an 8B model never touches host memory.
+        with torch.device(device):
+            previous = torch.get_default_dtype()
+            torch.set_default_dtype(dtype or torch.float32)
+            try:
+                return _seeded_init(lambda: AutoModelForCausalLM.from_config(config,
+                                                                             trust_remote_code=trust_remote_code))
+            finally:
+                torch.set_default_dtype(previous)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            spec, dtype=dtype or "auto", trust_remote_code=trust_remote_code,
+            device_map=str(device) if device.type == "cuda" else None)
+    except OSError as e:
+        raise ValueError(f"model {spec!r} could not be loaded: {e}. Give a local model directory, a hub id this "
+                         f"machine can download, or {BUILTIN_PREFIX}NAME / {RANDOM_PREFIX}CONFIG_DIR") from e
+    return model.to(device)

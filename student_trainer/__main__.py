@@ -1,0 +1,38 @@
+"""`python -m student_trainer train ...` / `student-trainer train ...`: parse, build, run."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="student-trainer", description="Distil a student from a teacher server.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train_parser = commands.add_parser("train", help="train a student against a running teacher server")
+    from student_trainer.config import TrainConfig
+
+    TrainConfig.add_arguments(train_parser)
+    train_parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=args.log_level.upper() if rank == 0 else "WARNING",
+                        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
+    try:
+        config = TrainConfig.from_args(args)
+    except ValueError as e:
+        train_parser.error(str(e))
+
+    from student_trainer.train import train
+
+    result = train(config)
+    if rank == 0 and result["history"]:
+        last = result["history"][-1]
+        print(f"trained to step {result['step']}: loss {last['loss']:.4f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

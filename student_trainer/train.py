@@ -1,0 +1,337 @@
+"""The distillation loop, top to bottom.
+
+One process per student rank (torchrun for several: DDP across ranks, each rank its
+own teacher session). The teacher's outputs for the next `--prefetch` micro-batches
+are requested while the current one trains, so a step costs max(teacher, student),
+not their sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from student_trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
+from student_trainer.client import TeacherClient, TeacherOutput
+from student_trainer.config import TrainConfig
+from student_trainer.data import BatchIterator, PackedDataset
+from student_trainer.losses import HiddenProjection, hidden_state_loss, kd_loss, topk_kd_loss
+
+log = logging.getLogger(__name__)
+
+
+# ---- pieces the loop is made of --------------------------------------------------------
+
+
+class TeacherPrefetcher:
+    """Keeps `depth` micro-batches submitted to the teacher ahead of the one training.
+
+    Remembers the data position before each batch it drew, so a checkpoint records the
+    first batch not yet trained on: the in-flight ones are simply asked for again
+    after a resume.
+    """
+
+    def __init__(self, teacher: TeacherClient | None, batches: BatchIterator, depth: int, timeout_s: float):
+        self.teacher, self.batches, self.depth, self.timeout_s = teacher, batches, depth, timeout_s
+        self._queue: deque = deque()
+
+    def _fill(self, size: int) -> None:
+        while len(self._queue) < size:
+            position = self.batches.state_dict()
+            batch = next(self.batches)
+            future = self.teacher.submit(batch["input_ids"], batch["attention_mask"]) if self.teacher else None
+            self._queue.append((position, batch, future))
+
+    def next(self) -> tuple[dict, TeacherOutput | None, float]:
+        """The next micro-batch, its teacher outputs, and the seconds spent waiting for them."""
+        self._fill(self.depth + 1)
+        _, batch, future = self._queue.popleft()
+        start = time.perf_counter()
+        out = future.result(timeout=self.timeout_s) if future is not None else None
+        return batch, out, time.perf_counter() - start
+
+    def data_state(self) -> dict:
+        return self._queue[0][0] if self._queue else self.batches.state_dict()
+
+
+def student_layer_for(teacher_layer: int, teacher_layers: int, student_layers: int) -> int:
+    """Teacher hidden-state index -> the student's at the same relative depth (0 stays 0)."""
+    return round(teacher_layer * student_layers / teacher_layers)
+
+
+def distill_losses(cfg: TrainConfig, logits: torch.Tensor, student_hidden, batch: dict, out: TeacherOutput | None,
+                   projections: torch.nn.ModuleDict | None, layer_map: dict[int, int]) -> dict[str, torch.Tensor]:
+    """alpha * KD + (1 - alpha) * CE (+ hidden_weight * hidden), over the target tokens.
+
+    Position t predicts token t + 1; a target counts where loss_mask and attention_mask
+    are 1 (completion / assistant tokens only, for those data shapes).
+    """
+    device = logits.device
+    targets = batch["input_ids"][:, 1:].to(device)
+    mask = (batch["loss_mask"][:, 1:] * batch["attention_mask"][:, 1:]).to(device).bool()
+    student = logits[:, :-1]
+    losses = {"ce": F.cross_entropy(student[mask].float(), targets[mask]) if mask.any()
+              else student.sum() * 0.0}
+    total = (1 - cfg.kd_weight) * losses["ce"]
+    if cfg.uses_logits:
+        if cfg.topk:
+            losses["kd"] = topk_kd_loss(student, out.topk_values[:, :-1], out.topk_indices[:, :-1], mask,
+                                        kind=cfg.loss, temperature=cfg.temperature, jsd_beta=cfg.jsd_beta,
+                                        chunk_tokens=cfg.kd_chunk_tokens)
+        else:
+            losses["kd"] = kd_loss(student, out.logits[:, :-1], mask, kind=cfg.loss, temperature=cfg.temperature,
+                                   jsd_beta=cfg.jsd_beta, chunk_tokens=cfg.kd_chunk_tokens)
+        total = total + cfg.kd_weight * losses["kd"]
+    if cfg.hidden_layers:
+        attention = batch["attention_mask"].to(device).bool()
+        per_layer = [hidden_state_loss(student_hidden[layer_map[t]], out.hidden_states[t], attention,
+                                       kind=cfg.hidden_loss, projection=projections[str(t)])
+                     for t in cfg.hidden_layers]
+        losses["hidden"] = torch.stack(per_layer).mean()
+        total = total + cfg.hidden_weight * losses["hidden"]
+    losses["loss"] = total
+    return losses
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int):
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        if cfg.schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        if cfg.schedule == "linear":
+            return max(0.0, 1 - progress)
+        return 1.0
+    return factor
+
+
+def build_student(cfg: TrainConfig, device: torch.device, checkpoint: Path | None):
+    from distill_common.models import load_causal_lm
+
+    if cfg.lora_r:
+        try:
+            from peft import LoraConfig, PeftModel, get_peft_model
+        except ImportError as e:
+            raise SystemExit("--lora-r needs peft: pip install 'teacher-service[lora]'") from e
+        base = load_causal_lm(cfg.model, device=device, dtype=torch.float32)
+        if checkpoint is not None:
+            return PeftModel.from_pretrained(base, checkpoint / "model", is_trainable=True)
+        targets = cfg.lora_target_modules
+        return get_peft_model(base, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                               target_modules=targets if targets == "all-linear" else targets.split(","),
+                                               task_type="CAUSAL_LM"))
+    source = str(checkpoint / "model") if checkpoint is not None else cfg.model
+    return load_causal_lm(source, device=device, dtype=torch.float32)
+
+
+class MetricsWriter:
+    """metrics.jsonl in the output directory (and TensorBoard when it is installed)."""
+
+    def __init__(self, output_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self._file = open(output_dir / "metrics.jsonl", "a") if enabled else None
+        self._tb = None
+        if enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(output_dir / "tensorboard"))
+            except ImportError:
+                pass
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+@torch.no_grad()
+def evaluate(model, dataset: PackedDataset, cfg: TrainConfig, device: torch.device) -> float:
+    """Mean cross-entropy per target token on held-out data."""
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(dataset), cfg.batch_size):
+        batch = {k: v[start:start + cfg.batch_size] for k, v in
+                 (("input_ids", dataset.input_ids), ("attention_mask", dataset.attention_mask),
+                  ("loss_mask", dataset.loss_mask))}
+        logits = model(input_ids=batch["input_ids"].to(device),
+                       attention_mask=batch["attention_mask"].to(device)).logits[:, :-1].float()
+        mask = (batch["loss_mask"][:, 1:] * batch["attention_mask"][:, 1:]).to(device).bool()
+        targets = batch["input_ids"][:, 1:].to(device)
+        total += F.cross_entropy(logits[mask], targets[mask], reduction="sum").item()
+        count += int(mask.sum())
+    model.train()
+    return total / max(count, 1)
+
+
+# ---- the loop ------------------------------------------------------------------------------
+
+
+def train(cfg: TrainConfig) -> dict:
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device(cfg.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    barrier = dist.barrier if world_size > 1 else (lambda: None)
+    output_dir = Path(cfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    if rank == 0:
+        log.info("trainer settings (non-default): %s", cfg.non_defaults() or "none")
+
+    from transformers import AutoTokenizer
+
+    checkpoint = latest_checkpoint(output_dir) if cfg.resume else None
+    if cfg.resume and checkpoint is None:
+        log.warning("--resume: no checkpoint in %s, starting from scratch", output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
+    model = build_student(cfg, device, checkpoint)
+    if cfg.grad_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    model.train()
+
+    dataset = PackedDataset(cfg.data, tokenizer, cfg.seq_len, mode=cfg.pack_mode, skip_bad_lines=cfg.skip_bad_lines)
+    batches = BatchIterator(dataset, cfg.batch_size, seed=cfg.seed, rank=rank, world_size=world_size)
+    eval_set = PackedDataset(cfg.eval_data, tokenizer, cfg.seq_len, mode=cfg.pack_mode) if cfg.eval_data else None
+    total_steps = cfg.max_steps or cfg.epochs * max(1, batches.steps_per_epoch // cfg.grad_accum)
+
+    teacher = None
+    if cfg.needs_teacher:
+        teacher = TeacherClient(
+            cfg.teacher, device, logits=cfg.uses_logits and not cfg.topk, topk=cfg.topk if cfg.uses_logits else 0,
+            hidden_layers=cfg.hidden_layers, tokenizer=tokenizer if cfg.uses_logits else None,
+            max_inflight=cfg.prefetch + 1, job_id=cfg.job_id or output_dir.name, job_rank=rank,
+            transfer_timeout_s=cfg.teacher_timeout_s)
+        student_vocab = model.get_output_embeddings().weight.shape[0]
+        if cfg.uses_logits and student_vocab != teacher.info.vocab_size:
+            teacher.close()
+            raise SystemExit(f"the student's vocabulary has {student_vocab} entries, the teacher's "
+                             f"{teacher.info.vocab_size}: logit distillation needs the same tokenizer on both sides "
+                             "(or distil hidden states only: --kd-weight 0 --hidden-layers ...)")
+    projections, layer_map = None, {}
+    if cfg.hidden_layers:
+        student_layers, student_hidden = model.config.num_hidden_layers, model.config.hidden_size
+        layer_map = {t: student_layer_for(t, teacher.info.num_layers, student_layers) for t in cfg.hidden_layers}
+        projections = torch.nn.ModuleDict({str(t): HiddenProjection(student_hidden, teacher.info.hidden_size,
+                                                                    device=device) for t in cfg.hidden_layers})
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    params += list(projections.parameters()) if projections is not None else []
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+    step = 0
+    if checkpoint is not None:
+        state, rng = load_trainer_state(checkpoint, rank)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        batches.load_state_dict(state["data"])
+        if projections is not None:
+            projections.load_state_dict(state["projections"])
+        step = state["step"]
+        set_rng_state(rng)
+        log.info("resumed from %s at step %d", checkpoint, step)
+
+    trained = model
+    if cfg.compile:
+        trained = torch.compile(trained)
+    if world_size > 1:
+        trained = torch.nn.parallel.DistributedDataParallel(
+            trained, device_ids=[device.index] if device.type == "cuda" else None)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext())
+    prefetcher = TeacherPrefetcher(teacher, batches, cfg.prefetch, cfg.teacher_timeout_s)
+    metrics = MetricsWriter(output_dir, enabled=rank == 0)
+
+    def checkpoint_now() -> Path:
+        state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "data": prefetcher.data_state(),
+                 "projections": projections.state_dict() if projections is not None else {}}
+        return save_checkpoint(output_dir, step, model=model, tokenizer=tokenizer, trainer_state=state,
+                               rank=rank, world_size=world_size, barrier=barrier)
+
+    stop_at = min(total_steps, step + cfg.stop_after_steps) if cfg.stop_after_steps else total_steps
+    progress = tqdm(total=total_steps, initial=step, disable=rank != 0, desc="distilling", dynamic_ncols=True)
+    history = []
+    try:
+        while step < stop_at:
+            start = time.perf_counter()
+            teacher_wait_s, tokens, sums = 0.0, 0, {}
+            for micro in range(cfg.grad_accum):
+                batch, out, wait_s = prefetcher.next()
+                teacher_wait_s += wait_s
+                tokens += batch["attention_mask"].sum().item()
+                # DDP all-reduces gradients on the last micro-batch only.
+                sync = micro == cfg.grad_accum - 1 or world_size == 1
+                with (contextlib.nullcontext() if sync else trained.no_sync()):
+                    with autocast:
+                        student_out = trained(input_ids=batch["input_ids"].to(device),
+                                              attention_mask=batch["attention_mask"].to(device),
+                                              output_hidden_states=bool(cfg.hidden_layers))
+                    losses = distill_losses(cfg, student_out.logits, student_out.hidden_states, batch, out,
+                                            projections, layer_map)
+                    (losses["loss"] / cfg.grad_accum).backward()
+                for key, value in losses.items():
+                    sums[key] = sums.get(key, 0.0) + value.item() / cfg.grad_accum
+                del out, student_out, losses
+            grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
+                         if cfg.max_grad_norm > 0 else 0.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            elapsed = time.perf_counter() - start
+            record = {"step": step, **sums, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                      "tokens_per_s": tokens * world_size / elapsed, "teacher_wait_s": teacher_wait_s,
+                      "step_s": elapsed}
+            if eval_set is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
+                record["eval_ce"] = evaluate(model, eval_set, cfg, device)
+            history.append(record)
+            if step % cfg.log_every == 0 or step == stop_at:
+                metrics.write(record)
+            progress.set_postfix(loss=f"{sums['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                 wait=f"{teacher_wait_s:.2f}s")
+            progress.update(1)
+            if cfg.save_every and step % cfg.save_every == 0 and step < stop_at:
+                checkpoint_now()
+        checkpoint_now()
+        if step == total_steps and rank == 0:
+            if cfg.lora_r:
+                model.save_pretrained(output_dir / "adapter")  # before merging folds it into the base
+            final = model.merge_and_unload() if cfg.lora_r else model
+            final.save_pretrained(output_dir / "model")
+            tokenizer.save_pretrained(output_dir / "model")
+        barrier()
+    finally:
+        progress.close()
+        metrics.close()
+        if teacher is not None:
+            teacher.close(timeout_s=5)
+        if world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+    return {"step": step, "history": history}
