@@ -27,12 +27,10 @@ BUILTIN_SHAPES = {
 def _seeded_init(build, seed: int = 0):
     """Builds with a fixed seed, leaving the caller's RNG as it was: every process that
     builds the same random model gets the same weights."""
-    cpu_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
         return build()
-    finally:
-        torch.random.set_rng_state(cpu_state)
 
 
 def builtin_model(name: str, dtype: torch.dtype = torch.float32):

@@ -104,6 +104,17 @@ def distill_losses(cfg: TrainConfig, logits: torch.Tensor, student_hidden, batch
     return losses
 
 
+def train_micro_batch(cfg: TrainConfig, model, batch: dict, out: TeacherOutput | None, autocast,
+                      device: torch.device, projections, layer_map: dict[int, int]) -> dict[str, float]:
+    """Forward, losses and backward of one micro-batch (gradients scaled for accumulation)."""
+    with autocast:
+        student_out = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                            output_hidden_states=bool(cfg.hidden_layers))
+    losses = distill_losses(cfg, student_out.logits, student_out.hidden_states, batch, out, projections, layer_map)
+    (losses["loss"] / cfg.grad_accum).backward()
+    return {key: value.item() for key, value in losses.items()}
+
+
 def lr_lambda(cfg: TrainConfig, total_steps: int):
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -289,16 +300,10 @@ def train(cfg: TrainConfig) -> dict:
                 # DDP all-reduces gradients on the last micro-batch only.
                 sync = micro == cfg.grad_accum - 1 or world_size == 1
                 with (contextlib.nullcontext() if sync else trained.no_sync()):
-                    with autocast:
-                        student_out = trained(input_ids=batch["input_ids"].to(device),
-                                              attention_mask=batch["attention_mask"].to(device),
-                                              output_hidden_states=bool(cfg.hidden_layers))
-                    losses = distill_losses(cfg, student_out.logits, student_out.hidden_states, batch, out,
-                                            projections, layer_map)
-                    (losses["loss"] / cfg.grad_accum).backward()
+                    losses = train_micro_batch(cfg, trained, batch, out, autocast, device, projections, layer_map)
                 for key, value in losses.items():
-                    sums[key] = sums.get(key, 0.0) + value.item() / cfg.grad_accum
-                del out, student_out, losses
+                    sums[key] = sums.get(key, 0.0) + value / cfg.grad_accum
+                del out
             grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
                          if cfg.max_grad_norm > 0 else 0.0)
             optimizer.step()

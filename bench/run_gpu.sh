@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the GPU tests and the benches named as arguments
+# (tests, transport, pipeline), each output kept under $OUT.
+#   bash bench/run_gpu.sh tests transport pipeline
+set -uo pipefail
+# shellcheck source=bench/gpu_env.sh
+source bench/gpu_env.sh
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
+for what in "$@"; do
+  echo "=== $what"
+  case $what in
+    tests) timeout 400 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -x 2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
+    transport) timeout 400 python3 bench/transport_throughput.py --out "$out/transport.md" 2>&1 | grep -v Warning | tail -12 ;;
+    pipeline) timeout 500 python3 bench/distill_pipeline.py --out "$out/pipeline.md" 2>&1 | grep -v Warning | tail -12 ;;
+    *) echo "unknown step $what" ;;
+  esac
+done
