@@ -18,8 +18,9 @@ import datetime
 import hashlib
 import logging
 import os
+import queue
 import socket
-import time
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -114,26 +115,30 @@ class SessionGroup:
         """Waits for `work` at most `timeout_s`; raises TransferError otherwise.
 
         gloo completes a work only inside wait(), which takes a timeout. NCCL's wait()
-        only makes the current stream wait, so the CPU polls the work's CUDA event to
-        learn that it finished, and gives up at the deadline.
+        only makes the current stream wait, so the transfer's completion is recorded as
+        a CUDA event on a side stream and a waiter thread blocks on that event with the
+        GIL released. Polling from Python instead would take the GIL hundreds of times a
+        second from the training thread that shares this process.
         """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
             if self.backend == "gloo":
                 work.wait(datetime.timedelta(seconds=timeout_s))
                 return
-            deadline = time.monotonic() + timeout_s
-            pause_s = 1e-5
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise TransferError(f"{what} did not complete within {timeout_s:.1f}s")
-                time.sleep(pause_s)
-                pause_s = min(pause_s * 2, 1e-3)
-            work.wait()
+            done = self._cuda_waiter().watch(work)
+            if not done.wait(timeout_s):
+                raise TransferError(f"{what} did not complete within {timeout_s:.1f}s")
+            if done.error is not None:
+                raise done.error
         except TransferError:
             raise
         except Exception as e:
             raise TransferError(f"{what} failed: {e}") from e
+
+    def _cuda_waiter(self) -> "_CudaWaiter":
+        if getattr(self, "_waiter", None) is None:
+            self._waiter = _CudaWaiter(self.device)
+        return self._waiter
 
     def abort(self) -> None:
         """Tears the group down without waiting for the peer (it may be dead)."""
@@ -146,6 +151,47 @@ class SessionGroup:
                 return
             except Exception as e:  # already broken: nothing more to free
                 log.debug("session group %s() raised %s", method, e)
+        if getattr(self, "_waiter", None) is not None:
+            self._waiter.close()
+
+
+class _Done(threading.Event):
+    error: BaseException | None = None
+
+
+class _CudaWaiter:
+    """One thread that blocks, GIL released, on the completion events of a group's works, in order."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="nccl-waiter", daemon=True)
+        self._thread.start()
+
+    def watch(self, work) -> _Done:
+        done = _Done()
+        event = torch.cuda.Event()
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            work.wait()  # the side stream (not the CPU, not the compute stream) waits for the transfer
+            event.record(self.stream)
+        self._queue.put((event, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            event, done = item
+            try:
+                event.synchronize()  # releases the GIL; returns once the transfer finished or was aborted
+            except Exception as e:
+                done.error = e
+            done.set()
+
+    def close(self) -> None:
+        self._queue.put(None)
 
 
 def build_group(store: dist.Store, prefix: str, *, backend: str, rank: int, device: torch.device,

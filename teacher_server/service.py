@@ -75,8 +75,12 @@ class TeacherService:
         if request.batch_id != session.next_batch_id:
             raise InvalidArgument(f"batch_id {request.batch_id} is out of order: the session expects "
                                   f"{session.next_batch_id} (batch ids count 0, 1, 2, ... per session)")
-        if session.inflight >= session.max_inflight:
-            raise ResourceExhausted(f"session already has {session.inflight} batches in flight (its max_inflight, "
+        # Queued batches are what a session can pile up here; batches already computed
+        # and being sent are bounded by the engine, which schedules no more than
+        # max_inflight of a session. (Counting sends too would race the student, which
+        # sees its receive finish a moment before the teacher sees its send finish.)
+        if len(session.pending) >= session.max_inflight:
+            raise ResourceExhausted(f"session already has {len(session.pending)} batches queued (its max_inflight, "
                                     f"at most the teacher's --max-inflight {self.config.max_inflight}); "
                                     "receive outputs before submitting more")
         batch = self._decode_batch(request)
