@@ -100,6 +100,8 @@ class SessionGroup:
     pg: object
     device: torch.device
     timeout_s: float
+    # Where the teacher announces each batch whose sends it has posted (see `announce`).
+    ready_store: object = None
 
     @property
     def peer(self) -> int:
@@ -110,6 +112,24 @@ class SessionGroup:
 
     def recv(self, tensor: torch.Tensor, tag: int = 0):
         return self.pg.recv([tensor], self.peer, tag)
+
+    def announce(self, batch_id: int) -> None:
+        """Teacher: the sends of `batch_id` are posted; the student may post its receives.
+
+        An NCCL receive posted before its send spins on the student's GPU, holding SMs
+        its training needs for as long as the teacher takes to compute the batch. So
+        the student posts each receive only once the teacher has announced the batch.
+        """
+        self.ready_store.set(str(batch_id), "1")
+
+    def await_announced(self, batch_id: int, timeout_s: float) -> None:
+        """Student: blocks (GIL released) until the teacher announced `batch_id`."""
+        key = str(batch_id)
+        try:
+            self.ready_store.wait([key], datetime.timedelta(seconds=timeout_s))
+        except Exception as e:
+            raise TransferError(f"the teacher did not get to batch {batch_id} within {timeout_s:.0f}s: {e}") from e
+        self.ready_store.delete_key(key)
 
     def wait(self, work, timeout_s: float | None = None, what: str = "transfer") -> None:
         """Waits for `work` at most `timeout_s`; raises TransferError otherwise.
@@ -221,7 +241,8 @@ def build_group(store: dist.Store, prefix: str, *, backend: str, rank: int, devi
             raise TransferError(f"session group did not form within {timeout_s:.0f}s: {e}") from e
     else:
         raise ValueError(f"unknown backend {backend!r}; use 'nccl' or 'gloo'")
-    return SessionGroup(backend=backend, rank=rank, pg=pg, device=device, timeout_s=timeout_s)
+    ready_store = dist.PrefixStore(f"teacher-session/{prefix}/ready", store)
+    return SessionGroup(backend=backend, rank=rank, pg=pg, device=device, timeout_s=timeout_s, ready_store=ready_store)
 
 
 def prefix_token(prefix: str) -> int:

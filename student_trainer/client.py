@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from collections import deque
@@ -95,7 +96,10 @@ class TeacherClient:
         self._closed = False
         self._broken: TeacherError | None = None
         self._pending: deque[_Pending] = deque()
-        self._lock = threading.Lock()  # orders Submit + posting receives
+        self._submissions: queue.Queue = queue.Queue()
+        self._to_receive: queue.Queue = queue.Queue()
+        self._recv_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._unresolved = 0  # futures handed out and not yet resolved
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._group: SessionGroup | None = None
@@ -134,6 +138,10 @@ class TeacherClient:
         self._heartbeat_thread.start()
         self._completion_thread = threading.Thread(target=self._completion_loop, name="teacher-recv", daemon=True)
         self._completion_thread.start()
+        self._submit_thread = threading.Thread(target=self._submit_loop, name="teacher-submit", daemon=True)
+        self._submit_thread.start()
+        self._receive_thread = threading.Thread(target=self._receive_loop, name="teacher-post-recv", daemon=True)
+        self._receive_thread.start()
         log.info("joined teacher %s as session %s (%s, %s)", address, self.session_id, self.backend,
                  self.info.model_name)
 
@@ -141,10 +149,13 @@ class TeacherClient:
 
     def submit(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                timeout_s: float | None = None) -> Future:
-        """Registers a [B, S] batch; returns a Future of its TeacherOutput.
+        """Registers a [B, S] batch; returns at once a Future of its TeacherOutput.
 
-        Blocks while max_inflight batches are outstanding, at most `timeout_s`
-        (default: the transfer timeout).
+        The Submit RPC and the posting of the receives happen on a submitter thread,
+        in order, so a training loop never waits on the control plane. A refusal by
+        the teacher (bad ids, a limit) is raised by the future's result(); malformed
+        tensors are refused here. Blocks while max_inflight batches are outstanding,
+        at most `timeout_s` (default: the transfer timeout).
         """
         self._check_usable()
         if input_ids.dim() != 2:
@@ -152,28 +163,64 @@ class TeacherClient:
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask shape {list(attention_mask.shape)} differs from input_ids "
                              f"{list(input_ids.shape)}")
+        # Encoded now: the caller may reuse its tensors as soon as submit returns.
+        ids = wire.encode(input_ids)
+        mask = wire.encode(attention_mask) if attention_mask is not None else None
         wait_s = self.transfer_timeout_s if timeout_s is None else timeout_s
         if not self._slots.acquire(timeout=wait_s):
             raise TeacherUnavailable(f"no batch finished within {wait_s:.0f}s while {self.max_inflight} were in "
                                      "flight: the teacher is overloaded or stuck")
-        try:
-            with self._lock:
-                self._check_usable()
-                batch_id = self._next_batch_id
-                request = pb.SubmitRequest(session_id=self.session_id, batch_id=batch_id,
-                                           input_ids=wire.encode(input_ids))
-                if attention_mask is not None:
-                    request.attention_mask.CopyFrom(wire.encode(attention_mask))
-                self._call("Submit", request)
-                self._next_batch_id += 1
-                pending = self._post_receives(batch_id, tuple(input_ids.shape))
-        except BaseException:
-            self._slots.release()
-            raise
+        future: Future = Future()
+        future.add_done_callback(lambda _: self._slots.release())
         with self._cond:
-            self._pending.append(pending)
+            self._unresolved += 1
+        future.add_done_callback(self._resolved)
+        self._submissions.put((ids, mask, tuple(input_ids.shape), future))
+        return future
+
+    def _resolved(self, _future) -> None:
+        with self._cond:
+            self._unresolved -= 1
             self._cond.notify_all()
-        return pending.future
+
+    def _submit_loop(self) -> None:
+        """Registers batches in order and posts their receives right after."""
+        while True:
+            item = self._submissions.get()
+            if item is None:
+                return
+            ids, mask, shape, future = item
+            if self._broken is not None or self._closed:
+                future.set_exception(self._broken or TeacherError("the client was closed"))
+                continue
+            request = pb.SubmitRequest(session_id=self.session_id, batch_id=self._next_batch_id, input_ids=ids)
+            if mask is not None:
+                request.attention_mask.CopyFrom(mask)
+            try:
+                self._call("Submit", request)
+            except TeacherError as e:
+                future.set_exception(e)  # the batch id is not used up: the next batch takes it
+                continue
+            self._to_receive.put(_Pending(self._next_batch_id, shape, [], [], future))
+            self._next_batch_id += 1
+
+    def _receive_loop(self) -> None:
+        """Posts each batch's receives, in order, once the teacher announced its sends."""
+        while True:
+            pending = self._to_receive.get()
+            if pending is None:
+                return
+            try:
+                self._group.await_announced(pending.batch_id, self.transfer_timeout_s)
+                self._post_receives(pending)
+            except Exception as e:
+                if not self._stop.is_set():
+                    self._break(TransferFailed(f"receiving batch {pending.batch_id}: {e}"))
+                pending.future.set_exception(self._broken or TeacherError("the client was closed"))
+                continue
+            with self._cond:
+                self._pending.append(pending)
+                self._cond.notify_all()
 
     def close(self, timeout_s: float | None = None) -> None:
         """Waits for outstanding batches (at most `timeout_s`), leaves, frees the group."""
@@ -181,12 +228,16 @@ class TeacherClient:
             return
         deadline = time.monotonic() + (self.transfer_timeout_s if timeout_s is None else timeout_s)
         with self._cond:
-            while self._pending and self._broken is None and time.monotonic() < deadline:
+            while self._unresolved and self._broken is None and time.monotonic() < deadline:
                 self._cond.wait(0.05)
         self._closed = True
         self._stop.set()
+        self._submissions.put(None)
+        self._to_receive.put(None)
         with self._cond:
             self._cond.notify_all()
+        self._submit_thread.join(timeout=5)
+        self._receive_thread.join(timeout=5)
         self._completion_thread.join(timeout=5)
         self._leave(drain=False)
         if self._group is not None:
@@ -221,11 +272,9 @@ class TeacherClient:
 
     # ---- receiving ---------------------------------------------------------------
 
-    def _post_receives(self, batch_id: int, shape: tuple[int, int]) -> _Pending:
-        b, s = shape
+    def _post_receives(self, pending: _Pending) -> None:
+        b, s = pending.shape
         info = self.info
-        # Receives land where the group's backend can write: the GPU for NCCL, host memory for gloo.
-        recv_device = self.device if self.backend == "nccl" else torch.device("cpu")
         specs = []
         if self.logits:
             specs.append(((b, s, info.vocab_size), self.output_dtype))
@@ -234,9 +283,17 @@ class TeacherClient:
             specs.append(((b, s, self.topk), torch.int32))
         if self.hidden_layers:
             specs.append(((len(self.hidden_layers), b, s, info.hidden_size), self.output_dtype))
-        buffers = [torch.empty(size, dtype=dtype, device=recv_device) for size, dtype in specs]
-        works = [self._group.recv(buffer) for buffer in buffers]
-        return _Pending(batch_id, shape, buffers, works, Future())
+        if self.backend == "gloo":  # gloo writes host memory; moved to the device on arrival
+            pending.buffers = [torch.empty(size, dtype=dtype) for size, dtype in specs]
+            pending.works = [self._group.recv(buffer) for buffer in pending.buffers]
+            return
+        # NCCL makes its stream wait for the current stream when a receive is posted. On
+        # our own idle stream the receive starts at once instead of queueing behind the
+        # training step's kernels; the buffers are allocated there too, so the allocator
+        # never hands NCCL memory that queued kernels of another stream still read.
+        with torch.cuda.device(self.device), torch.cuda.stream(self._recv_stream):
+            pending.buffers = [torch.empty(size, dtype=dtype, device=self.device) for size, dtype in specs]
+            pending.works = [self._group.recv(buffer) for buffer in pending.buffers]
 
     def _completion_loop(self) -> None:
         while True:
@@ -256,11 +313,16 @@ class TeacherClient:
             with self._cond:
                 self._pending.popleft()
                 self._cond.notify_all()
-            self._slots.release()
             pending.future.set_result(result)
 
     def _assemble(self, pending: _Pending) -> TeacherOutput:
-        buffers = [t.to(self.device, non_blocking=True) for t in pending.buffers]
+        if self.backend == "nccl":
+            consumer = torch.cuda.current_stream(self.device)
+            for buffer in pending.buffers:  # freed later by the training loop's stream
+                buffer.record_stream(consumer)
+            buffers = pending.buffers
+        else:
+            buffers = [t.to(self.device) for t in pending.buffers]
         out = TeacherOutput(batch_id=pending.batch_id)
         if self.logits:
             out.logits = buffers.pop(0)
@@ -314,7 +376,6 @@ class TeacherClient:
         for pending in failed:
             if not pending.future.done():
                 pending.future.set_exception(error)
-            self._slots.release()
 
     def _check_usable(self) -> None:
         if self._broken is not None:

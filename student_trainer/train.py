@@ -304,6 +304,12 @@ def train(cfg: TrainConfig) -> dict:
                 for key, value in losses.items():
                     sums[key] = sums.get(key, 0.0) + value / cfg.grad_accum
                 del out
+            if world_size > 1 and projections is not None:
+                # DDP wraps the student only: without this each rank would train its own projections,
+                # and a resume would give every rank rank 0's.
+                for param in projections.parameters():
+                    dist.all_reduce(param.grad)
+                    param.grad.div_(world_size)
             grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
                          if cfg.max_grad_norm > 0 else 0.0)
             optimizer.step()

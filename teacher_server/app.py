@@ -11,6 +11,7 @@ import datetime
 import logging
 import signal
 import socket
+import sys
 
 import grpc
 import torch.distributed as dist
@@ -39,6 +40,10 @@ def advertised_host(config: ServerConfig) -> str:
 
 class TeacherServer:
     def __init__(self, config: ServerConfig):
+        # The engine thread runs Python for every kernel launch of the forward; with the
+        # default 5 ms switch interval a gRPC handler or a sender thread waiting for the
+        # GIL stalls up to 5 ms per handoff, which adds up to milliseconds per batch.
+        sys.setswitchinterval(0.0005)
         self.config = config
         self.advertise_host = advertised_host(config)
         self.runner = ModelRunner(config.model, config.device, config.dtype, config.trust_remote_code)

@@ -198,6 +198,7 @@ class Engine:
             if job is None:
                 return
             try:
+                group.announce(job.batch.batch_id)
                 for work in job.works:
                     group.wait(work, self.transfer_timeout_s, what=f"sending batch {job.batch.batch_id}")
             except TransferError as e:

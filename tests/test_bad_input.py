@@ -182,10 +182,11 @@ def test_incompatible_students_are_refused(server, stub):
 
 
 def test_client_raises_python_exceptions_that_say_what_to_change(server, client):
+    # The teacher's refusals arrive on the future: submit() itself never waits on an RPC.
     with pytest.raises(InvalidRequest, match=r"\[0, 384\)"):
-        client.submit(torch.full((1, 4), VOCAB))
+        client.submit(torch.full((1, 4), VOCAB)).result(timeout=30)
     with pytest.raises(LimitExceeded, match="--max-batch-tokens"):
-        client.submit(torch.zeros(5, MAX_SEQ, dtype=torch.int64))
+        client.submit(torch.zeros(5, MAX_SEQ, dtype=torch.int64)).result(timeout=30)
     with pytest.raises(ValueError, match="int32, int64 or bool"):  # caught before it leaves the student
         client.submit(torch.zeros(1, 4))
     # The session is still good after the refusals.
