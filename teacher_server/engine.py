@@ -198,7 +198,6 @@ class Engine:
             if job is None:
                 return
             try:
-                group.announce(job.batch.batch_id)
                 for work in job.works:
                     group.wait(work, self.transfer_timeout_s, what=f"sending batch {job.batch.batch_id}")
             except TransferError as e:
@@ -359,6 +358,10 @@ class Engine:
             return  # ended meanwhile
         try:
             works = [group.send(t) for t in tensors]
+            # Announced here, not by the sender thread (which is busy waiting for the
+            # previous batch): the student posts this batch's receives right away, so
+            # consecutive transfers run back to back.
+            group.announce(batch.batch_id)
         except Exception as e:
             self._end(session, "transfer_failed", f"posting the send of batch {batch.batch_id} failed: {e}")
             return

@@ -217,7 +217,8 @@ def test_teacher_command_line_parses_and_matches_values(directory):
     assert service["metadata"]["annotations"]["prometheus.io/port"] == str(config.http_port)
     for p in service_ports.values():
         assert p["targetPort"] in ports, f"Service port {p['name']} targets no container port"
-    secret_env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    secret_env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]
+                  if "secretKeyRef" in e.get("valueFrom", {})}
     assert secret_env["TEACHER_AUTH_TOKEN"] == {"name": "teacher-auth", "key": "token"}
 
 
@@ -227,7 +228,8 @@ def test_multi_node_overlay_ranks_pods_and_serves_from_rank_0():
     teacher = find(docs, "StatefulSet", "teacher")
     c = container(teacher, "teacher")
     assert int(values["TEACHER_NNODES"]) >= 2 and teacher["spec"]["replicas"] == int(values["TEACHER_NNODES"])
-    assert teacher["spec"]["podManagementPolicy"] == "Parallel", "OrderedReady would wait for pod 0, which waits for pod 1"
+    assert teacher["spec"]["podManagementPolicy"] == "Parallel", \
+        "OrderedReady would wait for pod 0 to be ready, which waits for pod 1"
     node_rank = next(e for e in c["env"] if e["name"] == "NODE_RANK")
     assert node_rank["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
     assert "--node-rank=$(NODE_RANK)" in c["command"] and "--standalone" not in c["command"]
@@ -304,7 +306,9 @@ def test_shell_scripts_pass_shellcheck(tmp_path):
     # The per-node launch commands are bash in a single-quoted string (run by `srun bash -c`):
     # check them as scripts of their own.
     for script in [p for p in scripts if p.suffix == ".sbatch"]:
-        for i, body in enumerate(re.findall(r"^launch='(.*?)^'", script.read_text(), re.S | re.M)):
+        bodies = re.findall(r"^launch='(.*?)^'", script.read_text(), re.S | re.M)
+        assert bodies, f"{script.name}: no launch='...' string found (update this test with the script)"
+        for i, body in enumerate(bodies):
             inner = tmp_path / f"{script.stem}-launch-{i}.sh"
             inner.write_text("#!/bin/bash\n" + body)
             scripts.append(inner)
