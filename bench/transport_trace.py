@@ -8,6 +8,7 @@ prints each batch's milestones in ms from its submit(), plus the teacher's forwa
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections import defaultdict, deque
@@ -17,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import requests  # noqa: E402
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the programs do
 import torch  # noqa: E402
 
 from bench.transport_throughput import VOCAB, batch_shape  # noqa: E402

@@ -7,6 +7,9 @@ import logging
 import os
 import sys
 
+# Receive buffers of full logits come and go every step: see teacher_server/__main__.py.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="student-trainer", description="Distil a student from a teacher server.")

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+
+# Packed forwards change size from one to the next and their outputs live on until the
+# students have them; expandable segments grow the allocator's pool in place instead of
+# a cudaMalloc (and, when fragmented, a device-wide cudaFree) per new size. Read when
+# CUDA initialises, so set before torch touches it; a user's own setting wins.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from teacher_server.config import ServerConfig
 
