@@ -37,7 +37,7 @@ def main() -> int:
 
     rows, seq = batch_shape(args.size_mib << 20)
     server = ServerProcess("--model", "builtin:wide", "--device", args.teacher_device, "--dtype", "bfloat16",
-                           "--max-batch-tokens", "16384", "--max-seq-len", "4096", "--max-inflight", str(args.inflight))
+                           "--max-batch-tokens", "16384", "--max-seq-len", "4096", "--max-inflight", str(args.inflight), "--log-level", "DEBUG")
     marks: dict[int, dict[str, float]] = defaultdict(dict)
     try:
         teacher = TeacherClient(server.address, args.device, logits=True, max_inflight=args.inflight)
@@ -67,9 +67,13 @@ def main() -> int:
 
         teacher._call, group.await_announced, teacher._post_receives, teacher._assemble = call, announced, post, assemble
         ids = torch.randint(0, VOCAB, (rows, seq))
+        for fut in [teacher.submit(ids) for _ in range(args.inflight)]:  # warm-up
+            fut.result(timeout=120)
+        marks.clear()
         futures: deque = deque()
         start = time.perf_counter()
-        for i in range(args.batches):
+        base = teacher._next_batch_id
+        for i in range(base, base + args.batches):
             marks[i]["submit"] = time.perf_counter()
             futures.append(teacher.submit(ids))
             while futures and futures[0].done():
@@ -81,11 +85,12 @@ def main() -> int:
         metrics = requests.get(f"{server.http}/metrics", timeout=10).text
     finally:
         server.stop()
+    print("".join(line for line in server.log_lines if "forward" in line and "DEBUG" in line)[-3000:])
     print(f"{args.batches} x {args.size_mib} MiB in {elapsed * 1000:.0f} ms: "
           f"{args.batches * rows * seq * VOCAB * 2 / elapsed / 1e9:.1f} GB/s")
     keys = ["rpc_start", "rpc_done", "announced", "posted", "received"]
     print("| batch | " + " | ".join(keys) + " | (ms after submit) |")
-    for i in range(args.batches):
+    for i in sorted(marks):
         t0 = marks[i]["submit"]
         print(f"| {i} | " + " | ".join(f"{(marks[i].get(k, float('nan')) - t0) * 1000:.1f}" for k in keys) + " |")
     print("\n".join(line for line in metrics.splitlines() if line.startswith(("teacher_forward_seconds_count",

@@ -323,6 +323,7 @@ class Engine:
         start = time.monotonic()
         try:
             out = self.runner.forward(input_ids, mask, hidden=bool(layers))
+            launched = time.monotonic()
             if self.runner.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # for the latency figure only
         except Exception as e:  # e.g. out of memory: those sessions fail, the teacher stays up
@@ -330,9 +331,12 @@ class Engine:
             for session in {id(p.session): p.session for p in plan}.values():
                 self._end(session, "forward_failed", f"the teacher's forward failed: {e}")
             return
-        self.metrics.record_forward(start, time.monotonic(), rows * seq)
+        done = time.monotonic()
+        self.metrics.record_forward(start, done, rows * seq)
         for p in plan:
             self._send(p, out)
+        log.debug("forward %d x %d (%d batches): launch %.1f ms, device %.1f ms, sends posted %.1f ms", rows, seq,
+                  len(plan), (launched - start) * 1e3, (done - launched) * 1e3, (time.monotonic() - done) * 1e3)
 
     def _send(self, p: _Planned, out) -> None:
         session, batch = p.session, p.batch
