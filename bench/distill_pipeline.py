@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import sys
 import tempfile
@@ -137,6 +138,8 @@ def main() -> int:
             torch.cuda.synchronize(device)
             return args.steps * tokens_per_step / (time.perf_counter() - start)
 
+        gc.collect()
+        gc.freeze()  # as train() does
         torch.cuda.reset_peak_memory_stats(device)
         student_batches = SyntheticBatches(args.rows, args.seq, seed=1)
         results["student alone"] = run(lambda: (next(student_batches), fixed))

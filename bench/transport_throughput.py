@@ -15,6 +15,7 @@ Prints a table (and writes it to --out): size, raw GB/s, project GB/s, ratio.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import sys
@@ -76,6 +77,8 @@ def measure_project(sizes: list[int], iters: int, teacher_gpu: int, student_gpu:
     # Small batches pack into one forward up to 16k tokens (4 GiB of logits); a
     # 2 GiB batch is a forward of its own.
     max_tokens = max(16384, max(r * s for r, s in map(batch_shape, sizes)))
+    gc.collect()
+    gc.freeze()  # as the trainer does: the client lives in a training process
     server = ServerProcess("--model", "builtin:wide", "--device", f"cuda:{teacher_gpu}", "--dtype", "bfloat16",
                            "--max-batch-tokens", str(max_tokens), "--max-seq-len", "4096",
                            "--max-inflight", str(inflight))

@@ -8,6 +8,7 @@ prints each batch's milestones in ms from its submit(), plus the teacher's forwa
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -36,6 +37,8 @@ def main() -> int:
     from tests.helpers import ServerProcess
 
     rows, seq = batch_shape(args.size_mib << 20)
+    gc.collect()
+    gc.freeze()  # as the trainer does: the client lives in a training process
     server = ServerProcess("--model", "builtin:wide", "--device", args.teacher_device, "--dtype", "bfloat16",
                            "--max-batch-tokens", "16384", "--max-seq-len", "4096", "--max-inflight", str(args.inflight), "--log-level", "DEBUG")
     marks: dict[int, dict[str, float]] = defaultdict(dict)

@@ -292,18 +292,21 @@ def test_ddp_resume_with_hidden_states_repeats_the_run(server, models, corpus, t
     assert_same_run(read_metrics(a), read_metrics(b), keys=("loss", "kd", "ce", "hidden"))
 
 
-@pytest.mark.parametrize("student, words", [
-    ("student_small_vocab", ["vocabulary has 300 entries, the teacher's 400"]),
-    ("student_other_tokenizer", ["tokenizer differs from the teacher's", "fingerprints"]),
-    ("student_wide_head", ["vocabulary has 448 entries, the teacher's 400"]),
+@pytest.mark.parametrize("student, refused_at, words", [
+    ("student_small_vocab", "join", ["vocabulary has 300 entries, the teacher's 400"]),
+    ("student_other_tokenizer", "join", ["tokenizer differs from the teacher's", "fingerprints"]),
+    # Same tokenizer, so the teacher admits it; the trainer compares the logits' widths.
+    ("student_wide_head", "trainer", ["vocabulary has 448 entries, the teacher's 400"]),
 ])
-def test_mismatched_vocabulary_is_refused(server, models, corpus, tmp_path, student, words):
+def test_mismatched_vocabulary_is_refused(server, models, corpus, tmp_path, student, refused_at, words):
     out = tmp_path / "run"
+    joined_before = sessions_joined(server)
     result = train(server, models[student], corpus["train"], out, "--kd-weight", "0.5", "--max-steps", "2")
     assert result.returncode != 0, result.stdout
     for expected in [*words, "same tokenizer"]:
         assert expected in result.stdout, (expected, result.stdout)
-    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip()
+    assert sessions_joined(server) - joined_before == (0 if refused_at == "join" else 1)
+    assert not (out / "metrics.jsonl").exists()
 
 
 def test_bad_jsonl_line_is_reported_with_its_number(server, models, corpus, tmp_path):
@@ -346,9 +349,10 @@ def test_topk_distillation(server, models, corpus, tmp_path):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "The student sends len(tokenizer) as JoinRequest.vocab_size and the teacher compares it with its output "
-    "embedding's rows, so a teacher whose embedding is padded past its tokenizer (as Qwen2's and Phi-3's are) "
-    "refuses every student, even one with the same tokenizer and the same padded head."))
+    "TeacherClient sends len(tokenizer) as JoinRequest.vocab_size and TeacherService._check_vocabulary "
+    "compares it with the teacher's output-embedding rows, so a teacher whose head is padded past its "
+    "tokenizer (as Qwen2's and Phi-3's are) refuses every logit student, even one with the same tokenizer "
+    "and the same padded head."))
 def test_padded_output_embedding_with_the_same_tokenizer_is_accepted(models, corpus, tmp_path):
     padded = dict(vocab_size=VOCAB + 16, tokenizer=models["tokenizer"])
     teacher = build_llama(tmp_path / "teacher", hidden_size=64, layers=2, seed=0, **padded)
