@@ -15,6 +15,8 @@ for what in "$@"; do
     transport) timeout 400 python3 bench/transport_throughput.py --out "$out/transport.md" 2>&1 | grep -v Warning | tail -12 ;;
     pipeline) timeout 500 python3 bench/distill_pipeline.py --out "$out/pipeline.md" 2>&1 | grep -v Warning | tail -12 ;;
     trace) timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 24 2>&1 | grep -v Warning | tail -60 ;;
+    profile) export PATH=/tmp/site/bin:$PATH
+             timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 400 --profile "$out/teacher.txt" 2>&1 | grep -v Warning | tail -5 ;;
     *) echo "unknown step $what" ;;
   esac
 done

@@ -32,6 +32,7 @@ def main() -> int:
     p.add_argument("--inflight", type=int, default=8)
     p.add_argument("--device", default="cuda:1")
     p.add_argument("--teacher-device", default="cuda:0")
+    p.add_argument("--profile", default="", help="write a py-spy profile of the teacher here")
     args = p.parse_args()
     from student_trainer import TeacherClient
     from tests.helpers import ServerProcess
@@ -75,6 +76,12 @@ def main() -> int:
         marks.clear()
         futures: deque = deque()
         start = time.perf_counter()
+        spy = None
+        if args.profile:  # py-spy (carried as a wheel) samples the teacher during the timed batches
+            import subprocess
+            spy = subprocess.Popen(["py-spy", "record", "--idle", "--threads", "--format", "raw", "-r", "500", "-d", "3",
+                                    "-p", str(server.proc.pid), "-o", args.profile])
+            time.sleep(1.0)
         base = teacher._next_batch_id
         for i in range(base, base + args.batches):
             marks[i]["submit"] = time.perf_counter()
@@ -84,6 +91,8 @@ def main() -> int:
         while futures:
             futures.popleft().result(timeout=120)
         elapsed = time.perf_counter() - start
+        if spy is not None:
+            spy.wait(30)
         teacher.close()
         metrics = requests.get(f"{server.http}/metrics", timeout=10).text
     finally:
