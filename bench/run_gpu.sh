@@ -12,7 +12,7 @@ for what in "$@"; do
   echo "=== $what"
   case $what in
     tests) timeout 400 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -x 2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
-    transport) timeout 400 python3 bench/transport_throughput.py --out "$out/transport.md" 2>&1 | grep -v Warning | tail -12 ;;
+    transport) timeout 400 python3 bench/transport_throughput.py --inflight 8 --out "$out/transport.md" 2>&1 | grep -v Warning | tail -12 ;;
     pipeline) timeout 500 python3 bench/distill_pipeline.py --out "$out/pipeline.md" 2>&1 | grep -v Warning | tail -12 ;;
     trace) timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 24 2>&1 | grep -v Warning | tail -60 ;;
     profile) export PATH=/tmp/site/bin:$PATH

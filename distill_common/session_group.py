@@ -223,6 +223,18 @@ def build_group(store: dist.Store, prefix: str, *, backend: str, rank: int, devi
     """
     prefix_store = dist.PrefixStore(f"teacher-session/{prefix}", store)
     timeout = datetime.timedelta(seconds=timeout_s)
+    # The group constructors block until the peer arrives and hold the GIL meanwhile: in
+    # the teacher that would freeze every other session's RPCs behind a student that
+    # joined and never came. So the student says it is here first, and the teacher
+    # waits for that on the store (GIL released) before it builds its end.
+    if rank == TEACHER_RANK:
+        try:
+            prefix_store.wait(["student-arrived"], timeout)
+        except Exception as e:
+            raise TransferError(f"the student did not build its end of the session group within {timeout_s:.0f}s "
+                                f"({e})") from e
+    else:
+        prefix_store.set("student-arrived", "1")
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

@@ -32,7 +32,7 @@ from distill_common.session_group import (STUDENT_RANK, SessionGroup, TransferEr
                                           device_uuid, handshake, local_address_towards, nccl_version,
                                           prefix_token)
 from distill_common.vocab import tokenizer_fingerprint
-from student_trainer.errors import TeacherError, TeacherUnavailable, TransferFailed, from_rpc_error
+from student_trainer.errors import TeacherError, TeacherUnavailable, TransferFailed, from_rpc_error, from_status
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,9 @@ class _Pending:
     future: Future
 
 
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def _grpc_options() -> list:
     return [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
@@ -84,7 +87,8 @@ def _grpc_options() -> list:
 class TeacherClient:
     def __init__(self, address: str, device: str | torch.device = "cpu", *, logits: bool = True, topk: int = 0,
                  hidden_layers=(), dtype: str | None = None, max_inflight: int = 0, job_id: str | None = None,
-                 job_rank: int | None = None, tokenizer=None, weight: float = 1.0, rpc_timeout_s: float = 30.0,
+                 job_rank: int | None = None, tokenizer=None, vocab_size: int = 0, weight: float = 1.0,
+                 rpc_timeout_s: float = 30.0,
                  join_timeout_s: float = 120.0, transfer_timeout_s: float | None = None):
         self.address = address
         self.device = torch.device(device)
@@ -96,7 +100,9 @@ class TeacherClient:
         self._closed = False
         self._broken: TeacherError | None = None
         self._pending: deque[_Pending] = deque()
-        self._submissions: queue.Queue = queue.Queue()
+        self._requests: queue.Queue = queue.Queue()
+        self._awaiting_ack: deque[_Pending] = deque()
+        self._submit_lock = threading.Lock()
         self._to_receive: queue.Queue = queue.Queue()
         self._recv_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._unresolved = 0  # futures handed out and not yet resolved
@@ -114,7 +120,9 @@ class TeacherClient:
                              torch_version=torch.__version__,
                              nccl_version=nccl_version() if self.device.type == "cuda" else ""),
             max_inflight=max_inflight, tokenizer_fingerprint=fingerprint,
-            vocab_size=len(tokenizer) if tokenizer is not None else 0, weight=weight)
+            # The width of the student's logits (its output embedding's rows), which may
+            # exceed len(tokenizer): models pad it. Without it, no size check is made.
+            vocab_size=vocab_size, weight=weight)
         self._wait_for_server(join_timeout_s)
         joined = self._call("Join", request)
         self.session_id = joined.session_id
@@ -138,8 +146,10 @@ class TeacherClient:
         self._heartbeat_thread.start()
         self._completion_thread = threading.Thread(target=self._completion_loop, name="teacher-recv", daemon=True)
         self._completion_thread.start()
-        self._submit_thread = threading.Thread(target=self._submit_loop, name="teacher-submit", daemon=True)
-        self._submit_thread.start()
+        # One stream carries every Submit of the session: no round trip per batch.
+        self._responses = self._stub.SubmitStream(self._request_stream())
+        self._ack_thread = threading.Thread(target=self._ack_loop, name="teacher-acks", daemon=True)
+        self._ack_thread.start()
         self._receive_thread = threading.Thread(target=self._receive_loop, name="teacher-post-recv", daemon=True)
         self._receive_thread.start()
         log.info("joined teacher %s as session %s (%s, %s)", address, self.session_id, self.backend,
@@ -175,7 +185,14 @@ class TeacherClient:
         with self._cond:
             self._unresolved += 1
         future.add_done_callback(self._resolved)
-        self._submissions.put((ids, mask, tuple(input_ids.shape), future))
+        with self._submit_lock:  # ids, the acknowledgement queue and the stream in one order
+            self._check_usable()
+            request = pb.SubmitRequest(session_id=self.session_id, batch_id=self._next_batch_id, input_ids=ids)
+            if mask is not None:
+                request.attention_mask.CopyFrom(mask)
+            self._awaiting_ack.append(_Pending(self._next_batch_id, tuple(input_ids.shape), [], [], future))
+            self._next_batch_id += 1  # used up, accepted or refused (see SubmitRequest.batch_id)
+            self._requests.put(request)
         return future
 
     def _resolved(self, _future) -> None:
@@ -183,26 +200,33 @@ class TeacherClient:
             self._unresolved -= 1
             self._cond.notify_all()
 
-    def _submit_loop(self) -> None:
-        """Registers batches in order and posts their receives right after."""
+    def _request_stream(self):
         while True:
-            item = self._submissions.get()
-            if item is None:
+            request = self._requests.get()
+            if request is None:
                 return
-            ids, mask, shape, future = item
-            if self._broken is not None or self._closed:
-                future.set_exception(self._broken or TeacherError("the client was closed"))
-                continue
-            request = pb.SubmitRequest(session_id=self.session_id, batch_id=self._next_batch_id, input_ids=ids)
-            if mask is not None:
-                request.attention_mask.CopyFrom(mask)
-            try:
-                self._call("Submit", request)
-            except TeacherError as e:
-                future.set_exception(e)  # the batch id is not used up: the next batch takes it
-                continue
-            self._to_receive.put(_Pending(self._next_batch_id, shape, [], [], future))
-            self._next_batch_id += 1
+            yield request
+
+    def _ack_loop(self) -> None:
+        """Reads the teacher's answers to the streamed batches, in order."""
+        try:
+            for response in self._responses:
+                with self._submit_lock:
+                    pending = self._awaiting_ack.popleft()
+                if response.error_code:
+                    code = _STATUS_BY_NUMBER.get(response.error_code, grpc.StatusCode.UNKNOWN)
+                    pending.future.set_exception(from_status(code, response.error_message,
+                                                             f"Submit to teacher {self.address}"))
+                else:
+                    self._to_receive.put(pending)
+        except grpc.RpcError as e:
+            if not self._stop.is_set():
+                self._break(from_rpc_error(e, f"the submit stream to teacher {self.address}"))
+        with self._submit_lock:
+            orphans, self._awaiting_ack = list(self._awaiting_ack), deque()
+        for pending in orphans:
+            if not pending.future.done():
+                pending.future.set_exception(self._broken or TeacherError("the client was closed"))
 
     def _receive_loop(self) -> None:
         """Posts each batch's receives, in order, once the teacher announced its sends."""
@@ -232,11 +256,11 @@ class TeacherClient:
                 self._cond.wait(0.05)
         self._closed = True
         self._stop.set()
-        self._submissions.put(None)
+        self._requests.put(None)
         self._to_receive.put(None)
         with self._cond:
             self._cond.notify_all()
-        self._submit_thread.join(timeout=5)
+        self._ack_thread.join(timeout=5)
         self._receive_thread.join(timeout=5)
         self._completion_thread.join(timeout=5)
         self._leave(drain=False)

@@ -58,7 +58,10 @@ _BY_CODE = {
 }
 
 
-def from_rpc_error(error: grpc.RpcError, what: str) -> TeacherError:
-    code = error.code()
+def from_status(code: grpc.StatusCode, details: str, what: str) -> TeacherError:
     cls = _BY_CODE.get(code, TeacherError)
-    return cls(f"{what}: {error.details()} [{code.name}]", code)
+    return cls(f"{what}: {details} [{code.name}]", code)
+
+
+def from_rpc_error(error: grpc.RpcError, what: str) -> TeacherError:
+    return from_status(error.code(), error.details(), what)

@@ -236,12 +236,12 @@ def train(cfg: TrainConfig) -> dict:
 
     teacher = None
     if cfg.needs_teacher:
+        student_vocab = model.get_output_embeddings().weight.shape[0]
         teacher = TeacherClient(
             cfg.teacher, device, logits=cfg.uses_logits and not cfg.topk, topk=cfg.topk if cfg.uses_logits else 0,
             hidden_layers=cfg.hidden_layers, tokenizer=tokenizer if cfg.uses_logits else None,
-            max_inflight=cfg.prefetch + 1, job_id=cfg.job_id or output_dir.name, job_rank=rank,
-            transfer_timeout_s=cfg.teacher_timeout_s)
-        student_vocab = model.get_output_embeddings().weight.shape[0]
+            vocab_size=student_vocab if cfg.uses_logits else 0, max_inflight=cfg.prefetch + 1,
+            job_id=cfg.job_id or output_dir.name, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s)
         if cfg.uses_logits and student_vocab != teacher.info.vocab_size:
             teacher.close()
             raise SystemExit(f"the student's vocabulary has {student_vocab} entries, the teacher's "

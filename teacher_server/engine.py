@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from distill_common.session_group import (TEACHER_RANK, SessionGroup, TransferError, build_group, handshake,
+from distill_common.session_group import (TEACHER_RANK, SessionGroup, TransferError, build_group, connect_store,
+                                          handshake,
                                           prefix_token)
 from teacher_server.errors import NotFound, ResourceExhausted, Unavailable
 from teacher_server.metrics import Metrics
@@ -136,7 +137,6 @@ class Engine:
             if not session.alive or session.state == "draining":
                 raise NotFound(f"session {session.session_id} has ended ({session.failure or session.state}); join again")
             session.pending.append(batch)
-            session.next_batch_id += 1
             session.batches_submitted += 1
             inflight = session.inflight
             self._cond.notify_all()
@@ -167,7 +167,10 @@ class Engine:
     def _connect(self, session: Session) -> None:
         """Builds the teacher's end of the session group (blocks until the student's end)."""
         try:
-            group = build_group(self.store, session.store_prefix, backend=session.backend, rank=TEACHER_RANK,
+            # A store client of its own: one client serialises its operations, so a wait
+            # for a student that never comes would hold up every other session's.
+            store = connect_store("127.0.0.1", self.store.port, self.join_timeout_s)
+            group = build_group(store, session.store_prefix, backend=session.backend, rank=TEACHER_RANK,
                                 device=self.runner.device, timeout_s=self.join_timeout_s,
                                 gloo_host=self.advertise_host)
             handshake(group, prefix_token(session.store_prefix), self.join_timeout_s)

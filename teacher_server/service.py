@@ -75,6 +75,9 @@ class TeacherService:
         if request.batch_id != session.next_batch_id:
             raise InvalidArgument(f"batch_id {request.batch_id} is out of order: the session expects "
                                   f"{session.next_batch_id} (batch ids count 0, 1, 2, ... per session)")
+        # Used up whatever follows: a client that streams its batches has sent the next
+        # ones already, numbered on the assumption that this one took its id.
+        session.next_batch_id += 1
         # Queued batches are what a session can pile up here; batches already computed
         # and being sent are bounded by the engine, which schedules no more than
         # max_inflight of a session. (Counting sends too would race the student, which
@@ -86,6 +89,18 @@ class TeacherService:
         batch = self._decode_batch(request)
         inflight = self.engine.submit(session, batch)
         return pb.SubmitResponse(batch_id=request.batch_id, inflight=inflight)
+
+    async def SubmitStream(self, requests, context):
+        """Answers each streamed batch in order; a refusal is an answer, not the end."""
+        async for raw in requests:
+            batch_id = 0
+            try:
+                request = _parse(pb.SubmitRequest, raw)
+                batch_id = request.batch_id
+                yield await self.Submit(request, context)
+            except ServiceError as e:
+                self.metrics.rpc_errors.labels("SubmitStream", e.code.name).inc()
+                yield pb.SubmitResponse(batch_id=batch_id, error_code=e.code.value[0], error_message=str(e))
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         session = self.engine.session(request.session_id)
@@ -206,17 +221,20 @@ class TeacherService:
         return Batch(batch_id=request.batch_id, input_ids=ids, attention_mask=mask)
 
 
+def _parse(request_class, raw: bytes):
+    try:
+        return request_class.FromString(raw)
+    except pb_message.DecodeError as e:
+        raise InvalidArgument(f"malformed {request_class.DESCRIPTOR.name}: {e}") from e
+
+
 def _handler(service: TeacherService, name: str, request_class, metrics: Metrics):
     """Parses the raw request and maps typed errors to status codes: the one place for both."""
     method = getattr(service, name)
 
     async def handle(raw: bytes, context: grpc.aio.ServicerContext):
         try:
-            try:
-                request = request_class.FromString(raw)
-            except pb_message.DecodeError as e:
-                raise InvalidArgument(f"malformed {request_class.DESCRIPTOR.name}: {e}") from e
-            return await method(request, context)
+            return await method(_parse(request_class, raw), context)
         except ServiceError as e:
             metrics.rpc_errors.labels(name, e.code.name).inc()
             await context.abort(e.code, str(e))
@@ -234,6 +252,11 @@ def generic_handler(service: TeacherService, metrics: Metrics) -> grpc.GenericRp
     for method in descriptor.methods:
         request_class = message_factory.GetMessageClass(method.input_type)
         response_class = message_factory.GetMessageClass(method.output_type)
+        if method.client_streaming:  # SubmitStream answers errors in-band, message by message
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                getattr(service, method.name), request_deserializer=None,
+                response_serializer=response_class.SerializeToString)
+            continue
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
             _handler(service, method.name, request_class, metrics),
             request_deserializer=None,  # raw bytes: parsed in _handler so bad bytes get INVALID_ARGUMENT

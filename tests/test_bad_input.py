@@ -29,7 +29,7 @@ MAX_TOKENS = 256
 def server(tmp_path_factory):
     model_dir = build_tiny_model(tmp_path_factory.mktemp("teacher") / "model", vocab_size=VOCAB)
     server = ServerProcess("--model", str(model_dir), "--max-batch-tokens", str(MAX_TOKENS), "--max-seq-len",
-                           str(MAX_SEQ), "--lease-s", "2", "--heartbeat-interval-s", "0.5", "--join-timeout-s", "5")
+                           str(MAX_SEQ), "--lease-s", "2", "--heartbeat-interval-s", "0.5", "--join-timeout-s", "120")
     server.model_dir = model_dir
     yield server
     server.stop()
@@ -57,11 +57,28 @@ def _tensor(array: np.ndarray, dtype: str | None = None) -> pb.Tensor:
     return pb.Tensor(dtype=dtype or str(array.dtype), shape=list(array.shape), data=array.astype("<" + array.dtype.str[1:]).tobytes())
 
 
-def _submit(client, **fields) -> pb.SubmitRequest:
-    request = pb.SubmitRequest(session_id=client.session_id, batch_id=client._next_batch_id)
-    for name, value in fields.items():
-        getattr(request, name).CopyFrom(value) if isinstance(value, pb.Tensor) else setattr(request, name, value)
-    return request
+class RawSession:
+    """A session joined with the bare stub: its group never forms, so it stays
+    'connecting' (for --join-timeout-s) and accepts Submits without a student behind it."""
+
+    def __init__(self, stub):
+        peer = pb.PeerInfo(device_type="cpu", torch_version=torch.__version__)
+        self.session_id = stub.Join(pb.JoinRequest(outputs=pb.OutputSpec(logits=True), peer=peer),
+                                    timeout=10).session_id
+        self.next_batch_id = 0
+
+    def request(self, **fields) -> pb.SubmitRequest:
+        request = pb.SubmitRequest(session_id=self.session_id, batch_id=self.next_batch_id)
+        for name, value in fields.items():
+            getattr(request, name).CopyFrom(value) if isinstance(value, pb.Tensor) else setattr(request, name, value)
+        if request.batch_id == self.next_batch_id:
+            self.next_batch_id += 1  # the expected id is used up, accepted or refused
+        return request
+
+
+@pytest.fixture(scope="module")
+def raw(stub):
+    return RawSession(stub)
 
 
 def _assert_healthy(server):
@@ -97,13 +114,16 @@ BAD_SUBMITS = {
                                grpc.StatusCode.INVALID_ARGUMENT, "0 and 1"),
     "a batch id out of order": (dict(input_ids=_tensor(ids_ok), batch_id=99), grpc.StatusCode.INVALID_ARGUMENT,
                                 "out of order"),
+    "a replayed batch id": (dict(input_ids=_tensor(ids_ok), batch_id=0), grpc.StatusCode.INVALID_ARGUMENT,
+                            "out of order"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_SUBMITS))
-def test_bad_submit(server, client, stub, case):
+def test_bad_submit(server, raw, stub, case):
     fields, code, words = BAD_SUBMITS[case]
-    got, details = _code(lambda: stub.Submit(_submit(client, **fields), timeout=10))
+    request = raw.request(**fields)
+    got, details = _code(lambda: stub.Submit(request, timeout=10))
     assert got == code, (got, details)
     assert words in details, details
     _assert_healthy(server)
@@ -192,3 +212,19 @@ def test_client_raises_python_exceptions_that_say_what_to_change(server, client)
     # The session is still good after the refusals.
     out = client.submit(torch.randint(0, VOCAB, (2, 6))).result(timeout=60)
     assert out.logits.shape == (2, 6, VOCAB)
+
+
+def test_a_good_batch_is_accepted_after_the_refusals(raw, stub):
+    reply = stub.Submit(raw.request(input_ids=_tensor(np.ones((2, 8), np.int32))), timeout=10)
+    assert reply.batch_id == raw.next_batch_id - 1 and reply.inflight == 1
+
+
+def test_submit_stream_answers_each_batch_in_order(raw, stub):
+    good = lambda: raw.request(input_ids=_tensor(np.ones((1, 4), np.int32)))  # noqa: E731
+    requests = [good(), raw.request(input_ids=_tensor(np.full((1, 4), VOCAB, np.int32))), good(),
+                raw.request(input_ids=_tensor(np.ones((1, 4), np.int32)), batch_id=10**6)]
+    replies = list(stub.SubmitStream(iter(requests), timeout=10))
+    assert [r.batch_id for r in replies] == [r.batch_id for r in requests]
+    assert [r.error_code for r in replies] == [0, grpc.StatusCode.INVALID_ARGUMENT.value[0], 0,
+                                              grpc.StatusCode.INVALID_ARGUMENT.value[0]]
+    assert "[0, 384)" in replies[1].error_message and "out of order" in replies[3].error_message

@@ -295,8 +295,8 @@ def test_ddp_resume_with_hidden_states_repeats_the_run(server, models, corpus, t
 @pytest.mark.parametrize("student, refused_at, words", [
     ("student_small_vocab", "join", ["vocabulary has 300 entries, the teacher's 400"]),
     ("student_other_tokenizer", "join", ["tokenizer differs from the teacher's", "fingerprints"]),
-    # Same tokenizer, so the teacher admits it; the trainer compares the logits' widths.
-    ("student_wide_head", "trainer", ["vocabulary has 448 entries, the teacher's 400"]),
+    # Same tokenizer, wider head: the join compares the logits' widths.
+    ("student_wide_head", "join", ["vocabulary has 448 entries, the teacher's 400"]),
 ])
 def test_mismatched_vocabulary_is_refused(server, models, corpus, tmp_path, student, refused_at, words):
     out = tmp_path / "run"
@@ -348,11 +348,8 @@ def test_topk_distillation(server, models, corpus, tmp_path):
     assert "logits=False, topk=8" in outputs  # the top-k path, not full logits cut down on the student
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "TeacherClient sends len(tokenizer) as JoinRequest.vocab_size and TeacherService._check_vocabulary "
-    "compares it with the teacher's output-embedding rows, so a teacher whose head is padded past its "
-    "tokenizer (as Qwen2's and Phi-3's are) refuses every logit student, even one with the same tokenizer "
-    "and the same padded head."))
+# A teacher whose output head is padded past its tokenizer (as Qwen2's and Phi-3's are)
+# serves a student with the same tokenizer and head: the join compares logit widths.
 def test_padded_output_embedding_with_the_same_tokenizer_is_accepted(models, corpus, tmp_path):
     padded = dict(vocab_size=VOCAB + 16, tokenizer=models["tokenizer"])
     teacher = build_llama(tmp_path / "teacher", hidden_size=64, layers=2, seed=0, **padded)

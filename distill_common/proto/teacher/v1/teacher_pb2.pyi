@@ -145,12 +145,16 @@ class SubmitRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("batch_id", "inflight")
+    __slots__ = ("batch_id", "inflight", "error_code", "error_message")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     inflight: int
-    def __init__(self, batch_id: _Optional[int] = ..., inflight: _Optional[int] = ...) -> None: ...
+    error_code: int
+    error_message: str
+    def __init__(self, batch_id: _Optional[int] = ..., inflight: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -49,6 +49,11 @@ class TeacherServiceStub:
                 request_serializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitResponse.FromString,
                 _registered_method=True)
+        self.SubmitStream = channel.stream_stream(
+                '/teacher.v1.TeacherService/SubmitStream',
+                request_serializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitRequest.SerializeToString,
+                response_deserializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitResponse.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/teacher.v1.TeacherService/Heartbeat',
                 request_serializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.HeartbeatRequest.SerializeToString,
@@ -101,6 +106,17 @@ class TeacherServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitStream(self, request_iterator, context):
+        """The same as Submit for a sequence of batches on one stream: the client sends
+        batches without waiting for each answer, and the teacher answers each, in
+        order, with a SubmitResponse whose error_code says whether it was accepted. A
+        refusal ends nothing: the stream goes on. Clients that submit at a high rate use
+        this to keep a round trip per batch off their critical path.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Heartbeat(self, request, context):
         """Renews the session's lease and reports the teacher's progress on it.
         """
@@ -138,6 +154,11 @@ def add_TeacherServiceServicer_to_server(servicer, server):
             ),
             'Submit': grpc.unary_unary_rpc_method_handler(
                     servicer.Submit,
+                    request_deserializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitRequest.FromString,
+                    response_serializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitResponse.SerializeToString,
+            ),
+            'SubmitStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.SubmitStream,
                     request_deserializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitRequest.FromString,
                     response_serializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitResponse.SerializeToString,
             ),
@@ -236,6 +257,33 @@ class TeacherService:
             request,
             target,
             '/teacher.v1.TeacherService/Submit',
+            distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitRequest.SerializeToString,
+            distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/teacher.v1.TeacherService/SubmitStream',
             distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitRequest.SerializeToString,
             distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitResponse.FromString,
             options,

@@ -1,0 +1,233 @@
+"""The demo's child processes: one teacher server and the trainer runs, each with a deadline.
+
+Every child writes its output to a log file in the output directory; when one fails,
+the error quotes the end of that log. Whatever was started is stopped on the way out
+(normal end, error or Ctrl-C): the server with SIGTERM then SIGKILL, trainers the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+READY = re.compile(r"READY grpc=(\d+) http=(\d+) store=(\d+)")
+# How long a child gets to exit after SIGTERM before it is killed.
+STOP_TIMEOUT_S = 15.0
+# Lines of a failed child's log quoted in the error.
+TAIL_LINES = 30
+
+
+class DemoError(RuntimeError):
+    """A step of the demo failed; the message says which, and what to look at or change."""
+
+
+def child_env(threads: int) -> dict:
+    """The environment of a child: this checkout importable, unbuffered, `threads` CPU threads.
+
+    The children share the machine's cores (a teacher and two students at once on two
+    cores), so each gets a fixed share rather than all of them spinning up one thread
+    per core and fighting over it.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["MKL_NUM_THREADS"] = str(threads)
+    # The Rust tokenizer's own thread pool would compete with the training threads.
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    return env
+
+
+def log_tail(path: Path, lines: int = TAIL_LINES) -> str:
+    """The last lines of a child's log, progress-bar redraws (carriage returns) collapsed."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return f"(no log at {path})"
+    kept = [line.rsplit("\r", 1)[-1] for line in text.splitlines()]
+    return "\n".join(f"    | {line}" for line in kept[-lines:] if line.strip())
+
+
+def _stop(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout_s)
+
+
+class TeacherProcess:
+    """`python -m teacher_server` on a model directory, on free loopback ports.
+
+    A context manager: the server is up (it printed READY) inside the `with`, and
+    stopped when the block ends, whichever way it ends.
+    """
+
+    def __init__(self, model_dir: Path, log_path: Path, *, startup_timeout_s: float, threads: int):
+        self.model_dir, self.log_path = model_dir, log_path
+        self.startup_timeout_s, self.threads = startup_timeout_s, threads
+        self.grpc_port = self.http_port = self.store_port = 0
+        self._ready = threading.Event()
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "TeacherProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "teacher_server", "--model", str(self.model_dir), "--host", "127.0.0.1",
+             "--port", "0", "--http-port", "0", "--store-port", "0", "--grace-period-s", "5"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(self.threads))
+        # A reader thread both copies the output to the log (so the pipe never fills) and spots READY.
+        self._reader = threading.Thread(target=self._read, name="teacher-log", daemon=True)
+        self._reader.start()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _read(self) -> None:
+        with open(self.log_path, "w") as log:
+            for line in self._proc.stdout:
+                log.write(line)
+                log.flush()
+                match = READY.search(line)
+                if match and not self._ready.is_set():
+                    self.grpc_port, self.http_port, self.store_port = map(int, match.groups())
+                    self._ready.set()
+        self._ready.set()  # EOF: the process is gone; _wait_ready tells the two apart
+
+    def _wait_ready(self) -> None:
+        if not self._ready.wait(self.startup_timeout_s):
+            raise DemoError(f"the teacher server did not print READY within {self.startup_timeout_s:.0f} s "
+                            f"(raise --startup-timeout-s on a slow machine); end of {self.log_path}:\n"
+                            f"{log_tail(self.log_path)}")
+        if not self.grpc_port:
+            self._reader.join(5)
+            raise DemoError(f"the teacher server exited with code {self._proc.wait(5)} before it was ready; "
+                            f"end of {self.log_path}:\n{log_tail(self.log_path)}")
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def check_alive(self) -> None:
+        if self._proc.poll() is not None:
+            self._reader.join(5)
+            raise DemoError(f"the teacher server exited with code {self._proc.returncode} while students were "
+                            f"training; end of {self.log_path}:\n{log_tail(self.log_path)}")
+
+    def status(self, timeout_s: float = 5.0) -> dict:
+        """GET /v1/status: the model and every connected session's counters."""
+        url = f"http://127.0.0.1:{self.http_port}/v1/status"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+                return json.load(reply)
+        except (urllib.error.URLError, TimeoutError, json.JSONDecodeError) as e:
+            raise DemoError(f"the teacher server's status page {url} did not answer within {timeout_s} s: {e}; "
+                            f"see {self.log_path}") from e
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            _stop(self._proc)
+            self._reader.join(5)
+
+
+class TrainerRun:
+    """One `python -m student_trainer train ...` process writing to `run_dir`.
+
+    `run_dir` is emptied first: the trainer appends to metrics.jsonl, and a previous
+    run's lines would otherwise be read as this one's.
+    """
+
+    def __init__(self, name: str, run_dir: Path, args: list[str], *, threads: int):
+        self.name, self.run_dir = name, run_dir
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        self.log_path = run_dir / "train.log"
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        with open(self.log_path, "w") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "student_trainer", "train", "--output-dir", str(run_dir), *args],
+                stdout=log, stderr=subprocess.STDOUT, env=child_env(threads))
+
+    def poll(self) -> int | None:
+        code = self._proc.poll()
+        if code is not None and self.finished is None:
+            self.finished = time.monotonic()
+        return code
+
+    @property
+    def wall_s(self) -> float:
+        return (self.finished or time.monotonic()) - self.started
+
+    def metrics(self) -> list[dict]:
+        """metrics.jsonl so far (a line being written is skipped)."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+        return records
+
+    def final_eval_ce(self) -> float:
+        """Held-out CE at the last step (the trainer evaluates at the final step)."""
+        evals = [r["eval_ce"] for r in self.metrics() if "eval_ce" in r]
+        if not evals:
+            raise DemoError(f"{self.name} finished without a held-out evaluation in {self.run_dir}/metrics.jsonl; "
+                            f"end of {self.log_path}:\n{log_tail(self.log_path)}")
+        return evals[-1]
+
+    def stop(self) -> None:
+        _stop(self._proc)
+
+
+def wait_all(runs: list[TrainerRun], *, timeout_s: float, on_poll: Callable[[], None] = lambda: None,
+             poll_s: float = 1.0) -> None:
+    """Waits until every run has exited 0; any failure or the deadline stops them all and raises.
+
+    `on_poll` runs about every `poll_s` seconds (progress, a teacher health check); an
+    exception from it stops the runs too.
+    """
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            codes = [run.poll() for run in runs]
+            for run, code in zip(runs, codes):
+                if code not in (None, 0):
+                    raise DemoError(f"{run.name} failed (exit code {code}); end of {run.log_path}:\n"
+                                    f"{log_tail(run.log_path)}")
+            if all(code == 0 for code in codes):
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(run.name for run, code in zip(runs, codes) if code is None)
+                raise DemoError(f"{names} did not finish within {timeout_s:.0f} s (raise --run-timeout-s, or "
+                                f"lower the steps); see their train.log")
+            on_poll()
+            time.sleep(poll_s)
+    finally:
+        for run in runs:
+            run.stop()
