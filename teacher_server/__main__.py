@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 
@@ -15,13 +14,23 @@ import sys
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from teacher_server.config import ServerConfig
+from teacher_server.logs import setup_logging
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="teacher-server", description="Serve a frozen teacher model to students.")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("status", "info"):
+        from teacher_server.admin import main as admin_main
+
+        return admin_main(argv[0], argv[1:])
+    if argv and argv[0] == "serve":
+        argv = argv[1:]
+    parser = argparse.ArgumentParser(
+        prog="teacher-server", description="Serve a frozen teacher model to students. Other commands: "
+        "`teacher-server status HOST:PORT` (the sessions), `teacher-server info HOST:PORT` (model and limits).")
     ServerConfig.add_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     try:
         config = ServerConfig.from_args(args)
     except ValueError as e:

@@ -33,6 +33,7 @@ class ServerConfig:
     grace_period_s: float = 30.0
     trust_remote_code: bool = False
     log_level: str = "INFO"
+    log_format: str = "text"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -92,6 +93,8 @@ class ServerConfig:
                             help="on SIGTERM, how long in-flight batches may take to finish")
         parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub")
         parser.add_argument("--log-level", default=d.log_level)
+        parser.add_argument("--log-format", default=d.log_format, choices=["text", "json"],
+                            help="json: one JSON object per line, with session_id on session records")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":

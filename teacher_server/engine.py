@@ -192,7 +192,7 @@ class Engine:
         threading.Thread(target=self._send_loop, args=(session, group, sends), name=f"send-{session.session_id}",
                          daemon=True).start()
         log.info("session %s ready: job %s rank %d, %s", session.session_id, session.job_id, session.job_rank,
-                 session.backend)
+                 session.backend, extra={"session_id": session.session_id, "job_id": session.job_id})
 
     def _send_loop(self, session: Session, group: SessionGroup, sends: queue.Queue) -> None:
         """Waits, in order, for each batch's sends to complete; fails the session on timeout."""
@@ -244,7 +244,8 @@ class Engine:
         self.metrics.sessions_ended.labels(reason).inc()
         self.metrics.forget_session(session.session_id, session.job_id)
         self._update_queue_depth()
-        log.info("session %s ended: %s%s", session.session_id, reason, f" ({failure})" if failure else "")
+        log.info("session %s ended: %s%s", session.session_id, reason, f" ({failure})" if failure else "",
+                 extra={"session_id": session.session_id, "job_id": session.job_id})
 
     def _update_queue_depth(self) -> None:
         self.metrics.queue_depth.set(self.queue_depth())

@@ -62,7 +62,7 @@ class TeacherService:
                           weight=weight)
         self.engine.admit(session)
         log.info("session %s joined: job %s rank %d, %s, outputs %s", session.session_id, session.job_id,
-                 session.job_rank, backend, outputs)
+                 session.job_rank, backend, outputs, extra={"session_id": session.session_id, "job_id": session.job_id})
         return pb.JoinResponse(
             session_id=session.session_id, info=self.teacher_info(), store_host=self.store_host,
             store_port=self.store_port, store_prefix=session.store_prefix, backend=backend, teacher_rank=0,
