@@ -8,13 +8,13 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := proto/teacher/v1/teacher.proto
 PROTO_OUT := distill_common/proto
 
-.PHONY: install proto proto-check test test-slow test-gpu serve demo bench clean
+.PHONY: install proto proto-check test test-slow test-gpu lint-deploy images serve demo bench-gpu clean
 
-$(STAMP): pyproject.toml requirements/ci.txt
+$(STAMP): pyproject.toml requirements/ci.txt requirements/deploy-lint.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" -c requirements/ci.txt
-	$(PY) -m pip install -q -c requirements/ci.txt -e '.[dev,plot]'
+	$(PY) -m pip install -q -c requirements/ci.txt -c requirements/deploy-lint.txt -e '.[dev,plot,lora]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -34,6 +34,18 @@ test-slow: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
+
+lint-deploy: $(STAMP)
+	$(PY) -m pytest -q tests/test_deploy.py
+
+IMAGE_TAG ?= 0.1.0
+images:
+	docker build -f deploy/docker/teacher.Dockerfile -t teacher-service/teacher:$(IMAGE_TAG) .
+	docker build -f deploy/docker/student.Dockerfile -t teacher-service/student:$(IMAGE_TAG) .
+
+# On a machine with two GPUs: the GPU tests and the benchmarks, tables printed.
+bench-gpu:
+	bash bench/run_gpu.sh tests transport pipeline
 
 # A teacher server on the built-in demo model (MODEL=path or hub id to override).
 MODEL ?= builtin:tiny
