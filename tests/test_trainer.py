@@ -8,6 +8,7 @@ and students (hidden 32, 1 layer) that share its vocabulary or deliberately do n
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -360,3 +361,22 @@ def test_padded_output_embedding_with_the_same_tokenizer_is_accepted(models, cor
     finally:
         server.stop()
     assert result.returncode == 0, result.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="LoRA needs peft (the lora extra)")
+def test_lora_saves_the_adapter_and_a_merged_model_and_resumes(server, models, corpus, tmp_path):
+    common = ("--kd-weight", "0.5", "--lora-r", "4", "--lora-alpha", "8", "--max-steps", "6", "--save-every", "3",
+              "--lr", "1e-2")
+    a, b = tmp_path / "a", tmp_path / "b"
+    train_ok(server, models["student"], corpus["train"], a, *common)
+    train_ok(server, models["student"], corpus["train"], b, *common, "--stop-after-steps", "3")
+    train_ok(server, models["student"], corpus["train"], b, *common, "--resume")
+    assert_same_run(read_metrics(a), read_metrics(b))
+    assert (a / "adapter" / "adapter_config.json").is_file()
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(a / "model")
+    base = AutoModelForCausalLM.from_pretrained(models["student"])
+    changed = [name for (name, p), (_, q) in zip(merged.named_parameters(), base.named_parameters())
+               if not torch.equal(p, q)]
+    assert changed and all("proj" in name for name in changed), changed  # only the adapted linears moved

@@ -1,0 +1,260 @@
+"""Distillation from a remote teacher inside a Hugging Face `transformers.Trainer` script.
+
+    trainer = DistillationTrainer(model=student, args=training_args, train_dataset=ds,
+                                  processing_class=tokenizer, teacher_address="teacher-host:50051",
+                                  kd_weight=0.5)
+    trainer.train()
+
+The loss of a micro-batch is ``kd_weight * KD + (1 - kd_weight) * CE``: CE is the model's own
+loss from ``labels``; KD compares the student's next-token distributions with the teacher's
+(``student_trainer.losses``) at the positions whose next-token label is not -100, the same
+positions CE counts. Position t predicts token t + 1, so logits[:, :-1] meet labels[:, 1:].
+
+One teacher session per process. Each process (rank) joins the teacher the first time it
+needs it, as rank ``args.process_index`` of job ``args.run_name`` (else the output folder's
+name), on ``args.device``. Under DDP or FSDP every rank asks for the outputs of exactly the
+micro-batches it trains on, so nothing is exchanged between ranks for the teacher's sake.
+
+Gradient accumulation. When the Trainer counts the target tokens of an optimizer step
+(``num_items_in_batch``: models that accept loss kwargs, as HF causal LMs do), the model's CE
+is a sum over this micro-batch divided by that count, and the Trainer does not divide by the
+accumulation steps. KD is then weighted the same way (its micro-batch mean times this
+micro-batch's share of the tokens), so both terms are means over every target token of the
+step, across ranks too. Otherwise both are micro-batch means and the Trainer divides by the
+accumulation steps, as it does for any loss.
+
+Prefetch. The Trainer draws an optimizer step's micro-batches before training them
+(``get_batch_samples``); the teacher's outputs for micro-batch i + 1 are requested when
+micro-batch i starts, so the teacher works while the student trains. At most two micro-batches
+of teacher outputs are held at once. Every micro-batch, including the first of a step, is
+submitted before the student's forward and awaited after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer
+
+from student_trainer import losses
+from student_trainer.client import TeacherClient, TeacherOutput
+from student_trainer.errors import TeacherUnavailable
+
+log = logging.getLogger(__name__)
+
+# Micro-batches submitted to the teacher beyond the one training: enough to hide the
+# teacher's forward behind the student's step, while only two batches of [B, S, V]
+# teacher logits are alive on the device.
+PREFETCH_MICRO_BATCHES = 1
+
+
+class DistillationTrainer(Trainer):
+    """A `transformers.Trainer` whose loss mixes KD from a remote teacher with the model's CE.
+
+    teacher_address: host:port of a running teacher server.
+    kd_weight: alpha in alpha * KD + (1 - alpha) * CE; 0 trains as the plain Trainer and never
+        contacts the teacher.
+    kd_loss, temperature, jsd_beta, kd_chunk_tokens: see `student_trainer.losses.kd_loss`.
+    topk: 0 distils the full logits; k > 0 asks the teacher for its top-k logits only.
+    teacher_timeout_s: the longest wait for the teacher, to join and for one batch's outputs.
+    """
+
+    def __init__(self, *args, teacher_address: str, kd_weight: float = 0.5, kd_loss: str = "forward_kl",
+                 temperature: float = 1.0, jsd_beta: float = 0.5, topk: int = 0, teacher_timeout_s: float = 600.0,
+                 kd_chunk_tokens: int = 1024, **kwargs):
+        if not isinstance(teacher_address, str) or not teacher_address:
+            raise ValueError(f"teacher_address must be 'host:port' of a running teacher, got {teacher_address!r}")
+        if not 0.0 <= kd_weight <= 1.0:
+            raise ValueError(f"kd_weight must lie in [0, 1] (the loss is kd_weight * KD + (1 - kd_weight) * CE), "
+                             f"got {kd_weight!r}")
+        if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
+            raise ValueError(f"topk must be an int >= 0 (0 distils the full logits), got {topk!r}")
+        if not teacher_timeout_s > 0:
+            raise ValueError(f"teacher_timeout_s must be > 0, got {teacher_timeout_s!r}")
+        losses._check_options(kd_loss, temperature, jsd_beta, kd_chunk_tokens)  # the losses' own checks, once
+        super().__init__(*args, **kwargs)
+        self.teacher_address = teacher_address
+        self.kd_weight = float(kd_weight)
+        self.kd_loss_kind = kd_loss
+        self.temperature = float(temperature)
+        self.jsd_beta = float(jsd_beta)
+        self.topk = topk
+        self.teacher_timeout_s = float(teacher_timeout_s)
+        self.kd_chunk_tokens = kd_chunk_tokens
+        self._teacher: TeacherClient | None = None
+        self._upcoming: deque[dict] = deque()  # this step's micro-batches, not yet submitted
+        self._inflight: deque[tuple[torch.Tensor, Future]] = deque()  # submitted: (input_ids, future)
+        self._since_log = {"kd_loss": [], "ce_loss": []}  # micro-batch means since the last log
+        if self.kd_weight == 0:
+            return
+        if self.label_smoother is not None or self.compute_loss_func is not None:
+            raise ValueError("DistillationTrainer computes the loss itself: it cannot be combined with "
+                             "label_smoothing_factor or compute_loss_func. Drop them, or set kd_weight=0")
+        # Read now, before the Trainer wraps the model: a sharded FSDP weight no longer has its shape.
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        if head is None:
+            raise ValueError(f"DistillationTrainer distils next-token logits: {type(self.model).__name__} has no "
+                             "output embedding (get_output_embeddings() is None); use a causal LM")
+        self._student_vocab_size = head.weight.shape[0]
+
+    # ---- the loss ------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.kd_weight == 0:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        labels = inputs.get("labels")
+        if labels is None:
+            raise ValueError("DistillationTrainer needs `labels` in every batch: -100 marks positions that are not "
+                             "targets, and KD counts the same positions as CE. For plain text, "
+                             "DataCollatorForLanguageModeling(tokenizer, mlm=False) adds them")
+        future = self._teacher_future(inputs, from_prefetch=model.training)
+
+        # The same rule as Trainer.training_step's: with a token count for the whole step the
+        # model's CE is already a share of the step's mean, and the Trainer will not divide by
+        # the accumulation steps; KD must then be weighted the same way (module docstring).
+        scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        model_inputs = dict(inputs)
+        if self.kd_weight == 1:
+            del model_inputs["labels"]  # no CE to compute: spares the model's float32 copy of the logits
+        elif scaled:
+            model_inputs["num_items_in_batch"] = num_items_in_batch
+        outputs = model(**model_inputs)
+        logits = outputs.logits
+        mask = labels[:, 1:] != -100
+        n_tokens = mask.sum()
+        token_share = n_tokens / num_items_in_batch if scaled else 1.0
+
+        kd = self._kd(logits[:, :-1], self._wait(future), mask)  # mean over this micro-batch's targets
+        loss = self.kd_weight * kd * token_share
+        if self.kd_weight < 1:
+            ce = outputs.loss
+            if ce is None:  # a model that takes labels but returns no loss
+                ce = F.cross_entropy(logits[:, :-1][mask].float(), labels[:, 1:][mask], reduction="sum")
+                ce = ce / (num_items_in_batch if scaled else n_tokens.clamp(min=1))
+            loss = loss + (1 - self.kd_weight) * ce
+            if model.training:
+                self._since_log["ce_loss"].append(ce.detach() * (num_items_in_batch / n_tokens.clamp(min=1))
+                                                  if scaled else ce.detach())
+        if model.training:
+            self._since_log["kd_loss"].append(kd.detach())
+        if scaled and self.args.average_tokens_across_devices:
+            # As Trainer.compute_loss: the count covers every rank's tokens, while DDP and FSDP
+            # average the ranks' gradients.
+            loss = loss * (self.args.n_gpu if self.args.n_gpu > 1
+                           else self.accelerator.num_processes // self.get_tp_size())
+        return (loss, outputs) if return_outputs else loss
+
+    def _kd(self, student: torch.Tensor, out: TeacherOutput, mask: torch.Tensor) -> torch.Tensor:
+        options = dict(kind=self.kd_loss_kind, temperature=self.temperature, jsd_beta=self.jsd_beta,
+                       chunk_tokens=self.kd_chunk_tokens)
+        device = student.device  # the client's device, unless the model is split over several
+        if self.topk:
+            return losses.topk_kd_loss(student, out.topk_values[:, :-1].to(device),
+                                       out.topk_indices[:, :-1].to(device), mask, **options)
+        return losses.kd_loss(student, out.logits[:, :-1].to(device), mask, **options)
+
+    # ---- the teacher ---------------------------------------------------------------------
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.kd_weight > 0:
+            # The Trainer trains these next, in this order, one training_step each; the previous
+            # step's micro-batches have all been consumed by now.
+            self._inflight.clear()
+            self._upcoming = deque(batch_samples)
+            self._submit_until(1)
+        return batch_samples, num_items_in_batch
+
+    def _teacher_future(self, inputs: dict, from_prefetch: bool) -> Future:
+        """The future of the teacher's outputs for `inputs`: the prefetched one in training."""
+        if from_prefetch:
+            self._submit_until(1)
+        if not (from_prefetch and self._inflight):
+            return self._submit(inputs)  # evaluation, or a call from outside the Trainer's loop
+        queued_ids, future = self._inflight.popleft()
+        input_ids = inputs["input_ids"]
+        if not (queued_ids is input_ids or (queued_ids.shape == input_ids.shape
+                                            and torch.equal(queued_ids.to(input_ids.device), input_ids))):
+            raise RuntimeError(
+                "the micro-batch in compute_loss is not the one the Trainer drew for this step, so the teacher's "
+                "outputs would be for other tokens. Something between get_batch_samples and compute_loss changed "
+                "input_ids; context and sequence parallelism do (they shard sequences, and the teacher must see "
+                "them whole): they are not supported with DistillationTrainer")
+        self._submit_until(PREFETCH_MICRO_BATCHES)  # the teacher works on the next while this one trains
+        return future
+
+    def _submit_until(self, inflight: int) -> None:
+        """Submits this step's next micro-batches until `inflight` are in flight or none is left."""
+        while self._upcoming and len(self._inflight) < inflight:
+            batch = self._upcoming.popleft()
+            self._inflight.append((batch["input_ids"], self._submit(batch)))
+
+    def _submit(self, batch: dict) -> Future:
+        if "input_ids" not in batch:
+            raise ValueError(f"DistillationTrainer sends the batch's input_ids to the teacher, but the batch has only "
+                             f"{sorted(batch)}")
+        return self._teacher_client().submit(batch["input_ids"], batch.get("attention_mask"),
+                                             timeout_s=self.teacher_timeout_s)
+
+    def _wait(self, future: Future) -> TeacherOutput:
+        try:
+            return future.result(timeout=self.teacher_timeout_s)
+        except FutureTimeout:
+            raise TeacherUnavailable(f"the teacher at {self.teacher_address} sent no outputs for a batch within "
+                                     f"{self.teacher_timeout_s:.0f}s: it is overloaded or stuck (see its log), or "
+                                     "raise teacher_timeout_s") from None
+
+    def _teacher_client(self) -> TeacherClient:
+        if self._teacher is None:
+            # A processor (multimodal) carries its tokenizer; the teacher compares fingerprints.
+            tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+            job_id = self.args.run_name or os.path.basename(os.path.normpath(self.args.output_dir))
+            self._teacher = TeacherClient(
+                self.teacher_address, self.args.device, logits=not self.topk, topk=self.topk,
+                tokenizer=tokenizer if hasattr(tokenizer, "get_vocab") else None,
+                vocab_size=self._student_vocab_size, max_inflight=PREFETCH_MICRO_BATCHES + 1, job_id=job_id,
+                job_rank=self.args.process_index, join_timeout_s=self.teacher_timeout_s,
+                transfer_timeout_s=self.teacher_timeout_s)
+            log.info("rank %d distils from %s (%s): kd_weight %g, %s, temperature %g%s", self.args.process_index,
+                     self.teacher_address, self._teacher.info.model_name, self.kd_weight, self.kd_loss_kind,
+                     self.temperature, f", top-{self.topk}" if self.topk else "")
+        return self._teacher
+
+    def close_teacher(self) -> None:
+        """Leaves the teacher session, if one is open (the next loss computation joins again)."""
+        self._upcoming.clear()
+        self._inflight.clear()
+        teacher, self._teacher = self._teacher, None
+        if teacher is not None:
+            teacher.close()
+
+    # ---- lifetime and logs ---------------------------------------------------------------
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.close_teacher()
+
+    def __del__(self):
+        # A trainer dropped without train() returning (evaluate() only, an interrupted notebook)
+        # still leaves its session rather than waiting for the teacher's lease to expire.
+        teacher = self.__dict__.get("_teacher")
+        if teacher is not None:
+            teacher.close(timeout_s=0)
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        # This rank's mean over the micro-batches since the last log, next to the Trainer's "loss".
+        if "loss" in logs:
+            for name, values in self._since_log.items():
+                if values:
+                    logs[name] = torch.stack(values).float().mean().item()
+                    values.clear()
+        super().log(logs, *args, **kwargs)
