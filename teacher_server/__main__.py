@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     ServerConfig.add_arguments(parser)
     args = parser.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Every rank would bind the same ports and serve its own copy of the model.
+        parser.error("tensor parallelism across several processes is not implemented yet: start the teacher "
+                     "as one process (torchrun --nproc-per-node 1, or plain python -m teacher_server)")
     try:
         config = ServerConfig.from_args(args)
     except ValueError as e:
