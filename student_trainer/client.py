@@ -88,7 +88,7 @@ class TeacherClient:
     def __init__(self, address: str, device: str | torch.device = "cpu", *, logits: bool = True, topk: int = 0,
                  hidden_layers=(), dtype: str | None = None, max_inflight: int = 0, job_id: str | None = None,
                  job_rank: int | None = None, tokenizer=None, vocab_size: int = 0, weight: float = 1.0,
-                 rpc_timeout_s: float = 30.0,
+                 rpc_timeout_s: float = 30.0, auth_token: str | None = None,
                  join_timeout_s: float = 120.0, transfer_timeout_s: float | None = None):
         self.address = address
         self.device = torch.device(device)
@@ -96,6 +96,8 @@ class TeacherClient:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.rpc_timeout_s = rpc_timeout_s
         self._channel = grpc.insecure_channel(address, options=_grpc_options())
+        token = os.environ.get("TEACHER_AUTH_TOKEN", "") if auth_token is None else auth_token
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._stub = pb_grpc.TeacherServiceStub(self._channel)
         self._closed = False
         self._broken: TeacherError | None = None
@@ -147,7 +149,7 @@ class TeacherClient:
         self._completion_thread = threading.Thread(target=self._completion_loop, name="teacher-recv", daemon=True)
         self._completion_thread.start()
         # One stream carries every Submit of the session: no round trip per batch.
-        self._responses = self._stub.SubmitStream(self._request_stream())
+        self._responses = self._stub.SubmitStream(self._request_stream(), metadata=self._metadata)
         self._ack_thread = threading.Thread(target=self._ack_loop, name="teacher-acks", daemon=True)
         self._ack_thread.start()
         self._receive_thread = threading.Thread(target=self._receive_loop, name="teacher-post-recv", daemon=True)
@@ -361,7 +363,7 @@ class TeacherClient:
 
     def _call(self, method: str, request):
         try:
-            return getattr(self._stub, method)(request, timeout=self.rpc_timeout_s)
+            return getattr(self._stub, method)(request, timeout=self.rpc_timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e, f"{method} to teacher {self.address}") from None
 

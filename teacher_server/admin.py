@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
@@ -55,14 +56,18 @@ def main(command: str, argv: list[str]) -> int:
                                      description=f"Print the {command} of a running teacher server.")
     parser.add_argument("address", help="the teacher's gRPC address, HOST:PORT")
     parser.add_argument("--timeout-s", type=float, default=10.0)
+    parser.add_argument("--auth-token", default=os.environ.get("TEACHER_AUTH_TOKEN", ""),
+                        help="the teacher's --auth-token (default: $TEACHER_AUTH_TOKEN)")
     args = parser.parse_args(argv)
     with grpc.insecure_channel(args.address) as channel:
         stub = pb_grpc.TeacherServiceStub(channel)
+        metadata = (("authorization", f"Bearer {args.auth_token}"),) if args.auth_token else ()
         try:
             if command == "info":
-                print(format_info(stub.GetInfo(pb.GetInfoRequest(), timeout=args.timeout_s)))
+                print(format_info(stub.GetInfo(pb.GetInfoRequest(), timeout=args.timeout_s, metadata=metadata)))
             else:
-                print(format_status(stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout_s)))
+                print(format_status(stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout_s,
+                                                   metadata=metadata)))
         except grpc.RpcError as e:
             print(f"teacher-server {command}: {args.address} answered {e.code().name}: {e.details()}",
                   file=sys.stderr)

@@ -79,7 +79,7 @@ class TeacherServer:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
-        http = uvicorn.Server(uvicorn.Config(create_app(self.engine, self.metrics, self.ready), host=c.host,
+        http = uvicorn.Server(uvicorn.Config(create_app(self.engine, self.metrics, self.ready, c.auth_token), host=c.host,
                                              port=c.http_port, log_level="warning", lifespan="off"))
         http.install_signal_handlers = lambda: None  # this loop handles signals (graceful shutdown)
         stop = asyncio.Event()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class ServerConfig:
     join_timeout_s: float = 60.0
     grace_period_s: float = 30.0
     trust_remote_code: bool = False
+    auth_token: str = field(default="", repr=False)
     log_level: str = "INFO"
     log_format: str = "text"
     extra: dict = field(default_factory=dict)
@@ -92,6 +94,9 @@ class ServerConfig:
         parser.add_argument("--grace-period-s", type=float, default=d.grace_period_s,
                             help="on SIGTERM, how long in-flight batches may take to finish")
         parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub")
+        parser.add_argument("--auth-token", default=os.environ.get("TEACHER_AUTH_TOKEN", ""),
+                            help="require this shared token on every RPC but health, and on /v1/status "
+                                 "(default: $TEACHER_AUTH_TOKEN; empty: no authentication)")
         parser.add_argument("--log-level", default=d.log_level)
         parser.add_argument("--log-format", default=d.log_format, choices=["text", "json"],
                             help="json: one JSON object per line, with session_id on session records")
@@ -104,5 +109,7 @@ class ServerConfig:
     def log_non_defaults(self) -> None:
         default = type(self)()
         changed = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                   if getattr(self, f.name) != getattr(default, f.name)}
+                   if getattr(self, f.name) != getattr(default, f.name) and f.name != "auth_token"}
+        if self.auth_token:
+            changed["auth_token"] = "(set)"
         log.info("teacher server settings (non-default): %s", changed or "none")

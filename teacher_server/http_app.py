@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import hmac
 import time
 from typing import Callable
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Header, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -14,7 +15,7 @@ from teacher_server.engine import Engine
 from teacher_server.metrics import Metrics
 
 
-def create_app(engine: Engine, metrics: Metrics, ready: Callable[[], bool]) -> FastAPI:
+def create_app(engine: Engine, metrics: Metrics, ready: Callable[[], bool], auth_token: str = "") -> FastAPI:
     app = FastAPI(title="teacher-server", docs_url=None, redoc_url=None)
     info = engine.runner.info
 
@@ -36,7 +37,12 @@ def create_app(engine: Engine, metrics: Metrics, ready: Callable[[], bool]) -> F
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/status")
-    def status():
+    def status(authorization: str | None = Header(default=None)):
+        # Sessions and job names are for operators: behind the token when there is one.
+        # /healthz, /readyz and /metrics stay open for probes and Prometheus.
+        if auth_token and not hmac.compare_digest((authorization or "").encode(), f"Bearer {auth_token}".encode()):
+            return JSONResponse({"error": "missing or wrong auth token (Authorization: Bearer <token>)"},
+                                status_code=401)
         now = time.monotonic()
         return {
             "model": info.model_name,
