@@ -21,7 +21,6 @@ from distill_demo.tokenizer import train_tokenizer
 from student_trainer.errors import Incompatible, TeacherUnavailable
 from tests.helpers import ServerProcess, wait_until
 
-transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (pip install '.[hf]')")
 
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments, default_data_collator  # noqa: E402
@@ -138,7 +137,7 @@ def training_args(output_dir: Path, **overrides) -> TrainingArguments:
 def distillation_trainer(setup, student: str, args: TrainingArguments, dataset, **options) -> DistillationTrainer:
     return DistillationTrainer(model=AutoModelForCausalLM.from_pretrained(setup[student]), args=args,
                                train_dataset=dataset, data_collator=default_data_collator,
-                               processing_class=setup["tokenizer"], teacher_timeout_s=60, **options)
+                               processing_class=setup["tokenizer"], **{"teacher_timeout_s": 60, **options})
 
 
 def logged(trainer: Trainer, key: str) -> list[float]:
@@ -201,7 +200,7 @@ def test_gradient_accumulation_counts_every_target_token_once(setup, server, tmp
     # A mean of the two micro-batches' means would weigh the 8 tokens of the second like the 91 of the first.
     halves = [reference_losses(student, teacher, default_data_collator(rows[i:i + BATCH])) for i in (0, BATCH)]
     mean_of_means = sum(0.5 * kd + 0.5 * ce for kd, ce in halves) / 2
-    assert abs(mean_of_means - loss) > 1e-2
+    assert abs(mean_of_means - loss) > 1e-3  # ten times the tolerance above
 
 
 def test_kd_weight_zero_is_the_plain_trainer_and_never_joins(setup, tmp_path):
@@ -221,8 +220,7 @@ def test_kd_weight_zero_is_the_plain_trainer_and_never_joins(setup, tmp_path):
 def test_unreachable_teacher_is_reported(setup, tmp_path):
     address = f"127.0.0.1:{free_port()}"
     trainer = distillation_trainer(setup, "student", training_args(tmp_path, max_steps=2), Rows(setup["rows"]),
-                                   teacher_address=address, kd_weight=0.5)
-    trainer.teacher_timeout_s = 2.0
+                                   teacher_address=address, kd_weight=0.5, teacher_timeout_s=2)
     with pytest.raises(TeacherUnavailable, match=f"no teacher answered at {address}"):
         trainer.train()
 
