@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml requirements/ci.txt requirements/deploy-lint.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" -c requirements/ci.txt
-	$(PY) -m pip install -q -c requirements/ci.txt -c requirements/deploy-lint.txt -e '.[dev,plot,lora]'
+	$(PY) -m pip install -q -c requirements/ci.txt -c requirements/deploy-lint.txt -e '.[dev,plot,lora,hf]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -63,11 +63,12 @@ class DistillationTrainer(Trainer):
     kd_loss, temperature, jsd_beta, kd_chunk_tokens: see `student_trainer.losses.kd_loss`.
     topk: 0 distils the full logits; k > 0 asks the teacher for its top-k logits only.
     teacher_timeout_s: the longest wait for the teacher, to join and for one batch's outputs.
+    teacher_auth_token: the teacher's --auth-token; None reads TEACHER_AUTH_TOKEN.
     """
 
     def __init__(self, *args, teacher_address: str, kd_weight: float = 0.5, kd_loss: str = "forward_kl",
                  temperature: float = 1.0, jsd_beta: float = 0.5, topk: int = 0, teacher_timeout_s: float = 600.0,
-                 kd_chunk_tokens: int = 1024, **kwargs):
+                 kd_chunk_tokens: int = 1024, teacher_auth_token: str | None = None, **kwargs):
         if not isinstance(teacher_address, str) or not teacher_address:
             raise ValueError(f"teacher_address must be 'host:port' of a running teacher, got {teacher_address!r}")
         if not 0.0 <= kd_weight <= 1.0:
@@ -77,7 +78,7 @@ class DistillationTrainer(Trainer):
             raise ValueError(f"topk must be an int >= 0 (0 distils the full logits), got {topk!r}")
         if not teacher_timeout_s > 0:
             raise ValueError(f"teacher_timeout_s must be > 0, got {teacher_timeout_s!r}")
-        losses._check_options(kd_loss, temperature, jsd_beta, kd_chunk_tokens)  # the losses' own checks, once
+        losses.check_options(kd_loss, temperature, jsd_beta, kd_chunk_tokens)  # the losses' own checks, once
         super().__init__(*args, **kwargs)
         self.teacher_address = teacher_address
         self.kd_weight = float(kd_weight)
@@ -87,10 +88,11 @@ class DistillationTrainer(Trainer):
         self.topk = topk
         self.teacher_timeout_s = float(teacher_timeout_s)
         self.kd_chunk_tokens = kd_chunk_tokens
+        self.teacher_auth_token = teacher_auth_token
         self._teacher: TeacherClient | None = None
         self._upcoming: deque[dict] = deque()  # this step's micro-batches, not yet submitted
         self._inflight: deque[tuple[torch.Tensor, Future]] = deque()  # submitted: (input_ids, future)
-        self._since_log = {"kd_loss": [], "ce_loss": []}  # micro-batch means since the last log
+        self._since_log: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (sum, count) of micro-batch means
         if self.kd_weight == 0:
             return
         if self.label_smoother is not None or self.compute_loss_func is not None:
@@ -114,6 +116,10 @@ class DistillationTrainer(Trainer):
             raise ValueError("DistillationTrainer needs `labels` in every batch: -100 marks positions that are not "
                              "targets, and KD counts the same positions as CE. For plain text, "
                              "DataCollatorForLanguageModeling(tokenizer, mlm=False) adds them")
+        packed = sorted({"position_ids", "shift_labels"} & set(inputs))
+        if packed:
+            raise ValueError(f"the batch carries {packed}: packed (padding-free) batches are not supported, since the "
+                             "teacher sees only input_ids and attention_mask. Use a padding collator")
         future = self._teacher_future(inputs, from_prefetch=model.training)
 
         # The same rule as Trainer.training_step's: with a token count for the whole step the
@@ -140,10 +146,9 @@ class DistillationTrainer(Trainer):
                 ce = ce / (num_items_in_batch if scaled else n_tokens.clamp(min=1))
             loss = loss + (1 - self.kd_weight) * ce
             if model.training:
-                self._since_log["ce_loss"].append(ce.detach() * (num_items_in_batch / n_tokens.clamp(min=1))
-                                                  if scaled else ce.detach())
+                self._record("ce_loss", ce * (num_items_in_batch / n_tokens.clamp(min=1)) if scaled else ce)
         if model.training:
-            self._since_log["kd_loss"].append(kd.detach())
+            self._record("kd_loss", kd)
         if scaled and self.args.average_tokens_across_devices:
             # As Trainer.compute_loss: the count covers every rank's tokens, while DDP and FSDP
             # average the ranks' gradients.
@@ -220,8 +225,8 @@ class DistillationTrainer(Trainer):
                 self.teacher_address, self.args.device, logits=not self.topk, topk=self.topk,
                 tokenizer=tokenizer if hasattr(tokenizer, "get_vocab") else None,
                 vocab_size=self._student_vocab_size, max_inflight=PREFETCH_MICRO_BATCHES + 1, job_id=job_id,
-                job_rank=self.args.process_index, join_timeout_s=self.teacher_timeout_s,
-                transfer_timeout_s=self.teacher_timeout_s)
+                job_rank=self.args.process_index, auth_token=self.teacher_auth_token,
+                join_timeout_s=self.teacher_timeout_s, transfer_timeout_s=self.teacher_timeout_s)
             log.info("rank %d distils from %s (%s): kd_weight %g, %s, temperature %g%s", self.args.process_index,
                      self.teacher_address, self._teacher.info.model_name, self.kd_weight, self.kd_loss_kind,
                      self.temperature, f", top-{self.topk}" if self.topk else "")
@@ -250,11 +255,14 @@ class DistillationTrainer(Trainer):
         if teacher is not None:
             teacher.close(timeout_s=0)
 
+    def _record(self, name: str, micro_batch_mean: torch.Tensor) -> None:
+        total, count = self._since_log.get(name, (0.0, 0))
+        self._since_log[name] = (total + micro_batch_mean.detach().float(), count + 1)
+
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        # This rank's mean over the micro-batches since the last log, next to the Trainer's "loss".
+        # Next to the Trainer's "loss": this rank's mean of the micro-batch means since the last log.
         if "loss" in logs:
-            for name, values in self._since_log.items():
-                if values:
-                    logs[name] = torch.stack(values).float().mean().item()
-                    values.clear()
+            for name, (total, count) in self._since_log.items():
+                logs[name] = (total / count).item()
+            self._since_log.clear()
         super().log(logs, *args, **kwargs)

@@ -93,7 +93,7 @@ def kd_loss(
     masked tokens of the per-token divergence, times temperature². See the module docstring
     for ``kind``, ``jsd_beta`` and how ``chunk_tokens`` bounds memory.
     """
-    _check_options(kind, temperature, jsd_beta, chunk_tokens)
+    check_options(kind, temperature, jsd_beta, chunk_tokens)
     _check_logits("student_logits", student_logits)
     _check_logits("teacher_logits", teacher_logits)
     batch, seq, vocab = student_logits.shape
@@ -138,7 +138,7 @@ def topk_kd_loss(
     ``torch.topk`` gives). Only the indices of masked tokens are checked and used, so padding
     positions may hold anything. See the module docstring for the tail-mass treatment.
     """
-    _check_options(kind, temperature, jsd_beta, chunk_tokens)
+    check_options(kind, temperature, jsd_beta, chunk_tokens)
     _check_logits("student_logits", student_logits)
     _check_logits("teacher_topk_values", teacher_topk_values)
     batch, seq, vocab = student_logits.shape
@@ -382,7 +382,7 @@ def hidden_state_loss(
 # --------------------------------------------------------------------------- validation and helpers
 
 
-def _check_options(kind: str, temperature: float, jsd_beta: float, chunk_tokens: int) -> None:
+def check_options(kind: str, temperature: float, jsd_beta: float, chunk_tokens: int) -> None:
     if kind not in LOSS_KINDS:
         raise ValueError(f"--kd-loss {kind!r} is not supported: use one of {', '.join(LOSS_KINDS)}")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):

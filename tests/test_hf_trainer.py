@@ -201,6 +201,29 @@ def test_gradient_accumulation_counts_every_target_token_once(setup, server, tmp
     halves = [reference_losses(student, teacher, default_data_collator(rows[i:i + BATCH])) for i in (0, BATCH)]
     mean_of_means = sum(0.5 * kd + 0.5 * ce for kd, ce in halves) / 2
     assert abs(mean_of_means - loss) > 1e-3  # ten times the tolerance above
+    # The logged terms are the micro-batch means, averaged.
+    assert logged(trainer, "kd_loss") == [pytest.approx(sum(kd for kd, _ in halves) / 2, abs=1e-4)]
+    assert logged(trainer, "ce_loss") == [pytest.approx(sum(ce for _, ce in halves) / 2, abs=1e-4)]
+
+
+def test_topk_distils_on_the_teachers_top_k(setup, server, tmp_path):
+    trainer = distillation_trainer(setup, "student", training_args(tmp_path), Rows(setup["rows"]),
+                                   teacher_address=server.address, kd_weight=1.0, topk=8, temperature=2.0)
+    batch = default_data_collator(setup["rows"][:BATCH])
+    kd = trainer.compute_loss(trainer.model, batch).item()
+    trainer.close_teacher()
+
+    # Both sides renormalised over the teacher's 8 largest logits, at T = 2 and scaled by T².
+    teacher = AutoModelForCausalLM.from_pretrained(setup["teacher"])
+    with torch.no_grad():
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        student_logits, teacher_logits = trainer.model(**inputs).logits[:, :-1], teacher(**inputs).logits[:, :-1]
+    mask = batch["labels"][:, 1:] != -100
+    values, indices = teacher_logits[mask].double().topk(8, dim=-1)
+    log_p = F.log_softmax(values / 2, dim=-1)
+    log_q = F.log_softmax(student_logits[mask].double().gather(-1, indices) / 2, dim=-1)
+    expected = 4 * (log_p.exp() * (log_p - log_q)).sum(dim=-1).mean().item()
+    assert kd == pytest.approx(expected, abs=1e-4)
 
 
 def test_kd_weight_zero_is_the_plain_trainer_and_never_joins(setup, tmp_path):
