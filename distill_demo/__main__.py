@@ -25,17 +25,22 @@ def main(argv: list[str] | None = None) -> int:
     from distill_demo.processes import DemoError
 
     # SIGTERM unwinds like Ctrl-C, so the teacher server and trainers started so far are stopped.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         result = run_demo(config)
     except DemoError as e:
         print(f"\ndistill_demo failed: {e}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
-        print("\ndistill_demo interrupted; child processes stopped", file=sys.stderr, flush=True)
+        print("\ndistill_demo interrupted; the teacher server and trainers it started are stopped",
+              file=sys.stderr, flush=True)
         return 130
     print(result.result_line(), flush=True)
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -53,13 +53,13 @@ class DemoConfig:
     teacher_batch_size: int = 16
     # Students: two seeds distilled at once from one teacher, and the same two with CE only.
     student: ModelShape = ModelShape(hidden_size=64, num_layers=2, intermediate_size=192, num_heads=4)
-    student_steps: int = 300
+    student_steps: int = 200
     student_lr: float = 3e-3
     student_batch_size: int = 16
     kd_weight: float = 0.7
     temperature: float = 1.0
     seeds: tuple[int, ...] = (0, 1)
-    eval_every: int = 25
+    eval_every: int = 20
     # Waits: every child process has a deadline.
     startup_timeout_s: float = 120.0
     run_timeout_s: float = 900.0
@@ -84,6 +84,9 @@ class DemoConfig:
                              "(the CE-only baselines are trained anyway)")
         if self.temperature <= 0:
             raise ValueError("--temperature must be > 0")
+        for flag in ("teacher_lr", "student_lr"):
+            if getattr(self, flag) <= 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be > 0, e.g. 3e-3")
         if self.startup_timeout_s <= 0 or self.run_timeout_s <= 0:
             raise ValueError("--startup-timeout-s and --run-timeout-s must be > 0")
 
@@ -111,7 +114,7 @@ class DemoConfig:
         p.add_argument("--seq-len", type=int, help="tokens per training sequence (default 128)")
         p.add_argument("--teacher-steps", type=int, help="teacher training steps (default 600)")
         p.add_argument("--teacher-lr", type=float)
-        p.add_argument("--student-steps", type=int, help="steps of every student, KD and CE alike (default 300)")
+        p.add_argument("--student-steps", type=int, help="steps of every student, KD and CE alike (default 200)")
         p.add_argument("--student-lr", type=float)
         p.add_argument("--kd-weight", type=float, help="alpha in alpha*KD + (1-alpha)*CE (default 0.7)")
         p.add_argument("--temperature", type=float, help="KD softmax temperature (default 1.0)")

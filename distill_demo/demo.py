@@ -75,13 +75,14 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     _quiet_transformers()
 
     data = prepare_data(cfg, cache)
-    teacher = ensure_teacher(cfg, cache, data, threads=cores)
-    inits = {seed: save_random_llama(out / "init" / f"student-seed{seed}", cfg.student, data, cfg.seq_len, seed)
-             for seed in cfg.seeds}
-    student_params = next(iter(inits.values()))[1]
+    teacher = ensure_teacher(cfg, cache, data, out, threads=cores)
+    # One random init per seed, shared by that seed's KD and CE student.
+    inits = {seed: out / "init" / f"student-seed{seed}" for seed in cfg.seeds}
+    student_params = [save_random_llama(path, cfg.student, data, cfg.seq_len, seed) for seed, path in inits.items()][0]
 
     say(f"\n[3/{STEPS}] serving the teacher: python -m teacher_server --model {teacher.model_dir}")
-    # Two students train while the teacher serves them: one core's worth of threads each.
+    # The teacher and two students share the cores: one thread each, so none waits on a
+    # thread of its own that the others have preempted.
     with TeacherProcess(teacher.model_dir, out / "teacher_server.log", startup_timeout_s=cfg.startup_timeout_s,
                         threads=1) as server:
         say(f"  READY: gRPC {server.address}, HTTP :{server.http_port}, store :{server.store_port} "
@@ -106,12 +107,13 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     title = (f"{cfg.student.hidden_size}-wide {cfg.student.num_layers}-layer student from a "
              f"{cfg.teacher.hidden_size}-wide {cfg.teacher.num_layers}-layer teacher: KD (alpha={cfg.kd_weight}, "
              f"T={cfg.temperature}) vs CE only")
+    (out / "loss_curves.png").unlink(missing_ok=True)  # never leave an earlier run's plot behind
     plot = plot_curves(results, teacher.heldout_loss, out / "loss_curves.png", title)
     say(f"loss curves: {plot}" if plot else
         "loss curves: skipped, matplotlib is not installed (pip install 'teacher-service[plot]')")
 
     result = DemoResult(teacher.heldout_loss, kd_stats.mean, ce_stats.mean, holds, plot)
-    summary = {"config": _jsonable(asdict(cfg)), "teacher": {"model_dir": str(teacher.model_dir),
+    summary = {"config": asdict(cfg), "teacher": {"model_dir": str(teacher.model_dir),
                "heldout_loss": teacher.heldout_loss, "params": teacher.params, "cached": teacher.cached},
                "students": [{"kind": r.kind, "seed": r.seed, "heldout_loss": r.heldout_loss, "wall_s": r.wall_s}
                             for r in results],
@@ -139,11 +141,14 @@ def prepare_data(cfg: DemoConfig, cache: Path) -> DemoData:
             f"{cfg.vocab_size}-token BPE tokenizer")
         # Built aside and renamed into place, so an interrupted build is never taken for a cached one.
         staging = _staging_dir(data_dir)
-        train, _ = write_jsonl_corpus(staging, seq_chars=cfg.seq_chars, heldout_fraction=cfg.heldout_fraction,
-                                      max_files=cfg.max_files, seed=cfg.split_seed)
-        load_or_train_tokenizer(staging / "tokenizer", lambda: _texts(train), cfg.vocab_size)
-        (staging / "settings.json").write_text(json.dumps(cfg.data_settings(), indent=2) + "\n")
-        _publish(staging, data_dir, marker)
+        try:
+            train, _ = write_jsonl_corpus(staging, seq_chars=cfg.seq_chars, heldout_fraction=cfg.heldout_fraction,
+                                          max_files=cfg.max_files, seed=cfg.split_seed)
+            load_or_train_tokenizer(staging / "tokenizer", lambda: _texts(train), cfg.vocab_size)
+            (staging / "settings.json").write_text(json.dumps(cfg.data_settings(), indent=2) + "\n")
+            _publish(staging, data_dir, marker)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         say(f"  cached in {data_dir}")
     data = DemoData(data_dir / TRAIN_FILENAME, data_dir / HELDOUT_FILENAME, data_dir / "tokenizer", 0)
     data.vocab_size = len(load_or_train_tokenizer(data.tokenizer_dir, lambda: _texts(data.train), cfg.vocab_size))
@@ -162,8 +167,11 @@ def _texts(path: Path):
 # ---- 2. teacher ---------------------------------------------------------------------------
 
 
-def ensure_teacher(cfg: DemoConfig, cache: Path, data: DemoData, *, threads: int) -> Teacher:
-    """The trained teacher from the cache, or trained now (plain CE) and cached."""
+def ensure_teacher(cfg: DemoConfig, cache: Path, data: DemoData, out: Path, *, threads: int) -> Teacher:
+    """The trained teacher from the cache, or trained now (plain CE) and cached.
+
+    Its training log goes to the output directory, where it outlives a failed attempt.
+    """
     teacher_dir = cache / f"teacher-{settings_key(cfg.teacher_settings())}"
     marker = teacher_dir / "teacher.json"
     if marker.is_file():
@@ -176,13 +184,13 @@ def ensure_teacher(cfg: DemoConfig, cache: Path, data: DemoData, *, threads: int
     say(f"\n[2/{STEPS}] teacher: training a {shape.hidden_size}-wide, {shape.num_layers}-layer Llama for "
         f"{cfg.teacher_steps} steps with plain CE (python -m student_trainer train --kd-weight 0)")
     staging = _staging_dir(teacher_dir)
-    _, params = save_random_llama(staging / "init", shape, data, cfg.seq_len, seed=0)
+    params = save_random_llama(staging / "init", shape, data, cfg.seq_len, seed=0)
     run = TrainerRun("teacher training", staging / "run", [
         "--model", str(staging / "init"), "--data", str(data.train), "--eval-data", str(data.heldout),
         "--eval-every", str(max(1, cfg.teacher_steps // 4)), "--max-steps", str(cfg.teacher_steps),
         "--batch-size", str(cfg.teacher_batch_size), "--seq-len", str(cfg.seq_len), "--lr", str(cfg.teacher_lr),
         "--warmup-steps", str(cfg.teacher_steps // 10), "--kd-weight", "0", "--seed", "0", "--job-id", "teacher",
-    ], threads=threads)
+    ], threads=threads, log_path=out / "teacher_train.log")
     progress = Progress([run], cfg.teacher_steps)
     try:
         wait_all([run], timeout_s=cfg.run_timeout_s, on_poll=progress.maybe_print)
@@ -195,8 +203,8 @@ def ensure_teacher(cfg: DemoConfig, cache: Path, data: DemoData, *, threads: int
         say(f"  trained in {run.wall_s:.0f} s: held-out loss {loss:.4f} (a uniform guess: {uniform:.4f})")
         # Keep the model and the record of its training; drop the optimizer checkpoints.
         shutil.move(str(run.run_dir / "model"), str(staging / "model"))
-        for name in ("metrics.jsonl", "train.log"):
-            shutil.move(str(run.run_dir / name), str(staging / name))
+        shutil.move(str(run.run_dir / "metrics.jsonl"), str(staging / "metrics.jsonl"))
+        shutil.copy(run.log_path, staging / "train.log")
         shutil.rmtree(run.run_dir)
         shutil.rmtree(staging / "init")
         marker_text = json.dumps({"settings": cfg.teacher_settings(), "heldout_loss": loss, "params": params,
@@ -209,8 +217,9 @@ def ensure_teacher(cfg: DemoConfig, cache: Path, data: DemoData, *, threads: int
     return Teacher(teacher_dir / "model", loss, params, cached=False)
 
 
-def save_random_llama(out_dir: Path, shape: ModelShape, data: DemoData, seq_len: int, seed: int) -> tuple[Path, int]:
-    """A Llama of `shape` with random weights fixed by `seed`, saved with the demo's tokenizer."""
+def save_random_llama(out_dir: Path, shape: ModelShape, data: DemoData, seq_len: int, seed: int) -> int:
+    """Saves a Llama of `shape` with random weights fixed by `seed`, and the demo's tokenizer, to
+    `out_dir`; returns its parameter count."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -228,7 +237,7 @@ def save_random_llama(out_dir: Path, shape: ModelShape, data: DemoData, seq_len:
     shutil.rmtree(out_dir, ignore_errors=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    return out_dir, sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters())
 
 
 # ---- 4. distil, 5. baseline ------------------------------------------------------------------
@@ -242,12 +251,13 @@ def student_args(cfg: DemoConfig, data: DemoData, init_dir: Path, seed: int) -> 
             "--warmup-steps", str(cfg.student_steps // 10), "--seed", str(seed)]
 
 
-def distil(cfg: DemoConfig, server: TeacherProcess, data: DemoData, inits: dict, out: Path) -> list[StudentResult]:
+def distil(cfg: DemoConfig, server: TeacherProcess, data: DemoData, inits: dict[int, Path],
+           out: Path) -> list[StudentResult]:
     say(f"\n[4/{STEPS}] distilling: {len(cfg.seeds)} KD students (seeds {_seeds(cfg)}) training at the same time "
         f"against the one teacher, {cfg.student_steps} steps each, kd-weight {cfg.kd_weight}, "
         f"temperature {cfg.temperature}")
     runs = [TrainerRun(f"KD student seed {seed}", out / f"kd-seed{seed}",
-                       [*student_args(cfg, data, inits[seed][0], seed), "--teacher", server.address,
+                       [*student_args(cfg, data, inits[seed], seed), "--teacher", server.address,
                         "--kd-weight", str(cfg.kd_weight), "--temperature", str(cfg.temperature),
                         "--job-id", f"kd-seed{seed}"], threads=1)
             for seed in cfg.seeds]
@@ -264,8 +274,11 @@ def distil(cfg: DemoConfig, server: TeacherProcess, data: DemoData, inits: dict,
             sessions[session["job_id"]] = session
         progress.maybe_print()
 
-    wait_all(runs, timeout_s=cfg.run_timeout_s, on_poll=watch)
-    say(f"  one teacher, {most_at_once} sessions served at the same time; what each student received:")
+    # Polled often: a session leaves the status page when it ends, and its last counters go with it.
+    wait_all(runs, timeout_s=cfg.run_timeout_s, on_poll=watch, poll_s=0.25)
+    overlap = (f"{most_at_once} sessions served at the same time" if most_at_once > 1 else
+               "the sessions did not overlap (one ended before the other joined)")
+    say(f"  one teacher, {overlap}; what each student received (as of the teacher's last status):")
     for seed, run in zip(cfg.seeds, runs):
         metrics = run.metrics()
         wait_s = sum(m.get("teacher_wait_s", 0.0) for m in metrics)
@@ -278,11 +291,11 @@ def distil(cfg: DemoConfig, server: TeacherProcess, data: DemoData, inits: dict,
     return [_result("kd", seed, run) for seed, run in zip(cfg.seeds, runs)]
 
 
-def train_baselines(cfg: DemoConfig, data: DemoData, inits: dict, out: Path) -> list[StudentResult]:
+def train_baselines(cfg: DemoConfig, data: DemoData, inits: dict[int, Path], out: Path) -> list[StudentResult]:
     say(f"\n[5/{STEPS}] baseline: the same students (seeds {_seeds(cfg)}, same init and data order) with "
         f"plain CE, no teacher, {cfg.student_steps} steps")
     runs = [TrainerRun(f"CE student seed {seed}", out / f"ce-seed{seed}",
-                       [*student_args(cfg, data, inits[seed][0], seed), "--kd-weight", "0",
+                       [*student_args(cfg, data, inits[seed], seed), "--kd-weight", "0",
                         "--job-id", f"ce-seed{seed}"], threads=1)
             for seed in cfg.seeds]
     wait_all(runs, timeout_s=cfg.run_timeout_s, on_poll=Progress(runs, cfg.student_steps).maybe_print)
@@ -347,10 +360,3 @@ def _quiet_transformers() -> None:
 
     hf_logging.disable_progress_bar()
 
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value

@@ -138,8 +138,12 @@ class TeacherProcess:
     def status(self, timeout_s: float = 5.0) -> dict:
         """GET /v1/status: the model and every connected session's counters."""
         url = f"http://127.0.0.1:{self.http_port}/v1/status"
+        request = urllib.request.Request(url)
+        # The server and the students take the token from the environment they inherit; so does this.
+        if token := os.environ.get("TEACHER_AUTH_TOKEN"):
+            request.add_header("Authorization", f"Bearer {token}")
         try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            with urllib.request.urlopen(request, timeout=timeout_s) as reply:
                 return json.load(reply)
         except (urllib.error.URLError, TimeoutError, json.JSONDecodeError) as e:
             raise DemoError(f"the teacher server's status page {url} did not answer within {timeout_s} s: {e}; "
@@ -152,17 +156,19 @@ class TeacherProcess:
 
 
 class TrainerRun:
-    """One `python -m student_trainer train ...` process writing to `run_dir`.
+    """One `python -m student_trainer train ...` process writing to `run_dir` (its output to
+    `log_path`, by default run_dir/train.log).
 
     `run_dir` is emptied first: the trainer appends to metrics.jsonl, and a previous
     run's lines would otherwise be read as this one's.
     """
 
-    def __init__(self, name: str, run_dir: Path, args: list[str], *, threads: int):
+    def __init__(self, name: str, run_dir: Path, args: list[str], *, threads: int, log_path: Path | None = None):
         self.name, self.run_dir = name, run_dir
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
-        self.log_path = run_dir / "train.log"
+        self.log_path = log_path or run_dir / "train.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.started = time.monotonic()
         self.finished: float | None = None
         with open(self.log_path, "w") as log:

@@ -82,7 +82,7 @@ def plot_curves(results: list[StudentResult], teacher_loss: float, path: Path, t
     styles = ["-", "--", ":", "-."]
     fig, (train_ax, eval_ax) = plt.subplots(1, 2, figsize=(12, 4.8))
     seeds = sorted({r.seed for r in results})
-    for r in sorted(results, key=lambda r: (r.kind, r.seed)):
+    for r in sorted(results, key=lambda r: (list(colors).index(r.kind), r.seed)):
         style = styles[seeds.index(r.seed) % len(styles)]
         label = f"{labels[r.kind]}, seed {r.seed}"
         steps = [m["step"] for m in r.metrics]
@@ -105,7 +105,8 @@ def plot_curves(results: list[StudentResult], teacher_loss: float, path: Path, t
     low = min(finals) - 0.15
     eval_ax.set_ylim(low, max(eval_values) + 0.1)
     train_ax.set_ylim(low, max(eval_values) + 0.5)
-    eval_ax.legend(fontsize=8)
+    for ax in (train_ax, eval_ax):
+        ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,126 @@
+"""`python -m distill_demo --quick` as a real subprocess: corpus, teacher training, a teacher
+server, two KD students at once and two CE students, end to end in well under a minute.
+
+The full-size claim (KD beats CE by more than the spread over seeds) needs minutes of
+training and is checked by running `python -m distill_demo` itself; --quick only shows
+that every step runs and reports.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+
+import pytest
+
+from distill_demo.config import DemoConfig
+from distill_demo.processes import DemoError, TrainerRun, wait_all
+from distill_demo.report import GroupStats, StudentResult, kd_beats_ce, loss_table
+from tests.helpers import ROOT, child_env
+
+RESULT = re.compile(r"^RESULT teacher_loss=(\d+\.\d{4}) kd_loss=(\d+\.\d{4}) ce_loss=(\d+\.\d{4})$")
+RUN_TIMEOUT_S = 150
+
+
+def run_demo(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "distill_demo", "--quick", "--output-dir", str(tmp_path / "out"),
+             "--cache-dir", str(tmp_path / "cache"), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=ROOT,
+            timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"the quick demo did not finish within {RUN_TIMEOUT_S}s:\n{e.output}") from e
+
+
+@pytest.fixture(scope="module")
+def demo_runs(tmp_path_factory):
+    """The quick demo run twice on one cache: cold, then warm."""
+    tmp_path = tmp_path_factory.mktemp("demo")
+    cold = run_demo(tmp_path)
+    assert cold.returncode == 0, cold.stdout
+    warm = run_demo(tmp_path)
+    assert warm.returncode == 0, warm.stdout
+    return tmp_path, cold, warm
+
+
+def test_quick_demo_prints_the_table_and_a_result_line(demo_runs):
+    tmp_path, cold, _ = demo_runs
+    lines = cold.stdout.strip().splitlines()
+    match = RESULT.match(lines[-1])
+    assert match, f"last line is not a RESULT line: {lines[-1]!r}\n{cold.stdout}"
+    teacher_loss, kd_loss, ce_loss = map(float, match.groups())
+    for label in ("teacher", "student, KD", "student, CE only", "seed 0", "seed 1", "spread"):
+        assert label in cold.stdout, (label, cold.stdout)
+    # Both KD students joined the one teacher (whether their few quick steps overlapped is up to timing).
+    for seed in (0, 1):
+        assert re.search(rf"- KD seed {seed}: .*steps.*waited .* for the teacher", cold.stdout), cold.stdout
+    assert "KD beats CE beyond the spread over seeds" in cold.stdout
+    # Even --quick's few steps take every model well below a uniform guess over 320 tokens (5.77).
+    for loss in (teacher_loss, kd_loss, ce_loss):
+        assert 0 < loss < 5.7
+    out = tmp_path / "out"
+    for run in ("kd-seed0", "kd-seed1", "ce-seed0", "ce-seed1"):
+        assert (out / run / "model").is_dir(), run
+    assert (out / "results.json").is_file()
+    png = out / "loss_curves.png"
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "matplotlib is not installed" in cold.stdout
+
+
+def test_second_run_reuses_the_cached_teacher(demo_runs):
+    _, cold, warm = demo_runs
+    assert "teacher: training" in cold.stdout
+    assert "teacher: cached" in warm.stdout and "teacher: training" not in warm.stdout, warm.stdout
+    assert "data: cached" in warm.stdout
+    cold_teacher = RESULT.match(cold.stdout.strip().splitlines()[-1]).group(1)
+    warm_teacher = RESULT.match(warm.stdout.strip().splitlines()[-1]).group(1)
+    assert cold_teacher == warm_teacher
+
+
+def test_a_teacher_server_that_never_gets_ready_fails_with_its_log(demo_runs):
+    tmp_path, _, _ = demo_runs
+    failed = run_demo(tmp_path, "--startup-timeout-s", "0.01")
+    assert failed.returncode == 1, failed.stdout
+    assert "distill_demo failed: the teacher server did not print READY within" in failed.stdout
+    assert "RESULT" not in failed.stdout
+
+
+def test_a_failed_trainer_is_reported_with_the_end_of_its_log(tmp_path):
+    run = TrainerRun("broken student", tmp_path / "run", ["--model", str(tmp_path / "missing-model"), "--data",
+                                                          str(tmp_path / "train.jsonl"), "--kd-weight", "0",
+                                                          "--max-steps", "1"], threads=1)
+    with pytest.raises(DemoError, match=r"broken student failed \(exit code \d+\); end of .*train.log") as e:
+        wait_all([run], timeout_s=120, poll_s=0.1)
+    assert "missing-model" in str(e.value).split("train.log", 1)[1]  # the trainer's own error, from its log
+
+
+def test_config_errors_name_the_flag():
+    with pytest.raises(ValueError, match="--seeds"):
+        DemoConfig(seeds=(3,))
+    with pytest.raises(ValueError, match="--kd-weight"):
+        DemoConfig(kd_weight=0.0)
+    with pytest.raises(ValueError, match="--max-files"):
+        DemoConfig(max_files=1)
+    with pytest.raises(ValueError, match="--student-lr"):
+        DemoConfig(student_lr=-1.0)
+
+
+def test_kd_must_win_by_more_than_the_spread_over_seeds():
+    assert kd_beats_ce(GroupStats([3.50, 3.52]), GroupStats([3.60, 3.61]))
+    # A mean 0.05 lower, but the seeds scatter by 0.04 in each group: not shown.
+    assert not kd_beats_ce(GroupStats([3.53, 3.57]), GroupStats([3.58, 3.62]))
+
+
+def test_loss_table_lists_each_seed_and_the_means():
+    results = [StudentResult("kd", 0, 3.5, 1.0), StudentResult("kd", 1, 3.6, 1.0),
+               StudentResult("ce", 0, 3.8, 1.0), StudentResult("ce", 1, 3.9, 1.0)]
+    table = loss_table(teacher_loss=3.1, teacher_params=2_000_000, student_params=170_000, results=results,
+                       seeds=(0, 1), uniform_loss=6.9315)
+    kd_row = next(line for line in table.splitlines() if line.startswith("student, KD"))
+    assert kd_row.split()[-4:] == ["3.5000", "3.6000", "3.5500", "0.1000"]
+    assert "2.00M" in table and "170k" in table and "6.9315" in table
