@@ -28,9 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         train_parser.error(str(e))
 
+    from student_trainer.data import DataError
+    from student_trainer.errors import TeacherError
     from student_trainer.train import train
 
-    result = train(config)
+    try:
+        result = train(config)
+    except (DataError, TeacherError) as e:
+        # The message says what to change; a traceback would only bury it.
+        logging.getLogger("student_trainer").error("%s: %s", type(e).__name__, e)
+        return 1
     if rank == 0 and result["history"]:
         last = result["history"][-1]
         print(f"trained to step {result['step']}: loss {last['loss']:.4f}", flush=True)

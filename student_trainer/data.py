@@ -161,7 +161,7 @@ def read_jsonl(
                 except UnicodeDecodeError as e:
                     raise DataError(f"line is not valid UTF-8 ({e.reason} at byte {e.start})") from e
                 except json.JSONDecodeError as e:
-                    raise DataError(f"invalid JSON ({e.msg} at column {e.colno})") from e
+                    raise DataError(f"invalid JSON ({e.msg.removesuffix(' at')}, column {e.colno})") from e
                 record_shape(record)
             except DataError as e:
                 message = f"{path}:{line_number}: {e}; {EXPECTED_SHAPES}"
