@@ -434,5 +434,8 @@ def test_chunking_bounds_peak_memory_in_forward_and_backward():
     result = subprocess.run([sys.executable, "-c", _PEAK_MEMORY_SCRIPT], capture_output=True, text=True, timeout=120,
                             cwd=Path(__file__).resolve().parent.parent, check=True)
     chunked_kb, whole_kb = (int(line) for line in result.stdout.split())
-    assert whole_kb > 4 * logits_kb, "one chunk: the measurement must see JSD's five float32 temporaries"
+    # How many of JSD's float32 temporaries are alive at once in one chunk depends on the
+    # allocator (seen: 2.6x to 6.4x the logits); that the measurement sees them is what counts.
+    assert whole_kb > 2 * logits_kb, "one chunk: the measurement must see JSD's float32 temporaries"
     assert chunked_kb < 2 * logits_kb, "chunked: the gradient buffer (1x the logits) and small chunk temporaries"
+    assert whole_kb > chunked_kb + logits_kb / 2, (chunked_kb, whole_kb)
