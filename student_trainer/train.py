@@ -67,8 +67,10 @@ class TeacherPrefetcher:
 
 
 def student_layer_for(teacher_layer: int, teacher_layers: int, student_layers: int) -> int:
-    """Teacher hidden-state index -> the student's at the same relative depth (0 stays 0)."""
-    return round(teacher_layer * student_layers / teacher_layers)
+    """Teacher hidden-state index -> the student's at the same relative depth (0 stays 0).
+
+    Halves round up (not to even), so a layer never maps back onto the embeddings."""
+    return math.floor(teacher_layer * student_layers / teacher_layers + 0.5)
 
 
 def distill_losses(cfg: TrainConfig, logits: torch.Tensor, student_hidden, batch: dict, out: TeacherOutput | None,
