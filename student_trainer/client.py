@@ -300,15 +300,9 @@ class TeacherClient:
 
     def _post_receives(self, pending: _Pending) -> None:
         b, s = pending.shape
-        info = self.info
-        specs = []
-        if self.logits:
-            specs.append(((b, s, info.vocab_size), self.output_dtype))
-        if self.topk:
-            specs.append(((b, s, self.topk), self.output_dtype))
-            specs.append(((b, s, self.topk), torch.int32))
-        if self.hidden_layers:
-            specs.append(((len(self.hidden_layers), b, s, info.hidden_size), self.output_dtype))
+        specs = wire.output_layout(batch=b, seq=s, vocab=self.info.vocab_size, hidden=self.info.hidden_size,
+                                   logits=self.logits, topk=self.topk, hidden_layers=self.hidden_layers,
+                                   dtype=self.output_dtype)
         if self.backend == "gloo":  # gloo writes host memory; moved to the device on arrival
             pending.buffers = [torch.empty(size, dtype=dtype) for size, dtype in specs]
             pending.works = [self._group.recv(buffer) for buffer in pending.buffers]

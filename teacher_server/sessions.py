@@ -24,18 +24,6 @@ class OutputRequest:
     hidden_layers: tuple[int, ...]
     dtype: torch.dtype
 
-    def shapes(self, batch: int, seq: int, vocab: int, hidden: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """The tensors sent for a [batch, seq] input, in send order (the client mirrors this)."""
-        out = []
-        if self.logits:
-            out.append(((batch, seq, vocab), self.dtype))
-        if self.topk:
-            out.append(((batch, seq, self.topk), self.dtype))
-            out.append(((batch, seq, self.topk), torch.int32))
-        if self.hidden_layers:
-            out.append(((len(self.hidden_layers), batch, seq, hidden), self.dtype))
-        return out
-
 
 @dataclass
 class Batch:
