@@ -26,6 +26,7 @@ import grpc
 import torch
 
 from distill_common import wire
+from distill_common.channel import TeacherUnreachable, channel_credentials, open_channel, wait_until_reachable
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from distill_common.session_group import (STUDENT_RANK, SessionGroup, TransferError, build_group, connect_store,
@@ -89,13 +90,18 @@ class TeacherClient:
                  hidden_layers=(), dtype: str | None = None, max_inflight: int = 0, job_id: str | None = None,
                  job_rank: int | None = None, tokenizer=None, vocab_size: int = 0, weight: float = 1.0,
                  rpc_timeout_s: float = 30.0, auth_token: str | None = None,
-                 join_timeout_s: float = 120.0, transfer_timeout_s: float | None = None):
+                 join_timeout_s: float = 120.0, transfer_timeout_s: float | None = None,
+                 tls_ca: str | bool | None = None, tls_cert: str | None = None, tls_key: str | None = None):
+        """`tls_ca`: talk TLS to a teacher started with --tls-cert, trusting this PEM CA bundle
+        (True: the system's roots). `tls_cert`/`tls_key`: this client's certificate, for a
+        teacher started with --tls-client-ca. The data plane is not encrypted either way."""
         self.address = address
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.rpc_timeout_s = rpc_timeout_s
-        self._channel = grpc.insecure_channel(address, options=_grpc_options())
+        self._tls = bool(tls_ca)
+        self._channel = open_channel(address, channel_credentials(tls_ca, tls_cert, tls_key), _grpc_options())
         token = os.environ.get("TEACHER_AUTH_TOKEN", "") if auth_token is None else auth_token
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._stub = pb_grpc.TeacherServiceStub(self._channel)
@@ -280,12 +286,11 @@ class TeacherClient:
     # ---- joining -----------------------------------------------------------------
 
     def _wait_for_server(self, timeout_s: float) -> None:
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
-        except grpc.FutureTimeoutError:
+        try:  # a TLS mismatch is reported at once, with the argument to change
+            wait_until_reachable(self._channel, self.address, timeout_s, tls=self._tls)
+        except TeacherUnreachable as e:
             self._channel.close()
-            raise TeacherUnavailable(f"no teacher answered at {self.address} within {timeout_s:.0f}s: start one "
-                                     "(python -m teacher_server --model ...) or check the address") from None
+            raise TeacherUnavailable(str(e)) from None
 
     def _connect(self, joined: pb.JoinResponse, timeout_s: float) -> None:
         store = connect_store(joined.store_host, joined.store_port, timeout_s)

@@ -58,6 +58,9 @@ class TrainConfig:
     skip_bad_lines: bool = False
     teacher_timeout_s: float = 600.0
     job_id: str = ""
+    teacher_tls_ca: str = ""  # a PEM path, or "system" for the system's roots; empty: plaintext
+    teacher_tls_cert: str = ""
+    teacher_tls_key: str = ""
 
     def __post_init__(self) -> None:
         self.hidden_layers = tuple(int(x) for x in self.hidden_layers)
@@ -99,6 +102,21 @@ class TrainConfig:
             raise ValueError("--prefetch must be >= 0")
         if self.lora_r < 0:
             raise ValueError("--lora-r must be >= 0 (0: full fine-tuning)")
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        from distill_common.channel import TlsFlags, channel_credentials
+
+        # Builds the credentials once so a missing file or a lone --teacher-tls-cert fails here, by flag name.
+        channel_credentials(self.teacher_tls, self.teacher_tls_cert, self.teacher_tls_key,
+                            TlsFlags(ca="--teacher-tls-ca", cert="--teacher-tls-cert", key="--teacher-tls-key"))
+
+    @property
+    def teacher_tls(self) -> str | bool | None:
+        """TeacherClient's tls_ca: a path, True (system roots) or None (plaintext)."""
+        if self.teacher_tls_ca == "system":
+            return True
+        return self.teacher_tls_ca or None
 
     @property
     def uses_logits(self) -> bool:
@@ -163,6 +181,12 @@ class TrainConfig:
         p.add_argument("--teacher-timeout-s", type=float, default=600.0,
                        help="how long to wait for one batch of teacher outputs")
         p.add_argument("--job-id", default="", help="shown in the teacher's status (default: the run directory)")
+        p.add_argument("--teacher-tls-ca", default="",
+                       help="talk TLS to a teacher started with --tls-cert: the PEM CA that signed its certificate, "
+                            "or 'system' for the system's roots (default: plaintext)")
+        p.add_argument("--teacher-tls-cert", default="",
+                       help="this job's client certificate (PEM), for a teacher started with --tls-client-ca")
+        p.add_argument("--teacher-tls-key", default="", help="the key of --teacher-tls-cert (PEM)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":

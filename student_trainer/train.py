@@ -243,7 +243,8 @@ def train(cfg: TrainConfig) -> dict:
             cfg.teacher, device, logits=cfg.uses_logits and not cfg.topk, topk=cfg.topk if cfg.uses_logits else 0,
             hidden_layers=cfg.hidden_layers, tokenizer=tokenizer if cfg.uses_logits else None,
             vocab_size=student_vocab if cfg.uses_logits else 0, max_inflight=cfg.prefetch + 1,
-            job_id=cfg.job_id or output_dir.name, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s)
+            job_id=cfg.job_id or output_dir.name, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s,
+            tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
         if cfg.uses_logits and student_vocab != teacher.info.vocab_size:
             teacher.close()
             raise SystemExit(f"the student's vocabulary has {student_vocab} entries, the teacher's "

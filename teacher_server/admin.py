@@ -8,6 +8,7 @@ import sys
 
 import grpc
 
+from distill_common.channel import TlsFlags, channel_credentials, connection_hint, open_channel
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 
@@ -58,8 +59,19 @@ def main(command: str, argv: list[str]) -> int:
     parser.add_argument("--timeout-s", type=float, default=10.0)
     parser.add_argument("--auth-token", default=os.environ.get("TEACHER_AUTH_TOKEN", ""),
                         help="the teacher's --auth-token (default: $TEACHER_AUTH_TOKEN)")
+    parser.add_argument("--tls-ca", default="",
+                        help="talk TLS to a teacher started with --tls-cert: the PEM CA that signed its certificate, "
+                             "or 'system' for the system's roots")
+    parser.add_argument("--tls-cert", default="", help="client certificate (PEM), for a teacher with --tls-client-ca")
+    parser.add_argument("--tls-key", default="", help="the key of --tls-cert (PEM)")
     args = parser.parse_args(argv)
-    with grpc.insecure_channel(args.address) as channel:
+    flags = TlsFlags(ca="--tls-ca", cert="--tls-cert", key="--tls-key")
+    tls_ca = True if args.tls_ca == "system" else args.tls_ca or None
+    try:
+        credentials = channel_credentials(tls_ca, args.tls_cert or None, args.tls_key or None, flags)
+    except ValueError as e:
+        parser.error(str(e))
+    with open_channel(args.address, credentials) as channel:
         stub = pb_grpc.TeacherServiceStub(channel)
         metadata = (("authorization", f"Bearer {args.auth_token}"),) if args.auth_token else ()
         try:
@@ -69,7 +81,9 @@ def main(command: str, argv: list[str]) -> int:
                 print(format_status(stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout_s,
                                                    metadata=metadata)))
         except grpc.RpcError as e:
-            print(f"teacher-server {command}: {args.address} answered {e.code().name}: {e.details()}",
-                  file=sys.stderr)
+            hint = connection_hint(e.details() or "", bool(tls_ca), flags) \
+                if e.code() == grpc.StatusCode.UNAVAILABLE else ""
+            print(f"teacher-server {command}: {args.address} answered {e.code().name}: {e.details()}"
+                  + (f"\n{hint}" if hint else ""), file=sys.stderr)
             return 1
     return 0

@@ -39,6 +39,17 @@ def advertised_host(config: ServerConfig) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def grpc_server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
+    """TLS for the gRPC port; with --tls-client-ca, clients must present a certificate it signed."""
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    client_ca = read(config.tls_client_ca) if config.tls_client_ca else None
+    return grpc.ssl_server_credentials([(read(config.tls_key), read(config.tls_cert))], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
 class TeacherServer:
     def __init__(self, config: ServerConfig):
         # The engine thread runs Python for every kernel launch of the forward; with the
@@ -68,19 +79,26 @@ class TeacherServer:
     async def serve(self) -> None:
         c = self.config
         self.engine.start()
-        # Token ids are small (16k int64 = 128 KiB); the limit only keeps garbage out.
-        max_message_bytes = max(4 << 20, 2 * 8 * c.max_batch_tokens + (64 << 10))
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
-                                          ("grpc.max_send_message_length", max_message_bytes)])
+        # Token ids are small (16k int64 = 128 KiB); the limit keeps garbage out. grpc enforces
+        # it before any handler runs, so the refusal is grpc's own RESOURCE_EXHAUSTED
+        # ("Received message larger than max (N vs. LIMIT)"): docs/security.md names the flag.
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", c.max_request_bytes),
+                                          ("grpc.max_send_message_length", c.max_request_bytes)])
         server.add_generic_rpc_handlers((generic_handler(self.service, self.metrics),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.grpc_port = server.add_insecure_port(f"{c.host}:{c.port}")
+        if c.tls:
+            self.grpc_port = server.add_secure_port(f"{c.host}:{c.port}", grpc_server_credentials(c))
+        else:
+            self.grpc_port = server.add_insecure_port(f"{c.host}:{c.port}")
         await server.start()
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
+        # HTTPS without client certificates even under --tls-client-ca: kubelet probes and most
+        # scrapers present none; /v1/status stays behind the token.
         http = uvicorn.Server(uvicorn.Config(create_app(self.engine, self.metrics, self.ready, c.auth_token), host=c.host,
-                                             port=c.http_port, log_level="warning", lifespan="off"))
+                                             port=c.http_port, log_level="warning", lifespan="off",
+                                             ssl_certfile=c.tls_cert or None, ssl_keyfile=c.tls_key or None))
         http.install_signal_handlers = lambda: None  # this loop handles signals (graceful shutdown)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -98,8 +116,9 @@ class TeacherServer:
         # few hundred batches, a pause of tens of ms in the engine thread each time.
         gc.collect()
         gc.freeze()
-        log.info("teacher ready: gRPC %s:%d, HTTP :%d, store %s:%d, model %s", c.host, self.grpc_port,
-                 self.http_port, self.advertise_host, self.store_port, c.model)
+        log.info("teacher ready: gRPC%s %s:%d, HTTP%s :%d, store %s:%d, model %s, requests up to %d bytes "
+                 "(--max-request-bytes)", " (TLS)" if c.tls else "", c.host, self.grpc_port, "S" if c.tls else "",
+                 self.http_port, self.advertise_host, self.store_port, c.model, c.max_request_bytes)
         print(f"READY grpc={self.grpc_port} http={self.http_port} store={self.store_port}", flush=True)
 
         await stop.wait()

@@ -6,7 +6,10 @@ import argparse
 import dataclasses
 import logging
 import os
+import ssl
 from dataclasses import dataclass, field
+
+from distill_common.channel import read_pem
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,12 @@ class ServerConfig:
     grace_period_s: float = 30.0
     trust_remote_code: bool = False
     auth_token: str = field(default="", repr=False)
+    # Largest gRPC request accepted; grpc itself refuses bigger ones (RESOURCE_EXHAUSTED).
+    max_request_bytes: int = 64 << 20
+    # TLS for gRPC and HTTP (PEM files); with tls_client_ca, gRPC also requires client certificates.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
     log_level: str = "INFO"
     log_format: str = "text"
     extra: dict = field(default_factory=dict)
@@ -62,6 +71,33 @@ class ServerConfig:
         for name in ("transfer_timeout_s", "join_timeout_s", "grace_period_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        # A full batch travels as int64 ids and mask (the largest the wire allows), plus framing.
+        needed = 2 * 8 * self.max_batch_tokens + (64 << 10)
+        if self.max_request_bytes < needed:
+            raise ValueError(f"--max-request-bytes {self.max_request_bytes} is too small for a batch of "
+                             f"--max-batch-tokens {self.max_batch_tokens} (int64 ids and mask): use at least {needed}")
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together: give both (PEM certificate chain and its key) "
+                             "or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: client certificates only exist over TLS")
+        for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key),
+                           ("--tls-client-ca", self.tls_client_ca)):
+            if path:
+                read_pem(path, flag)
+        if self.tls_cert:
+            try:  # a key that does not belong to the certificate is caught here, not at the first handshake
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.tls_cert, self.tls_key)
+            except ssl.SSLError as e:
+                raise ValueError(f"--tls-cert {self.tls_cert} and --tls-key {self.tls_key} do not form a usable "
+                                 f"certificate and key pair: {e}") from e
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -97,6 +133,13 @@ class ServerConfig:
         parser.add_argument("--auth-token", default=os.environ.get("TEACHER_AUTH_TOKEN", ""),
                             help="require this shared token on every RPC but health, and on /v1/status "
                                  "(default: $TEACHER_AUTH_TOKEN; empty: no authentication)")
+        parser.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                            help="largest gRPC request accepted (bigger ones: RESOURCE_EXHAUSTED from grpc)")
+        parser.add_argument("--tls-cert", default=d.tls_cert,
+                            help="PEM certificate chain: serve gRPC and HTTP over TLS (needs --tls-key)")
+        parser.add_argument("--tls-key", default=d.tls_key, help="PEM private key of --tls-cert")
+        parser.add_argument("--tls-client-ca", default=d.tls_client_ca,
+                            help="PEM CA bundle: gRPC clients must present a certificate it signed (mutual TLS)")
         parser.add_argument("--log-level", default=d.log_level)
         parser.add_argument("--log-format", default=d.log_format, choices=["text", "json"],
                             help="json: one JSON object per line, with session_id on session records")
