@@ -68,6 +68,7 @@ class Engine:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.error: BaseException | None = None
+        self._next_lease_check = 0.0  # monotonic time of the next look for expired leases
 
     # ---- lifecycle ---------------------------------------------------------------
 
@@ -267,6 +268,11 @@ class Engine:
 
     def _expire_leases(self) -> None:
         now = time.monotonic()
+        # Also called before every plan: a teacher kept busy by some students must still
+        # drop a frozen one on time. Twice a second is often enough.
+        if now < self._next_lease_check:
+            return
+        self._next_lease_check = now + 0.5
         for session in [s for s in self._sessions.values() if s.state in ("ready", "draining")]:
             if now - session.last_heartbeat > self.lease_s:
                 threading.Thread(target=self._end, args=(session, "expired",
@@ -275,6 +281,7 @@ class Engine:
     def _next_plan(self) -> list[_Planned] | None:
         """Waits for work, then picks batches for one forward (None: the engine stops)."""
         with self._cond:
+            self._expire_leases()
             plan = self._pick()
             while not plan:
                 if self._stopping:

@@ -46,6 +46,10 @@ def main() -> int:
     p.add_argument("--pause-s", type=float, default=0.0, help="sleep between batches")
     p.add_argument("--job-id", default="test-job")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop-file", default="",
+                   help="stop submitting once this file exists (with --batches 0: submit until then)")
+    p.add_argument("--check-every", type=int, default=1,
+                   help="compare every Nth batch with the local model (the others: order and shape only)")
     args = p.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -56,6 +60,8 @@ def main() -> int:
     generator = torch.Generator().manual_seed(args.seed)
     worst = {"logits": 0.0, "topk_values": 0.0, "topk_gather": 0.0, "hidden": 0.0}
     received = []
+    received_at = []  # time.time() of each result, for timelines across processes
+    checked = 0
     start = time.monotonic()
     with TeacherClient(args.address, device, logits=not args.no_logits, topk=args.topk, hidden_layers=layers,
                        dtype="float32", max_inflight=args.inflight, job_id=args.job_id) as teacher:
@@ -63,7 +69,15 @@ def main() -> int:
         in_flight = []
 
         def check(fut, ids, mask):
+            nonlocal checked
             out = fut.result(timeout=120)
+            received_at.append(time.time())
+            if len(received) % args.check_every:  # not sampled: its order and shape only
+                got = out.logits if out.logits is not None else out.topk_values
+                assert got is None or tuple(got.shape[:2]) == tuple(ids.shape), (got.shape, ids.shape)
+                received.append(out.batch_id)
+                return
+            checked += 1
             with torch.no_grad():
                 ref = model(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True)
             valid = mask.to(device).bool()
@@ -81,7 +95,9 @@ def main() -> int:
                 worst["hidden"] = max(worst["hidden"], diff)
             received.append(out.batch_id)
 
-        for _ in range(args.batches):
+        while len(received) + len(in_flight) < args.batches or (args.stop_file and not args.batches):
+            if args.stop_file and Path(args.stop_file).exists():
+                break
             ids, mask = random_batch(generator, teacher.info.vocab_size, args.max_len)
             in_flight.append((teacher.submit(ids, mask), ids, mask))
             if len(in_flight) >= args.inflight:
@@ -91,7 +107,8 @@ def main() -> int:
         for item in in_flight:
             check(*item)
         backend = teacher.backend
-    report = {"received": received, "worst": worst, "seconds": time.monotonic() - start, "backend": backend}
+    report = {"received": received, "worst": worst, "seconds": time.monotonic() - start, "backend": backend,
+              "received_at": received_at, "checked": checked}
     Path(args.out).write_text(json.dumps(report))
     print(f"DONE {json.dumps(report)}", flush=True)
     return 0
