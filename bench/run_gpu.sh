@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU tests and the benches named as arguments
-# (tests, transport, pipeline), each output kept under $OUT.
+# (tests, transport, pipeline, trace, profile, tp), each output kept under $OUT.
 #   bash bench/run_gpu.sh tests transport pipeline
 set -uo pipefail
 # shellcheck source=bench/gpu_env.sh
@@ -17,6 +17,11 @@ for what in "$@"; do
     trace) timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 24 2>&1 | grep -v Warning | tail -60 ;;
     profile) export PATH=/tmp/site/bin:$PATH
              timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 400 --profile "$out/teacher.txt" 2>&1 | grep -v Warning | tail -5 ;;
+    # Tensor parallelism (issue 5): TP=2 vs TP=1 through the server, then the send-path choice.
+    tp) timeout 400 python3 -m pytest -q -s -m gpu tests/gpu/test_tp_gpu.py -p no:cacheprovider 2>&1 \
+          | tee "$out/tp_tests.log" | grep -v Warning | tail -12
+        timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/tp_send_choice.py \
+          --out "$out/tp_send.md" 2>&1 | grep -v Warning | tail -16 ;;
     *) echo "unknown step $what" ;;
   esac
 done

@@ -33,13 +33,19 @@ def _seeded_init(build, seed: int = 0):
         return build()
 
 
-def builtin_model(name: str, dtype: torch.dtype = torch.float32):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def builtin_config(name: str):
+    from transformers import LlamaConfig
 
     if name not in BUILTIN_SHAPES:
         raise ValueError(f"builtin:{name} is unknown; builtin models: "
                          f"{', '.join(BUILTIN_PREFIX + k for k in BUILTIN_SHAPES)}")
-    config = LlamaConfig(max_position_embeddings=8192, **BUILTIN_SHAPES[name])
+    return LlamaConfig(max_position_embeddings=8192, **BUILTIN_SHAPES[name])
+
+
+def builtin_model(name: str, dtype: torch.dtype = torch.float32):
+    from transformers import LlamaForCausalLM
+
+    config = builtin_config(name)
     return _seeded_init(lambda: LlamaForCausalLM(config)).to(dtype)
 
 

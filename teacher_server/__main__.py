@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
+import signal
 import sys
 
 # Packed forwards change size from one to the next and their outputs live on until the
@@ -15,6 +17,8 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from teacher_server.config import ServerConfig
 from teacher_server.logs import setup_logging
+
+log = logging.getLogger("teacher_server")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,20 +35,65 @@ def main(argv: list[str] | None = None) -> int:
     ServerConfig.add_arguments(parser)
     args = parser.parse_args(argv)
     setup_logging(args.log_level, args.log_format)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # Every rank would bind the same ports and serve its own copy of the model.
-        parser.error("tensor parallelism across several processes is not implemented yet: start the teacher "
-                     "as one process (torchrun --nproc-per-node 1, or plain python -m teacher_server)")
     try:
         config = ServerConfig.from_args(args)
     except ValueError as e:
         parser.error(str(e))
     config.log_non_defaults()
 
-    from teacher_server.app import TeacherServer  # heavy imports after argument errors
+    from teacher_server import parallel  # heavy imports after argument errors
+    from teacher_server.model_runner import ModelRunner
 
-    server = TeacherServer(config)
-    asyncio.run(server.serve())
+    # Under torchrun with several ranks: rank 0 serves, the others follow (teacher_server/parallel.py).
+    world = None
+    if parallel.world_size_from_env() > 1:
+        try:  # a bad size is refused before any rank joins the world: each rank says why and exits
+            parallel.check_heads(parallel.model_config(config.model, config.trust_remote_code),
+                                 parallel.world_size_from_env())
+            world = parallel.init_world(config.device, config.tp_timeout_s)
+        except ValueError as e:
+            parser.error(f"--model {config.model}: {e}")
+        if not world.leader:
+            return _follow(world, config)
+        # A broken world (a rank died or hung) stops the server as SIGTERM would: /readyz
+        # turns 503, sessions end with the reason, and the exit status says it failed.
+        world.on_broken = lambda: os.kill(os.getpid(), signal.SIGTERM)
+
+    from teacher_server.app import TeacherServer
+
+    runner = ModelRunner(config.model, config.device, config.dtype, config.trust_remote_code, world=world)
+    try:
+        asyncio.run(TeacherServer(config, runner).serve())
+    finally:
+        runner.close()  # tells the other ranks to stop
+    if not runner.healthy:
+        # A broken world may leave collectives that never finish (the engine thread waiting on
+        # one); a normal interpreter exit could wait on them forever.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(1)
+    return 0
+
+
+def _follow(world, config: ServerConfig) -> int:
+    """A rank other than 0: its shard of the model, the forwards rank 0 asks for, until stop."""
+    from teacher_server.model_runner import ModelRunner
+    from teacher_server.parallel import TensorParallelError
+
+    # torchrun passes SIGTERM/SIGINT to every rank; rank 0 drains its batches in flight, which
+    # needs this rank's part of each forward, and then says stop. A dead rank 0 ends the wait
+    # anyway (--tp-timeout-s), and torchrun kills what is left after its shutdown timeout.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: log.info("rank %d: %s; waiting for rank 0 to say stop", world.rank,
+                                                          signal.Signals(signum).name))
+    runner = ModelRunner(config.model, config.device, config.dtype, config.trust_remote_code, world=world)
+    try:
+        runner.follow()
+    except TensorParallelError as e:
+        log.error("%s", e)
+        return 1
+    runner.close()
+    log.info("tensor-parallel rank %d stopped", world.rank)
     return 0
 
 

@@ -51,14 +51,15 @@ def grpc_server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
 
 
 class TeacherServer:
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, runner: ModelRunner | None = None):
+        """`runner`: a model runner already built (rank 0 of a tensor-parallel world); None builds one."""
         # The engine thread runs Python for every kernel launch of the forward; with the
         # default 5 ms switch interval a gRPC handler or a sender thread waiting for the
         # GIL stalls up to 5 ms per handoff, which adds up to milliseconds per batch.
         sys.setswitchinterval(0.0005)
         self.config = config
         self.advertise_host = advertised_host(config)
-        self.runner = ModelRunner(config.model, config.device, config.dtype, config.trust_remote_code)
+        self.runner = runner or ModelRunner(config.model, config.device, config.dtype, config.trust_remote_code)
         self.metrics = Metrics(self.runner.device)
         self.store = dist.TCPStore("0.0.0.0", config.store_port, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=config.join_timeout_s))

@@ -35,6 +35,10 @@ class ServerConfig:
     transfer_timeout_s: float = 120.0
     join_timeout_s: float = 60.0
     grace_period_s: float = 30.0
+    # Tensor parallelism (torchrun with several ranks): the TP world's collective timeout,
+    # and how long a rank waits for rank 0's next message (keep-alives keep it fed). Long:
+    # loading a large model shard by shard waits for the slowest rank under it too.
+    tp_timeout_s: float = 1800.0
     trust_remote_code: bool = False
     auth_token: str = field(default="", repr=False)
     # Largest gRPC request accepted; grpc itself refuses bigger ones (RESOURCE_EXHAUSTED).
@@ -68,7 +72,7 @@ class ServerConfig:
             raise ValueError("--max-sessions and --max-inflight must be >= 1")
         if self.lease_s <= self.heartbeat_interval_s:
             raise ValueError(f"--lease-s ({self.lease_s}) must exceed --heartbeat-interval-s ({self.heartbeat_interval_s})")
-        for name in ("transfer_timeout_s", "join_timeout_s", "grace_period_s"):
+        for name in ("transfer_timeout_s", "join_timeout_s", "grace_period_s", "tp_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         # A full batch travels as int64 ids and mask (the largest the wire allows), plus framing.
@@ -129,6 +133,9 @@ class ServerConfig:
                             help="how long the teacher waits for a joining student's end of the group")
         parser.add_argument("--grace-period-s", type=float, default=d.grace_period_s,
                             help="on SIGTERM, how long in-flight batches may take to finish")
+        parser.add_argument("--tp-timeout-s", type=float, default=d.tp_timeout_s,
+                            help="tensor parallelism (torchrun, several ranks): a collective or a rank's wait for "
+                                 "rank 0 that takes longer fails the teacher")
         parser.add_argument("--trust-remote-code", action="store_true", help="allow model code from the hub")
         parser.add_argument("--auth-token", default=os.environ.get("TEACHER_AUTH_TOKEN", ""),
                             help="require this shared token on every RPC but health, and on /v1/status "

@@ -8,9 +8,10 @@ session and posts each session's sends on its own group. A sender thread per
 session waits for those sends with a deadline, so a slow or dead student holds up
 nobody but itself.
 
-Tensor parallelism (next): the events this loop applies (a session ready, a plan of
-batches, a session ended) are small and explicit, so rank 0 can broadcast each one
-to the other ranks, which then run the same forward and build the same groups.
+Tensor parallelism: the engine runs on rank 0 only. Its runner broadcasts each forward
+to the other ranks (teacher_server/parallel.py), which run the same sharded forward; the
+logits come back gathered on rank 0, which alone sends to students, so joins and leaves
+need not reach the other ranks and they build no session groups.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ class Engine:
 
     @property
     def healthy(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        # runner.healthy: False once a tensor-parallel world broke (a rank died or hung).
+        return self._thread.is_alive() and self.error is None and self.runner.healthy
 
     @property
     def accepting(self) -> bool:

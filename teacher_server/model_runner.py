@@ -2,6 +2,12 @@
 
 The runner knows nothing of sessions or the network: it takes token ids and a mask
 and returns the tensors the engine asked for.
+
+Under tensor parallelism (teacher_server/parallel.py) the TP world stays inside the
+runner: on rank 0, `forward` first broadcasts the ids and mask to the other ranks, then
+all ranks run the same sharded forward and rank 0 gets the logits gathered; the other
+ranks run `follow`, which does the same forwards and discards their outputs. The engine
+sees a runner like any other.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from distill_common.models import load_causal_lm
 from distill_common.session_group import nccl_version
 from distill_common.vocab import tokenizer_fingerprint
 from distill_common.wire import dtype_name, parse_output_dtype
+from teacher_server import parallel
+from teacher_server.parallel import TensorParallelError, World
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +48,11 @@ class ForwardOutputs:
 
 
 class ModelRunner:
-    def __init__(self, model_name: str, device: str, dtype: str = "", trust_remote_code: bool = False):
-        self.device = torch.device(device)
+    def __init__(self, model_name: str, device: str, dtype: str = "", trust_remote_code: bool = False,
+                 world: World | None = None):
+        """`world`: this process's place in the TP world (None: one process, the plain path)."""
+        self.world = world
+        self.device = world.device if world is not None else torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model = self._load(model_name, dtype, trust_remote_code)
@@ -51,24 +62,36 @@ class ModelRunner:
         self.info = ModelInfo(
             model_name=model_name,
             architecture=(config.architectures or [type(self.model).__name__])[0],
+            # The full vocabulary also when the lm_head is sharded (a DTensor has the global shape).
             vocab_size=int(self.model.get_output_embeddings().weight.shape[0]),
             hidden_size=int(text_config.hidden_size),
             num_layers=int(text_config.num_hidden_layers),
             dtype=next(self.model.parameters()).dtype,
             device=self.device,
-            tokenizer_fingerprint=self._fingerprint(model_name),
+            tokenizer_fingerprint=self._fingerprint(model_name) if world is None or world.leader else "",
             nccl_version=nccl_version() if self.device.type == "cuda" else "",
         )
-        log.info("loaded %s (%s) on %s in %s: vocab %d, hidden %d, %d layers", model_name, self.info.architecture,
+        log.info("loaded %s (%s) on %s in %s: vocab %d, hidden %d, %d layers%s", model_name, self.info.architecture,
                  self.device, dtype_name(self.info.dtype), self.info.vocab_size, self.info.hidden_size,
-                 self.info.num_layers)
+                 self.info.num_layers, f", tensor parallel rank {world.rank} of {world.size}" if world else "")
+        if world is not None and world.leader:
+            world.start_keepalive()
 
     def _load(self, model_name: str, dtype: str, trust_remote_code: bool):
+        torch_dtype = parse_output_dtype(dtype) if dtype else None
         try:
-            return load_causal_lm(model_name, device=self.device, dtype=parse_output_dtype(dtype) if dtype else None,
+            if self.world is not None:
+                return parallel.load_model(model_name, self.world, dtype=torch_dtype,
+                                           trust_remote_code=trust_remote_code)
+            return load_causal_lm(model_name, device=self.device, dtype=torch_dtype,
                                   trust_remote_code=trust_remote_code)
         except ValueError as e:
             raise ValueError(f"--model: {e}") from e
+
+    @property
+    def healthy(self) -> bool:
+        """False once the TP world broke: no forward can run again (always True for one process)."""
+        return self.world is None or not self.world.error
 
     @staticmethod
     def _fingerprint(model_name: str) -> str:
@@ -82,9 +105,45 @@ class ModelRunner:
             log.warning("no tokenizer in %s (%s): students' vocabularies cannot be checked", model_name, e)
             return ""
 
-    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, hidden: bool) -> ForwardOutputs:
-        out = self.model(input_ids=input_ids.to(self.device, non_blocking=True),
-                         attention_mask=attention_mask.to(self.device, non_blocking=True),
+        if self.world is None:
+            return self._forward(input_ids, attention_mask, hidden)
+        self.world.broadcast_forward(input_ids, attention_mask, hidden)  # the followers start the same forward
+        try:
+            return self._forward(input_ids, attention_mask, hidden)
+        except Exception as e:
+            # One rank out of a forward leaves the others waiting in its collectives: the
+            # world cannot be trusted again (an out-of-memory included).
+            raise self.world.fail("rank 0's forward failed", e) from e
+
+    def follow(self) -> None:
+        """Ranks other than 0: run every forward rank 0 broadcasts, until it says stop."""
+        assert self.world is not None and not self.world.leader
+        for request in self.world.requests():
+            try:
+                self._forward(request.input_ids, request.attention_mask, request.hidden)
+            except Exception as e:
+                raise TensorParallelError(f"rank {self.world.rank}: forward of {tuple(request.input_ids.shape)} "
+                                          f"failed: {e}") from e
+            # The outputs are dropped here: rank 0 has the same, gathered, and sends them.
+
+    def close(self) -> None:
+        """Rank 0: tells the followers to stop. Every rank: leaves the TP world."""
+        if self.world is None:
+            return
+        if self.world.leader:
+            try:
+                self.world.broadcast_stop()
+            except TensorParallelError as e:
+                log.warning("could not tell the other ranks to stop: %s", e)
+        self.world.close()
+
+    @torch.inference_mode()
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, hidden: bool) -> ForwardOutputs:
+        # Without padding, no mask: transformers then takes the causal-only path. Given a
+        # mask on the device, it checks it for padding with a device-to-host sync, which
+        # would stall this thread until the device finished everything queued before.
+        mask = None if attention_mask.all() else attention_mask.to(self.device, non_blocking=True)
+        out = self.model(input_ids=input_ids.to(self.device, non_blocking=True), attention_mask=mask,
                          output_hidden_states=hidden, use_cache=False, return_dict=True)
         return ForwardOutputs(logits=out.logits, hidden_states=out.hidden_states if hidden else None)

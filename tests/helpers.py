@@ -43,13 +43,20 @@ def build_tiny_model(path: Path, *, vocab_size: int = 384, layers: int = 2, seed
 
 
 class ServerProcess:
-    """`python -m teacher_server` in a child process; killed on stop."""
+    """`python -m teacher_server` in a child process; killed on stop.
 
-    def __init__(self, *args: str, startup_timeout_s: float = 120.0, env: dict | None = None):
+    nproc_per_node > 0: under torchrun (`python -m torch.distributed.run --standalone
+    --nproc-per-node N`), a tensor-parallel teacher; `proc` is then torchrun's agent.
+    """
+
+    def __init__(self, *args: str, startup_timeout_s: float = 120.0, env: dict | None = None,
+                 nproc_per_node: int = 0):
         self.log_lines: list[str] = []
+        launcher = (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc_per_node)]
+                    if nproc_per_node else [])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "teacher_server", "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
-             "--store-port", "0", *args],
+            [sys.executable, *launcher, "-m", "teacher_server", "--host", "127.0.0.1", "--port", "0",
+             "--http-port", "0", "--store-port", "0", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or child_env(), cwd=ROOT)
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -80,6 +87,20 @@ class ServerProcess:
     @property
     def http(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+    def rank_pids(self) -> dict[int, int]:
+        """Under torchrun: the process id of each rank (the agent's children, by their RANK)."""
+        pids = {}
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        for pid in map(int, children):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:  # exited meanwhile
+                continue
+            ranks = [int(v[len(b"RANK="):]) for v in environ if v.startswith(b"RANK=")]
+            if ranks:
+                pids[ranks[0]] = pid
+        return pids
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
         if self.proc.poll() is None:

@@ -1,0 +1,319 @@
+"""Tensor parallelism of the teacher: the TP world, the plan, and rank 0's forward broadcast.
+
+Under `torchrun --nproc-per-node N [--nnodes M] -m teacher_server`, the default process
+group is the TP world: NCCL over cuda:LOCAL_RANK (`--device cuda`), or gloo on CPU. Rank 0
+runs the whole server (gRPC, HTTP, the store, the engine); every other rank is a
+*follower*: it loads its shard of the model and runs each forward rank 0 announces, until
+rank 0 says stop. At world size 1 none of this exists (`init_world` returns None) and the
+server is the plain one-process program.
+
+What rank 0 broadcasts, and what it does not. The issue's design has rank 0 broadcast every
+engine event (join, batch, leave) so that all ranks also build the same session
+communicators. Here only the forwards are broadcast: the logits come out of the forward
+gathered (the lm_head's all-gather) and rank 0 alone sends them to the students, so the
+followers take no part in any session group and need to hear of no join or leave. That
+choice (gathered outputs from rank 0 vs. every rank sending its vocabulary shard) is
+measured by bench/tp_send_choice.py; docs/performance.md has the figures.
+
+Control messages (a 4-number header, then the token ids and mask) travel on a gloo group
+of their own, also on GPUs: a follower waits for the next message on the CPU with a real
+timeout (an NCCL receive would be a kernel spinning on its GPU, bounded only by the
+watchdog, which tears the process down), and the header has to reach the CPU anyway to
+size the buffers. The ids are small: 4 x 4096 tokens of ids and mask as int32 are 128 KiB.
+
+Liveness. A follower waits at most `timeout_s` (--tp-timeout-s) for a message, and rank 0
+sends a keep-alive when it has sent nothing for min(10 s, timeout_s / 4), so a follower
+notices a dead rank 0 (and exits non-zero) at once when its connection closes, and within
+`timeout_s` when it hangs. Rank 0 notices a dead follower at its next message
+(gloo's connection closes) or in the forward's collectives (their timeout); the world is
+then *broken*: forwards fail at once, the server's health turns 503 and, through
+`World.on_broken`, the server shuts down and exits non-zero. A broken TP world cannot be
+mended in place; the orchestrator restarts the deployment.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+CONTROL_RANK = 0  # the rank that serves and that every control message comes from
+
+OP_FORWARD, OP_STOP, OP_KEEPALIVE = 1, 2, 3
+
+
+class TensorParallelError(RuntimeError):
+    """The TP world is broken (a rank died, hung or failed a forward); nothing can run on it again."""
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+# ---- the plan ------------------------------------------------------------------------
+
+def allowed_sizes(num_heads: int, num_kv_heads: int) -> list[int]:
+    """TP sizes that split both the attention heads and the key/value heads evenly."""
+    g = math.gcd(num_heads, num_kv_heads)
+    return [n for n in range(1, g + 1) if g % n == 0]
+
+
+def check_heads(config, size: int) -> None:
+    """Refuses a TP size that does not divide the model's attention and key/value heads."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    if heads is None:
+        raise ValueError(f"{type(config).__name__} has no num_attention_heads: this server cannot plan tensor "
+                         "parallelism for it; run one process (--nproc-per-node 1)")
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads % size or kv_heads % size:
+        sizes = allowed_sizes(heads, kv_heads)
+        raise ValueError(f"tensor parallelism over {size} ranks needs the attention heads ({heads}) and key/value "
+                         f"heads ({kv_heads}) divisible by {size}: run {' or '.join(map(str, sizes))} ranks in all "
+                         "(torchrun --nproc-per-node times --nnodes)")
+
+
+def model_config(spec: str, trust_remote_code: bool = False):
+    """The config of the model named by `spec` (see distill_common.models), without its weights."""
+    from transformers import AutoConfig
+
+    from distill_common.models import BUILTIN_PREFIX, RANDOM_PREFIX, builtin_config
+
+    if spec.startswith(BUILTIN_PREFIX):
+        return builtin_config(spec[len(BUILTIN_PREFIX):])
+    name = spec[len(RANDOM_PREFIX):] if spec.startswith(RANDOM_PREFIX) else spec
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise ValueError(f"model {spec!r}: no config could be read ({e})") from e
+
+
+# The plan for models built from a config (builtin:, random:), where transformers' own plan
+# is only applied by from_pretrained. Megatron's split, as in gpt-fast: q/k/v and gate/up
+# column-wise (each rank computes its heads and its slice of the MLP, no communication),
+# o and down row-wise (one all-reduce each per layer), the lm_head column-wise with its
+# output all-gathered so that every rank ends with the full logits. Embeddings and norms
+# stay whole on every rank.
+_LAYER_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+               "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+               "mlp.down_proj": "rowwise"}
+
+
+def apply_plan(model, mesh, *, gather_logits: bool = True) -> None:
+    """Shards a Llama-family model over `mesh` with torch's parallelize_module.
+
+    gather_logits=False leaves each rank its vocabulary shard of the logits (the
+    alternative bench/tp_send_choice.py measures; the server always gathers)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    base = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(base, "layers", None)
+    if layers is None or not all(_has(layer, name) for layer in layers for name in _LAYER_PLAN):
+        raise ValueError(f"no tensor-parallel plan for {type(model).__name__} built from a config: the plan expects "
+                         f"decoder layers with {', '.join(_LAYER_PLAN)}. Load it from a saved directory (transformers' "
+                         "own plan) or run one process (--nproc-per-node 1)")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for layer in layers:
+        parallelize_module(layer, mesh, {name: styles[style]() for name, style in _LAYER_PLAN.items()})
+    lm_head = ColwiseParallel(output_layouts=Replicate()) if gather_logits else ColwiseParallel()
+    parallelize_module(model, mesh, {"lm_head": lm_head})
+
+
+def _has(module, dotted: str) -> bool:
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return False
+    return True
+
+
+def load_model(spec: str, world: "World", *, dtype: torch.dtype | None, trust_remote_code: bool = False):
+    """The model named by `spec`, sharded over the TP world; every rank calls it (it is collective).
+
+    Saved models whose architecture declares a plan load through transformers' own
+    (`distributed_config=DistributedConfig(tp_plan="auto")`: each rank reads only its
+    shard); models built from a config, or without a declared plan, are built whole on
+    each rank and sharded with `apply_plan`.
+    """
+    from distill_common.models import BUILTIN_PREFIX, RANDOM_PREFIX, load_causal_lm
+
+    config = model_config(spec, trust_remote_code)
+    check_heads(config, world.size)
+    built_from_config = spec.startswith((BUILTIN_PREFIX, RANDOM_PREFIX))
+    # transformers places the shards on the machine's accelerator (cuda:LOCAL_RANK), whatever --device says.
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    on_its_device = world.device.type == (accelerator.type if accelerator is not None else "cpu")
+    if not built_from_config and on_its_device and getattr(config, "base_model_tp_plan", None):
+        from transformers import AutoModelForCausalLM
+        from transformers.distributed import DistributedConfig
+
+        log.info("tensor parallel over %d ranks with transformers' plan of %s", world.size, type(config).__name__)
+        return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype or "auto", trust_remote_code=trust_remote_code,
+                                                    distributed_config=DistributedConfig(tp_plan="auto"))
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = load_causal_lm(spec, device=world.device, dtype=dtype, trust_remote_code=trust_remote_code)
+    log.info("tensor parallel over %d ranks with torch's parallelize_module (q/k/v/gate/up colwise, o/down rowwise, "
+             "lm_head colwise gathered)", world.size)
+    apply_plan(model, init_device_mesh(world.device.type, (world.size,)))
+    return model
+
+
+# ---- the world and its control channel ------------------------------------------------
+
+@dataclass
+class ForwardRequest:
+    input_ids: torch.Tensor  # [rows, seq] int64, CPU
+    attention_mask: torch.Tensor  # [rows, seq] int64, CPU
+    hidden: bool
+
+
+@dataclass
+class World:
+    """This process's place in the TP world, and the gloo channel rank 0 commands the others on."""
+
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
+    timeout_s: float
+    control: object = field(repr=False)  # the gloo ProcessGroup of control messages
+    # Rank 0: called once (from whichever thread found out) when the world breaks.
+    on_broken: Callable[[], None] | None = field(default=None, repr=False)
+    error: str = ""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _last_sent_s: float = field(default_factory=time.monotonic, repr=False)
+    _closed: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == CONTROL_RANK
+
+    @property
+    def keepalive_s(self) -> float:
+        return min(10.0, self.timeout_s / 4)
+
+    # -- rank 0 --------------------------------------------------------------------
+
+    def start_keepalive(self) -> None:
+        threading.Thread(target=self._keepalive, name="tp-keepalive", daemon=True).start()
+
+    def broadcast_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, hidden: bool) -> None:
+        rows, seq = input_ids.shape
+        payload = torch.stack([input_ids, attention_mask]).to(torch.int32)
+        self._send(OP_FORWARD, rows, seq, int(hidden), payload=payload)
+
+    def broadcast_stop(self) -> None:
+        """Tells the followers to exit; the last message rank 0 sends."""
+        if not self.error and not self._closed.is_set():
+            self._send(OP_STOP)
+        self._closed.set()
+
+    def fail(self, what: str, cause: BaseException | str) -> TensorParallelError:
+        """Marks the world broken (once) and returns the error to raise."""
+        first = not self.error
+        if first:
+            self.error = f"{what}: {cause}"
+            log.error("tensor-parallel world broken, the teacher cannot serve: %s. Restart the deployment "
+                      "(all ranks); a rank's own log says why it failed", self.error)
+        if first and self.on_broken is not None:
+            self.on_broken()
+        return TensorParallelError(f"the tensor-parallel world is broken ({self.error}); the teacher is stopping")
+
+    def _send(self, op: int, rows: int = 0, seq: int = 0, hidden: int = 0, payload: torch.Tensor | None = None):
+        if self.error:
+            raise TensorParallelError(f"the tensor-parallel world is broken ({self.error}); the teacher is stopping")
+        header = torch.tensor([op, rows, seq, hidden], dtype=torch.int64)
+        with self._lock:
+            try:
+                dist.broadcast(header, CONTROL_RANK, group=self.control)
+                if payload is not None:
+                    dist.broadcast(payload, CONTROL_RANK, group=self.control)
+            except Exception as e:  # a follower died (connection closed) or stopped reading (timeout)
+                raise self.fail("a follower rank did not take a control message", e) from e
+            finally:
+                self._last_sent_s = time.monotonic()
+
+    def _keepalive(self) -> None:
+        while not self._closed.wait(self.keepalive_s / 2):
+            if self.error:
+                return
+            if time.monotonic() - self._last_sent_s < self.keepalive_s or self._lock.locked():
+                continue
+            try:
+                self._send(OP_KEEPALIVE)
+            except TensorParallelError:
+                return
+
+    # -- followers -----------------------------------------------------------------
+
+    def requests(self) -> Iterator[ForwardRequest]:
+        """The forwards rank 0 asks for, in order, until it says stop.
+
+        Raises TensorParallelError when rank 0 is gone (nothing, not even a keep-alive,
+        within timeout_s)."""
+        header = torch.zeros(4, dtype=torch.int64)
+        while True:
+            try:
+                dist.broadcast(header, CONTROL_RANK, group=self.control)
+                op, rows, seq, hidden = header.tolist()
+                if op == OP_KEEPALIVE:
+                    continue
+                if op == OP_STOP:
+                    return
+                if op != OP_FORWARD:
+                    raise TensorParallelError(f"unknown control message {op} from rank 0 (a version mismatch?)")
+                payload = torch.empty(2, rows, seq, dtype=torch.int32)
+                dist.broadcast(payload, CONTROL_RANK, group=self.control)
+            except TensorParallelError:
+                raise
+            except Exception as e:
+                raise TensorParallelError(f"rank {self.rank}: no message from rank 0 within {self.timeout_s:.0f}s "
+                                          f"(--tp-timeout-s) or its connection closed: {e}") from e
+            ids, mask = payload.long()
+            yield ForwardRequest(ids, mask, bool(hidden))
+
+    def close(self) -> None:
+        self._closed.set()
+        if not self.error and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_world(device: str, timeout_s: float) -> World | None:
+    """Joins the TP world torchrun set up (None at world size 1: the plain, one-process server).
+
+    `--device cuda` means cuda:LOCAL_RANK on each rank; `--device cpu` runs the world on gloo.
+    """
+    size = world_size_from_env()
+    if size == 1:
+        return None
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: with tensor parallelism give --device cuda (each rank takes "
+                         "cuda:LOCAL_RANK; choose the GPUs with CUDA_VISIBLE_DEVICES) or --device cpu")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"rank {rank} has LOCAL_RANK {local_rank} but this node shows "
+                             f"{torch.cuda.device_count()} GPUs: --nproc-per-node must not exceed the GPUs per node")
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", timeout=timeout, device_id=dev)
+    else:
+        dev = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    world = World(rank=rank, size=size, local_rank=local_rank, device=dev, timeout_s=timeout_s, control=control)
+    log.info("tensor-parallel rank %d of %d on %s (%s)", rank, size, dev, "nccl" if dev.type == "cuda" else "gloo")
+    return world
