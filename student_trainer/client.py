@@ -9,6 +9,14 @@ registered the client allocates its output buffers and posts the receives; the
 teacher's sends land in them in submit order. A completion thread waits for each
 batch's receives (with a deadline) and resolves its future. At most `max_inflight`
 batches are outstanding: `submit` blocks beyond that (backpressure, not memory).
+
+When the teacher goes away (UNAVAILABLE, a broken session group, NOT_FOUND for our
+session after a restart) the client joins again, with backoff, for up to
+`reconnect_timeout_s`, and sends the new session every batch whose outputs it has not
+delivered, in submit order: each future resolves exactly once, later than it would
+have. A refusal (INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED,
+UNAUTHENTICATED) is final, as before. Batch ids restart at 0 on every session (see
+SubmitRequest.batch_id); `TeacherOutput.batch_id` is the client's own id, which does not.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import threading
 import time
 from collections import deque
@@ -25,7 +34,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from distill_common import wire
+from distill_common import tracing, wire
 from distill_common.channel import TeacherUnreachable, channel_credentials, open_channel, wait_until_reachable
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
@@ -33,7 +42,8 @@ from distill_common.session_group import (STUDENT_RANK, SessionGroup, TransferEr
                                           device_uuid, handshake, local_address_towards, nccl_version,
                                           prefix_token)
 from distill_common.vocab import tokenizer_fingerprint
-from student_trainer.errors import TeacherError, TeacherUnavailable, TransferFailed, from_rpc_error, from_status
+from student_trainer.errors import (Incompatible, TeacherError, TeacherUnavailable, TransferFailed, from_rpc_error,
+                                    from_status, teacher_gone)
 
 log = logging.getLogger(__name__)
 
@@ -70,19 +80,92 @@ class TeacherOutput:
 
 
 @dataclass
-class _Pending:
-    batch_id: int
+class _Batch:
+    """One submitted batch, from `submit` until its future is resolved (exactly once).
+
+    Keeps its encoded request: after a teacher restart it is sent again, to the new session.
+    """
+
+    batch_id: int  # the client's own id: 0, 1, 2, ... in submit order, across reconnects
     shape: tuple[int, int]
-    buffers: list[torch.Tensor]
-    works: list
+    request: pb.SubmitRequest  # the ids and the mask; session_id and batch_id are set per session
     future: Future
+
+
+@dataclass
+class _Pending:
+    """A batch sent on one session: its id on that session's wire and its receives."""
+
+    batch: _Batch
+    session: "_Session"
+    wire_id: int  # SubmitRequest.batch_id on this session: 0, 1, 2, ... from its Join
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    works: list = field(default_factory=list)
+
+    @property
+    def batch_id(self) -> int:
+        return self.batch.batch_id
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.batch.shape
+
+    @property
+    def future(self) -> Future:
+        return self.batch.future
+
+
+class _Session:
+    """One Join: the session's group, its submit stream, and the three threads that serve it.
+
+    When the teacher goes away the session is `lost`: its stream is cancelled and its group
+    aborted, and whatever its threads still finish is dropped (see TeacherClient._resolve).
+    The client joins again as a new _Session, with threads of its own, so a thread stuck on
+    the old teacher holds nothing up.
+    """
+
+    def __init__(self, joined: pb.JoinResponse, group: SessionGroup, store):
+        self.joined = joined
+        self.session_id = joined.session_id
+        self.group = group
+        self.store = store  # keeps the connection the group uses alive
+        self.requests: queue.Queue = queue.Queue()  # what the submit stream sends; None ends it
+        self.responses = None  # the SubmitStream call
+        self.awaiting_ack: deque[_Pending] = deque()  # sent, not yet answered
+        self.to_receive: queue.Queue = queue.Queue()  # accepted, receives not yet posted
+        self.pending: deque[_Pending] = deque()  # receives posted, in order
+        self.next_wire_id = 0
+        self.lost = False
+        self.retired = False
+        self.threads: list[threading.Thread] = []
 
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
+# Reconnecting: the first pause, doubled after each failed attempt up to the cap, each
+# drawn down by up to half (jitter: the jobs of one teacher do not come back in lockstep).
+_RECONNECT_FIRST_DELAY_S = 0.5
+_RECONNECT_MAX_DELAY_S = 5.0
+# Join answers worth retrying while reconnecting, besides the teacher being gone: a
+# teacher still starting up, or still full of sessions whose leases will expire.
+_REJOIN_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND,
+                                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+def _worth_retrying(error: Exception) -> bool:
+    """Whether joining again may go otherwise: the teacher is not up (yet), or the group did not form."""
+    if isinstance(error, TeacherError):
+        return isinstance(error, TransferFailed) or error.code in _REJOIN_RETRY_CODES
+    # The store or the group: ConnectionError from connect_store, TransferError or a DistError
+    # (a RuntimeError) from building the group.
+    return isinstance(error, (ConnectionError, RuntimeError))
+
 
 def _grpc_options() -> list:
-    return [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    # A restarted teacher is dialled again within a second or two: grpc's own reconnect
+    # backoff would grow to two minutes, longer than a restart takes.
+    return [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 class TeacherClient:
@@ -91,10 +174,16 @@ class TeacherClient:
                  job_rank: int | None = None, tokenizer=None, vocab_size: int = 0, weight: float = 1.0,
                  rpc_timeout_s: float = 30.0, auth_token: str | None = None,
                  join_timeout_s: float = 120.0, transfer_timeout_s: float | None = None,
-                 tls_ca: str | bool | None = None, tls_cert: str | None = None, tls_key: str | None = None):
+                 tls_ca: str | bool | None = None, tls_cert: str | None = None, tls_key: str | None = None,
+                 reconnect_timeout_s: float = 300.0):
         """`tls_ca`: talk TLS to a teacher started with --tls-cert, trusting this PEM CA bundle
         (True: the system's roots). `tls_cert`/`tls_key`: this client's certificate, for a
-        teacher started with --tls-client-ca. The data plane is not encrypted either way."""
+        teacher started with --tls-client-ca. The data plane is not encrypted either way.
+
+        `reconnect_timeout_s`: how long to keep trying to join again after the teacher went
+        away (a restart, a crash, a network cut) before failing the outstanding batches
+        with TeacherUnavailable; 0 fails them at once. The default, 5 minutes, covers a
+        restart that reloads a large model; a job that would rather fail fast lowers it."""
         self.address = address
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -107,17 +196,20 @@ class TeacherClient:
         self._stub = pb_grpc.TeacherServiceStub(self._channel)
         self._closed = False
         self._broken: TeacherError | None = None
-        self._pending: deque[_Pending] = deque()
-        self._requests: queue.Queue = queue.Queue()
-        self._awaiting_ack: deque[_Pending] = deque()
         self._submit_lock = threading.Lock()
-        self._to_receive: queue.Queue = queue.Queue()
         self._recv_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._unresolved = 0  # futures handed out and not yet resolved
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._group: SessionGroup | None = None
         self.session_id = ""
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.join_timeout_s = join_timeout_s
+        self.reconnects = 0  # joins after the first, each after the teacher went away
+        self._session: _Session | None = None
+        # Every batch whose future is not resolved, by its client id, in submit order: what a
+        # new session is sent after a reconnect. Resolving takes a batch out (_resolve).
+        self._undelivered: dict[int, _Batch] = {}
+        self._next_batch_id = 0  # the client's own batch ids (see _Batch.batch_id)
 
         fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
         request = pb.JoinRequest(
@@ -131,9 +223,9 @@ class TeacherClient:
             # The width of the student's logits (its output embedding's rows), which may
             # exceed len(tokenizer): models pad it. Without it, no size check is made.
             vocab_size=vocab_size, weight=weight)
+        self._join_request = request
         self._wait_for_server(join_timeout_s)
         joined = self._call("Join", request)
-        self.session_id = joined.session_id
         self.info = TeacherInfo.from_proto(joined.info)
         self.backend = joined.backend
         self.max_inflight = joined.max_inflight
@@ -141,25 +233,22 @@ class TeacherClient:
         self.topk = topk
         self.logits = logits
         self.hidden_layers = tuple(hidden_layers)
+        self._transfer_timeout_arg = transfer_timeout_s
         self.transfer_timeout_s = transfer_timeout_s or joined.timeout_s
         self.heartbeat_interval_s = joined.heartbeat_interval_s
         self._slots = threading.Semaphore(self.max_inflight)
+        # A join after a restart asks for what this one was granted: the slots are sized by it.
+        self._join_request.max_inflight = self.max_inflight
         try:
-            self._connect(joined, join_timeout_s)
+            session = self._connect(joined, join_timeout_s)
         except BaseException:
-            self._leave(drain=False)
+            self._leave(joined.session_id)
             self._channel.close()
             raise
+        self._session = session
+        self._start(session)
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="teacher-heartbeat", daemon=True)
         self._heartbeat_thread.start()
-        self._completion_thread = threading.Thread(target=self._completion_loop, name="teacher-recv", daemon=True)
-        self._completion_thread.start()
-        # One stream carries every Submit of the session: no round trip per batch.
-        self._responses = self._stub.SubmitStream(self._request_stream(), metadata=self._metadata)
-        self._ack_thread = threading.Thread(target=self._ack_loop, name="teacher-acks", daemon=True)
-        self._ack_thread.start()
-        self._receive_thread = threading.Thread(target=self._receive_loop, name="teacher-post-recv", daemon=True)
-        self._receive_thread.start()
         log.info("joined teacher %s as session %s (%s, %s)", address, self.session_id, self.backend,
                  self.info.model_name)
 
@@ -185,73 +274,131 @@ class TeacherClient:
         ids = wire.encode(input_ids)
         mask = wire.encode(attention_mask) if attention_mask is not None else None
         wait_s = self.transfer_timeout_s if timeout_s is None else timeout_s
-        if not self._slots.acquire(timeout=wait_s):
-            raise TeacherUnavailable(f"no batch finished within {wait_s:.0f}s while {self.max_inflight} were in "
-                                     "flight: the teacher is overloaded or stuck")
+        tracing.mark("s_submit", self._next_batch_id)
+        self._acquire_slot(wait_s)
         future: Future = Future()
         future.add_done_callback(lambda _: self._slots.release())
         with self._cond:
             self._unresolved += 1
         future.add_done_callback(self._resolved)
-        with self._submit_lock:  # ids, the acknowledgement queue and the stream in one order
-            self._check_usable()
-            request = pb.SubmitRequest(session_id=self.session_id, batch_id=self._next_batch_id, input_ids=ids)
-            if mask is not None:
-                request.attention_mask.CopyFrom(mask)
-            self._awaiting_ack.append(_Pending(self._next_batch_id, tuple(input_ids.shape), [], [], future))
-            self._next_batch_id += 1  # used up, accepted or refused (see SubmitRequest.batch_id)
-            self._requests.put(request)
+        request = pb.SubmitRequest(input_ids=ids)
+        if mask is not None:
+            request.attention_mask.CopyFrom(mask)
+        with self._submit_lock:  # client ids, each session's wire ids and its stream in one order
+            with self._cond:
+                error = self._broken or (TeacherError("the client is closed") if self._closed else None)
+                if error is None:
+                    batch = _Batch(self._next_batch_id, tuple(input_ids.shape), request, future)
+                    self._next_batch_id += 1
+                    self._undelivered[batch.batch_id] = batch
+                    session = None if self._session.lost else self._session
+            if error is not None:
+                future.set_exception(error)  # frees the slot
+                raise error
+            if session is not None:  # else a reconnect is under way: it sends the batch to the new session
+                self._send(session, batch)
         return future
+
+    def _acquire_slot(self, wait_s: float) -> None:
+        """Takes one of max_inflight slots within `wait_s`; time spent reconnecting does not count
+        (reconnect_timeout_s bounds it, and a failed reconnect frees every slot)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            now = time.monotonic()
+            if self._slots.acquire(timeout=min(0.25, max(0.0, deadline - now))):
+                return
+            self._check_usable()
+            if self._reconnecting:
+                deadline += time.monotonic() - now
+            elif time.monotonic() >= deadline:
+                raise TeacherUnavailable(f"no batch finished within {wait_s:.0f}s while {self.max_inflight} were "
+                                         "in flight: the teacher is overloaded or stuck", grpc.StatusCode.UNAVAILABLE)
+
+    @property
+    def _reconnecting(self) -> bool:
+        return self._session.lost and self._broken is None and not self._stop.is_set()
+
+    def _send(self, session: _Session, batch: _Batch) -> None:
+        """Puts `batch` on `session`'s stream under the session's next wire id (hold _submit_lock)."""
+        request = batch.request
+        if request.session_id:  # sent before, to a session since lost, whose stream may still read it
+            request = pb.SubmitRequest()
+            request.CopyFrom(batch.request)
+        request.session_id = session.session_id
+        request.batch_id = session.next_wire_id
+        session.awaiting_ack.append(_Pending(batch, session, session.next_wire_id))
+        session.next_wire_id += 1  # used up, accepted or refused (see SubmitRequest.batch_id)
+        session.requests.put(request)
+
+    def _resolve(self, batch: _Batch, session: _Session | None = None, result: TeacherOutput | None = None,
+                 error: BaseException | None = None) -> bool:
+        """Resolves `batch`'s future unless it was resolved already or `session` is no longer current.
+
+        The one place a future is resolved: taking the batch out of _undelivered under the
+        lock decides it, so a batch is delivered once, and once delivered never sent again.
+        """
+        with self._cond:
+            if session is not None and (session.lost or session is not self._session):
+                return False  # a reconnect sends the batch again, or has already
+            if self._undelivered.pop(batch.batch_id, None) is None:
+                return False
+        if error is None:
+            batch.future.set_result(result)
+        else:
+            batch.future.set_exception(error)
+        return True
 
     def _resolved(self, _future) -> None:
         with self._cond:
             self._unresolved -= 1
             self._cond.notify_all()
 
-    def _request_stream(self):
+    def _request_stream(self, requests: queue.Queue):
         while True:
-            request = self._requests.get()
+            request = requests.get()
             if request is None:
                 return
+            tracing.mark("s_yield", request.batch_id)
             yield request
 
-    def _ack_loop(self) -> None:
-        """Reads the teacher's answers to the streamed batches, in order."""
+    def _ack_loop(self, session: _Session) -> None:
+        """Reads the teacher's answers to the session's streamed batches, in order."""
+        what = f"the submit stream to teacher {self.address}"
         try:
-            for response in self._responses:
+            for response in session.responses:
                 with self._submit_lock:
-                    pending = self._awaiting_ack.popleft()
-                if response.error_code:
-                    code = _STATUS_BY_NUMBER.get(response.error_code, grpc.StatusCode.UNKNOWN)
-                    pending.future.set_exception(from_status(code, response.error_message,
-                                                             f"Submit to teacher {self.address}"))
-                else:
-                    self._to_receive.put(pending)
+                    pending = session.awaiting_ack.popleft()
+                tracing.mark("s_ack", pending.wire_id)
+                if not response.error_code:
+                    session.to_receive.put(pending)
+                    continue
+                code = _STATUS_BY_NUMBER.get(response.error_code, grpc.StatusCode.UNKNOWN)
+                error = from_status(code, response.error_message, f"Submit to teacher {self.address}")
+                if code == grpc.StatusCode.NOT_FOUND:  # the teacher no longer knows this session
+                    self._session_failed(session, error)
+                    return
+                self._resolve(pending.batch, session, error=error)
+            error = TeacherUnavailable(f"{what} ended: the teacher closed it", grpc.StatusCode.UNAVAILABLE)
         except grpc.RpcError as e:
-            if not self._stop.is_set():
-                self._break(from_rpc_error(e, f"the submit stream to teacher {self.address}"))
-        with self._submit_lock:
-            orphans, self._awaiting_ack = list(self._awaiting_ack), deque()
-        for pending in orphans:
-            if not pending.future.done():
-                pending.future.set_exception(self._broken or TeacherError("the client was closed"))
+            error = from_rpc_error(e, what)
+        self._session_failed(session, error)
 
-    def _receive_loop(self) -> None:
+    def _receive_loop(self, session: _Session) -> None:
         """Posts each batch's receives, in order, once the teacher announced its sends."""
         while True:
-            pending = self._to_receive.get()
+            pending = session.to_receive.get()
             if pending is None:
                 return
             try:
-                self._group.await_announced(pending.batch_id, self.transfer_timeout_s)
+                session.group.await_announced(pending.wire_id, self.transfer_timeout_s)
+                tracing.mark("s_announced", pending.wire_id)
                 self._post_receives(pending)
+                tracing.mark("s_posted", pending.wire_id)
             except Exception as e:
-                if not self._stop.is_set():
-                    self._break(TransferFailed(f"receiving batch {pending.batch_id}: {e}"))
-                pending.future.set_exception(self._broken or TeacherError("the client was closed"))
-                continue
+                self._session_failed(session, TransferFailed(f"receiving batch {pending.batch_id}: {e}"))
+                return
             with self._cond:
-                self._pending.append(pending)
+                session.pending.append(pending)
                 self._cond.notify_all()
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -264,18 +411,17 @@ class TeacherClient:
                 self._cond.wait(0.05)
         self._closed = True
         self._stop.set()
-        self._requests.put(None)
-        self._to_receive.put(None)
         with self._cond:
+            session = self._session  # a reconnect that finishes now sees _stop and retires its session itself
             self._cond.notify_all()
-        self._ack_thread.join(timeout=5)
-        self._receive_thread.join(timeout=5)
-        self._completion_thread.join(timeout=5)
-        self._leave(drain=False)
-        if self._group is not None:
-            self._group.abort()
+        session.requests.put(None)  # ends the stream: the ack thread sees it end
+        session.to_receive.put(None)
+        for thread in session.threads:
+            thread.join(timeout=5)
+        self._leave(session.session_id, timeout_s=min(self.rpc_timeout_s, 5.0))
+        self._retire(session)
         self._channel.close()
-        self._fail_pending(TeacherError("the client was closed before this batch arrived"))
+        self._fail_undelivered(TeacherError("the client was closed before this batch arrived"))
 
     def __enter__(self) -> "TeacherClient":
         return self
@@ -292,14 +438,162 @@ class TeacherClient:
             self._channel.close()
             raise TeacherUnavailable(str(e)) from None
 
-    def _connect(self, joined: pb.JoinResponse, timeout_s: float) -> None:
+    def _connect(self, joined: pb.JoinResponse, timeout_s: float) -> _Session:
         store = connect_store(joined.store_host, joined.store_port, timeout_s)
         gloo_host = local_address_towards(joined.store_host, joined.store_port) if joined.backend == "gloo" else ""
-        self._group = build_group(store, joined.store_prefix, backend=joined.backend, rank=STUDENT_RANK,
-                                  device=self.device, timeout_s=timeout_s, gloo_host=gloo_host)
-        handshake(self._group, prefix_token(joined.store_prefix), timeout_s)
-        self._store = store  # keeps the connection the group uses alive
-        self._next_batch_id = 0
+        group = build_group(store, joined.store_prefix, backend=joined.backend, rank=STUDENT_RANK,
+                            device=self.device, timeout_s=timeout_s, gloo_host=gloo_host)
+        try:
+            handshake(group, prefix_token(joined.store_prefix), timeout_s)
+        except BaseException:
+            group.abort()
+            raise
+        return _Session(joined, group, store)
+
+    def _start(self, session: _Session) -> None:
+        """Starts the threads and the submit stream of `session` (already made current)."""
+        self.session_id = session.session_id
+        # One stream carries every Submit of the session: no round trip per batch.
+        session.responses = self._stub.SubmitStream(self._request_stream(session.requests), metadata=self._metadata)
+        session.threads = [
+            threading.Thread(target=self._completion_loop, args=(session,), name="teacher-recv", daemon=True),
+            threading.Thread(target=self._ack_loop, args=(session,), name="teacher-acks", daemon=True),
+            threading.Thread(target=self._receive_loop, args=(session,), name="teacher-post-recv", daemon=True)]
+        for thread in session.threads:
+            thread.start()
+
+    # ---- reconnecting ------------------------------------------------------------
+
+    def _session_failed(self, session: _Session, error: TeacherError) -> None:
+        """A thread of `session` hit `error`: join again if the teacher went away, else fail for good."""
+        with self._cond:
+            if session.lost or self._stop.is_set() or self._broken is not None:
+                return  # handled already, or closing
+            session.lost = True
+            self._cond.notify_all()
+        self._retire(session)
+        if self.reconnect_timeout_s <= 0 or not teacher_gone(error):
+            self._break(error)
+            return
+        threading.Thread(target=self._reconnect, args=(session, error), name="teacher-reconnect", daemon=True).start()
+
+    def _retire(self, session: _Session) -> None:
+        """Ends a session's stream and threads and frees its group, without waiting for the teacher."""
+        with self._cond:
+            if session.retired:
+                return
+            session.retired = True
+            self._cond.notify_all()  # its completion thread returns
+        session.requests.put(None)
+        session.to_receive.put(None)
+        if session.responses is not None:
+            session.responses.cancel()
+        session.group.abort()  # a receive blocked on the old teacher returns
+
+    def _reconnect(self, lost: _Session, cause: TeacherError) -> None:
+        """Joins again and sends the new session every undelivered batch, or fails them all.
+
+        Retries with exponential backoff (jittered, capped) for at most reconnect_timeout_s.
+        A refusal that retrying would not change (a different model, a wrong token) ends it
+        at once.
+        """
+        start = time.monotonic()
+        deadline = start + self.reconnect_timeout_s
+        log.warning("lost teacher %s (session %s): %s; joining again for up to %gs (reconnect_timeout_s)",
+                    self.address, lost.session_id, cause, self.reconnect_timeout_s)
+        # A teacher that is still up (it dropped the session, or the network blinked) frees its slot.
+        self._leave(lost.session_id, timeout_s=min(self.rpc_timeout_s, 5.0))
+        delay_s, attempt, last = _RECONNECT_FIRST_DELAY_S, 0, cause
+        while not self._stop.is_set():
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                break
+            attempt += 1
+            try:
+                session = self._rejoin(deadline)
+            except Exception as e:
+                if self._stop.is_set():
+                    return  # closed meanwhile (its channel too)
+                if not _worth_retrying(e):
+                    what = f"joining teacher {self.address} again after it was lost ({cause})"
+                    self._break(type(e)(f"{what}: {e}", e.code) if isinstance(e, TeacherError)
+                                else TeacherError(f"{what}: {type(e).__name__}: {e}"))
+                    return
+                last = e
+                pause_s = min(max(0.0, deadline - time.monotonic()), delay_s * random.uniform(0.5, 1.0))
+                log.warning("reconnect attempt %d to teacher %s failed, %.1fs after losing it: %s; next in %.1fs",
+                            attempt, self.address, time.monotonic() - start, e, pause_s)
+                self._stop.wait(pause_s)
+                delay_s = min(2 * delay_s, _RECONNECT_MAX_DELAY_S)
+                continue
+            try:
+                resent = self._install(session)
+            except Exception:
+                if self._stop.is_set():
+                    return  # closed while starting the new session
+                raise
+            if resent is not None:
+                log.info("reconnected to teacher %s as session %s after %.1fs (attempt %d); re-submitted %d batches",
+                         self.address, session.session_id, time.monotonic() - start, attempt, resent)
+            return
+        if self._stop.is_set():
+            return
+        self._break(TeacherUnavailable(
+            f"teacher {self.address} did not come back within reconnect_timeout_s={self.reconnect_timeout_s:g}s "
+            f"(the trainer's --teacher-reconnect-timeout-s); it was lost: {cause}; last attempt: {last}. Restart "
+            "the teacher, or raise that timeout to ride out longer outages", grpc.StatusCode.UNAVAILABLE))
+
+    def _rejoin(self, deadline: float) -> _Session:
+        """One attempt: Join with the first Join's request, check the teacher serves the same, form the group."""
+        joined = self._call("Join", self._join_request, timeout_s=max(0.1, min(self.rpc_timeout_s,
+                                                                              deadline - time.monotonic())))
+        try:
+            self._check_same_teacher(joined)
+            # The group forms in about a second; a last attempt gets that much even past the deadline.
+            return self._connect(joined, min(self.join_timeout_s, max(1.0, deadline - time.monotonic())))
+        except BaseException:
+            self._leave(joined.session_id, timeout_s=min(self.rpc_timeout_s, 5.0))
+            raise
+
+    def _check_same_teacher(self, joined: pb.JoinResponse) -> None:
+        info = TeacherInfo.from_proto(joined.info)
+        changed = [f"{name} {getattr(self.info, name)} -> {getattr(info, name)}"
+                   for name in ("vocab_size", "hidden_size", "num_layers")
+                   if getattr(info, name) != getattr(self.info, name)]
+        if joined.backend != self.backend:
+            changed.append(f"backend {self.backend} -> {joined.backend}")
+        if wire.parse_output_dtype(joined.output_dtype) != self.output_dtype:
+            changed.append(f"output dtype {self.output_dtype} -> {joined.output_dtype}")
+        if changed:
+            raise Incompatible(f"the teacher came back different ({', '.join(changed)}): its outputs would not "
+                               "continue this run; restart the job against it", grpc.StatusCode.FAILED_PRECONDITION)
+        if info.model_name != self.info.model_name:
+            log.warning("teacher %s came back serving %s (was %s)", self.address, info.model_name,
+                        self.info.model_name)
+
+    def _install(self, session: _Session) -> int | None:
+        """Makes `session` current and sends it every undelivered batch, in submit order.
+
+        Returns how many were sent, or None when the client was closed or broken meanwhile.
+        """
+        with self._submit_lock:  # no submit in between: it would go to the lost session or be sent twice
+            with self._cond:
+                abandoned = self._stop.is_set() or self._broken is not None
+                if not abandoned:
+                    self._session = session
+                    batches = list(self._undelivered.values())
+            if abandoned:
+                self._retire(session)
+                self._leave(session.session_id, timeout_s=min(self.rpc_timeout_s, 5.0))
+                return None
+            self.heartbeat_interval_s = session.joined.heartbeat_interval_s
+            if self._transfer_timeout_arg is None:
+                self.transfer_timeout_s = session.joined.timeout_s
+            self._start(session)
+            for batch in batches:
+                self._send(session, batch)
+        self.reconnects += 1
+        return len(batches)
 
     # ---- receiving ---------------------------------------------------------------
 
@@ -310,7 +604,7 @@ class TeacherClient:
                                    dtype=self.output_dtype)
         if self.backend == "gloo":  # gloo writes host memory; moved to the device on arrival
             pending.buffers = [torch.empty(size, dtype=dtype) for size, dtype in specs]
-            pending.works = [self._group.recv(buffer) for buffer in pending.buffers]
+            pending.works = [pending.session.group.recv(buffer) for buffer in pending.buffers]
             return
         # NCCL makes its stream wait for the current stream when a receive is posted. On
         # our own idle stream the receive starts at once instead of queueing behind the
@@ -318,27 +612,31 @@ class TeacherClient:
         # never hands NCCL memory that queued kernels of another stream still read.
         with torch.cuda.device(self.device), torch.cuda.stream(self._recv_stream):
             pending.buffers = [torch.empty(size, dtype=dtype, device=self.device) for size, dtype in specs]
-            pending.works = [self._group.recv(buffer) for buffer in pending.buffers]
+            pending.works = [pending.session.group.recv(buffer) for buffer in pending.buffers]
 
-    def _completion_loop(self) -> None:
+    def _completion_loop(self, session: _Session) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._stop.is_set():
+                while not session.pending and not session.lost and not self._stop.is_set():
                     self._cond.wait(0.1)
-                if not self._pending:
+                if session.lost or not session.pending:
                     return
-                pending = self._pending[0]
+                pending = session.pending[0]
             try:
                 for work in pending.works:
-                    self._group.wait(work, self.transfer_timeout_s, what=f"receiving batch {pending.batch_id}")
+                    session.group.wait(work, self.transfer_timeout_s, what=f"receiving batch {pending.batch_id}")
+                tracing.mark("s_received", pending.wire_id)
                 result = self._assemble(pending)
             except TransferError as e:
-                self._break(TransferFailed(f"{e}; the teacher may have dropped this session (see its log)"))
+                self._session_failed(session, TransferFailed(
+                    f"{e}; the teacher may have dropped this session (see its log)"))
                 return
             with self._cond:
-                self._pending.popleft()
+                if session.pending and session.pending[0] is pending:
+                    session.pending.popleft()
                 self._cond.notify_all()
-            pending.future.set_result(result)
+            self._resolve(pending.batch, session, result=result)
+            tracing.mark("s_resolved", pending.wire_id)
 
     def _assemble(self, pending: _Pending) -> TeacherOutput:
         if self.backend == "nccl":
@@ -348,7 +646,7 @@ class TeacherClient:
             buffers = pending.buffers
         else:
             buffers = [t.to(self.device) for t in pending.buffers]
-        out = TeacherOutput(batch_id=pending.batch_id)
+        out = TeacherOutput(batch_id=pending.batch_id)  # the client's id, not the session's wire id
         if self.logits:
             out.logits = buffers.pop(0)
         if self.topk:
@@ -360,47 +658,59 @@ class TeacherClient:
 
     # ---- plumbing ----------------------------------------------------------------
 
-    def _call(self, method: str, request):
+    def _call(self, method: str, request, timeout_s: float | None = None):
+        timeout_s = self.rpc_timeout_s if timeout_s is None else timeout_s
         try:
-            return getattr(self._stub, method)(request, timeout=self.rpc_timeout_s, metadata=self._metadata)
+            return getattr(self._stub, method)(request, timeout=timeout_s, metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e, f"{method} to teacher {self.address}") from None
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_interval_s):
+            session = self._session
+            if self._broken is not None:
+                return
+            if session.lost:
+                continue  # reconnecting: the next session's lease starts at its Join
             try:
-                self._call("Heartbeat", pb.HeartbeatRequest(session_id=self.session_id))
+                self._call("Heartbeat", pb.HeartbeatRequest(session_id=session.session_id))
             except TeacherError as e:
                 if self._stop.is_set():
                     return
                 log.warning("heartbeat failed: %s", e)
-                if e.code == grpc.StatusCode.NOT_FOUND:
-                    self._break(e)
-                    return
+                # Without a reconnect to try, one unanswered heartbeat is not worth failing for:
+                # the stream and the data plane tell when the teacher is really gone.
+                if e.code == grpc.StatusCode.NOT_FOUND or (e.code == grpc.StatusCode.UNAVAILABLE
+                                                           and self.reconnect_timeout_s > 0):
+                    self._session_failed(session, e)
 
-    def _leave(self, drain: bool) -> None:
-        if not self.session_id:
+    def _leave(self, session_id: str, timeout_s: float | None = None) -> None:
+        if not session_id:
             return
         try:
-            self._call("Leave", pb.LeaveRequest(session_id=self.session_id, drain=drain))
+            self._call("Leave", pb.LeaveRequest(session_id=session_id, drain=False), timeout_s)
         except TeacherError as e:
             log.debug("leave: %s", e)
 
     def _break(self, error: TeacherError) -> None:
+        """Fails the client for good: every undelivered batch and every later submit get `error`."""
         with self._cond:
             if self._broken is None:
                 self._broken = error
+            session = self._session
+            if session is not None:
+                session.lost = True
             self._cond.notify_all()
-        if self._group is not None:
-            self._group.abort()
-        self._fail_pending(error)
+        if session is not None:
+            self._retire(session)
+        self._fail_undelivered(self._broken)
 
-    def _fail_pending(self, error: TeacherError) -> None:
+    def _fail_undelivered(self, error: TeacherError) -> None:
         with self._cond:
-            failed, self._pending = list(self._pending), deque()
-        for pending in failed:
-            if not pending.future.done():
-                pending.future.set_exception(error)
+            failed = list(self._undelivered.values())
+            self._undelivered.clear()
+        for batch in failed:
+            batch.future.set_exception(error)
 
     def _check_usable(self) -> None:
         if self._broken is not None:

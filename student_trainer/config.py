@@ -57,6 +57,7 @@ class TrainConfig:
     device: str = ""  # default: cuda:LOCAL_RANK when CUDA is available, else cpu
     skip_bad_lines: bool = False
     teacher_timeout_s: float = 600.0
+    teacher_reconnect_timeout_s: float = 300.0
     job_id: str = ""
     teacher_tls_ca: str = ""  # a PEM path, or "system" for the system's roots; empty: plaintext
     teacher_tls_cert: str = ""
@@ -100,6 +101,8 @@ class TrainConfig:
             raise ValueError(f"--pack-mode {self.pack_mode!r}: use pack or truncate")
         if self.prefetch < 0:
             raise ValueError("--prefetch must be >= 0")
+        if self.teacher_reconnect_timeout_s < 0:
+            raise ValueError("--teacher-reconnect-timeout-s must be >= 0 (0: fail at once when the teacher goes away)")
         if self.lora_r < 0:
             raise ValueError("--lora-r must be >= 0 (0: full fine-tuning)")
         self._check_tls()
@@ -180,6 +183,9 @@ class TrainConfig:
         p.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed JSONL lines")
         p.add_argument("--teacher-timeout-s", type=float, default=600.0,
                        help="how long to wait for one batch of teacher outputs")
+        p.add_argument("--teacher-reconnect-timeout-s", type=float, default=300.0,
+                       help="when the teacher goes away (restart, crash), keep trying to join it again this long, "
+                            "then fail; batches not yet received are submitted again (0: fail at once)")
         p.add_argument("--job-id", default="", help="shown in the teacher's status (default: the run directory)")
         p.add_argument("--teacher-tls-ca", default="",
                        help="talk TLS to a teacher started with --tls-cert: the PEM CA that signed its certificate, "

@@ -65,3 +65,21 @@ def from_status(code: grpc.StatusCode, details: str, what: str) -> TeacherError:
 
 def from_rpc_error(error: grpc.RpcError, what: str) -> TeacherError:
     return from_status(error.code(), error.details(), what)
+
+
+# The teacher went away, or forgot this session (a restarted teacher knows none): joining
+# again may work. Everything else is an answer to what was asked, and asking again the
+# same way would get the same answer.
+_GONE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND})
+
+
+def teacher_gone(error: BaseException) -> bool:
+    """True when `error` means the teacher (or this session on it) is gone, not that it refused.
+
+    UNAVAILABLE (unreachable, restarting, shutting down), NOT_FOUND (the session is unknown:
+    a restarted teacher, an expired lease) and a broken data plane qualify; INVALID_ARGUMENT,
+    FAILED_PRECONDITION, RESOURCE_EXHAUSTED and UNAUTHENTICATED do not.
+    """
+    if isinstance(error, TransferFailed):
+        return True
+    return isinstance(error, TeacherError) and error.code in _GONE_CODES

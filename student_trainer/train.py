@@ -244,6 +244,7 @@ def train(cfg: TrainConfig) -> dict:
             hidden_layers=cfg.hidden_layers, tokenizer=tokenizer if cfg.uses_logits else None,
             vocab_size=student_vocab if cfg.uses_logits else 0, max_inflight=cfg.prefetch + 1,
             job_id=cfg.job_id or output_dir.name, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s,
+            reconnect_timeout_s=cfg.teacher_reconnect_timeout_s,
             tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
         if cfg.uses_logits and student_vocab != teacher.info.vocab_size:
             teacher.close()
@@ -280,7 +281,10 @@ def train(cfg: TrainConfig) -> dict:
         trained = torch.nn.parallel.DistributedDataParallel(
             trained, device_ids=[device.index] if device.type == "cuda" else None)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext())
-    prefetcher = TeacherPrefetcher(teacher, batches, cfg.prefetch, cfg.teacher_timeout_s)
+    # A batch may wait out a reconnect as well as its transfer: the client resolves it within
+    # both (or fails it), so this is only the backstop.
+    prefetcher = TeacherPrefetcher(teacher, batches, cfg.prefetch,
+                                   cfg.teacher_timeout_s + cfg.teacher_reconnect_timeout_s)
     metrics = MetricsWriter(output_dir, enabled=rank == 0)
 
     def checkpoint_now() -> Path:

@@ -47,16 +47,19 @@ class ServerProcess:
 
     nproc_per_node > 0: under torchrun (`python -m torch.distributed.run --standalone
     --nproc-per-node N`), a tensor-parallel teacher; `proc` is then torchrun's agent.
+    ports: (grpc, http, store) to listen on, e.g. an earlier server's `ports` to restart it
+    where its clients look for it; default: any free ports.
     """
 
     def __init__(self, *args: str, startup_timeout_s: float = 120.0, env: dict | None = None,
-                 nproc_per_node: int = 0):
+                 nproc_per_node: int = 0, ports: tuple[int, int, int] = (0, 0, 0)):
         self.log_lines: list[str] = []
+        grpc_port, http_port, store_port = map(str, ports)
         launcher = (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc_per_node)]
                     if nproc_per_node else [])
         self.proc = subprocess.Popen(
-            [sys.executable, *launcher, "-m", "teacher_server", "--host", "127.0.0.1", "--port", "0",
-             "--http-port", "0", "--store-port", "0", *args],
+            [sys.executable, *launcher, "-m", "teacher_server", "--host", "127.0.0.1", "--port", grpc_port,
+             "--http-port", http_port, "--store-port", store_port, *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or child_env(), cwd=ROOT)
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -87,6 +90,10 @@ class ServerProcess:
     @property
     def http(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def ports(self) -> tuple[int, int, int]:
+        return self.grpc_port, self.http_port, self.store_port
 
     def rank_pids(self) -> dict[int, int]:
         """Under torchrun: the process id of each rank (the agent's children, by their RANK)."""
