@@ -17,7 +17,7 @@ import torch
 from google.protobuf import message as pb_message
 from google.protobuf import message_factory
 
-from distill_common import wire
+from distill_common import tracing, wire
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.session_group import device_uuid
 from distill_common.wire import WireError
@@ -104,6 +104,7 @@ class TeacherService:
             try:
                 request = _parse(pb.SubmitRequest, raw)
                 batch_id = request.batch_id
+                tracing.mark("t_recv", batch_id)
                 yield await self.Submit(request, context)
             except ServiceError as e:
                 self.metrics.rpc_errors.labels("SubmitStream", e.code.name).inc()
