@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU tests and the benches named as arguments
-# (tests, transport, pipeline, trace, profile, tp), each output kept under $OUT.
+# (tests, transport, pipeline, trace, profile, tp, faults), each output kept under $OUT.
 #   bash bench/run_gpu.sh tests transport pipeline
 set -uo pipefail
 # shellcheck source=bench/gpu_env.sh
@@ -22,6 +22,9 @@ for what in "$@"; do
           | tee "$out/tp_tests.log" | grep -v Warning | tail -12
         timeout 300 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/tp_send_choice.py \
           --out "$out/tp_send.md" 2>&1 | grep -v Warning | tail -16 ;;
+    # Student faults (issue 4): a student killed with a 1 GiB send in flight; detection and recovery times.
+    faults) timeout 400 python3 -m pytest -q -s -m gpu tests/gpu/test_gpu_faults.py -p no:cacheprovider 2>&1 \
+              | tee "$out/gpu_faults.log" | grep -v Warning | tail -12 ;;
     *) echo "unknown step $what" ;;
   esac
 done

@@ -20,9 +20,11 @@ import torch  # noqa: E402
 from student_trainer import TeacherClient  # noqa: E402
 
 
-def random_batch(generator: torch.Generator, vocab: int, max_len: int):
+def random_batch(generator: torch.Generator, vocab: int, max_len: int, shape: tuple[int, int] | None = None):
     rows = int(torch.randint(1, 4, (1,), generator=generator))
     seq = int(torch.randint(4, max_len + 1, (1,), generator=generator))
+    if shape is not None:  # a fixed shape: no padding added when batches are packed together
+        rows, seq = shape
     ids = torch.randint(0, vocab, (rows, seq), generator=generator)
     mask = torch.ones(rows, seq, dtype=torch.int64)
     for row in range(rows):  # right padding of random length, at least one real token
@@ -46,11 +48,13 @@ def main() -> int:
     p.add_argument("--pause-s", type=float, default=0.0, help="sleep between batches")
     p.add_argument("--job-id", default="test-job")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shape", default="", help="ROWSxSEQ: every batch of this shape (default: random shapes)")
     p.add_argument("--stop-file", default="",
                    help="stop submitting once this file exists (with --batches 0: submit until then)")
     p.add_argument("--check-every", type=int, default=1,
                    help="compare every Nth batch with the local model (the others: order and shape only)")
     args = p.parse_args()
+    shape = tuple(int(x) for x in args.shape.split("x")) if args.shape else None
 
     from transformers import AutoModelForCausalLM
 
@@ -98,7 +102,7 @@ def main() -> int:
         while len(received) + len(in_flight) < args.batches or (args.stop_file and not args.batches):
             if args.stop_file and Path(args.stop_file).exists():
                 break
-            ids, mask = random_batch(generator, teacher.info.vocab_size, args.max_len)
+            ids, mask = random_batch(generator, teacher.info.vocab_size, args.max_len, shape)
             in_flight.append((teacher.submit(ids, mask), ids, mask))
             if len(in_flight) >= args.inflight:
                 check(*in_flight.pop(0))
