@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the GPU tests and the benches named as arguments
-# (tests, transport, pipeline, trace, profile, tp, faults), each output kept under $OUT.
+# (tests, transport, pipeline, trace, profile, tp, busy, faults), each output kept under $OUT.
 #   bash bench/run_gpu.sh tests transport pipeline
 set -uo pipefail
 # shellcheck source=bench/gpu_env.sh
@@ -14,6 +14,8 @@ for what in "$@"; do
     tests) timeout 400 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider -x 2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
     transport) timeout 400 python3 bench/transport_throughput.py --inflight 8 --out "$out/transport.md" 2>&1 | grep -v Warning | tail -12 ;;
     pipeline) timeout 500 python3 bench/distill_pipeline.py --out "$out/pipeline.md" 2>&1 | grep -v Warning | tail -12 ;;
+    # Two student jobs saturating one teacher (issue 5): teacher_busy_fraction >= 0.90.
+    busy) timeout 500 python3 bench/busy_fraction.py --out "$out/busy.md" 2>&1 | grep -v Warning | tail -20 ;;
     trace) timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 24 2>&1 | grep -v Warning | tail -60 ;;
     profile) export PATH=/tmp/site/bin:$PATH
              timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 400 --profile "$out/teacher.txt" 2>&1 | grep -v Warning | tail -5 ;;

@@ -67,7 +67,8 @@ class TeacherServer:
         self.engine = Engine(
             self.runner, self.metrics, store=self.store, advertise_host=self.advertise_host,
             max_batch_tokens=config.max_batch_tokens, max_sessions=config.max_sessions, lease_s=config.lease_s,
-            join_timeout_s=config.join_timeout_s, transfer_timeout_s=config.transfer_timeout_s)
+            join_timeout_s=config.join_timeout_s, transfer_timeout_s=config.transfer_timeout_s,
+            cache_bytes=config.cache_bytes)
         self.service = TeacherService(self.engine, config, self.metrics, self.advertise_host, self.store_port)
         self.health = health.aio.HealthServicer()
         self._shutting_down = False

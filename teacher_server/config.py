@@ -13,6 +13,20 @@ from distill_common.channel import read_pem
 
 log = logging.getLogger(__name__)
 
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: 123, 512MiB, 8GiB, 2GB (binary and decimal units)."""
+    number = text.strip().lower()
+    digits = number.rstrip("kmgtib").strip()
+    unit = number[len(number.rstrip("kmgtib")):]
+    try:
+        return int(float(digits) * _BYTE_UNITS[unit])
+    except (KeyError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count: use e.g. 1073741824, 512MiB, 8GiB") from e
+
 
 @dataclass
 class ServerConfig:
@@ -30,6 +44,9 @@ class ServerConfig:
     max_seq_len: int = 8192
     max_sessions: int = 64
     max_inflight: int = 8
+    # Bytes of forward outputs kept for identical batches of later sessions (0: off).
+    # Held in teacher memory, on the teacher's device: see docs/scaling.md.
+    cache_bytes: int = 0
     heartbeat_interval_s: float = 2.0
     lease_s: float = 30.0
     transfer_timeout_s: float = 120.0
@@ -70,6 +87,8 @@ class ServerConfig:
                              "otherwise a single full-length sequence could never be served")
         if self.max_sessions < 1 or self.max_inflight < 1:
             raise ValueError("--max-sessions and --max-inflight must be >= 1")
+        if self.cache_bytes < 0:
+            raise ValueError(f"--cache-bytes {self.cache_bytes} must be >= 0 (0 turns the output cache off)")
         if self.lease_s <= self.heartbeat_interval_s:
             raise ValueError(f"--lease-s ({self.lease_s}) must exceed --heartbeat-interval-s ({self.heartbeat_interval_s})")
         for name in ("transfer_timeout_s", "join_timeout_s", "grace_period_s", "tp_timeout_s"):
@@ -124,6 +143,9 @@ class ServerConfig:
         parser.add_argument("--max-sessions", type=int, default=d.max_sessions, help="sessions served at once")
         parser.add_argument("--max-inflight", type=int, default=d.max_inflight,
                             help="batches a session may have queued or in transfer")
+        parser.add_argument("--cache-bytes", type=parse_bytes, default=d.cache_bytes,
+                            help="keep up to this many bytes of outputs (e.g. 8GiB) so identical batches of later "
+                                 "sessions cost no forward; held on the teacher device (default 0: off)")
         parser.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
         parser.add_argument("--lease-s", type=float, default=d.lease_s,
                             help="a session without a heartbeat for this long is dropped")

@@ -27,7 +27,8 @@ import torch
 from distill_common.session_group import (TEACHER_RANK, SessionGroup, TransferError, build_group, connect_store,
                                           handshake,
                                           prefix_token)
-from teacher_server.errors import NotFound, ResourceExhausted, Unavailable
+from teacher_server.cache import BatchOutputs, OutputCache, batch_key
+from teacher_server.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from teacher_server.metrics import Metrics
 from teacher_server.model_runner import ModelRunner
 from teacher_server.sessions import Batch, Session
@@ -38,7 +39,19 @@ log = logging.getLogger(__name__)
 class _Planned:
     session: Session
     batch: Batch
-    row: int  # first row of this batch in the packed forward
+    row: int  # first row of this batch in the packed forward (or of the identical batch it shares)
+    computed: bool = True  # owns its rows in the forward; False: shares another's rows, or `cached`
+    cached: BatchOutputs | None = None  # served from the output cache, no forward
+
+
+@dataclass
+class _Job:
+    """The fair-share unit: every session (rank) of one job_id shares one clock and one weight."""
+
+    weight: float
+    sessions: int = 0
+    # Weighted tokens scheduled for the job (tokens / weight): the least-served job goes first.
+    virtual_tokens: float = 0.0
 
 
 @dataclass
@@ -52,9 +65,12 @@ class _SendJob:
 class Engine:
     def __init__(self, runner: ModelRunner, metrics: Metrics, *, store, advertise_host: str,
                  max_batch_tokens: int, max_sessions: int, lease_s: float, join_timeout_s: float,
-                 transfer_timeout_s: float):
+                 transfer_timeout_s: float, cache_bytes: int = 0):
         self.runner = runner
         self.metrics = metrics
+        self.cache = OutputCache(cache_bytes)
+        metrics.watch_cache(self.cache)
+        self._jobs: dict[str, _Job] = {}
         self.store = store
         self.advertise_host = advertise_host
         self.max_batch_tokens = max_batch_tokens
@@ -118,10 +134,20 @@ class Engine:
             if live >= self.max_sessions:
                 raise ResourceExhausted(f"the teacher already serves {live} sessions (--max-sessions "
                                         f"{self.max_sessions}); retry later or raise --max-sessions")
-            # A newcomer starts at the least-served session's clock: it gets its fair
-            # share from now on, not a burst that makes up for the time before it joined.
-            clocks = [s.virtual_tokens for s in self._sessions.values() if s.alive]
-            session.virtual_tokens = min(clocks) if clocks else 0.0
+            job = self._jobs.get(session.job_id)
+            if job is not None and job.weight != session.weight:
+                raise InvalidArgument(f"job {session.job_id!r} already has weight {job.weight:g} (set by the rank "
+                                      f"that joined first), this session asks {session.weight:g}: give every rank "
+                                      "of a job the same weight")
+            if job is None:
+                # A new job starts at the least-served job's clock: it gets its fair share
+                # from now on, not a burst that makes up for the time before it joined.
+                clocks = [j.virtual_tokens for j in self._jobs.values()]
+                job = self._jobs[session.job_id] = _Job(session.weight, virtual_tokens=min(clocks, default=0.0))
+            # Within a job, ranks take turns by their own (unweighted) clocks.
+            clocks = [s.virtual_tokens for s in self._sessions.values() if s.alive and s.job_id == session.job_id]
+            session.virtual_tokens = min(clocks, default=0.0)
+            job.sessions += 1
             self._sessions[session.session_id] = session
         self.metrics.sessions_joined.inc()
         self.metrics.sessions_connected.inc()
@@ -136,9 +162,11 @@ class Engine:
         return session
 
     def submit(self, session: Session, batch: Batch) -> int:
+        batch.key = batch_key(batch.input_ids, batch.attention_mask)  # outside the lock: hashes the ids
         with self._cond:
             if not session.alive or session.state == "draining":
                 raise NotFound(f"session {session.session_id} has ended ({session.failure or session.state}); join again")
+            self._wake_job(session.job_id)
             session.pending.append(batch)
             session.batches_submitted += 1
             inflight = session.inflight
@@ -146,6 +174,18 @@ class Engine:
         self.metrics.inflight.labels(session.session_id, session.job_id).set(inflight)
         self._update_queue_depth()
         return inflight
+
+    def _wake_job(self, job_id: str) -> None:
+        """A job with nothing outstanding that submits again starts no further back than
+        the busy jobs: time spent idle is not credit for a burst later (held: self._cond)."""
+        job = self._jobs.get(job_id)
+        mine = [s for s in self._sessions.values() if s.job_id == job_id and s.alive]
+        if job is None or any(s.inflight for s in mine):
+            return
+        busy = {s.job_id for s in self._sessions.values() if s.alive and s.inflight and s.job_id != job_id}
+        clocks = [self._jobs[j].virtual_tokens for j in busy if j in self._jobs]
+        if clocks:
+            job.virtual_tokens = max(job.virtual_tokens, min(clocks))
 
     def heartbeat(self, session: Session) -> None:
         session.last_heartbeat = time.monotonic()
@@ -235,7 +275,12 @@ class Engine:
             session.state = "closed" if reason == "left" else "failed"
             session.failure = failure
             session.pending.clear()
-            self._sessions.pop(session.session_id, None)
+            if self._sessions.pop(session.session_id, None) is not None:
+                job = self._jobs.get(session.job_id)
+                if job is not None:
+                    job.sessions -= 1
+                    if job.sessions <= 0:
+                        del self._jobs[session.job_id]
             sends = self._senders.pop(session.session_id, None)
             self._cond.notify_all()
         if sends is not None:
@@ -298,13 +343,17 @@ class Engine:
         return plan
 
     def _pick(self) -> list[_Planned]:
-        """Weighted fair share: the session least served (tokens / weight) goes first."""
+        """Weighted fair share between jobs: the job least served (tokens / weight) goes
+        first, and within it the rank least served. Identical batches share work: one
+        already in this forward lends its rows, one in the output cache needs no forward;
+        neither counts against the token budget (both count as served for the share)."""
         taken: dict[str, int] = {}
         plan: list[_Planned] = []
+        in_forward: dict[bytes, _Planned] = {}
         rows = seq = 0
         candidates = [s for s in self._sessions.values() if s.state in ("ready", "draining") and s.pending]
         while candidates:
-            candidates.sort(key=lambda s: s.virtual_tokens)
+            candidates.sort(key=lambda s: (self._jobs[s.job_id].virtual_tokens, s.virtual_tokens))
             session = candidates[0]
             index = taken.get(session.session_id, 0)
             # Outputs computed but not yet received stay in teacher memory: a session may
@@ -314,48 +363,79 @@ class Engine:
                 continue
             batch = session.pending[index]
             b, s = batch.input_ids.shape
-            if plan and (rows + b) * max(seq, s) > self.max_batch_tokens:
-                candidates.pop(0)  # does not fit this forward; the next one starts with it
-                continue
-            plan.append(_Planned(session, batch, rows))
-            rows, seq = rows + b, max(seq, s)
+            layers = session.outputs.hidden_layers
+            twin = in_forward.get(batch.key)
+            cached = None if twin is not None else self.cache.get(batch.key, layers)
+            if twin is not None:
+                plan.append(_Planned(session, batch, twin.row, computed=False))
+            elif cached is not None:
+                plan.append(_Planned(session, batch, 0, computed=False, cached=cached))
+            else:
+                if rows and (rows + b) * max(seq, s) > self.max_batch_tokens:
+                    candidates.pop(0)  # does not fit this forward; the next one starts with it
+                    continue
+                planned = _Planned(session, batch, rows)
+                plan.append(planned)
+                in_forward[batch.key] = planned
+                rows, seq = rows + b, max(seq, s)
             taken[session.session_id] = index + 1
-            session.virtual_tokens += batch.tokens / session.weight
+            job = self._jobs[session.job_id]
+            job.virtual_tokens += batch.tokens / job.weight
+            session.virtual_tokens += batch.tokens
         return plan
 
     def _execute(self, plan: list[_Planned]) -> None:
-        rows = sum(p.batch.input_ids.shape[0] for p in plan)
-        seq = max(p.batch.input_ids.shape[1] for p in plan)
+        computed = [p for p in plan if p.computed]
+        shared = sum(1 for p in plan if not p.computed and p.cached is None)
+        if shared:
+            self.cache.note_shared_in_forward(shared)
+        if not computed:  # every batch came from the cache
+            for p in plan:
+                self._send(p, p.cached)
+            return
+        rows = sum(p.batch.input_ids.shape[0] for p in computed)
+        seq = max(p.batch.input_ids.shape[1] for p in computed)
         input_ids = torch.zeros(rows, seq, dtype=torch.int64)
         mask = torch.zeros(rows, seq, dtype=torch.int64)
-        for p in plan:
+        for p in computed:
             b, s = p.batch.input_ids.shape
             input_ids[p.row:p.row + b, :s] = p.batch.input_ids
             mask[p.row:p.row + b, :s] = p.batch.attention_mask
-        layers = sorted({layer for p in plan for layer in p.session.outputs.hidden_layers})
+        wanted = [p.session for p in plan]
+        if self.cache.enabled:  # entries keep every layer a live session asks, so later ones hit
+            wanted += self.sessions()
+        layers = sorted({layer for session in wanted for layer in session.outputs.hidden_layers})
         start = time.monotonic()
+        self.metrics.forward_started(start)
         try:
             out = self.runner.forward(input_ids, mask, hidden=bool(layers))
             launched = time.monotonic()
             if self.runner.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # for the latency figure only
         except Exception as e:  # e.g. out of memory: those sessions fail, the teacher stays up
+            self.metrics.forward_failed(start, time.monotonic())
             log.exception("forward of %d x %d failed", rows, seq)
             for session in {id(p.session): p.session for p in plan}.values():
                 self._end(session, "forward_failed", f"the teacher's forward failed: {e}")
             return
         done = time.monotonic()
         self.metrics.record_forward(start, done, rows * seq)
+        produced: dict[int, BatchOutputs] = {}  # by first row: what each computed batch is served from
+        for p in computed:
+            b, s = p.batch.input_ids.shape
+            outputs = BatchOutputs(out.logits[p.row:p.row + b, :s],
+                                   {layer: out.hidden_states[layer][p.row:p.row + b, :s] for layer in layers})
+            produced[p.row] = self.cache.put(p.batch.key, outputs)
         for p in plan:
-            self._send(p, out)
+            self._send(p, p.cached if p.cached is not None else produced[p.row])
         log.debug("forward %d x %d (%d batches): launch %.1f ms, device %.1f ms, sends posted %.1f ms", rows, seq,
                   len(plan), (launched - start) * 1e3, (done - launched) * 1e3, (time.monotonic() - done) * 1e3)
 
-    def _send(self, p: _Planned, out) -> None:
+    def _send(self, p: _Planned, out: BatchOutputs) -> None:
+        """Derives what this session asked for from the batch's outputs and posts the sends."""
         session, batch = p.session, p.batch
-        b, s = batch.input_ids.shape
         spec = session.outputs
-        logits = out.logits[p.row:p.row + b, :s]
+        logits = out.logits
         tensors = []
         if spec.logits:
             tensors.append(logits.to(spec.dtype).contiguous())
@@ -364,8 +444,7 @@ class Engine:
             tensors.append(values.to(spec.dtype).contiguous())
             tensors.append(indices.to(torch.int32).contiguous())
         if spec.hidden_layers:
-            tensors.append(torch.stack([out.hidden_states[layer][p.row:p.row + b, :s]
-                                        for layer in spec.hidden_layers]).to(spec.dtype).contiguous())
+            tensors.append(torch.stack([out.hidden[layer] for layer in spec.hidden_layers]).to(spec.dtype).contiguous())
         if session.backend == "gloo":
             tensors = [t.cpu() for t in tensors]
         with self._cond:

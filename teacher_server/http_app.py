@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import time
 from typing import Callable
@@ -55,6 +56,9 @@ def create_app(engine: Engine, metrics: Metrics, ready: Callable[[], bool], auth
             "ready": ready(),
             "queue_depth": engine.queue_depth(),
             "busy_fraction": metrics.busy_clock.fraction(),
+            # Shared work: hits/misses/evictions of the output cache (--cache-bytes), batches
+            # served by an identical batch of the same forward, bytes held on the device.
+            "cache": dataclasses.asdict(engine.cache.stats()),
             "sessions": [{
                 "session_id": s.session_id, "job_id": s.job_id, "job_rank": s.job_rank, "backend": s.backend,
                 "state": s.state, "batches_submitted": s.batches_submitted, "batches_sent": s.batches_sent,

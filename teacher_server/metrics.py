@@ -1,7 +1,8 @@
 """Prometheus metrics of the teacher (served at GET /metrics).
 
 Per-session series carry the labels `session` and `job` and are removed when the
-session ends, so a long-running teacher does not accumulate series.
+session ends, so a long-running teacher does not accumulate series. A job's share of
+the teacher is `sum by (job) (rate(teacher_tokens_total[1m]))`.
 """
 
 from __future__ import annotations
@@ -11,31 +12,68 @@ from collections import deque
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 SESSION_LABELS = ("session", "job")
 
 
 class BusyClock:
-    """Fraction of wall time spent in forward over a sliding window."""
+    """Fraction of wall time spent in forward over the last `window_s` seconds.
+
+    A forward still running when read counts up to now (`begin` marks it), so a
+    teacher busy with one long forward does not read as idle. Before `window_s`
+    have passed since start, the window is the time since start.
+    """
 
     def __init__(self, window_s: float = 10.0):
         self.window_s = window_s
         self._spans: deque[tuple[float, float]] = deque()
+        self._running: float | None = None  # start of the forward in progress
         self._started = time.monotonic()
+
+    def begin(self, start: float) -> None:
+        self._running = start
 
     def add(self, start: float, end: float) -> None:
         self._spans.append((start, end))
+        self._running = None
         horizon = end - self.window_s
         while self._spans and self._spans[0][1] < horizon:
             self._spans.popleft()
 
-    def fraction(self) -> float:
-        now = time.monotonic()
+    def fraction(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
         window_start = max(now - self.window_s, self._started)
         if now <= window_start:
             return 0.0
-        busy = sum(max(0.0, min(end, now) - max(start, window_start)) for start, end in list(self._spans))
+        spans = list(self._spans)  # a copy: the engine thread appends meanwhile
+        running = self._running
+        if running is not None:
+            spans.append((running, now))
+        busy = sum(max(0.0, min(end, now) - max(start, window_start)) for start, end in spans)
         return min(1.0, busy / (now - window_start))
+
+
+class _CacheCollector:
+    """Exports the shared-work cache's own counters (one source of truth: its stats)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def collect(self):
+        s = self.cache.stats()
+        for name, doc, value in (
+                ("teacher_cache_hits", "Batches served from the output cache, without a forward", s.hits),
+                ("teacher_cache_misses", "Batches computed while the output cache was on", s.misses),
+                ("teacher_cache_evictions", "Cache entries evicted to stay within --cache-bytes", s.evictions),
+                ("teacher_shared_batches", "Batches served by an identical batch of the same forward",
+                 s.shared_in_forward)):
+            yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, value in (
+                ("teacher_cache_bytes", "Bytes of outputs held by the cache (on the teacher device)", s.bytes),
+                ("teacher_cache_entries", "Batches held by the cache", s.entries),
+                ("teacher_cache_capacity_bytes", "--cache-bytes (0: cache off)", s.capacity_bytes)):
+            yield GaugeMetricFamily(name, doc, value=value)
 
 
 class Metrics:
@@ -58,7 +96,8 @@ class Metrics:
                                       registry=r)
         self.busy_seconds = Counter("teacher_busy_seconds_total", "Seconds spent in forward", registry=r)
         self.busy_clock = BusyClock()
-        self.busy_fraction = Gauge("teacher_busy_fraction", "Time in forward over wall time, last 10 s", registry=r)
+        self.busy_fraction = Gauge("teacher_busy_fraction", "Time in forward over wall time, last 10 s (a forward "
+                                   "in progress counts)", registry=r)
         self.busy_fraction.set_function(self.busy_clock.fraction)
         self.rpc_errors = Counter("teacher_rpc_errors_total", "RPCs answered with an error", ["method", "code"],
                                   registry=r)
@@ -69,6 +108,16 @@ class Metrics:
         if device is not None and device.type == "cuda":
             self.gpu_memory_allocated.set_function(lambda: torch.cuda.memory_allocated(device))
             self.gpu_memory_reserved.set_function(lambda: torch.cuda.memory_reserved(device))
+
+    def watch_cache(self, cache) -> None:
+        """Exports the cache's counters and gauges (teacher_cache_*, teacher_shared_batches_total)."""
+        self.registry.register(_CacheCollector(cache))
+
+    def forward_started(self, start: float) -> None:
+        self.busy_clock.begin(start)
+
+    def forward_failed(self, start: float, end: float) -> None:
+        self.busy_clock.add(start, end)  # busy all the same; nothing was produced
 
     def record_forward(self, start: float, end: float, tokens: int) -> None:
         self.forward_seconds.observe(end - start)

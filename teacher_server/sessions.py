@@ -30,6 +30,7 @@ class Batch:
     batch_id: int
     input_ids: torch.Tensor  # [B, S] int64, CPU
     attention_mask: torch.Tensor  # [B, S] int64, CPU
+    key: bytes = b""  # content digest (teacher_server.cache.batch_key): identical batches share work
 
     @property
     def tokens(self) -> int:
@@ -57,7 +58,8 @@ class Session:
     batches_sending: int = 0  # forwarded, transfer not yet complete
     tokens_served: int = 0
     bytes_sent: int = 0
-    # Weighted tokens the engine has scheduled for this session: the fair-share clock.
+    # Tokens the engine has scheduled for this session: orders the ranks of one job (the
+    # fair share between jobs runs on the job's clock, in the engine).
     virtual_tokens: float = 0.0
     last_heartbeat: float = field(default_factory=time.monotonic)
     created: float = field(default_factory=time.monotonic)

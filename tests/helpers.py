@@ -31,12 +31,13 @@ def child_env(**extra: str) -> dict:
 
 
 def build_tiny_model(path: Path, *, vocab_size: int = 384, layers: int = 2, seed: int = 0,
-                     dtype: torch.dtype = torch.float32) -> Path:
+                     dtype: torch.dtype = torch.float32, hidden_size: int = 48) -> Path:
     """A tiny Llama with random weights, saved like any HF model directory."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=48, intermediate_size=96, num_hidden_layers=layers,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
     LlamaForCausalLM(config).to(dtype).save_pretrained(path)
     return path
@@ -148,6 +149,18 @@ def finish_student(proc: subprocess.Popen, out: Path, timeout_s: float = 180.0) 
         raise AssertionError(f"student did not finish within {timeout_s}s:\n{output}")
     assert proc.returncode == 0, f"student exited with {proc.returncode}:\n{output}"
     return json.loads(out.read_text())
+
+
+def metrics_samples(http: str) -> dict:
+    """The server's /metrics as {(name, ((label, value), ...)): value}."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(requests.get(f"{http}/metrics", timeout=10).text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):

@@ -48,7 +48,14 @@ def main() -> int:
     p.add_argument("--pause-s", type=float, default=0.0, help="sleep between batches")
     p.add_argument("--job-id", default="test-job")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--job-rank", type=int, default=0)
+    p.add_argument("--weight", type=float, default=1.0, help="the job's share weight, given at join")
     p.add_argument("--shape", default="", help="ROWSxSEQ: every batch of this shape (default: random shapes)")
+    p.add_argument("--join-file", default="", help="wait for this file before joining (start now, join later)")
+    p.add_argument("--start-file", default="", help="after joining, wait for this file before submitting")
+    p.add_argument("--saturate-until-file", default="",
+                   help="after the checked batches, submit unchecked batches back to back until this file exists")
+    p.add_argument("--wait-s", type=float, default=120.0, help="deadline of each wait for a file")
     p.add_argument("--stop-file", default="",
                    help="stop submitting once this file exists (with --batches 0: submit until then)")
     p.add_argument("--check-every", type=int, default=1,
@@ -66,10 +73,26 @@ def main() -> int:
     received = []
     received_at = []  # time.time() of each result, for timelines across processes
     checked = 0
+    tokens = 0
+    saturated = 0
+
+    def wait_for_file(path: str) -> None:
+        deadline = time.monotonic() + args.wait_s
+        while not Path(path).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} did not appear within {args.wait_s}s")
+            time.sleep(0.02)
+
+    if args.join_file:
+        print("LOADED", flush=True)
+        wait_for_file(args.join_file)
     start = time.monotonic()
     with TeacherClient(args.address, device, logits=not args.no_logits, topk=args.topk, hidden_layers=layers,
-                       dtype="float32", max_inflight=args.inflight, job_id=args.job_id) as teacher:
+                       dtype="float32", max_inflight=args.inflight, job_id=args.job_id, job_rank=args.job_rank,
+                       weight=args.weight) as teacher:
         print(f"JOINED {teacher.session_id}", flush=True)
+        if args.start_file:
+            wait_for_file(args.start_file)
         in_flight = []
 
         def check(fut, ids, mask):
@@ -103,6 +126,7 @@ def main() -> int:
             if args.stop_file and Path(args.stop_file).exists():
                 break
             ids, mask = random_batch(generator, teacher.info.vocab_size, args.max_len, shape)
+            tokens += ids.numel()
             in_flight.append((teacher.submit(ids, mask), ids, mask))
             if len(in_flight) >= args.inflight:
                 check(*in_flight.pop(0))
@@ -110,9 +134,26 @@ def main() -> int:
                 time.sleep(args.pause_s)
         for item in in_flight:
             check(*item)
+        if args.saturate_until_file:
+            # The teacher is the bottleneck: always max_inflight batches outstanding,
+            # outputs received and dropped (no local check, which would slow this side).
+            print("SATURATING", flush=True)
+            deadline = time.monotonic() + args.wait_s
+            futures = []
+            while not Path(args.saturate_until_file).exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{args.saturate_until_file} did not appear within {args.wait_s}s")
+                ids, mask = random_batch(generator, teacher.info.vocab_size, args.max_len, shape)
+                futures.append(teacher.submit(ids, mask))
+                if len(futures) >= args.inflight:
+                    futures.pop(0).result(timeout=120)
+                    saturated += 1
+            for fut in futures:
+                fut.result(timeout=120)
+                saturated += 1
         backend = teacher.backend
     report = {"received": received, "worst": worst, "seconds": time.monotonic() - start, "backend": backend,
-              "received_at": received_at, "checked": checked}
+              "tokens": tokens, "saturated_batches": saturated, "received_at": received_at, "checked": checked}
     Path(args.out).write_text(json.dumps(report))
     print(f"DONE {json.dumps(report)}", flush=True)
     return 0
