@@ -16,9 +16,9 @@ for what in "$@"; do
     pipeline) timeout 500 python3 bench/distill_pipeline.py --out "$out/pipeline.md" 2>&1 | grep -v Warning | tail -12 ;;
     # Two student jobs saturating one teacher (issue 5): teacher_busy_fraction >= 0.90.
     busy) timeout 500 python3 bench/busy_fraction.py --out "$out/busy.md" 2>&1 | grep -v Warning | tail -20 ;;
-    trace) timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 24 2>&1 | grep -v Warning | tail -60 ;;
+    trace) timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 128 --inflight 16 2>&1 | grep -v Warning | tail -60 ;;
     profile) export PATH=/tmp/site/bin:$PATH
-             timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 400 --profile "$out/teacher.txt" 2>&1 | grep -v Warning | tail -5 ;;
+             timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 1000 --inflight 16 --profile "$out/profile" 2>&1 | grep -v Warning | head -20 ;;
     # Tensor parallelism (issue 5): TP=2 vs TP=1 through the server, then the send-path choice.
     tp) timeout 400 python3 -m pytest -q -s -m gpu tests/gpu/test_tp_gpu.py -p no:cacheprovider 2>&1 \
           | tee "$out/tp_tests.log" | grep -v Warning | tail -12

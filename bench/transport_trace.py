@@ -88,6 +88,11 @@ def summarize(marks: dict[int, dict[str, float]], first: int) -> list[str]:
         gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
         lines.append(f"interval between consecutive {m}: median {statistics.median(gaps):.2f} ms, "
                      f"max {max(gaps):.2f} ms")
+    firsts = [i for i in ids if "t_launched" in marks[i]]  # the first batch of each forward
+    for a, b in (("t_pick", "t_inputs"), ("t_inputs", "t_launched"), ("t_launched", "t_forward")):
+        gaps = sorted((marks[i][b] - marks[i][a]) * 1e3 for i in firsts if a in marks[i] and b in marks[i])
+        if gaps:
+            lines.append(f"per forward, {a} -> {b}: median {statistics.median(gaps):.2f} ms, max {gaps[-1]:.2f} ms")
     picks = sorted({round(marks[i]["t_pick"], 6) for i in ids})
     lines.append(f"forwards: {len(picks)} for {len(ids)} batches")
     return lines
@@ -127,9 +132,10 @@ def main() -> int:
             if args.profile:
                 os.makedirs(args.profile, exist_ok=True)
                 for name, pid in (("teacher", server.proc.pid), ("student", os.getpid())):
-                    spies.append(subprocess.Popen(
-                        ["py-spy", "record", "--idle", "--threads", "--format", "raw", "-r", "500", "-d", "3",
-                         "-p", str(pid), "-o", os.path.join(args.profile, f"{name}.txt")]))
+                    for mode in ("--idle", "--gil"):  # every thread's state; who holds the GIL
+                        spies.append(subprocess.Popen(
+                            ["py-spy", "record", mode, "--threads", "--format", "raw", "-r", "500", "-d", "2",
+                             "-p", str(pid), "-o", os.path.join(args.profile, f"{name}{mode[1:]}.txt")]))
                 time.sleep(0.5)
             futures: deque = deque()
             start = time.perf_counter()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from distill_common import tracing
 from distill_common.session_group import (TEACHER_RANK, SessionGroup, TransferError, build_group, connect_store,
                                           handshake,
                                           prefix_token)
@@ -52,6 +53,16 @@ class _Job:
     sessions: int = 0
     # Weighted tokens scheduled for the job (tokens / weight): the least-served job goes first.
     virtual_tokens: float = 0.0
+
+
+@dataclass
+class _Launched:
+    """A forward whose sends are posted; its batches are announced once the device finished it."""
+
+    start: float
+    tokens: int
+    finished: object  # a torch.cuda.Event recorded after the forward and the sends' inputs; None on CPU
+    announcements: list  # (session, group, batch_id)
 
 
 @dataclass
@@ -84,6 +95,8 @@ class Engine:
         self._accepting = True
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._launched: queue.Queue = queue.Queue()
+        self._announcer = threading.Thread(target=self._announce_loop, name="announcer", daemon=True)
         self.error: BaseException | None = None
         self._next_lease_check = 0.0  # monotonic time of the next look for expired leases
 
@@ -91,6 +104,7 @@ class Engine:
 
     def start(self) -> None:
         self._thread.start()
+        self._announcer.start()
 
     @property
     def healthy(self) -> bool:
@@ -123,6 +137,8 @@ class Engine:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(timeout=10)
+        self._launched.put(None)
+        self._announcer.join(timeout=10)
 
     # ---- control, from the gRPC handlers: validate-free, quick ---------------------
 
@@ -243,6 +259,7 @@ class Engine:
             job = sends.get()
             if job is None:
                 return
+            tracing.mark("t_watch", job.batch.batch_id)
             try:
                 for work in job.works:
                     group.wait(work, self.transfer_timeout_s, what=f"sending batch {job.batch.batch_id}")
@@ -250,6 +267,12 @@ class Engine:
                 log.warning("session %s: %s", session.session_id, e)
                 self._end(session, "transfer_failed", str(e))
                 return
+            tracing.mark("t_sent", job.batch.batch_id)
+            try:
+                group.retire(job.batch.batch_id)
+            except Exception as e:  # the store is the teacher's own: this would be a bug, not the student's
+                log.warning("session %s: could not retire batch %d's announcement: %s", session.session_id,
+                            job.batch.batch_id, e)
             labels = (session.session_id, session.job_id)
             with self._cond:
                 session.batches_sent += 1
@@ -333,10 +356,13 @@ class Engine:
             while not plan:
                 if self._stopping:
                     return None
+                tracing.mark("e_wait", -1)
                 self._cond.wait(timeout=0.5)
+                tracing.mark("e_wake", -1)
                 self._expire_leases()
                 plan = self._pick()
             for planned in plan:
+                tracing.mark("t_pick", planned.batch.batch_id)
                 planned.session.pending.popleft()
                 planned.session.batches_sending += 1
         self._update_queue_depth()
@@ -389,14 +415,17 @@ class Engine:
         shared = sum(1 for p in plan if not p.computed and p.cached is None)
         if shared:
             self.cache.note_shared_in_forward(shared)
-        if not computed:  # every batch came from the cache
-            for p in plan:
-                self._send(p, p.cached)
+        if not computed:  # every batch came from the cache: no forward to wait for or count
+            self._hand_to_announcer(time.monotonic(), 0, [self._send(p, p.cached) for p in plan])
             return
         rows = sum(p.batch.input_ids.shape[0] for p in computed)
         seq = max(p.batch.input_ids.shape[1] for p in computed)
-        input_ids = torch.zeros(rows, seq, dtype=torch.int64)
-        mask = torch.zeros(rows, seq, dtype=torch.int64)
+        # Pinned: the copy to the device is then truly asynchronous. From pageable memory
+        # it would wait for the device to finish the previous forward, and the engine
+        # could not launch one forward while the other runs.
+        pinned = self.runner.device.type == "cuda"
+        input_ids = torch.zeros(rows, seq, dtype=torch.int64, pin_memory=pinned)
+        mask = torch.zeros(rows, seq, dtype=torch.int64, pin_memory=pinned)
         for p in computed:
             b, s = p.batch.input_ids.shape
             input_ids[p.row:p.row + b, :s] = p.batch.input_ids
@@ -406,33 +435,81 @@ class Engine:
             wanted += self.sessions()
         layers = sorted({layer for session in wanted for layer in session.outputs.hidden_layers})
         start = time.monotonic()
-        self.metrics.forward_started(start)
+        tracing.mark("t_inputs", plan[0].batch.batch_id)
         try:
             out = self.runner.forward(input_ids, mask, hidden=bool(layers))
-            launched = time.monotonic()
-            if self.runner.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # for the latency figure only
+            tracing.mark("t_launched", plan[0].batch.batch_id)
         except Exception as e:  # e.g. out of memory: those sessions fail, the teacher stays up
-            self.metrics.forward_failed(start, time.monotonic())
+            # (The busy clock is the announcer's: a launch that failed at once adds nothing to it.)
             log.exception("forward of %d x %d failed", rows, seq)
             for session in {id(p.session): p.session for p in plan}.values():
                 self._end(session, "forward_failed", f"the teacher's forward failed: {e}")
             return
-        done = time.monotonic()
-        self.metrics.record_forward(start, done, rows * seq)
+        launched = time.monotonic()
         produced: dict[int, BatchOutputs] = {}  # by first row: what each computed batch is served from
         for p in computed:
             b, s = p.batch.input_ids.shape
             outputs = BatchOutputs(out.logits[p.row:p.row + b, :s],
                                    {layer: out.hidden_states[layer][p.row:p.row + b, :s] for layer in layers})
             produced[p.row] = self.cache.put(p.batch.key, outputs)
-        for p in plan:
-            self._send(p, p.cached if p.cached is not None else produced[p.row])
-        log.debug("forward %d x %d (%d batches): launch %.1f ms, device %.1f ms, sends posted %.1f ms", rows, seq,
-                  len(plan), (launched - start) * 1e3, (done - launched) * 1e3, (time.monotonic() - done) * 1e3)
+        announcements = [self._send(p, p.cached if p.cached is not None else produced[p.row]) for p in plan]
+        self._hand_to_announcer(start, rows * seq, announcements)
+        log.debug("forward %d x %d (%d batches): launched in %.1f ms, sends posted in %.1f ms", rows, seq, len(plan),
+                  (launched - start) * 1e3, (time.monotonic() - launched) * 1e3)
 
-    def _send(self, p: _Planned, out: BatchOutputs) -> None:
-        """Derives what this session asked for from the batch's outputs and posts the sends."""
+    def _hand_to_announcer(self, start: float, tokens: int, announcements: list) -> None:
+        """The engine does not wait for the device: it goes on to pack and launch the next
+        forward while this one runs, and the announcer thread tells the students."""
+        finished = None
+        if self.runner.device.type == "cuda":
+            finished = torch.cuda.Event()
+            finished.record()
+        self._launched.put(_Launched(start, tokens, finished, [a for a in announcements if a is not None]))
+
+    def _announce_loop(self) -> None:
+        """Announces each forward's batches once the device finished it, in launch order.
+
+        Announcing only then keeps a student's receive from being posted while the teacher
+        still computes: a posted NCCL receive spins on the student's GPU, taking SMs from
+        its training for as long as it waits. This thread also keeps the forward clock:
+        a forward is busy from its launch (or the end of the one before, as they queue on
+        one stream) until the device finished it.
+        """
+        previous_end = 0.0
+        while True:
+            launched = self._launched.get()
+            if launched is None:
+                return
+            start = max(launched.start, previous_end)
+            counted = launched.tokens > 0  # 0: outputs all from the cache, no forward ran
+            if counted:
+                self.metrics.forward_started(start)
+            try:
+                if launched.finished is not None:
+                    launched.finished.synchronize()  # the GIL is released while the device works
+            except Exception as e:  # a device error: those sessions fail; the engine's next forward says more
+                if counted:
+                    self.metrics.forward_failed(start, time.monotonic())
+                for session, _, _ in launched.announcements:
+                    self._end(session, "forward_failed", f"the teacher's forward failed on the device: {e}")
+                continue
+            if counted:
+                previous_end = time.monotonic()
+                self.metrics.record_forward(start, previous_end, launched.tokens)
+            for session, group, batch_id in launched.announcements:
+                try:
+                    group.announce(batch_id)
+                except Exception as e:
+                    self._end(session, "transfer_failed", f"announcing batch {batch_id} failed: {e}")
+                    continue
+                tracing.mark("t_announced", batch_id)
+
+    def _send(self, p: _Planned, out: BatchOutputs):
+        """Derives what this session asked for from the batch's outputs and posts the sends.
+
+        Returns what the announcer needs once the forward is done: (session, group, batch id),
+        or None when the session ended meanwhile.
+        """
         session, batch = p.session, p.batch
         spec = session.outputs
         logits = out.logits
@@ -451,14 +528,15 @@ class Engine:
             sends = self._senders.get(session.session_id)
             group = session.group
         if sends is None or group is None:
-            return  # ended meanwhile
+            return None  # ended meanwhile
         try:
             works = [group.send(t) for t in tensors]
-            # Announced here, not by the sender thread (which is busy waiting for the
-            # previous batch): the student posts this batch's receives right away, so
-            # consecutive transfers run back to back.
-            group.announce(batch.batch_id)
         except Exception as e:
             self._end(session, "transfer_failed", f"posting the send of batch {batch.batch_id} failed: {e}")
-            return
+            return None
+        tracing.mark("t_forward", batch.batch_id)
         sends.put(_SendJob(batch, works, tensors, sum(t.numel() * t.element_size() for t in tensors)))
+        # Announced by the announcer thread, not the sender thread (busy waiting for the
+        # previous batch): the student posts this batch's receives as soon as the forward
+        # is done, so consecutive transfers run back to back.
+        return session, group, batch.batch_id
