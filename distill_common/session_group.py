@@ -123,19 +123,18 @@ class SessionGroup:
         self.ready_store.set(str(batch_id), "1")
 
     def await_announced(self, batch_id: int, timeout_s: float) -> None:
-        """Student: blocks (GIL released) until the teacher announced `batch_id`."""
+        """Student: blocks (GIL released) until the teacher announced `batch_id`, then forgets it.
+
+        The student deletes the key, not the teacher once its send completed: a small
+        NCCL send completes before its receive is posted (NCCL buffers it at the peer),
+        so the teacher could delete an announcement the student has not read yet.
+        """
+        key = str(batch_id)
         try:
-            self.ready_store.wait([str(batch_id)], datetime.timedelta(seconds=timeout_s))
+            self.ready_store.wait([key], datetime.timedelta(seconds=timeout_s))
         except Exception as e:
             raise TransferError(f"the teacher did not get to batch {batch_id} within {timeout_s:.0f}s: {e}") from e
-
-    def retire(self, batch_id: int) -> None:
-        """Teacher: forgets the announcement of a batch whose sends completed.
-
-        The teacher does it, off the student's path: a store round trip less between
-        two of the student's receives.
-        """
-        self.ready_store.delete_key(str(batch_id))
+        self.ready_store.delete_key(key)
 
     def wait(self, work, timeout_s: float | None = None, what: str = "transfer") -> None:
         """Waits for `work` at most `timeout_s`; raises TransferError otherwise.
@@ -174,10 +173,10 @@ class SessionGroup:
                 continue
             try:
                 fn()
-                return
+                break
             except Exception as e:  # already broken: nothing more to free
                 log.debug("session group %s() raised %s", method, e)
-        if getattr(self, "_waiter", None) is not None:
+        if getattr(self, "_waiter", None) is not None:  # its thread ends once the aborted waits return
             self._waiter.close()
 
 

@@ -268,11 +268,6 @@ class Engine:
                 self._end(session, "transfer_failed", str(e))
                 return
             tracing.mark("t_sent", job.batch.batch_id)
-            try:
-                group.retire(job.batch.batch_id)
-            except Exception as e:  # the store is the teacher's own: this would be a bug, not the student's
-                log.warning("session %s: could not retire batch %d's announcement: %s", session.session_id,
-                            job.batch.batch_id, e)
             labels = (session.session_id, session.job_id)
             with self._cond:
                 session.batches_sent += 1
@@ -463,7 +458,8 @@ class Engine:
         finished = None
         if self.runner.device.type == "cuda":
             finished = torch.cuda.Event()
-            finished.record()
+            # On the model's device: this thread's current device may be another one.
+            finished.record(torch.cuda.current_stream(self.runner.device))
         self._launched.put(_Launched(start, tokens, finished, [a for a in announcements if a is not None]))
 
     def _announce_loop(self) -> None:

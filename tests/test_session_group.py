@@ -1,0 +1,61 @@
+"""The announcement protocol of a session group, on a real TCPStore.
+
+The teacher announces a batch once its sends are posted and its outputs exist; the
+student waits for the announcement before posting its receives. A small NCCL send
+completes before its receive is posted (NCCL buffers it at the peer), so an
+announcement must stay until the student has read it: a teacher that deleted it on
+send completion left the student waiting for a key that never came back.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distill_common.session_group import STUDENT_RANK, TEACHER_RANK, SessionGroup, TransferError
+
+
+@pytest.fixture()
+def stores():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    clients = [dist.TCPStore("127.0.0.1", master.port, is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=10)) for _ in range(2)]
+    yield [dist.PrefixStore("teacher-session/test/ready", client) for client in clients]
+
+
+def _group(rank: int, store) -> SessionGroup:
+    return SessionGroup(backend="gloo", rank=rank, pg=None, device=torch.device("cpu"), timeout_s=5.0,
+                        ready_store=store)
+
+
+def test_an_announcement_read_late_is_still_there_and_is_forgotten_once_read(stores):
+    teacher, student = _group(TEACHER_RANK, stores[0]), _group(STUDENT_RANK, stores[1])
+    for batch_id in range(3):
+        teacher.announce(batch_id)  # all announced (and, with NCCL, possibly sent) before the student looks
+    for batch_id in range(3):
+        started = time.monotonic()
+        student.await_announced(batch_id, timeout_s=5.0)
+        assert time.monotonic() - started < 1.0
+        assert not stores[0].check([str(batch_id)]), "the student forgets what it read: the store does not grow"
+
+
+def test_the_student_waits_for_an_announcement_to_come(stores):
+    teacher, student = _group(TEACHER_RANK, stores[0]), _group(STUDENT_RANK, stores[1])
+    timer = threading.Timer(0.3, teacher.announce, args=(7,))
+    timer.start()
+    started = time.monotonic()
+    student.await_announced(7, timeout_s=5.0)
+    assert 0.25 <= time.monotonic() - started < 3.0
+    timer.join()
+
+
+def test_an_announcement_that_never_comes_is_a_transfer_error_naming_the_batch(stores):
+    student = _group(STUDENT_RANK, stores[1])
+    with pytest.raises(TransferError, match="batch 3 within 1s"):
+        student.await_announced(3, timeout_s=1.0)
