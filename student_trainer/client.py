@@ -420,7 +420,13 @@ class TeacherClient:
             thread.join(timeout=5)
         self._leave(session.session_id, timeout_s=min(self.rpc_timeout_s, 5.0))
         self._retire(session)
-        self._channel.close()
+        self._channel.close()  # cancels a heartbeat in flight
+        # Threads end here, not during interpreter shutdown: a daemon thread that drops the
+        # last reference to a process group then runs its destructor without a GIL to take
+        # back, and the process aborts ("terminate called without an active exception").
+        self._heartbeat_thread.join(timeout=5)
+        for thread in session.threads:
+            thread.join(timeout=5)
         self._fail_undelivered(TeacherError("the client was closed before this batch arrived"))
 
     def __enter__(self) -> "TeacherClient":

@@ -69,10 +69,24 @@ def main(argv: list[str] | None = None) -> int:
     if not runner.healthy:
         # A broken world may leave collectives that never finish (the engine thread waiting on
         # one); a normal interpreter exit could wait on them forever.
-        logging.shutdown()
-        sys.stdout.flush()
-        os._exit(1)
+        _exit_now(1)
+    if world is not None:
+        _exit_now(0)
     return 0
+
+
+def _exit_now(code: int) -> None:
+    """Exits a tensor-parallel rank without interpreter finalization.
+
+    The sharded model keeps references to the TP world's process groups; destroyed while
+    the interpreter shuts down, their C++ destructors can meet threads still joinable and
+    abort the process ("terminate called without an active exception", exit -6) after a
+    clean stop. Everything that matters is done by now: logs flushed, groups destroyed.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _follow(world, config: ServerConfig) -> int:
@@ -91,10 +105,11 @@ def _follow(world, config: ServerConfig) -> int:
         runner.follow()
     except TensorParallelError as e:
         log.error("%s", e)
-        return 1
+        _exit_now(1)
     runner.close()
     log.info("tensor-parallel rank %d stopped", world.rank)
-    return 0
+    _exit_now(0)
+    return 0  # not reached
 
 
 if __name__ == "__main__":
