@@ -58,6 +58,7 @@ class TrainConfig:
     skip_bad_lines: bool = False
     teacher_timeout_s: float = 600.0
     teacher_reconnect_timeout_s: float = 300.0
+    teacher_weight: float = 1.0
     job_id: str = ""
     teacher_tls_ca: str = ""  # a PEM path, or "system" for the system's roots; empty: plaintext
     teacher_tls_cert: str = ""
@@ -101,6 +102,8 @@ class TrainConfig:
             raise ValueError(f"--pack-mode {self.pack_mode!r}: use pack or truncate")
         if self.prefetch < 0:
             raise ValueError("--prefetch must be >= 0")
+        if not self.teacher_weight > 0:
+            raise ValueError("--teacher-weight must be > 0 (this job's share of the teacher against other jobs)")
         if self.teacher_reconnect_timeout_s < 0:
             raise ValueError("--teacher-reconnect-timeout-s must be >= 0 (0: fail at once when the teacher goes away)")
         if self.lora_r < 0:
@@ -187,6 +190,8 @@ class TrainConfig:
                        help="when the teacher goes away (restart, crash), keep trying to join it again this long, "
                             "then fail; batches not yet received are submitted again (0: fail at once)")
         p.add_argument("--job-id", default="", help="shown in the teacher's status (default: the run directory)")
+        p.add_argument("--teacher-weight", type=float, default=1.0,
+                       help="this job's share of a busy teacher relative to other jobs (every rank gives the same)")
         p.add_argument("--teacher-tls-ca", default="",
                        help="talk TLS to a teacher started with --tls-cert: the PEM CA that signed its certificate, "
                             "or 'system' for the system's roots (default: plaintext)")

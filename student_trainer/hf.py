@@ -64,11 +64,14 @@ class DistillationTrainer(Trainer):
     topk: 0 distils the full logits; k > 0 asks the teacher for its top-k logits only.
     teacher_timeout_s: the longest wait for the teacher, to join and for one batch's outputs.
     teacher_auth_token: the teacher's --auth-token; None reads TEACHER_AUTH_TOKEN.
+    teacher_client_options: more keyword arguments of `TeacherClient`, e.g. tls_ca, tls_cert,
+        tls_key (a teacher with TLS), reconnect_timeout_s, weight (this job's share).
     """
 
     def __init__(self, *args, teacher_address: str, kd_weight: float = 0.5, kd_loss: str = "forward_kl",
                  temperature: float = 1.0, jsd_beta: float = 0.5, topk: int = 0, teacher_timeout_s: float = 600.0,
-                 kd_chunk_tokens: int = 1024, teacher_auth_token: str | None = None, **kwargs):
+                 kd_chunk_tokens: int = 1024, teacher_auth_token: str | None = None,
+                 teacher_client_options: dict | None = None, **kwargs):
         if not isinstance(teacher_address, str) or not teacher_address:
             raise ValueError(f"teacher_address must be 'host:port' of a running teacher, got {teacher_address!r}")
         if not 0.0 <= kd_weight <= 1.0:
@@ -79,6 +82,12 @@ class DistillationTrainer(Trainer):
         if not teacher_timeout_s > 0:
             raise ValueError(f"teacher_timeout_s must be > 0, got {teacher_timeout_s!r}")
         losses.check_options(kd_loss, temperature, jsd_beta, kd_chunk_tokens)  # the losses' own checks, once
+        options = dict(teacher_client_options or {})
+        taken = {"address", "device", "logits", "topk", "tokenizer", "vocab_size", "max_inflight", "job_id",
+                 "job_rank", "auth_token", "join_timeout_s", "transfer_timeout_s"} & options.keys()
+        if taken:
+            raise ValueError(f"teacher_client_options may not set {sorted(taken)}: the trainer sets them (use "
+                             "its own arguments, e.g. topk=, teacher_timeout_s=, teacher_auth_token=)")
         super().__init__(*args, **kwargs)
         self.teacher_address = teacher_address
         self.kd_weight = float(kd_weight)
@@ -89,6 +98,7 @@ class DistillationTrainer(Trainer):
         self.teacher_timeout_s = float(teacher_timeout_s)
         self.kd_chunk_tokens = kd_chunk_tokens
         self.teacher_auth_token = teacher_auth_token
+        self.teacher_client_options = options
         self._teacher: TeacherClient | None = None
         self._upcoming: deque[dict] = deque()  # this step's micro-batches, not yet submitted
         self._inflight: deque[tuple[torch.Tensor, Future]] = deque()  # submitted: (input_ids, future)
@@ -226,7 +236,8 @@ class DistillationTrainer(Trainer):
                 tokenizer=tokenizer if hasattr(tokenizer, "get_vocab") else None,
                 vocab_size=self._student_vocab_size, max_inflight=PREFETCH_MICRO_BATCHES + 1, job_id=job_id,
                 job_rank=self.args.process_index, auth_token=self.teacher_auth_token,
-                join_timeout_s=self.teacher_timeout_s, transfer_timeout_s=self.teacher_timeout_s)
+                join_timeout_s=self.teacher_timeout_s, transfer_timeout_s=self.teacher_timeout_s,
+                **self.teacher_client_options)
             log.info("rank %d distils from %s (%s): kd_weight %g, %s, temperature %g%s", self.args.process_index,
                      self.teacher_address, self._teacher.info.model_name, self.kd_weight, self.kd_loss_kind,
                      self.temperature, f", top-{self.topk}" if self.topk else "")

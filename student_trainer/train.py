@@ -244,7 +244,7 @@ def train(cfg: TrainConfig) -> dict:
             hidden_layers=cfg.hidden_layers, tokenizer=tokenizer if cfg.uses_logits else None,
             vocab_size=student_vocab if cfg.uses_logits else 0, max_inflight=cfg.prefetch + 1,
             job_id=cfg.job_id or output_dir.name, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s,
-            reconnect_timeout_s=cfg.teacher_reconnect_timeout_s,
+            reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, weight=cfg.teacher_weight,
             tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
         if cfg.uses_logits and student_vocab != teacher.info.vocab_size:
             teacher.close()

@@ -265,6 +265,9 @@ def test_settings_are_checked_before_anything_runs(setup, tmp_path):
     with pytest.raises(ValueError, match="label_smoothing_factor"):
         distillation_trainer(setup, "student", training_args(tmp_path, label_smoothing_factor=0.1),
                              Rows(setup["rows"]), teacher_address="x:1")
+    with pytest.raises(ValueError, match=r"may not set \['topk'\]"):
+        distillation_trainer(setup, "student", args, Rows(setup["rows"]), teacher_address="x:1",
+                             teacher_client_options={"topk": 3, "weight": 2.0})
 
 
 def free_port() -> int:
