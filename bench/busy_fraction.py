@@ -64,17 +64,6 @@ def student(args) -> int:
     return 0
 
 
-def _samples(http: str) -> dict:
-    import requests
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for family in text_string_to_metric_families(requests.get(f"{http}/metrics", timeout=30).text):
-        for sample in family.samples:
-            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return out
-
-
 def _job_tokens(samples: dict) -> dict[str, float]:
     tokens: dict[str, float] = defaultdict(float)
     for (name, labels), value in samples.items():
@@ -149,7 +138,7 @@ def main() -> int:
         return student(args)
 
     from bench.distill_pipeline import TEACHER_SHAPE, write_config
-    from tests.helpers import ServerProcess, child_env
+    from tests.helpers import ServerProcess, child_env, metrics_samples
 
     tmp = Path(tempfile.mkdtemp())
     teacher_spec = args.model or write_config(tmp / "teacher", TEACHER_SHAPE)
@@ -171,11 +160,11 @@ def main() -> int:
         for s in students:
             s.wait_for_line("SATURATING", 300)
         time.sleep(args.warmup_s)  # the busy fraction's 10 s window holds only saturated time
-        first = previous = _samples(server.http)
+        first = previous = metrics_samples(server.http)
         start = last = time.monotonic()
         while last - start < args.window_s:
             time.sleep(args.sample_s)
-            now, samples = time.monotonic(), _samples(server.http)
+            now, samples = time.monotonic(), metrics_samples(server.http)
             forwards = samples[("teacher_forward_seconds_count", ())] - previous[("teacher_forward_seconds_count", ())]
             forward_s = samples[("teacher_forward_seconds_sum", ())] - previous[("teacher_forward_seconds_sum", ())]
             tokens = samples[("teacher_forward_tokens_total", ())] - previous[("teacher_forward_tokens_total", ())]
