@@ -38,7 +38,7 @@ def batch_key(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bytes:
     for tensor in (input_ids, attention_mask):
         tensor = tensor.detach().cpu().contiguous()
         digest.update(f"{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        digest.update(tensor.view(torch.uint8).numpy())  # the buffer itself, not a copy of it
     return digest.digest()
 
 

@@ -28,7 +28,7 @@ from distill_common import tracing
 from distill_common.session_group import (TEACHER_RANK, SessionGroup, TransferError, build_group, connect_store,
                                           handshake,
                                           prefix_token)
-from teacher_server.cache import BatchOutputs, OutputCache, batch_key
+from teacher_server.cache import BatchOutputs, OutputCache
 from teacher_server.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from teacher_server.metrics import Metrics
 from teacher_server.model_runner import ModelRunner
@@ -178,7 +178,6 @@ class Engine:
         return session
 
     def submit(self, session: Session, batch: Batch) -> int:
-        batch.key = batch_key(batch.input_ids, batch.attention_mask)  # outside the lock: hashes the ids
         with self._cond:
             if not session.alive or session.state == "draining":
                 raise NotFound(f"session {session.session_id} has ended ({session.failure or session.state}); join again")
@@ -446,7 +445,7 @@ class Engine:
             b, s = p.batch.input_ids.shape
             outputs = BatchOutputs(out.logits[p.row:p.row + b, :s],
                                    {layer: out.hidden_states[layer][p.row:p.row + b, :s] for layer in layers})
-            produced[p.row] = self.cache.put(p.batch.key, outputs)
+            produced[p.row] = self.cache.put(p.batch.key, outputs) if self.cache.enabled else outputs
         announcements = [self._send(p, p.cached if p.cached is not None else produced[p.row]) for p in plan]
         self._hand_to_announcer(start, rows * seq, announcements)
         log.debug("forward %d x %d (%d batches): launched in %.1f ms, sends posted in %.1f ms", rows, seq, len(plan),

@@ -6,6 +6,7 @@ is one process of that job joined to the teacher, with its own process group.
 
 from __future__ import annotations
 
+import functools
 import secrets
 import threading
 import time
@@ -13,6 +14,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+
+from teacher_server.cache import batch_key
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,14 @@ class Batch:
     batch_id: int
     input_ids: torch.Tensor  # [B, S] int64, CPU
     attention_mask: torch.Tensor  # [B, S] int64, CPU
-    key: bytes = b""  # content digest (teacher_server.cache.batch_key): identical batches share work
+
+    @functools.cached_property
+    def key(self) -> bytes:
+        """Content digest (teacher_server.cache.batch_key): identical batches share work.
+
+        Computed when the engine first plans the batch, on its thread, not in the gRPC
+        handler that queues it."""
+        return batch_key(self.input_ids, self.attention_mask)
 
     @property
     def tokens(self) -> int:
