@@ -33,6 +33,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the programs do
 import torch  # noqa: E402
 
+from bench.table import emit  # noqa: E402
+
 JOBS = ("busy-a", "busy-b")
 
 
@@ -193,10 +195,7 @@ def main() -> int:
     lines += [f"| {job} | {rate:,.0f} | {rate / total:.1%} |" for job, rate in served.items()]
     verdict = "meets" if min(busy) >= 0.90 else "MISSES"
     lines.append(f"\nbusy fraction min {min(busy):.3f}, mean {sum(busy) / len(busy):.3f}: {verdict} the bar of 0.90")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    emit(lines, args.out)
     return 0
 
 

@@ -30,6 +30,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the programs do
 import torch  # noqa: E402
 
+from bench.table import emit  # noqa: E402
+
 VOCAB = 128256
 TEACHER_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, rope_theta=500000.0)
@@ -168,10 +170,7 @@ def main() -> int:
     timed_waits = waits[args.warmup:]
     lines.append(f"\nstudent peak memory {student_peak / 2**30:.1f} GiB; pipeline waited for the teacher "
                  f"{sum(timed_waits) / max(1, len(timed_waits)) * 1000:.0f} ms per step on average")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    emit(lines, args.out)
     return 0
 
 

@@ -28,6 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the programs do
 import torch  # noqa: E402
+
+from bench.table import emit  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
@@ -141,10 +143,7 @@ def main() -> int:
     for size in sizes:
         cells = " | ".join(f"{project[k][size] / 1e9:.1f} | {project[k][size] / raw[size]:.1%}" for k in inflights)
         lines.append(f"| {size >> 20} MiB | {raw[size] / 1e9:.1f} | {cells} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
+    emit(lines, args.out)
     return 0
 
 
