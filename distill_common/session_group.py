@@ -91,6 +91,19 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
             "Is --store-port reachable from this machine?") from e
 
 
+# What the teacher writes under a session's ready store for each batch (see SessionGroup.announce).
+ANNOUNCED, REFUSED = b"1", b"refused"
+
+
+def ready_store_of(store, prefix: str):
+    """Where the teacher announces a session's batches (JoinRequest.stream_refusals_only)."""
+    return dist.PrefixStore(f"teacher-session/{prefix}/ready", store)
+
+
+def mark_refused(ready_store, batch_id: int) -> None:
+    ready_store.set(str(batch_id), REFUSED)
+
+
 @dataclass
 class SessionGroup:
     """One session's two-rank group and how to wait on its work with a deadline."""
@@ -120,21 +133,29 @@ class SessionGroup:
         its training needs for as long as the teacher takes to compute the batch. So
         the student posts each receive only once the teacher has announced the batch.
         """
-        self.ready_store.set(str(batch_id), "1")
+        self.ready_store.set(str(batch_id), ANNOUNCED)
 
-    def await_announced(self, batch_id: int, timeout_s: float) -> None:
+    def refuse(self, batch_id: int) -> None:
+        """Teacher: `batch_id` was refused; a student waiting for its announcement wakes."""
+        mark_refused(self.ready_store, batch_id)
+
+    def await_announced(self, batch_id: int, timeout_s: float) -> bool:
         """Student: blocks (GIL released) until the teacher announced `batch_id`, then forgets it.
 
-        The student deletes the key, not the teacher once its send completed: a small
-        NCCL send completes before its receive is posted (NCCL buffers it at the peer),
-        so the teacher could delete an announcement the student has not read yet.
+        True: its sends are posted; False: the teacher refused it (the reason comes on the
+        submit stream). The student deletes the key, not the teacher once its send
+        completed: a small NCCL send completes before its receive is posted (NCCL buffers
+        it at the peer), so the teacher could delete an announcement the student has not
+        read yet.
         """
         key = str(batch_id)
         try:
             self.ready_store.wait([key], datetime.timedelta(seconds=timeout_s))
+            value = self.ready_store.get(key)
         except Exception as e:
             raise TransferError(f"the teacher did not get to batch {batch_id} within {timeout_s:.0f}s: {e}") from e
         self.ready_store.delete_key(key)
+        return value != REFUSED
 
     def wait(self, work, timeout_s: float | None = None, what: str = "transfer") -> None:
         """Waits for `work` at most `timeout_s`; raises TransferError otherwise.
@@ -258,7 +279,7 @@ def build_group(store: dist.Store, prefix: str, *, backend: str, rank: int, devi
             raise TransferError(f"session group did not form within {timeout_s:.0f}s: {e}") from e
     else:
         raise ValueError(f"unknown backend {backend!r}; use 'nccl' or 'gloo'")
-    ready_store = dist.PrefixStore(f"teacher-session/{prefix}/ready", store)
+    ready_store = ready_store_of(store, prefix)
     return SessionGroup(backend=backend, rank=rank, pg=pg, device=device, timeout_s=timeout_s, ready_store=ready_store)
 
 

@@ -75,6 +75,12 @@ def decode(message: pb.Tensor, *, what: str, dtypes: dict, max_elements: int) ->
     return torch.from_numpy(array.reshape(shape))
 
 
+def decode_ids(message: pb.Tensor, *, what: str, dtypes: dict, max_elements: int) -> np.ndarray:
+    """`decode` as an int64 numpy array: the teacher checks token ids with numpy, whose
+    per-call cost on a few thousand ids is a fraction of torch's."""
+    return decode(message, what=what, dtypes=dtypes, max_elements=max_elements).numpy().astype(np.int64, copy=False)
+
+
 def output_layout(*, batch: int, seq: int, vocab: int, hidden: int, logits: bool, topk: int,
                   hidden_layers: tuple[int, ...], dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """The tensors the teacher sends for one [batch, seq] input, in send order.

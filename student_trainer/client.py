@@ -131,8 +131,10 @@ class _Session:
         self.store = store  # keeps the connection the group uses alive
         self.requests: queue.Queue = queue.Queue()  # what the submit stream sends; None ends it
         self.responses = None  # the SubmitStream call
-        self.awaiting_ack: deque[_Pending] = deque()  # sent, not yet answered
-        self.to_receive: queue.Queue = queue.Queue()  # accepted, receives not yet posted
+        # The teacher answers only refused batches (else every batch) on the submit stream.
+        self.refusals_only = joined.stream_refusals_only
+        self.sent: dict[int, _Pending] = {}  # by wire id: streamed, not yet answered or announced
+        self.to_receive: queue.Queue = queue.Queue()  # to wait for, in order; receives not yet posted
         self.pending: deque[_Pending] = deque()  # receives posted, in order
         self.next_wire_id = 0
         self.lost = False
@@ -219,7 +221,7 @@ class TeacherClient:
             peer=pb.PeerInfo(device_type=self.device.type, device_uuid=device_uuid(self.device),
                              torch_version=torch.__version__,
                              nccl_version=nccl_version() if self.device.type == "cuda" else ""),
-            max_inflight=max_inflight, tokenizer_fingerprint=fingerprint,
+            max_inflight=max_inflight, tokenizer_fingerprint=fingerprint, stream_refusals_only=True,
             # The width of the student's logits (its output embedding's rows), which may
             # exceed len(tokenizer): models pad it. Without it, no size check is made.
             vocab_size=vocab_size, weight=weight)
@@ -326,9 +328,11 @@ class TeacherClient:
             request.CopyFrom(batch.request)
         request.session_id = session.session_id
         request.batch_id = session.next_wire_id
-        session.awaiting_ack.append(_Pending(batch, session, session.next_wire_id))
+        pending = session.sent[session.next_wire_id] = _Pending(batch, session, session.next_wire_id)
         session.next_wire_id += 1  # used up, accepted or refused (see SubmitRequest.batch_id)
         session.requests.put(request)
+        if session.refusals_only:  # no answer comes for an accepted batch: wait for its announcement now
+            session.to_receive.put(pending)
 
     def _resolve(self, batch: _Batch, session: _Session | None = None, result: TeacherOutput | None = None,
                  error: BaseException | None = None) -> bool:
@@ -362,15 +366,22 @@ class TeacherClient:
             yield request
 
     def _ack_loop(self, session: _Session) -> None:
-        """Reads the teacher's answers to the session's streamed batches, in order."""
+        """Reads the teacher's answers to the session's streamed batches, in order: every
+        batch's, or only the refused ones' (session.refusals_only)."""
         what = f"the submit stream to teacher {self.address}"
         try:
             for response in session.responses:
                 with self._submit_lock:
-                    pending = session.awaiting_ack.popleft()
+                    pending = session.sent.pop(response.batch_id, None)
+                if pending is None:
+                    self._session_failed(session, TeacherError(
+                        f"{what} answered batch {response.batch_id}, which awaits no answer (client and teacher "
+                        "disagree on the protocol: run the same version on both sides)"))
+                    return
                 tracing.mark("s_ack", pending.wire_id)
                 if not response.error_code:
-                    session.to_receive.put(pending)
+                    if not session.refusals_only:
+                        session.to_receive.put(pending)
                     continue
                 code = _STATUS_BY_NUMBER.get(response.error_code, grpc.StatusCode.UNKNOWN)
                 error = from_status(code, response.error_message, f"Submit to teacher {self.address}")
@@ -390,7 +401,11 @@ class TeacherClient:
             if pending is None:
                 return
             try:
-                session.group.await_announced(pending.wire_id, self.transfer_timeout_s)
+                if not session.group.await_announced(pending.wire_id, self.transfer_timeout_s):
+                    continue  # refused: the ack thread fails its future with the teacher's reason
+                if session.refusals_only:
+                    with self._submit_lock:
+                        session.sent.pop(pending.wire_id, None)
                 tracing.mark("s_announced", pending.wire_id)
                 self._post_receives(pending)
                 tracing.mark("s_posted", pending.wire_id)

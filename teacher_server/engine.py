@@ -26,8 +26,7 @@ import torch
 
 from distill_common import tracing
 from distill_common.session_group import (TEACHER_RANK, SessionGroup, TransferError, build_group, connect_store,
-                                          handshake,
-                                          prefix_token)
+                                          handshake, mark_refused, prefix_token, ready_store_of)
 from teacher_server.cache import BatchOutputs, OutputCache
 from teacher_server.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from teacher_server.metrics import Metrics
@@ -189,6 +188,18 @@ class Engine:
         self.metrics.inflight.labels(session.session_id, session.job_id).set(inflight)
         self._update_queue_depth()
         return inflight
+
+    def refuse(self, session: Session, batch_id: int) -> None:
+        """Marks a refused batch where the student of a stream_refusals_only session waits for it."""
+        if not session.stream_refusals_only:
+            return
+        try:
+            if session.group is not None:
+                session.group.refuse(batch_id)
+            else:  # refused while the group still forms
+                mark_refused(ready_store_of(self.store, session.store_prefix), batch_id)
+        except Exception as e:  # the student's wait then times out and it joins again
+            log.warning("session %s: could not mark batch %d refused: %s", session.session_id, batch_id, e)
 
     def _wake_job(self, job_id: str) -> None:
         """A job with nothing outstanding that submits again starts no further back than

@@ -47,6 +47,13 @@ class ForwardOutputs:
     hidden_states: tuple[torch.Tensor, ...] | None  # num_layers + 1 of [N, S, H], or None
 
 
+def output_width(model) -> int:
+    """The logits' width: the full vocabulary, also when the lm_head is sharded (a sharded
+    Linear keeps its out_features; a DTensor weight has the global shape)."""
+    head = model.get_output_embeddings()
+    return int(getattr(head, "out_features", None) or head.weight.shape[0])
+
+
 class ModelRunner:
     def __init__(self, model_name: str, device: str, dtype: str = "", trust_remote_code: bool = False,
                  world: World | None = None):
@@ -62,8 +69,7 @@ class ModelRunner:
         self.info = ModelInfo(
             model_name=model_name,
             architecture=(config.architectures or [type(self.model).__name__])[0],
-            # The full vocabulary also when the lm_head is sharded (a DTensor has the global shape).
-            vocab_size=int(self.model.get_output_embeddings().weight.shape[0]),
+            vocab_size=output_width(self.model),
             hidden_size=int(text_config.hidden_size),
             num_layers=int(text_config.num_hidden_layers),
             dtype=next(self.model.parameters()).dtype,

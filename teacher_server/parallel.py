@@ -44,6 +44,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.parallel import ParallelStyle
 
 log = logging.getLogger(__name__)
 
@@ -104,18 +105,93 @@ def model_config(spec: str, trust_remote_code: bool = False):
 # o and down row-wise (one all-reduce each per layer), the lm_head column-wise with its
 # output all-gathered so that every rank ends with the full logits. Embeddings and norms
 # stay whole on every rank.
+#
+# The styles below are torch ParallelStyles that parallelize_module applies, but they keep
+# plain tensors (each rank's shard) and put the collectives in forward hooks, as
+# transformers' own plan does. torch's stock ColwiseParallel/RowwiseParallel make every
+# weight a DTensor, and the host cost of DTensor's dispatch (about 0.7 ms per sharded op)
+# made the TP=2 forward of an 8B-shaped model three times *slower* than one GPU
+# (bench/tp_forward.py: 213 ms against 71 ms for 8 layers, 2 x 4096 tokens; the
+# transformers plan on plain tensors: 50 ms).
 _LAYER_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
                "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
                "mlp.down_proj": "rowwise"}
 
 
+class _Shard(ParallelStyle):
+    """Keeps this rank's slice of a Linear as plain tensors; subclasses add the collective."""
+
+    def _apply(self, module, device_mesh):
+        if not isinstance(module, torch.nn.Linear):
+            raise ValueError(f"tensor-parallel plan: {type(module).__name__} is not a Linear")
+        self.group, self.rank, self.size = device_mesh.get_group(), device_mesh.get_local_rank(), device_mesh.size()
+        self.shard(module)
+        return module
+
+    def slice(self, tensor: torch.Tensor, dim: int, pad: bool = False) -> torch.Tensor:
+        """This rank's part of `tensor` along `dim` (zero-padded to equal parts when `pad`)."""
+        length = tensor.shape[dim]
+        if length % self.size and not pad:
+            raise ValueError(f"tensor parallelism over {self.size} ranks: a dimension of {length} does not split "
+                             f"evenly; run {' or '.join(str(n) for n in range(1, self.size) if length % n == 0)} "
+                             "ranks, or load a saved model that transformers can shard itself")
+        part = -(-length // self.size)
+        piece = tensor.narrow(dim, self.rank * part, max(0, min(part, length - self.rank * part)))
+        if piece.shape[dim] < part:
+            shape = list(piece.shape)
+            shape[dim] = part - piece.shape[dim]
+            piece = torch.cat([piece, piece.new_zeros(shape)], dim)
+        return piece.clone()  # the whole tensor is freed with the old Parameter
+
+    @staticmethod
+    def replace(module, name: str, tensor: torch.Tensor | None) -> None:
+        if tensor is None:
+            setattr(module, name, None)
+        else:
+            setattr(module, name, torch.nn.Parameter(tensor, requires_grad=False))
+
+
+class ColwiseShard(_Shard):
+    """Output features split across ranks; with `gather`, the outputs are all-gathered
+    (the full, unpadded width on every rank), else each rank keeps its slice."""
+
+    def __init__(self, gather: bool = False):
+        self.gather = gather
+
+    def shard(self, module) -> None:
+        self.features = module.out_features
+        self.replace(module, "weight", self.slice(module.weight, 0, pad=self.gather))
+        self.replace(module, "bias", None if module.bias is None else self.slice(module.bias, 0, pad=self.gather))
+        if self.gather:
+            module.register_forward_hook(self._all_gather)
+
+    def _all_gather(self, module, args, output: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(output) for _ in range(self.size)]
+        dist.all_gather(parts, output.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)[..., :self.features]
+
+
+class RowwiseShard(_Shard):
+    """Input features split across ranks (the input arrives split, from a column-wise layer);
+    the partial outputs are summed by an all-reduce, then the bias is added once."""
+
+    def shard(self, module) -> None:
+        self.replace(module, "weight", self.slice(module.weight, 1))
+        self.bias = module.bias
+        module.bias = None
+        module.register_forward_hook(self._all_reduce)
+
+    def _all_reduce(self, module, args, output: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(output, group=self.group)
+        return output if self.bias is None else output + self.bias
+
+
 def apply_plan(model, mesh, *, gather_logits: bool = True) -> None:
-    """Shards a Llama-family model over `mesh` with torch's parallelize_module.
+    """Shards a Llama-family model over `mesh` through torch's parallelize_module.
 
     gather_logits=False leaves each rank its vocabulary shard of the logits (the
     alternative bench/tp_send_choice.py measures; the server always gathers)."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     base = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(base, "layers", None)
@@ -123,11 +199,10 @@ def apply_plan(model, mesh, *, gather_logits: bool = True) -> None:
         raise ValueError(f"no tensor-parallel plan for {type(model).__name__} built from a config: the plan expects "
                          f"decoder layers with {', '.join(_LAYER_PLAN)}. Load it from a saved directory (transformers' "
                          "own plan) or run one process (--nproc-per-node 1)")
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    styles = {"colwise": ColwiseShard, "rowwise": RowwiseShard}
     for layer in layers:
         parallelize_module(layer, mesh, {name: styles[style]() for name, style in _LAYER_PLAN.items()})
-    lm_head = ColwiseParallel(output_layouts=Replicate()) if gather_logits else ColwiseParallel()
-    parallelize_module(model, mesh, {"lm_head": lm_head})
+    parallelize_module(model, mesh, {"lm_head": ColwiseShard(gather=gather_logits)})
 
 
 def _has(module, dotted: str) -> bool:
@@ -165,7 +240,7 @@ def load_model(spec: str, world: "World", *, dtype: torch.dtype | None, trust_re
 
     model = load_causal_lm(spec, device=world.device, dtype=dtype, trust_remote_code=trust_remote_code)
     log.info("tensor parallel over %d ranks with torch's parallelize_module (q/k/v/gate/up colwise, o/down rowwise, "
-             "lm_head colwise gathered)", world.size)
+             "lm_head colwise gathered; plain-tensor shards)", world.size)
     apply_plan(model, init_device_mesh(world.device.type, (world.size,)))
     return model
 

@@ -61,7 +61,7 @@ class TeacherService:
             raise InvalidArgument(f"weight {request.weight} must be a positive finite number")
         session = Session(job_id=request.job_id[:128] or "unnamed", job_rank=request.job_rank, outputs=outputs,
                           backend=backend, peer_device_type=request.peer.device_type, max_inflight=max_inflight,
-                          weight=weight)
+                          weight=weight, stream_refusals_only=request.stream_refusals_only)
         self.engine.admit(session)
         log.info("session %s joined: job %s rank %d, %s, outputs %s", session.session_id, session.job_id,
                  session.job_rank, backend, outputs, extra={"session_id": session.session_id, "job_id": session.job_id})
@@ -70,9 +70,13 @@ class TeacherService:
             store_port=self.store_port, store_prefix=session.store_prefix, backend=backend, teacher_rank=0,
             student_rank=1, group_size=2, timeout_s=self.config.transfer_timeout_s,
             heartbeat_interval_s=self.config.heartbeat_interval_s, lease_s=self.config.lease_s,
-            max_inflight=max_inflight, output_dtype=wire.dtype_name(outputs.dtype))
+            max_inflight=max_inflight, output_dtype=wire.dtype_name(outputs.dtype),
+            stream_refusals_only=session.stream_refusals_only)
 
     async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitResponse:
+        return self._submit(request)[1]
+
+    def _submit(self, request: pb.SubmitRequest) -> tuple[Session, pb.SubmitResponse]:
         session = self.engine.session(request.session_id)
         if request.batch_id != session.next_batch_id:
             raise InvalidArgument(f"batch_id {request.batch_id} is out of order: the session expects "
@@ -80,20 +84,25 @@ class TeacherService:
         # Used up whatever follows: a client that streams its batches has sent the next
         # ones already, numbered on the assumption that this one took its id.
         session.next_batch_id += 1
-        # Queued batches are what a session can pile up here; batches already computed
-        # and being sent are bounded by the engine, which schedules no more than
-        # max_inflight of a session. (Counting sends too would race the student, which
-        # sees its receive finish a moment before the teacher sees its send finish.)
-        if len(session.pending) >= session.max_inflight:
-            raise ResourceExhausted(f"session already has {len(session.pending)} batches queued (its max_inflight, "
-                                    f"at most the teacher's --max-inflight {self.config.max_inflight}); "
-                                    "receive outputs before submitting more")
-        batch = self._decode_batch(request)
-        inflight = self.engine.submit(session, batch)
-        return pb.SubmitResponse(batch_id=request.batch_id, inflight=inflight)
+        try:
+            # Queued batches are what a session can pile up here; batches already computed
+            # and being sent are bounded by the engine, which schedules no more than
+            # max_inflight of a session. (Counting sends too would race the student, which
+            # sees its receive finish a moment before the teacher sees its send finish.)
+            if len(session.pending) >= session.max_inflight:
+                raise ResourceExhausted(f"session already has {len(session.pending)} batches queued (its "
+                                        f"max_inflight, at most the teacher's --max-inflight {self.config.max_inflight}); "
+                                        "receive outputs before submitting more")
+            batch = self._decode_batch(request)
+            inflight = self.engine.submit(session, batch)
+        except ServiceError:
+            self.engine.refuse(session, request.batch_id)  # a student waiting for its announcement wakes
+            raise
+        return session, pb.SubmitResponse(batch_id=request.batch_id, inflight=inflight)
 
     async def SubmitStream(self, requests, context):
-        """Answers each streamed batch in order; a refusal is an answer, not the end."""
+        """Answers each streamed batch in order (or only the refused ones: JoinRequest.stream_refusals_only);
+        a refusal is an answer, not the end."""
         try:
             self.authenticate(context)
         except ServiceError as e:
@@ -105,7 +114,9 @@ class TeacherService:
                 request = _parse(pb.SubmitRequest, raw)
                 batch_id = request.batch_id
                 tracing.mark("t_recv", batch_id)
-                yield await self.Submit(request, context)
+                session, response = self._submit(request)
+                if not session.stream_refusals_only:
+                    yield response
             except ServiceError as e:
                 self.metrics.rpc_errors.labels("SubmitStream", e.code.name).inc()
                 yield pb.SubmitResponse(batch_id=batch_id, error_code=e.code.value[0], error_message=str(e))
@@ -216,25 +227,28 @@ class TeacherService:
             raise ResourceExhausted(f"batch of {shape[0]} x {shape[1]} = {shape[0] * shape[1]} tokens exceeds the "
                                     f"teacher's --max-batch-tokens {limits.max_batch_tokens}: send smaller batches")
         try:
-            ids = wire.decode(request.input_ids, what="input_ids", dtypes=wire.ID_DTYPES,
-                              max_elements=limits.max_batch_tokens).to(torch.int64)
+            ids = wire.decode_ids(request.input_ids, what="input_ids", dtypes=wire.ID_DTYPES,
+                                  max_elements=limits.max_batch_tokens)
+            mask = None
             if request.HasField("attention_mask"):
-                mask = wire.decode(request.attention_mask, what="attention_mask", dtypes=wire.MASK_DTYPES,
-                                   max_elements=limits.max_batch_tokens).to(torch.int64)
-            else:
-                mask = torch.ones_like(ids)
+                mask = wire.decode_ids(request.attention_mask, what="attention_mask", dtypes=wire.MASK_DTYPES,
+                                       max_elements=limits.max_batch_tokens)
         except WireError as e:
             raise InvalidArgument(str(e)) from e
-        if mask.shape != ids.shape:
-            raise InvalidArgument(f"attention_mask shape {list(mask.shape)} differs from input_ids shape {shape}")
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= self.info.vocab_size:
             raise InvalidArgument(f"token ids must lie in [0, {self.info.vocab_size}) (the teacher's vocabulary), "
                                   f"got values in [{low}, {high}]: is the student using the teacher's tokenizer?")
-        if bool(((mask != 0) & (mask != 1)).any()):
+        if mask is None:
+            ids = torch.from_numpy(ids)
+            return Batch(batch_id=request.batch_id, input_ids=ids, attention_mask=torch.ones_like(ids))
+        if mask.shape != ids.shape:
+            raise InvalidArgument(f"attention_mask shape {list(mask.shape)} differs from input_ids shape {shape}")
+        if mask.min() < 0 or mask.max() > 1:
             raise InvalidArgument("attention_mask must hold only 0 and 1")
-        if not bool(mask.any(dim=1).all()):
+        if not mask.any(axis=1).all():
             raise InvalidArgument("every row of attention_mask needs at least one 1 (a row of padding only)")
+        ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
         return Batch(batch_id=request.batch_id, input_ids=ids, attention_mask=mask)
 
 

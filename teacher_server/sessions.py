@@ -56,6 +56,8 @@ class Session:
     peer_device_type: str
     max_inflight: int
     weight: float
+    # SubmitStream answers only refused batches (JoinRequest.stream_refusals_only).
+    stream_refusals_only: bool = False
     session_id: str = field(default_factory=lambda: secrets.token_hex(8))
     # Only the admitted student learns the prefix, so only it can form the group.
     store_prefix: str = field(default_factory=lambda: secrets.token_urlsafe(24))

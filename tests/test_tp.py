@@ -114,3 +114,40 @@ def test_a_dead_rank_ends_the_others_instead_of_hanging(dies):
         if follower.poll() is None:
             follower.kill()
         follower.wait(10)
+
+
+def _shard_styles_rank(rank: int, init_file: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from teacher_server.parallel import ColwiseShard, RowwiseShard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)  # the same whole layers on both ranks
+    up, down, head = torch.nn.Linear(6, 8), torch.nn.Linear(8, 6), torch.nn.Linear(6, 7)  # 7: not divisible by 2
+    x = torch.randn(3, 5, 6)
+    with torch.no_grad():
+        want_hidden = down(up(x))
+        want_logits = head(want_hidden)
+        parallelize_module(up, mesh, ColwiseShard())
+        parallelize_module(down, mesh, RowwiseShard())
+        parallelize_module(head, mesh, ColwiseShard(gather=True))
+        assert up.weight.shape == (4, 6) and down.weight.shape == (6, 4) and head.weight.shape == (4, 6)
+        hidden = down(up(x))
+        logits = head(hidden)
+    assert head.out_features == 7 and logits.shape == (3, 5, 7)
+    assert (hidden - want_hidden).abs().max() <= 1e-5, (hidden - want_hidden).abs().max()
+    assert (logits - want_logits).abs().max() <= 1e-5, (logits - want_logits).abs().max()
+    dist.destroy_process_group()
+
+
+def test_shard_styles_equal_the_whole_layers_with_bias_and_an_uneven_vocabulary(tmp_path):
+    """The plan's plain-tensor styles on two real gloo ranks: column-wise (split and gathered,
+    7 outputs over 2 ranks) and row-wise (all-reduced, the bias added once)."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_shard_styles_rank, args=(str(tmp_path / "init"),), nprocs=2, start_method="spawn",
+                       join=True)

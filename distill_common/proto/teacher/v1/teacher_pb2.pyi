@@ -81,7 +81,7 @@ class PeerInfo(_message.Message):
     def __init__(self, device_type: _Optional[str] = ..., device_uuid: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "job_rank", "outputs", "peer", "max_inflight", "tokenizer_fingerprint", "vocab_size", "weight")
+    __slots__ = ("job_id", "job_rank", "outputs", "peer", "max_inflight", "tokenizer_fingerprint", "vocab_size", "weight", "stream_refusals_only")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_RANK_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class JoinRequest(_message.Message):
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_REFUSALS_ONLY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_rank: int
     outputs: OutputSpec
@@ -98,10 +99,11 @@ class JoinRequest(_message.Message):
     tokenizer_fingerprint: str
     vocab_size: int
     weight: float
-    def __init__(self, job_id: _Optional[str] = ..., job_rank: _Optional[int] = ..., outputs: _Optional[_Union[OutputSpec, _Mapping]] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
+    stream_refusals_only: bool
+    def __init__(self, job_id: _Optional[str] = ..., job_rank: _Optional[int] = ..., outputs: _Optional[_Union[OutputSpec, _Mapping]] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., weight: _Optional[float] = ..., stream_refusals_only: _Optional[bool] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("session_id", "info", "store_host", "store_port", "store_prefix", "backend", "teacher_rank", "student_rank", "group_size", "timeout_s", "heartbeat_interval_s", "lease_s", "max_inflight", "output_dtype")
+    __slots__ = ("session_id", "info", "store_host", "store_port", "store_prefix", "backend", "teacher_rank", "student_rank", "group_size", "timeout_s", "heartbeat_interval_s", "lease_s", "max_inflight", "output_dtype", "stream_refusals_only")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +118,7 @@ class JoinResponse(_message.Message):
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_REFUSALS_ONLY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     info: TeacherInfo
     store_host: str
@@ -130,7 +133,8 @@ class JoinResponse(_message.Message):
     lease_s: float
     max_inflight: int
     output_dtype: str
-    def __init__(self, session_id: _Optional[str] = ..., info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., backend: _Optional[str] = ..., teacher_rank: _Optional[int] = ..., student_rank: _Optional[int] = ..., group_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., max_inflight: _Optional[int] = ..., output_dtype: _Optional[str] = ...) -> None: ...
+    stream_refusals_only: bool
+    def __init__(self, session_id: _Optional[str] = ..., info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., backend: _Optional[str] = ..., teacher_rank: _Optional[int] = ..., student_rank: _Optional[int] = ..., group_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., max_inflight: _Optional[int] = ..., output_dtype: _Optional[str] = ..., stream_refusals_only: _Optional[bool] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("session_id", "batch_id", "input_ids", "attention_mask")

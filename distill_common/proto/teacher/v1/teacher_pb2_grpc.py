@@ -111,7 +111,9 @@ class TeacherServiceServicer:
         batches without waiting for each answer, and the teacher answers each, in
         order, with a SubmitResponse whose error_code says whether it was accepted. A
         refusal ends nothing: the stream goes on. Clients that submit at a high rate use
-        this to keep a round trip per batch off their critical path.
+        this to keep a round trip per batch off their critical path. A session joined
+        with JoinRequest.stream_refusals_only is answered only for refused batches
+        (see there).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
