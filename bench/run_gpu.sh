@@ -14,7 +14,7 @@ quiet() { grep -v -e Warning -e USDT; }
 gpu_test() {  # FILE SECONDS: one GPU test file, its log kept
   timeout "$2" python3 -m pytest -q -s -m gpu "tests/gpu/$1.py" -p no:cacheprovider 2>&1 | tee "$out/$1.log" | quiet | tail -10
 }
-torchrun2() { python3 -m torch.distributed.run --standalone --nproc-per-node 2 "$@"; }
+torchrun2=(python3 -m torch.distributed.run --standalone --nproc-per-node 2)
 for what in "$@"; do
   echo "=== $what ($(date +%T))"
   case $what in
@@ -36,8 +36,8 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     profile) export PATH=/tmp/site/bin:$PATH
              timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 1000 --inflight 16 --profile "$out/profile" 2>&1 | quiet | head -20 ;;
     # Tensor parallelism (issue 5): the TP=2 forward against TP=1, and the send-path choice.
-    tpforward) timeout 200 torchrun2 bench/tp_forward.py --profile "$out/tpprof" --out "$out/tp_forward.md" 2>&1 | quiet | tail -8 ;;
-    tpsend) timeout 300 torchrun2 bench/tp_send_choice.py --out "$out/tp_send.md" 2>&1 | quiet | tail -16 ;;
+    tpforward) timeout 200 "${torchrun2[@]}" bench/tp_forward.py --profile "$out/tpprof" --out "$out/tp_forward.md" 2>&1 | quiet | tail -8 ;;
+    tpsend) timeout 300 "${torchrun2[@]}" bench/tp_send_choice.py --out "$out/tp_send.md" 2>&1 | quiet | tail -16 ;;
     *) echo "unknown step $what" ;;
   esac
 done
