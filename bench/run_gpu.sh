@@ -32,7 +32,8 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     pipeline) timeout 500 python3 bench/distill_pipeline.py --out "$out/pipeline.md" 2>&1 | quiet | tail -12 ;;
     # Two student jobs saturating one teacher (issue 5): teacher_busy_fraction >= 0.90.
     busy) timeout 500 python3 bench/busy_fraction.py --out "$out/busy.md" 2>&1 | quiet | tail -20 ;;
-    trace) timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 128 --inflight 16 2>&1 | quiet | tail -60 ;;
+    trace) mkdir -p "$out/trace"
+           timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 128 --inflight 16 --keep "$out/trace" 2>&1 | quiet | head -45 ;;
     profile) export PATH=/tmp/site/bin:$PATH
              timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 1000 --inflight 16 --profile "$out/profile" 2>&1 | quiet | head -20 ;;
     # Tensor parallelism (issue 5): the TP=2 forward against TP=1, and the send-path choice.

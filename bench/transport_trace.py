@@ -37,7 +37,7 @@ from bench.transport_throughput import VOCAB, _stream_batches, batch_shape  # no
 from distill_common import tracing  # noqa: E402
 
 # In the order a batch passes them: s_ = this student process, t_ = the teacher.
-MILESTONES = ["s_submit", "s_yield", "t_recv", "s_ack", "t_pick", "t_forward", "t_announced", "s_announced",
+MILESTONES = ["s_submit", "s_yield", "t_recv", "t_pick", "t_forward", "t_announced", "s_announced",
               "s_posted", "s_received", "t_sent", "s_resolved"]
 
 
