@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,35 @@ from teacher_server import parallel
 from teacher_server.parallel import TensorParallelError, World
 
 log = logging.getLogger(__name__)
+
+# Set while this process's runner calls the model without a mask: every row of the pack
+# is one sequence from position 0 (the engine right-pads rows, never packs two sequences
+# into one), so transformers' packed-sequence check need not run.
+_ONE_SEQUENCE_PER_ROW = threading.local()
+
+
+def _skip_packed_sequence_check() -> None:
+    """Without a mask and a cache, transformers looks for several sequences packed into one
+    row (`masking_utils.find_packed_sequence_indices`) and branches on the answer in
+    Python: a device-to-host sync in every forward, which made the engine wait for the
+    device to finish the previous forward before it could launch the next (5 ms per
+    forward of a one-layer model on an H200, bench/transport_trace.py). Inside the runner's
+    forward the answer is known, "none"; everywhere else the check runs as before."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return
+    check = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if check is None or getattr(check, "one_sequence_per_row", False):
+        return
+
+    def find_packed_sequence_indices(position_ids, *args, **kwargs):
+        if getattr(_ONE_SEQUENCE_PER_ROW, "active", False):
+            return None
+        return check(position_ids, *args, **kwargs)
+
+    find_packed_sequence_indices.one_sequence_per_row = True
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
 
 @dataclass
 class ModelInfo:
@@ -59,6 +89,7 @@ class ModelRunner:
                  world: World | None = None):
         """`world`: this process's place in the TP world (None: one process, the plain path)."""
         self.world = world
+        _skip_packed_sequence_check()
         self.device = world.device if world is not None else torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -150,6 +181,10 @@ class ModelRunner:
         # mask on the device, it checks it for padding with a device-to-host sync, which
         # would stall this thread until the device finished everything queued before.
         mask = None if attention_mask.all() else attention_mask.to(self.device, non_blocking=True)
-        out = self.model(input_ids=input_ids.to(self.device, non_blocking=True), attention_mask=mask,
-                         output_hidden_states=hidden, use_cache=False, return_dict=True)
+        _ONE_SEQUENCE_PER_ROW.active = mask is None
+        try:
+            out = self.model(input_ids=input_ids.to(self.device, non_blocking=True), attention_mask=mask,
+                             output_hidden_states=hidden, use_cache=False, return_dict=True)
+        finally:
+            _ONE_SEQUENCE_PER_ROW.active = False
         return ForwardOutputs(logits=out.logits, hidden_states=out.hidden_states if hidden else None)
