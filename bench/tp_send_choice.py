@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from distill_common.models import load_causal_lm  # noqa: E402
 from teacher_server import parallel  # noqa: E402
+from teacher_server.model_runner import output_width  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
@@ -101,7 +102,7 @@ def main() -> int:
 
     gathered_model = build(spec, world, gather_logits=True)
     shard_model = build(spec, world, gather_logits=False)
-    vocab = int(gathered_model.get_output_embeddings().weight.shape[0])
+    vocab = output_width(gathered_model)
     ids = torch.randint(0, vocab, (args.rows, args.seq), generator=torch.Generator().manual_seed(0)).to(world.device)
     mask = torch.ones_like(ids)
 

@@ -89,7 +89,8 @@ def _stream_batches(teacher, ids: torch.Tensor, count: int) -> float:
     return time.perf_counter() - start
 
 
-def measure_project(sizes: list[int], iters: int, teacher_gpu: int, student_gpu: int, inflight: int) -> dict[int, float]:
+def measure_project(sizes: list[int], iters: int, teacher_gpu: int, student_gpu: int, inflight: int,
+                    warmup: int) -> dict[int, float]:
     from student_trainer import TeacherClient
     from tests.helpers import ServerProcess
 
@@ -108,11 +109,11 @@ def measure_project(sizes: list[int], iters: int, teacher_gpu: int, student_gpu:
             ids = torch.randint(0, VOCAB, (rows, seq))
             with TeacherClient(server.address, f"cuda:{student_gpu}", logits=True, max_inflight=inflight,
                                job_id="bench") as teacher:
-                # The first pass is warm-up: the teacher packs 1 to `inflight` batches
-                # per forward, and each new shape loads its CUDA kernels on first use
-                # (tens of ms each on a cold host). The second pass is timed.
-                for _ in range(2):
-                    elapsed = _stream_batches(teacher, ids, iters)
+                # Warm-up first: the teacher packs 1 to `inflight` batches per forward, and
+                # each new shape loads its CUDA kernels on first use (tens of ms each on a
+                # cold host); a pass of `iters` batches does not meet every packing.
+                _stream_batches(teacher, ids, max(iters, warmup))
+                elapsed = _stream_batches(teacher, ids, iters)
             results[size] = rows * seq * BYTES_PER_TOKEN * iters / elapsed
     finally:
         server.stop()
@@ -122,7 +123,8 @@ def measure_project(sizes: list[int], iters: int, teacher_gpu: int, student_gpu:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes-mib", default="64,256,1024,2048")
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--iters", type=int, default=100, help="batches timed per size (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=200, help="untimed batches per size first")
     p.add_argument("--inflight", default="8,16", help="batches in flight per student; several values compare")
     p.add_argument("--teacher-gpu", type=int, default=0)
     p.add_argument("--student-gpu", type=int, default=1)
@@ -134,7 +136,8 @@ def main() -> int:
     sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
     raw = measure_raw(sizes, args.iters, [args.teacher_gpu, args.student_gpu])
     inflights = [int(x) for x in args.inflight.split(",")]
-    project = {k: measure_project(sizes, args.iters, args.teacher_gpu, args.student_gpu, k) for k in inflights}
+    project = {k: measure_project(sizes, args.iters, args.teacher_gpu, args.student_gpu, k, args.warmup)
+               for k in inflights}
     lines = [f"teacher GPU {args.teacher_gpu} -> student GPU {args.student_gpu}, {args.iters} batches per size, "
              f"{torch.cuda.get_device_name(args.teacher_gpu)}, torch {torch.__version__}",
              "| payload per batch | raw NCCL GB/s | " + " | ".join(f"project GB/s ({k} in flight) | project / raw"
