@@ -3,8 +3,9 @@
     python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/tp_forward.py --out tp_forward.md
 
 Builds a Llama-3-8B-shaped model (random bfloat16 weights, --layers of them, built on the
-GPU), saves it once, and times the server's own forward (ModelRunner._forward: no mask when
-nothing is padded) in one run:
+GPU), saves it once, and times its forward as the server calls it (no mask, no cache;
+without the runner's shortcut past transformers' packed-sequence check, which costs every
+variant the same device sync) in one run:
 
   TP=1               the saved model on cuda:0 alone (rank 1 waits)
   TP=2, torch plan   built from the config and sharded by teacher_server.parallel.apply_plan
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -159,6 +161,8 @@ def main() -> int:
               "| variant | ms per forward (median) | tok/s | speed vs TP=1 |", "|---|---:|---:|---:|", *rows],
              args.out)
     dist.barrier()
+    if rank == 0:
+        shutil.rmtree(shared[0], ignore_errors=True)  # the saved model: GBs
     dist.destroy_process_group()
     return 0
 

@@ -394,6 +394,17 @@ class TeacherClient:
             error = from_rpc_error(e, what)
         self._session_failed(session, error)
 
+    def _abandoned(self, session: _Session, pending: _Pending) -> bool:
+        """Whether the receive thread may stop waiting for `pending`'s announcement: its
+        session is retired, or (refusals only) the ack thread took it as refused, also a
+        refusal the teacher did not mark (a batch id out of order)."""
+        if session.retired:
+            return True
+        if not session.refusals_only:
+            return False
+        with self._submit_lock:
+            return pending.wire_id not in session.sent
+
     def _receive_loop(self, session: _Session) -> None:
         """Posts each batch's receives, in order, once the teacher announced its sends."""
         while True:
@@ -401,7 +412,11 @@ class TeacherClient:
             if pending is None:
                 return
             try:
-                if not session.group.await_announced(pending.wire_id, self.transfer_timeout_s):
+                announced = session.group.await_announced(pending.wire_id, self.transfer_timeout_s,
+                                                          give_up=lambda: self._abandoned(session, pending))
+                if session.retired:
+                    return
+                if not announced:
                     continue  # refused: the ack thread fails its future with the teacher's reason
                 if session.refusals_only:
                     with self._submit_lock:

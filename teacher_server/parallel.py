@@ -141,7 +141,7 @@ class _Shard(ParallelStyle):
             shape = list(piece.shape)
             shape[dim] = part - piece.shape[dim]
             piece = torch.cat([piece, piece.new_zeros(shape)], dim)
-        return piece.clone()  # the whole tensor is freed with the old Parameter
+        return piece.clone()  # the whole tensor goes with the old Parameter (unless tied elsewhere)
 
     @staticmethod
     def replace(module, name: str, tensor: torch.Tensor | None) -> None:
@@ -166,24 +166,29 @@ class ColwiseShard(_Shard):
             module.register_forward_hook(self._all_gather)
 
     def _all_gather(self, module, args, output: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(output) for _ in range(self.size)]
-        dist.all_gather(parts, output.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)[..., :self.features]
+        # One buffer [ranks, ..., part], then one copy into [..., ranks * part]: the logits
+        # are the largest tensor of the forward, so no list of parts and no torch.cat.
+        output = output.contiguous()
+        gathered = output.new_empty((self.size * output.shape[0], *output.shape[1:]))  # gloo wants dim 0 stacked
+        dist.all_gather_into_tensor(gathered, output, group=self.group)
+        joined = gathered.view(self.size, *output.shape).movedim(0, -2).reshape(*output.shape[:-1], self.size * output.shape[-1])
+        return joined if joined.shape[-1] == self.features else joined[..., :self.features]
 
 
 class RowwiseShard(_Shard):
     """Input features split across ranks (the input arrives split, from a column-wise layer);
-    the partial outputs are summed by an all-reduce, then the bias is added once."""
+    the partial outputs are summed by an all-reduce. Only rank 0 keeps the bias, so the sum
+    adds it once."""
 
     def shard(self, module) -> None:
         self.replace(module, "weight", self.slice(module.weight, 1))
-        self.bias = module.bias
-        module.bias = None
+        if self.rank != 0:
+            module.bias = None
         module.register_forward_hook(self._all_reduce)
 
     def _all_reduce(self, module, args, output: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(output, group=self.group)
-        return output if self.bias is None else output + self.bias
+        return output
 
 
 def apply_plan(model, mesh, *, gather_logits: bool = True) -> None:
