@@ -21,9 +21,7 @@ import os
 import queue
 import socket
 import threading
-import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -141,32 +139,21 @@ class SessionGroup:
         """Teacher: `batch_id` was refused; a student waiting for its announcement wakes."""
         mark_refused(self.ready_store, batch_id)
 
-    def await_announced(self, batch_id: int, timeout_s: float,
-                        give_up: Callable[[], bool] | None = None) -> bool | None:
+    def await_announced(self, batch_id: int, timeout_s: float) -> bool:
         """Student: blocks (GIL released) until the teacher announced `batch_id`, then forgets it.
 
-        True: its sends are posted; False: the teacher refused it (the reason comes on the
-        submit stream); None: `give_up()` said so (asked once a second while waiting).
+        True: its sends are posted; False: it was marked refused (by the teacher, or by the
+        student's own threads to end this wait; the reason comes on the submit stream).
         The student deletes the key, not the teacher once its send completed: a small
         NCCL send completes before its receive is posted (NCCL buffers it at the peer),
         so the teacher could delete an announcement the student has not read yet.
         """
         key = str(batch_id)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            slice_s = min(1.0, deadline - time.monotonic()) if give_up is not None else timeout_s
-            try:
-                self.ready_store.wait([key], datetime.timedelta(seconds=max(slice_s, 0.001)))
-                value = self.ready_store.get(key)
-                break
-            except Exception as e:
-                # Only a slice that ran out is asked about; a closed connection (the teacher
-                # is gone) fails at once, as without `give_up`.
-                if give_up is not None and isinstance(e, dist.DistStoreError) and time.monotonic() < deadline:
-                    if give_up():
-                        return None
-                    continue
-                raise TransferError(f"the teacher did not get to batch {batch_id} within {timeout_s:.0f}s: {e}") from e
+        try:
+            self.ready_store.wait([key], datetime.timedelta(seconds=timeout_s))
+            value = self.ready_store.get(key)
+        except Exception as e:
+            raise TransferError(f"the teacher did not get to batch {batch_id} within {timeout_s:.0f}s: {e}") from e
         self.ready_store.delete_key(key)
         return value != REFUSED
 

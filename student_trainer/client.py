@@ -39,8 +39,8 @@ from distill_common.channel import TeacherUnreachable, channel_credentials, open
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from distill_common.session_group import (STUDENT_RANK, SessionGroup, TransferError, build_group, connect_store,
-                                          device_uuid, handshake, local_address_towards, nccl_version,
-                                          prefix_token)
+                                          device_uuid, handshake, local_address_towards, mark_refused,
+                                          nccl_version, prefix_token, ready_store_of)
 from distill_common.vocab import tokenizer_fingerprint
 from student_trainer.errors import (Incompatible, TeacherError, TeacherUnavailable, TransferFailed, from_rpc_error,
                                     from_status, teacher_gone)
@@ -124,11 +124,17 @@ class _Session:
     the old teacher holds nothing up.
     """
 
-    def __init__(self, joined: pb.JoinResponse, group: SessionGroup, store):
+    def __init__(self, joined: pb.JoinResponse, group: SessionGroup, store, wait_store):
         self.joined = joined
         self.session_id = joined.session_id
         self.group = group
         self.store = store  # keeps the connection the group uses alive
+        # The receive thread waits for announcements on a connection of its own: a store
+        # client runs one operation at a time, so a mark made on the same connection to
+        # end that wait (see TeacherClient._wake) would queue behind the wait itself.
+        self.wait_store = wait_store
+        self.wake_store = ready_store_of(store, joined.store_prefix)
+        self.waiting_on: int | None = None  # the wire id the receive thread waits for
         self.requests: queue.Queue = queue.Queue()  # what the submit stream sends; None ends it
         self.responses = None  # the SubmitStream call
         # The teacher answers only refused batches (else every batch) on the submit stream.
@@ -383,6 +389,10 @@ class TeacherClient:
                     if not session.refusals_only:
                         session.to_receive.put(pending)
                     continue
+                if session.refusals_only and (session.waiting_on is None or session.waiting_on <= pending.wire_id):
+                    # The receive thread waits for this batch, or will: the teacher marks most
+                    # refusals itself, not one whose batch id it did not take (out of order).
+                    self._wake(session, pending.wire_id)
                 code = _STATUS_BY_NUMBER.get(response.error_code, grpc.StatusCode.UNKNOWN)
                 error = from_status(code, response.error_message, f"Submit to teacher {self.address}")
                 if code == grpc.StatusCode.NOT_FOUND:  # the teacher no longer knows this session
@@ -394,16 +404,13 @@ class TeacherClient:
             error = from_rpc_error(e, what)
         self._session_failed(session, error)
 
-    def _abandoned(self, session: _Session, pending: _Pending) -> bool:
-        """Whether the receive thread may stop waiting for `pending`'s announcement: its
-        session is retired, or (refusals only) the ack thread took it as refused, also a
-        refusal the teacher did not mark (a batch id out of order)."""
-        if session.retired:
-            return True
-        if not session.refusals_only:
-            return False
-        with self._submit_lock:
-            return pending.wire_id not in session.sent
+    @staticmethod
+    def _wake(session: _Session, wire_id: int) -> None:
+        """Ends the receive thread's wait for `wire_id` (marked refused: it receives nothing)."""
+        try:
+            mark_refused(session.wake_store, wire_id)
+        except Exception as e:  # the teacher's store is gone: that wait fails by itself
+            log.debug("could not end the wait for batch %d: %s", wire_id, e)
 
     def _receive_loop(self, session: _Session) -> None:
         """Posts each batch's receives, in order, once the teacher announced its sends."""
@@ -411,9 +418,11 @@ class TeacherClient:
             pending = session.to_receive.get()
             if pending is None:
                 return
+            session.waiting_on = pending.wire_id  # before the check: _retire reads it after setting retired
+            if session.retired:
+                return
             try:
-                announced = session.group.await_announced(pending.wire_id, self.transfer_timeout_s,
-                                                          give_up=lambda: self._abandoned(session, pending))
+                announced = session.group.await_announced(pending.wire_id, self.transfer_timeout_s)
                 if session.retired:
                     return
                 if not announced:
@@ -481,10 +490,12 @@ class TeacherClient:
                             device=self.device, timeout_s=timeout_s, gloo_host=gloo_host)
         try:
             handshake(group, prefix_token(joined.store_prefix), timeout_s)
+            wait_store = connect_store(joined.store_host, joined.store_port, timeout_s)
         except BaseException:
             group.abort()
             raise
-        return _Session(joined, group, store)
+        group.ready_store = ready_store_of(wait_store, joined.store_prefix)
+        return _Session(joined, group, store, wait_store)
 
     def _start(self, session: _Session) -> None:
         """Starts the threads and the submit stream of `session` (already made current)."""
@@ -522,6 +533,9 @@ class TeacherClient:
             self._cond.notify_all()  # its completion thread returns
         session.requests.put(None)
         session.to_receive.put(None)
+        waiting_on = session.waiting_on
+        if waiting_on is not None:  # off this thread: a store that stopped answering must not hold us up
+            threading.Thread(target=self._wake, args=(session, waiting_on), name="teacher-wake", daemon=True).start()
         if session.responses is not None:
             session.responses.cancel()
         session.group.abort()  # a receive blocked on the old teacher returns
