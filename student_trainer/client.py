@@ -423,6 +423,7 @@ class TeacherClient:
                 return
             try:
                 announced = session.group.await_announced(pending.wire_id, self.transfer_timeout_s)
+                session.waiting_on = None
                 if session.retired:
                     return
                 if not announced:
@@ -534,8 +535,10 @@ class TeacherClient:
         session.requests.put(None)
         session.to_receive.put(None)
         waiting_on = session.waiting_on
-        if waiting_on is not None:  # off this thread: a store that stopped answering must not hold us up
-            threading.Thread(target=self._wake, args=(session, waiting_on), name="teacher-wake", daemon=True).start()
+        if waiting_on is not None:  # the receive thread waits: end it (joined with the session's threads)
+            wake = threading.Thread(target=self._wake, args=(session, waiting_on), name="teacher-wake", daemon=True)
+            wake.start()  # off this thread: a store that stopped answering must not hold us up
+            session.threads.append(wake)
         if session.responses is not None:
             session.responses.cancel()
         session.group.abort()  # a receive blocked on the old teacher returns
