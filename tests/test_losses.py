@@ -412,28 +412,31 @@ def test_shape_errors_say_what_is_wrong():
 # --------------------------------------------------------------------------- memory
 
 _PEAK_MEMORY_SCRIPT = """
-import resource, torch
+import resource, sys, torch
 from student_trainer.losses import kd_loss
 kd_loss(torch.randn(1, 4, 16, requires_grad=True), torch.randn(1, 4, 16), kind="jsd").backward()  # warm-up allocations
 student = torch.randn(1, 1024, 16000, requires_grad=True)
 teacher = torch.randn(1, 1024, 16000)
 baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-# Chunked first: the high-water mark only rises, so the unchunked run must come second.
-for chunk_tokens in (32, 1024):
-    kd_loss(student, teacher, kind="jsd", chunk_tokens=chunk_tokens).backward()
-    student.grad = None
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline_kb)
+kd_loss(student, teacher, kind="jsd", chunk_tokens=int(sys.argv[1])).backward()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - baseline_kb)
 """
+
+
+def _peak_kb(chunk_tokens: int) -> int:
+    """The high-water mark a JSD forward+backward adds, in a fresh process of its own (one
+    measurement per process: memory freed by an earlier one could be reused unseen)."""
+    result = subprocess.run([sys.executable, "-c", _PEAK_MEMORY_SCRIPT, str(chunk_tokens)], capture_output=True,
+                            text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent, check=True)
+    return int(result.stdout.split()[-1])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss is in KiB on Linux only")
 def test_chunking_bounds_peak_memory_in_forward_and_backward():
     """Peak memory above the inputs is the one gradient buffer plus a chunk's temporaries, not
-    [tokens, vocab] float32 temporaries. In a fresh process, whose high-water mark is ours alone."""
+    [tokens, vocab] float32 temporaries."""
     logits_kb = 1024 * 16000 * 4 / 1024
-    result = subprocess.run([sys.executable, "-c", _PEAK_MEMORY_SCRIPT], capture_output=True, text=True, timeout=120,
-                            cwd=Path(__file__).resolve().parent.parent, check=True)
-    chunked_kb, whole_kb = (int(line) for line in result.stdout.split())
+    chunked_kb, whole_kb = _peak_kb(32), _peak_kb(1024)
     # How many of JSD's float32 temporaries are alive at once in one chunk depends on the
     # allocator (seen: 2.6x to 6.4x the logits); that the measurement sees them is what counts.
     assert whole_kb > 2 * logits_kb, "one chunk: the measurement must see JSD's float32 temporaries"
