@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from collections import deque
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.table import emit  # noqa: E402
+from bench.transport_throughput import stream_batches  # noqa: E402
 
 
 def thread_cpu_s(pid: int) -> dict[int, float]:
@@ -55,19 +54,10 @@ def main() -> int:
         with TeacherClient(server.address, "cpu", logits=False, topk=1, max_inflight=16) as teacher:
             ids = torch.randint(0, teacher.info.vocab_size, (1, args.seq))
 
-            def stream(count: int) -> None:
-                futures: deque = deque()
-                for _ in range(count):
-                    futures.append(teacher.submit(ids))
-                    while futures and futures[0].done():
-                        futures.popleft().result()
-                for future in futures:
-                    future.result(timeout=120)
-
-            stream(100)  # warm-up
-            before, start = thread_cpu_s(pid), time.perf_counter()
-            stream(args.batches)
-            wall, after = time.perf_counter() - start, thread_cpu_s(pid)
+            stream_batches(teacher, ids, 100)  # warm-up
+            before = thread_cpu_s(pid)
+            wall = stream_batches(teacher, ids, args.batches)
+            after = thread_cpu_s(pid)
     finally:
         server.stop()
     per_batch = {tid: (cpu - before.get(tid, 0.0)) / args.batches * 1e3 for tid, cpu in after.items()}

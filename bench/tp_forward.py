@@ -30,12 +30,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.distill_pipeline import TEACHER_SHAPE, VOCAB  # noqa: E402
 from bench.table import emit  # noqa: E402
 from distill_common.models import load_causal_lm  # noqa: E402
 from teacher_server import parallel  # noqa: E402
 
-LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
+# Llama-3-8B-shaped: the teacher shape of the pipeline bench.
+LLAMA3_8B = dict(vocab_size=VOCAB, max_position_embeddings=8192, **TEACHER_SHAPE)
 
 
 def forward_fn(model, ids):

@@ -39,12 +39,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.distill_pipeline import TEACHER_SHAPE, write_config  # noqa: E402
+from bench.table import emit  # noqa: E402
 from distill_common.models import load_causal_lm  # noqa: E402
 from teacher_server import parallel  # noqa: E402
 from teacher_server.model_runner import output_width  # noqa: E402
-
-LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0)
 
 
 def synchronize() -> None:
@@ -93,11 +92,7 @@ def main() -> int:
     rank, size = world.rank, world.size
     spec = args.model
     if not spec:
-        from transformers import LlamaConfig
-
-        config_dir = tempfile.mkdtemp(prefix=f"tp-bench-{rank}-")
-        LlamaConfig(**LLAMA3_8B).save_pretrained(config_dir)
-        spec = f"random:{config_dir}"
+        spec = write_config(Path(tempfile.mkdtemp(prefix=f"tp-bench-{rank}-")), TEACHER_SHAPE)
     parallel.check_heads(parallel.model_config(spec), size)
 
     gathered_model = build(spec, world, gather_logits=True)
@@ -170,10 +165,7 @@ def main() -> int:
         table += ["", f"per batch, shards save {faster:+.1%} of the gathered path's time; rule: shards only when they "
                   f"save >= 10% (they cost N-rank session groups, a cross-shard top-k and a join on the student). "
                   f"Decision: {choice}."]
-        text = "\n".join(table)
-        print(text, flush=True)
-        if args.out:
-            Path(args.out).write_text(text + "\n")
+        emit(table, args.out)
     del gathered_model, shard_model
     dist.barrier()
     dist.destroy_process_group()

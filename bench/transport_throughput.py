@@ -72,7 +72,7 @@ def measure_raw(sizes: list[int], iters: int, gpus: list[int]) -> dict[int, floa
     return dict(results)
 
 
-def _stream_batches(teacher, ids: torch.Tensor, count: int) -> float:
+def stream_batches(teacher, ids: torch.Tensor, count: int) -> float:
     """Submits `count` batches keeping the client's window full; returns the seconds taken.
 
     Like a training loop, each batch's outputs are used and dropped, so its receive
@@ -112,8 +112,8 @@ def measure_project(sizes: list[int], iters: int, teacher_gpu: int, student_gpu:
                 # Warm-up first: the teacher packs 1 to `inflight` batches per forward, and
                 # each new shape loads its CUDA kernels on first use (tens of ms each on a
                 # cold host); a pass of `iters` batches does not meet every packing.
-                _stream_batches(teacher, ids, max(iters, warmup))
-                elapsed = _stream_batches(teacher, ids, iters)
+                stream_batches(teacher, ids, max(iters, warmup))
+                elapsed = stream_batches(teacher, ids, iters)
             results[size] = rows * seq * BYTES_PER_TOKEN * iters / elapsed
     finally:
         server.stop()

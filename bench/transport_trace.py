@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ os.environ["DISTILL_TRACE"] = os.path.join(TRACE_DIR, "trace")  # read at import
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the programs do
 import torch  # noqa: E402
 
-from bench.transport_throughput import VOCAB, _stream_batches, batch_shape  # noqa: E402
+from bench.transport_throughput import VOCAB, batch_shape, stream_batches  # noqa: E402
 from distill_common import tracing  # noqa: E402
 
 # In the order a batch passes them: s_ = this student process, t_ = the teacher.
@@ -127,7 +127,7 @@ def main() -> int:
             ids = torch.randint(0, VOCAB, (rows, seq))
             # Warm-up, a whole untimed pass: every packing of 1..inflight batches per
             # forward loads its CUDA kernels on first use (tens of ms each on a cold host).
-            _stream_batches(teacher, ids, args.batches)
+            stream_batches(teacher, ids, args.batches)
             first = teacher._next_batch_id
             if args.profile:
                 os.makedirs(args.profile, exist_ok=True)
@@ -137,15 +137,7 @@ def main() -> int:
                             ["py-spy", "record", mode, "--threads", "--format", "raw", "-r", "500", "-d", "2",
                              "-p", str(pid), "-o", os.path.join(args.profile, f"{name}{mode[1:]}.txt")]))
                 time.sleep(0.5)
-            futures: deque = deque()
-            start = time.perf_counter()
-            for _ in range(args.batches):
-                futures.append(teacher.submit(ids))
-                while futures and futures[0].done():
-                    futures.popleft().result()
-            while futures:
-                futures.popleft().result(timeout=120)
-            elapsed = time.perf_counter() - start
+            elapsed = stream_batches(teacher, ids, args.batches)
         for spy in spies:
             spy.wait(60)
     finally:

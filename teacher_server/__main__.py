@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 # Packed forwards change size from one to the next and their outputs live on until the
 # students have them; expandable segments grow the allocator's pool in place instead of
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _exit_now(code: int) -> None:
+def _exit_now(code: int) -> NoReturn:
     """Exits a tensor-parallel rank without interpreter finalization.
 
     The sharded model keeps references to the TP world's process groups; destroyed while
@@ -89,7 +90,7 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _follow(world, config: ServerConfig) -> int:
+def _follow(world, config: ServerConfig) -> NoReturn:
     """A rank other than 0: its shard of the model, the forwards rank 0 asks for, until stop."""
     from teacher_server.model_runner import ModelRunner
     from teacher_server.parallel import TensorParallelError
@@ -109,7 +110,6 @@ def _follow(world, config: ServerConfig) -> int:
     runner.close()
     log.info("tensor-parallel rank %d stopped", world.rank)
     _exit_now(0)
-    return 0  # not reached
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from distill_common.channel import read_pem
 from teacher_server.config import ServerConfig
 from teacher_server.engine import Engine
 from teacher_server.http_app import create_app
@@ -41,25 +42,23 @@ def advertised_host(config: ServerConfig) -> str:
 
 def grpc_server_credentials(config: ServerConfig) -> grpc.ServerCredentials:
     """TLS for the gRPC port; with --tls-client-ca, clients must present a certificate it signed."""
-    def read(path: str) -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
-
-    client_ca = read(config.tls_client_ca) if config.tls_client_ca else None
-    return grpc.ssl_server_credentials([(read(config.tls_key), read(config.tls_cert))], root_certificates=client_ca,
+    client_ca = read_pem(config.tls_client_ca, "--tls-client-ca") if config.tls_client_ca else None
+    key_and_cert = (read_pem(config.tls_key, "--tls-key"), read_pem(config.tls_cert, "--tls-cert"))
+    return grpc.ssl_server_credentials([key_and_cert], root_certificates=client_ca,
                                        require_client_auth=client_ca is not None)
 
 
 class TeacherServer:
-    def __init__(self, config: ServerConfig, runner: ModelRunner | None = None):
-        """`runner`: a model runner already built (rank 0 of a tensor-parallel world); None builds one."""
+    def __init__(self, config: ServerConfig, runner: ModelRunner):
+        """`runner`: the model runner, built by the caller (on rank 0 of a tensor-parallel world, its
+        part of that world)."""
         # The engine thread runs Python for every kernel launch of the forward; with the
         # default 5 ms switch interval a gRPC handler or a sender thread waiting for the
         # GIL stalls up to 5 ms per handoff, which adds up to milliseconds per batch.
         sys.setswitchinterval(0.0005)
         self.config = config
         self.advertise_host = advertised_host(config)
-        self.runner = runner or ModelRunner(config.model, config.device, config.dtype, config.trust_remote_code)
+        self.runner = runner
         self.metrics = Metrics(self.runner.device)
         self.store = dist.TCPStore("0.0.0.0", config.store_port, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=config.join_timeout_s))

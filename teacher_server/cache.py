@@ -140,8 +140,3 @@ class OutputCache:
             return CacheStats(hits=s.hits, misses=s.misses, evictions=s.evictions,
                               shared_in_forward=s.shared_in_forward, entries=len(self._entries), bytes=self._bytes,
                               capacity_bytes=self.capacity_bytes)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._bytes = 0

@@ -20,8 +20,8 @@ _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
 def parse_bytes(text: str) -> int:
     """A byte count: 123, 512MiB, 8GiB, 2GB (binary and decimal units)."""
     number = text.strip().lower()
-    digits = number.rstrip("kmgtib").strip()
-    unit = number[len(number.rstrip("kmgtib")):]
+    stripped = number.rstrip("kmgtib")
+    digits, unit = stripped.strip(), number[len(stripped):]
     try:
         return int(float(digits) * _BYTE_UNITS[unit])
     except (KeyError, ValueError) as e:

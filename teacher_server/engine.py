@@ -456,7 +456,7 @@ class Engine:
             b, s = p.batch.input_ids.shape
             outputs = BatchOutputs(out.logits[p.row:p.row + b, :s],
                                    {layer: out.hidden_states[layer][p.row:p.row + b, :s] for layer in layers})
-            produced[p.row] = self.cache.put(p.batch.key, outputs) if self.cache.enabled else outputs
+            produced[p.row] = self.cache.put(p.batch.key, outputs)  # `outputs` itself with the cache off
         announcements = [self._send(p, p.cached if p.cached is not None else produced[p.row]) for p in plan]
         self._hand_to_announcer(start, rows * seq, announcements)
         log.debug("forward %d x %d (%d batches): launched in %.1f ms, sends posted in %.1f ms", rows, seq, len(plan),

@@ -265,7 +265,6 @@ class World:
 
     rank: int
     size: int
-    local_rank: int
     device: torch.device
     timeout_s: float
     control: object = field(repr=False)  # the gloo ProcessGroup of control messages
@@ -394,6 +393,6 @@ def init_world(device: str, timeout_s: float) -> World | None:
         dev = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)
-    world = World(rank=rank, size=size, local_rank=local_rank, device=dev, timeout_s=timeout_s, control=control)
+    world = World(rank=rank, size=size, device=dev, timeout_s=timeout_s, control=control)
     log.info("tensor-parallel rank %d of %d on %s (%s)", rank, size, dev, "nccl" if dev.type == "cuda" else "gloo")
     return world
