@@ -39,6 +39,12 @@ def read_pem(path: str, flag: str) -> bytes:
     return data
 
 
+def tls_ca_arg(value: str) -> str | bool | None:
+    """A --tls-ca style argument as channel_credentials takes it: "system" is the system's
+    roots (True), a path is a PEM file, empty is plaintext (None)."""
+    return True if value == "system" else value or None
+
+
 def channel_credentials(tls_ca: str | bool | None, tls_cert: str | None = None, tls_key: str | None = None,
                         flags: TlsFlags = TlsFlags()) -> grpc.ChannelCredentials | None:
     """None for plaintext; TLS with `tls_ca` (a PEM path, or True for the system's roots).

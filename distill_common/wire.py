@@ -57,6 +57,18 @@ def decode(message: pb.Tensor, *, what: str, dtypes: dict, max_elements: int) ->
     `what` names the field in error messages; `max_elements` bounds the allocation
     before any byte is interpreted.
     """
+    array = _checked_array(message, what=what, dtypes=dtypes, max_elements=max_elements)
+    return torch.from_numpy(array.astype(array.dtype.newbyteorder("="), copy=True))
+
+
+def decode_ids(message: pb.Tensor, *, what: str, dtypes: dict, max_elements: int) -> np.ndarray:
+    """`decode` as an int64 numpy array (one copy): the teacher checks token ids with numpy,
+    whose per-call cost on a few thousand ids is a fraction of torch's."""
+    return _checked_array(message, what=what, dtypes=dtypes, max_elements=max_elements).astype(np.int64)
+
+
+def _checked_array(message: pb.Tensor, *, what: str, dtypes: dict, max_elements: int) -> np.ndarray:
+    """The message's bytes as a read-only little-endian numpy view of its shape, once checked."""
     if message.dtype not in dtypes:
         raise WireError(f"{what} has dtype {message.dtype!r}; it must be one of {sorted(dtypes)} (token ids are integers)")
     shape = list(message.shape)
@@ -71,14 +83,7 @@ def decode(message: pb.Tensor, *, what: str, dtypes: dict, max_elements: int) ->
     if len(message.data) != count * np_dtype.itemsize:
         raise WireError(
             f"{what} has {len(message.data)} bytes but shape {shape} of {message.dtype} needs {count * np_dtype.itemsize}")
-    array = np.frombuffer(message.data, dtype=np_dtype).astype(np_dtype.newbyteorder("="), copy=True)
-    return torch.from_numpy(array.reshape(shape))
-
-
-def decode_ids(message: pb.Tensor, *, what: str, dtypes: dict, max_elements: int) -> np.ndarray:
-    """`decode` as an int64 numpy array: the teacher checks token ids with numpy, whose
-    per-call cost on a few thousand ids is a fraction of torch's."""
-    return decode(message, what=what, dtypes=dtypes, max_elements=max_elements).numpy().astype(np.int64, copy=False)
+    return np.frombuffer(message.data, dtype=np_dtype).reshape(shape)
 
 
 def output_layout(*, batch: int, seq: int, vocab: int, hidden: int, logits: bool, topk: int,

@@ -124,7 +124,7 @@ class _Session:
     the old teacher holds nothing up.
     """
 
-    def __init__(self, joined: pb.JoinResponse, group: SessionGroup, store, wait_store):
+    def __init__(self, joined: pb.JoinResponse, group: SessionGroup, store, wait_store, wake_store):
         self.joined = joined
         self.session_id = joined.session_id
         self.group = group
@@ -133,7 +133,7 @@ class _Session:
         # client runs one operation at a time, so a mark made on the same connection to
         # end that wait (see TeacherClient._wake) would queue behind the wait itself.
         self.wait_store = wait_store
-        self.wake_store = ready_store_of(store, joined.store_prefix)
+        self.wake_store = wake_store  # the ready store on the group's own connection
         self.waiting_on: int | None = None  # the wire id the receive thread waits for
         self.requests: queue.Queue = queue.Queue()  # what the submit stream sends; None ends it
         self.responses = None  # the SubmitStream call
@@ -495,8 +495,8 @@ class TeacherClient:
         except BaseException:
             group.abort()
             raise
-        group.ready_store = ready_store_of(wait_store, joined.store_prefix)
-        return _Session(joined, group, store, wait_store)
+        wake_store, group.ready_store = group.ready_store, ready_store_of(wait_store, joined.store_prefix)
+        return _Session(joined, group, store, wait_store, wake_store)
 
     def _start(self, session: _Session) -> None:
         """Starts the threads and the submit stream of `session` (already made current)."""

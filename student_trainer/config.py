@@ -120,9 +120,9 @@ class TrainConfig:
     @property
     def teacher_tls(self) -> str | bool | None:
         """TeacherClient's tls_ca: a path, True (system roots) or None (plaintext)."""
-        if self.teacher_tls_ca == "system":
-            return True
-        return self.teacher_tls_ca or None
+        from distill_common.channel import tls_ca_arg  # grpc: only when a teacher is used
+
+        return tls_ca_arg(self.teacher_tls_ca)
 
     @property
     def uses_logits(self) -> bool:

@@ -8,7 +8,7 @@ import sys
 
 import grpc
 
-from distill_common.channel import TlsFlags, channel_credentials, connection_hint, open_channel
+from distill_common.channel import TlsFlags, channel_credentials, connection_hint, open_channel, tls_ca_arg
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 
@@ -66,7 +66,7 @@ def main(command: str, argv: list[str]) -> int:
     parser.add_argument("--tls-key", default="", help="the key of --tls-cert (PEM)")
     args = parser.parse_args(argv)
     flags = TlsFlags(ca="--tls-ca", cert="--tls-cert", key="--tls-key")
-    tls_ca = True if args.tls_ca == "system" else args.tls_ca or None
+    tls_ca = tls_ca_arg(args.tls_ca)
     try:
         credentials = channel_credentials(tls_ca, args.tls_cert or None, args.tls_key or None, flags)
     except ValueError as e:
