@@ -2,8 +2,8 @@
 # One call on the GPU machine: the GPU tests and benches named as arguments, each under its
 # own timeout, each output kept under $OUT:
 #   bash bench/run_gpu.sh stubs e2e tp tpforward transport
-# tests: every GPU test; or one file each: e2e, tp, restart, faults. Benches: transport,
-# pipeline, busy, trace, profile, tpforward, tpsend.
+# tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs. Benches: transport,
+# pipeline, busy, trace, profile, tpforward, tpsend, launch (one GPU).
 set -uo pipefail
 # shellcheck source=bench/gpu_env.sh
 source bench/gpu_env.sh
@@ -28,6 +28,9 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     restart) gpu_test test_restart_nccl 200 ;;
     # Student faults (issue 4): a student killed with a 1 GiB send in flight; detection and recovery times.
     faults) gpu_test test_gpu_faults 200 ;;
+    graphs) gpu_test test_cuda_graphs 200 ;;
+    # The engine's host time per forward of the bench model, eager and with CUDA graphs (one GPU).
+    launch) timeout 300 python3 bench/forward_launch.py --cuda-graphs 16 --side-threads 0,3 --out "$out/launch.md" 2>&1 | quiet | tail -40 ;;
     transport) timeout 400 python3 bench/transport_throughput.py --inflight 8,16 --out "$out/transport.md" 2>&1 | quiet | tail -12 ;;
     pipeline) timeout 500 python3 bench/distill_pipeline.py --out "$out/pipeline.md" 2>&1 | quiet | tail -12 ;;
     # Two student jobs saturating one teacher (issue 5): teacher_busy_fraction >= 0.90.

@@ -62,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from teacher_server.app import TeacherServer
 
-    runner = ModelRunner(config.model, config.device, config.dtype, config.trust_remote_code, world=world)
+    try:
+        runner = ModelRunner(config.model, config.device, config.dtype, config.trust_remote_code, world=world,
+                             cuda_graphs=config.cuda_graphs)
+    except ValueError as e:  # a model that cannot be loaded, settings that do not fit it: say which flag
+        parser.error(str(e))
     try:
         asyncio.run(TeacherServer(config, runner).serve())
     finally:
@@ -101,7 +105,12 @@ def _follow(world, config: ServerConfig) -> NoReturn:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: log.info("rank %d: %s; waiting for rank 0 to say stop", world.rank,
                                                           signal.Signals(signum).name))
-    runner = ModelRunner(config.model, config.device, config.dtype, config.trust_remote_code, world=world)
+    try:  # settings rank 0 refuses are refused here too, or this rank would wait for it in vain
+        runner = ModelRunner(config.model, config.device, config.dtype, config.trust_remote_code, world=world,
+                             cuda_graphs=config.cuda_graphs)
+    except ValueError as e:
+        log.error("rank %d: %s", world.rank, e)
+        _exit_now(2)
     try:
         runner.follow()
     except TensorParallelError as e:

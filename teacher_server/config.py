@@ -47,6 +47,8 @@ class ServerConfig:
     # Bytes of forward outputs kept for identical batches of later sessions (0: off).
     # Held in teacher memory, on the teacher's device: see docs/scaling.md.
     cache_bytes: int = 0
+    # Pack shapes whose forward is captured as a CUDA graph (teacher_server/cuda_graphs.py; 0: off).
+    cuda_graphs: int = 0
     heartbeat_interval_s: float = 2.0
     lease_s: float = 30.0
     transfer_timeout_s: float = 120.0
@@ -89,6 +91,8 @@ class ServerConfig:
             raise ValueError("--max-sessions and --max-inflight must be >= 1")
         if self.cache_bytes < 0:
             raise ValueError(f"--cache-bytes {self.cache_bytes} must be >= 0 (0 turns the output cache off)")
+        if self.cuda_graphs < 0:
+            raise ValueError(f"--cuda-graphs {self.cuda_graphs} must be >= 0 (0 turns CUDA graphs off)")
         if self.lease_s <= self.heartbeat_interval_s:
             raise ValueError(f"--lease-s ({self.lease_s}) must exceed --heartbeat-interval-s ({self.heartbeat_interval_s})")
         for name in ("transfer_timeout_s", "join_timeout_s", "grace_period_s", "tp_timeout_s"):
@@ -146,6 +150,10 @@ class ServerConfig:
         parser.add_argument("--cache-bytes", type=parse_bytes, default=d.cache_bytes,
                             help="keep up to this many bytes of outputs (e.g. 8GiB) so identical batches of later "
                                  "sessions cost no forward; held on the teacher device (default 0: off)")
+        parser.add_argument("--cuda-graphs", type=int, default=d.cuda_graphs, metavar="N",
+                            help="replay the model's decoder from CUDA graphs for up to N pack shapes: for small "
+                                 "teachers whose forward costs the host more than the device (one GPU, no "
+                                 "tensor parallelism; default 0: off)")
         parser.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
         parser.add_argument("--lease-s", type=float, default=d.lease_s,
                             help="a session without a heartbeat for this long is dropped")

@@ -59,6 +59,8 @@ def create_app(engine: Engine, metrics: Metrics, ready: Callable[[], bool], auth
             # Shared work: hits/misses/evictions of the output cache (--cache-bytes), batches
             # served by an identical batch of the same forward, bytes held on the device.
             "cache": dataclasses.asdict(engine.cache.stats()),
+            # --cuda-graphs: pack shapes captured, the cap, and why graphs are off if they are.
+            "cuda_graphs": engine.runner.graphs.status() if engine.runner.graphs is not None else None,
             "sessions": [{
                 "session_id": s.session_id, "job_id": s.job_id, "job_rank": s.job_rank, "backend": s.backend,
                 "state": s.state, "batches_submitted": s.batches_submitted, "batches_sent": s.batches_sent,

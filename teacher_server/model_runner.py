@@ -24,6 +24,7 @@ from distill_common.session_group import nccl_version
 from distill_common.vocab import tokenizer_fingerprint
 from distill_common.wire import dtype_name, parse_output_dtype
 from teacher_server import parallel
+from teacher_server.cuda_graphs import ForwardGraphs
 from teacher_server.parallel import TensorParallelError, World
 
 log = logging.getLogger(__name__)
@@ -86,11 +87,18 @@ def output_width(model) -> int:
 
 class ModelRunner:
     def __init__(self, model_name: str, device: str, dtype: str = "", trust_remote_code: bool = False,
-                 world: World | None = None):
-        """`world`: this process's place in the TP world (None: one process, the plain path)."""
+                 world: World | None = None, cuda_graphs: int = 0):
+        """`world`: this process's place in the TP world (None: one process, the plain path).
+        `cuda_graphs`: capture the forward as CUDA graphs for up to this many pack shapes
+        (teacher_server/cuda_graphs.py; 0: off)."""
         self.world = world
         _skip_packed_sequence_check()
         self.device = world.device if world is not None else torch.device(device)
+        if cuda_graphs and world is not None:
+            raise ValueError("--cuda-graphs is for a teacher on one GPU: a tensor-parallel forward's collectives "
+                             "would have to be captured on every rank in step; leave it out under torchrun")
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"--cuda-graphs needs a CUDA device, not --device {device}")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model = self._load(model_name, dtype, trust_remote_code)
@@ -113,6 +121,7 @@ class ModelRunner:
                  self.info.num_layers, f", tensor parallel rank {world.rank} of {world.size}" if world else "")
         if world is not None and world.leader:
             world.start_keepalive()
+        self.graphs = ForwardGraphs(self.model, self.device, cuda_graphs) if cuda_graphs else None
 
     def _load(self, model_name: str, dtype: str, trust_remote_code: bool):
         torch_dtype = parse_output_dtype(dtype) if dtype else None
@@ -183,6 +192,10 @@ class ModelRunner:
         mask = None if attention_mask.all() else attention_mask.to(self.device, non_blocking=True)
         _ONE_SEQUENCE_PER_ROW.active = mask is None
         try:
+            if self.graphs is not None and mask is None and not hidden:
+                logits = self.graphs.logits(input_ids)  # None: this one runs eagerly
+                if logits is not None:
+                    return ForwardOutputs(logits=logits, hidden_states=None)
             out = self.model(input_ids=input_ids.to(self.device, non_blocking=True), attention_mask=mask,
                              output_hidden_states=hidden, use_cache=False, return_dict=True)
         finally:

@@ -3,10 +3,15 @@ and its shortcut past transformers' packed-sequence check stays inside its own f
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from distill_common.models import load_causal_lm
 from teacher_server.model_runner import ModelRunner
+from tests.helpers import ROOT, child_env
 
 
 def test_forward_equals_the_model_with_and_without_padding():
@@ -33,3 +38,16 @@ def test_packed_sequences_are_still_found_outside_the_runners_forward():
     packed = torch.tensor([[0, 1, 2, 0, 1]])  # two sequences in one row
     assert masking_utils.find_packed_sequence_indices(packed).tolist() == [[0, 0, 0, 1, 1]]
     assert masking_utils.find_packed_sequence_indices(torch.arange(5)[None]) is None
+
+
+def test_cuda_graphs_are_refused_on_cpu_and_under_tensor_parallelism():
+    with pytest.raises(ValueError, match="--cuda-graphs needs a CUDA device"):
+        ModelRunner("builtin:tiny", "cpu", cuda_graphs=2)
+    # Under torchrun every rank refuses it before loading the model, so none is left waiting
+    # for another (whichever says so first ends the launch).
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              "-m", "teacher_server", "--port", "0", "--http-port", "0", "--store-port", "0", "--cuda-graphs", "2"]
+    done = subprocess.run(launch, capture_output=True, text=True, timeout=180, env=child_env(), cwd=ROOT)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "--cuda-graphs is for a teacher on one GPU" in output and "loaded builtin:tiny" not in output, output[-3000:]
