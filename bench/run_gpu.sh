@@ -3,7 +3,7 @@
 # own timeout, each output kept under $OUT:
 #   bash bench/run_gpu.sh stubs e2e tp tpforward transport
 # tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs. Benches: transport,
-# pipeline, busy, trace, profile, tpforward, tpsend, launch (one GPU).
+# transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, tpsend, launch (one GPU).
 set -uo pipefail
 # shellcheck source=bench/gpu_env.sh
 source bench/gpu_env.sh
@@ -32,11 +32,16 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     # The engine's host time per forward of the bench model, eager and with CUDA graphs (one GPU).
     launch) timeout 300 python3 bench/forward_launch.py --cuda-graphs 16 --side-threads 0,3 --out "$out/launch.md" 2>&1 | quiet | tail -40 ;;
     transport) timeout 400 python3 bench/transport_throughput.py --inflight 8,16 --out "$out/transport.md" 2>&1 | quiet | tail -12 ;;
+    # The same with the teacher's decoder replayed from CUDA graphs: 64 shapes, as every size
+    # packs 1..16 batches per forward and one server serves all four sizes.
+    transportgraphs) timeout 400 python3 bench/transport_throughput.py --inflight 8,16 --cuda-graphs 64 \
+                       --out "$out/transport_graphs.md" 2>&1 | quiet | tail -12 ;;
     pipeline) timeout 500 python3 bench/distill_pipeline.py --out "$out/pipeline.md" 2>&1 | quiet | tail -12 ;;
     # Two student jobs saturating one teacher (issue 5): teacher_busy_fraction >= 0.90.
     busy) timeout 500 python3 bench/busy_fraction.py --out "$out/busy.md" 2>&1 | quiet | tail -20 ;;
     trace) mkdir -p "$out/trace"
            timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 128 --inflight 16 --keep "$out/trace" 2>&1 | quiet | head -45 ;;
+    tracegraphs) timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 128 --inflight 16 --cuda-graphs 64 2>&1 | quiet | head -45 ;;
     profile) export PATH=/tmp/site/bin:$PATH
              timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 1000 --inflight 16 --profile "$out/profile" 2>&1 | quiet | head -20 ;;
     # Tensor parallelism (issue 5): the TP=2 forward against TP=1, and the send-path choice.

@@ -8,8 +8,11 @@ Both are measured in this one run between the same two GPUs:
            payload) and a TeacherClient on --student-gpu keeping --inflight batches
            in flight.
 Prints a table (and writes it to --out): size, raw GB/s, project GB/s, ratio.
+--cuda-graphs N serves with the teacher's --cuda-graphs N (the decoder replayed from
+CUDA graphs: a forward of builtin:wide then costs the engine ~0.6 ms of host time
+instead of ~3, bench/forward_launch.py).
 
-    python bench/transport_throughput.py --sizes-mib 64,256,1024,2048
+    python bench/transport_throughput.py --sizes-mib 64,256,1024,2048 [--cuda-graphs 64]
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ def stream_batches(teacher, ids: torch.Tensor, count: int) -> float:
 
 
 def measure_project(sizes: list[int], iters: int, teacher_gpu: int, student_gpu: int, inflight: int,
-                    warmup: int) -> dict[int, float]:
+                    warmup: int, cuda_graphs: int = 0) -> dict[int, float]:
     from student_trainer import TeacherClient
     from tests.helpers import ServerProcess
 
@@ -101,7 +104,7 @@ def measure_project(sizes: list[int], iters: int, teacher_gpu: int, student_gpu:
     gc.freeze()  # as the trainer does: the client lives in a training process
     server = ServerProcess("--model", "builtin:wide", "--device", f"cuda:{teacher_gpu}", "--dtype", "bfloat16",
                            "--max-batch-tokens", str(max_tokens), "--max-seq-len", "4096",
-                           "--max-inflight", str(inflight))
+                           "--max-inflight", str(inflight), "--cuda-graphs", str(cuda_graphs))
     results = {}
     try:
         for size in sizes:
@@ -126,6 +129,7 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=100, help="batches timed per size (after the warm-up)")
     p.add_argument("--warmup", type=int, default=200, help="untimed batches per size first")
     p.add_argument("--inflight", default="8,16", help="batches in flight per student; several values compare")
+    p.add_argument("--cuda-graphs", type=int, default=0, help="the teacher's --cuda-graphs (0: eager forwards)")
     p.add_argument("--teacher-gpu", type=int, default=0)
     p.add_argument("--student-gpu", type=int, default=1)
     p.add_argument("--out", default="")
@@ -136,10 +140,11 @@ def main() -> int:
     sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
     raw = measure_raw(sizes, args.iters, [args.teacher_gpu, args.student_gpu])
     inflights = [int(x) for x in args.inflight.split(",")]
-    project = {k: measure_project(sizes, args.iters, args.teacher_gpu, args.student_gpu, k, args.warmup)
-               for k in inflights}
+    project = {k: measure_project(sizes, args.iters, args.teacher_gpu, args.student_gpu, k, args.warmup,
+                                  args.cuda_graphs) for k in inflights}
     lines = [f"teacher GPU {args.teacher_gpu} -> student GPU {args.student_gpu}, {args.iters} batches per size, "
-             f"{torch.cuda.get_device_name(args.teacher_gpu)}, torch {torch.__version__}",
+             f"{torch.cuda.get_device_name(args.teacher_gpu)}, torch {torch.__version__}, teacher "
+             f"{f'--cuda-graphs {args.cuda_graphs}' if args.cuda_graphs else 'eager (no --cuda-graphs)'}",
              "| payload per batch | raw NCCL GB/s | " + " | ".join(f"project GB/s ({k} in flight) | project / raw"
                                                           for k in inflights) + " |",
              "|---|---|" + "---|---|" * len(inflights)]

@@ -107,6 +107,7 @@ def main() -> int:
     p.add_argument("--teacher-device", default="cuda:0")
     p.add_argument("--switch-interval-s", type=float, default=0.0,
                    help="sys.setswitchinterval in this (student) process; 0 keeps Python's default")
+    p.add_argument("--cuda-graphs", type=int, default=0, help="the teacher's --cuda-graphs (0: eager forwards)")
     p.add_argument("--keep", default="", help="copy the raw trace files into this folder")
     p.add_argument("--profile", default="", help="write py-spy profiles of both processes into this folder")
     args = p.parse_args()
@@ -120,7 +121,7 @@ def main() -> int:
     gc.freeze()  # as the trainer does: the client lives in a training process
     server = ServerProcess("--model", "builtin:wide", "--device", args.teacher_device, "--dtype", "bfloat16",
                            "--max-batch-tokens", "16384", "--max-seq-len", "4096", "--max-inflight",
-                           str(args.inflight))
+                           str(args.inflight), "--cuda-graphs", str(args.cuda_graphs))
     spies = []
     try:
         with TeacherClient(server.address, args.device, logits=True, max_inflight=args.inflight) as teacher:

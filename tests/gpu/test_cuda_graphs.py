@@ -98,21 +98,33 @@ def test_a_model_that_syncs_in_its_forward_falls_back_to_eager():
     assert "capturing a forward of 2 x 33 failed" in runner.graphs.off
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_a_graphed_teacher_serves_exact_outputs_over_nccl(tmp_path):
+def serve_one_student(tmp_path, device: str, batches: int) -> tuple[dict, dict]:
+    """A graphed teacher on GPU 0 and one student on `device`; the student's report and /v1/status's cuda_graphs."""
     model_dir = build_tiny_model(tmp_path / "model")
     server = ServerProcess("--model", str(model_dir), "--device", "cuda:0", "--max-batch-tokens", "4096",
                            "--max-seq-len", "512", "--cuda-graphs", "8")
     try:
         out = tmp_path / "student.json"
         # Equal shapes (no padding) and no hidden states: the forwards the graphs serve.
-        student = start_student(server.address, model_dir, out, "--device", "cuda:1", "--batches", "24",
+        student = start_student(server.address, model_dir, out, "--device", device, "--batches", str(batches),
                                 "--inflight", "4", "--shape", "2x64", "--topk", "8", "--hidden-layers", "")
         report = finish_student(student, out)
         with urllib.request.urlopen(f"{server.http}/v1/status", timeout=10) as response:
             graphs = json.load(response)["cuda_graphs"]
     finally:
         assert server.stop() == 0, server.log
-    assert report["backend"] == "nccl" and report["received"] == list(range(24)), report
+    assert report["received"] == list(range(batches)), report
     assert all(diff <= 1e-4 for diff in report["worst"].values()), report
     assert graphs["shapes"] >= 1 and not graphs["off"], graphs
+    return report, graphs
+
+
+def test_a_graphed_teacher_serves_a_cpu_student_exact_outputs(tmp_path):
+    report, _ = serve_one_student(tmp_path, "cpu", 16)
+    assert report["backend"] == "gloo"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_a_graphed_teacher_serves_exact_outputs_over_nccl(tmp_path):
+    report, _ = serve_one_student(tmp_path, "cuda:1", 24)
+    assert report["backend"] == "nccl"
