@@ -20,14 +20,15 @@ import torch  # noqa: E402
 from student_trainer import TeacherClient  # noqa: E402
 
 
-def random_batch(generator: torch.Generator, vocab: int, max_len: int, shape: tuple[int, int] | None = None):
+def random_batch(generator: torch.Generator, vocab: int, max_len: int, shape: tuple[int, int] | None = None,
+                 padding: bool = True):
     rows = int(torch.randint(1, 4, (1,), generator=generator))
     seq = int(torch.randint(4, max_len + 1, (1,), generator=generator))
     if shape is not None:  # a fixed shape: no padding added when batches are packed together
         rows, seq = shape
     ids = torch.randint(0, vocab, (rows, seq), generator=generator)
     mask = torch.ones(rows, seq, dtype=torch.int64)
-    for row in range(rows):  # right padding of random length, at least one real token
+    for row in range(rows if padding else 0):  # right padding of random length, at least one real token
         real = int(torch.randint(1, seq + 1, (1,), generator=generator))
         mask[row, real:] = 0
     return ids, mask
@@ -51,6 +52,7 @@ def main() -> int:
     p.add_argument("--job-rank", type=int, default=0)
     p.add_argument("--weight", type=float, default=1.0, help="the job's share weight, given at join")
     p.add_argument("--shape", default="", help="ROWSxSEQ: every batch of this shape (default: random shapes)")
+    p.add_argument("--no-padding", action="store_true", help="every token real: masks of ones")
     p.add_argument("--join-file", default="", help="wait for this file before joining (start now, join later)")
     p.add_argument("--start-file", default="", help="after joining, wait for this file before submitting")
     p.add_argument("--saturate-until-file", default="",
@@ -125,7 +127,7 @@ def main() -> int:
         while len(received) + len(in_flight) < args.batches or (args.stop_file and not args.batches):
             if args.stop_file and Path(args.stop_file).exists():
                 break
-            ids, mask = random_batch(generator, teacher.info.vocab_size, args.max_len, shape)
+            ids, mask = random_batch(generator, teacher.info.vocab_size, args.max_len, shape, not args.no_padding)
             tokens += ids.numel()
             in_flight.append((teacher.submit(ids, mask), ids, mask))
             if len(in_flight) >= args.inflight:
@@ -143,7 +145,7 @@ def main() -> int:
             while not Path(args.saturate_until_file).exists():
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{args.saturate_until_file} did not appear within {args.wait_s}s")
-                ids, mask = random_batch(generator, teacher.info.vocab_size, args.max_len, shape)
+                ids, mask = random_batch(generator, teacher.info.vocab_size, args.max_len, shape, not args.no_padding)
                 futures.append(teacher.submit(ids, mask))
                 if len(futures) >= args.inflight:
                     futures.pop(0).result(timeout=120)

@@ -107,7 +107,8 @@ def serve_one_student(tmp_path, device: str, batches: int) -> tuple[dict, dict]:
         out = tmp_path / "student.json"
         # Equal shapes (no padding) and no hidden states: the forwards the graphs serve.
         student = start_student(server.address, model_dir, out, "--device", device, "--batches", str(batches),
-                                "--inflight", "4", "--shape", "2x64", "--topk", "8", "--hidden-layers", "")
+                                "--inflight", "4", "--shape", "2x64", "--no-padding", "--topk", "8",
+                                "--hidden-layers", "")
         report = finish_student(student, out)
         with urllib.request.urlopen(f"{server.http}/v1/status", timeout=10) as response:
             graphs = json.load(response)["cuda_graphs"]
