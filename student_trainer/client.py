@@ -156,14 +156,15 @@ _RECONNECT_FIRST_DELAY_S = 0.5
 _RECONNECT_MAX_DELAY_S = 5.0
 # Join answers worth retrying while reconnecting, besides the teacher being gone: a
 # teacher still starting up, or still full of sessions whose leases will expire.
-_REJOIN_RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND,
-                                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED})
+# Besides a teacher that is gone (errors.teacher_gone): one too slow to answer, or full
+# (--max-sessions), may take the session a little later.
+_REJOIN_ALSO_ON = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 def _worth_retrying(error: Exception) -> bool:
     """Whether joining again may go otherwise: the teacher is not up (yet), or the group did not form."""
     if isinstance(error, TeacherError):
-        return isinstance(error, TransferFailed) or error.code in _REJOIN_RETRY_CODES
+        return teacher_gone(error) or error.code in _REJOIN_ALSO_ON
     # The store or the group: ConnectionError from connect_store, TransferError or a DistError
     # (a RuntimeError) from building the group.
     return isinstance(error, (ConnectionError, RuntimeError))

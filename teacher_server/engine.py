@@ -204,14 +204,15 @@ class Engine:
     def _wake_job(self, job_id: str) -> None:
         """A job with nothing outstanding that submits again starts no further back than
         the busy jobs: time spent idle is not credit for a burst later (held: self._cond)."""
-        job = self._jobs.get(job_id)
-        mine = [s for s in self._sessions.values() if s.job_id == job_id and s.alive]
-        if job is None or any(s.inflight for s in mine):
-            return
-        busy = {s.job_id for s in self._sessions.values() if s.alive and s.inflight and s.job_id != job_id}
-        clocks = [self._jobs[j].virtual_tokens for j in busy if j in self._jobs]
-        if clocks:
-            job.virtual_tokens = max(job.virtual_tokens, min(clocks))
+        busy_clocks = []
+        for s in self._sessions.values():
+            if s.alive and s.inflight:
+                if s.job_id == job_id:
+                    return  # still busy: its clock runs on
+                busy_clocks.append(self._jobs[s.job_id].virtual_tokens)
+        if busy_clocks:
+            job = self._jobs[job_id]
+            job.virtual_tokens = max(job.virtual_tokens, min(busy_clocks))
 
     def heartbeat(self, session: Session) -> None:
         session.last_heartbeat = time.monotonic()
@@ -420,8 +421,9 @@ class Engine:
         shared = sum(1 for p in plan if not p.computed and p.cached is None)
         if shared:
             self.cache.note_shared_in_forward(shared)
+        derived: dict = {}  # what sessions that share a batch and ask the same get, computed once
         if not computed:  # every batch came from the cache: no forward to wait for or count
-            self._hand_to_announcer(time.monotonic(), 0, [self._send(p, p.cached) for p in plan])
+            self._hand_to_announcer(time.monotonic(), 0, [self._send(p, p.cached, derived) for p in plan])
             return
         rows = sum(p.batch.input_ids.shape[0] for p in computed)
         seq = max(p.batch.input_ids.shape[1] for p in computed)
@@ -457,7 +459,8 @@ class Engine:
             outputs = BatchOutputs(out.logits[p.row:p.row + b, :s],
                                    {layer: out.hidden_states[layer][p.row:p.row + b, :s] for layer in layers})
             produced[p.row] = self.cache.put(p.batch.key, outputs)  # `outputs` itself with the cache off
-        announcements = [self._send(p, p.cached if p.cached is not None else produced[p.row]) for p in plan]
+        announcements = [self._send(p, p.cached if p.cached is not None else produced[p.row], derived)
+                         for p in plan]
         self._hand_to_announcer(start, rows * seq, announcements)
         log.debug("forward %d x %d (%d batches): launched in %.1f ms, sends posted in %.1f ms", rows, seq, len(plan),
                   (launched - start) * 1e3, (time.monotonic() - launched) * 1e3)
@@ -510,26 +513,19 @@ class Engine:
                     continue
                 tracing.mark("t_announced", batch_id)
 
-    def _send(self, p: _Planned, out: BatchOutputs):
+    def _send(self, p: _Planned, out: BatchOutputs, derived: dict):
         """Derives what this session asked for from the batch's outputs and posts the sends.
 
+        `derived` holds what this forward already derived, by (outputs, request, backend):
+        sessions that share a batch and ask the same are sent the same tensors.
         Returns what the announcer needs once the forward is done: (session, group, batch id),
         or None when the session ended meanwhile.
         """
         session, batch = p.session, p.batch
-        spec = session.outputs
-        logits = out.logits
-        tensors = []
-        if spec.logits:
-            tensors.append(logits.to(spec.dtype).contiguous())
-        if spec.topk:
-            values, indices = torch.topk(logits, spec.topk, dim=-1)
-            tensors.append(values.to(spec.dtype).contiguous())
-            tensors.append(indices.to(torch.int32).contiguous())
-        if spec.hidden_layers:
-            tensors.append(torch.stack([out.hidden[layer] for layer in spec.hidden_layers]).to(spec.dtype).contiguous())
-        if session.backend == "gloo":
-            tensors = [t.cpu() for t in tensors]
+        key = (id(out), session.outputs, session.backend)
+        tensors = derived.get(key)
+        if tensors is None:
+            tensors = derived[key] = self._derive(out, session.outputs, session.backend)
         with self._cond:
             sends = self._senders.get(session.session_id)
             group = session.group
@@ -546,3 +542,19 @@ class Engine:
         # previous batch): the student posts this batch's receives as soon as the forward
         # is done, so consecutive transfers run back to back.
         return session, group, batch.batch_id
+
+    @staticmethod
+    def _derive(out: BatchOutputs, spec, backend: str) -> list[torch.Tensor]:
+        """The tensors a session receives, in wire order (distill_common.wire.output_layout)."""
+        tensors = []
+        if spec.logits:
+            tensors.append(out.logits.to(spec.dtype).contiguous())
+        if spec.topk:
+            values, indices = torch.topk(out.logits, spec.topk, dim=-1)
+            tensors.append(values.to(spec.dtype).contiguous())
+            tensors.append(indices.to(torch.int32).contiguous())
+        if spec.hidden_layers:
+            tensors.append(torch.stack([out.hidden[layer] for layer in spec.hidden_layers]).to(spec.dtype).contiguous())
+        if backend == "gloo":
+            tensors = [t.cpu() for t in tensors]
+        return tensors

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -161,6 +162,21 @@ def metrics_samples(http: str) -> dict:
         for sample in family.samples:
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return samples
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a rendezvous, a port nothing listens on)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def status_sessions(http: str) -> dict[str, dict]:
+    """The sessions on the server's /v1/status, by session id."""
+    import requests
+
+    sessions = requests.get(f"{http}/v1/status", timeout=10).json()["sessions"]
+    return {s["session_id"]: s for s in sessions}
 
 
 def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.1):

@@ -26,7 +26,7 @@ import pytest
 import requests
 import yaml
 
-from tests.helpers import ROOT, ServerProcess, child_env, wait_until
+from tests.helpers import ROOT, ServerProcess, child_env, free_port, wait_until
 
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
@@ -466,11 +466,6 @@ def test_multi_node_probe_against_a_real_server(server):
 
 
 # ---- Slurm: the scripts run with stand-ins for srun and scontrol ---------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 FAKE_SRUN = """#!/bin/bash

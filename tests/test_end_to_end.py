@@ -9,10 +9,10 @@ import pytest
 import requests
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from student_trainer import TeacherClient
-from tests.helpers import ServerProcess, build_tiny_model, finish_student, start_student, wait_for_line
+from tests.helpers import (ServerProcess, build_tiny_model, finish_student, metrics_samples, start_student,
+                           status_sessions, wait_for_line)
 
 TOLERANCE = 1e-4
 
@@ -27,15 +27,6 @@ def server(model_dir):
     server = ServerProcess("--model", str(model_dir), "--max-batch-tokens", "256", "--max-seq-len", "64")
     yield server
     assert server.stop() == 0, server.log
-
-
-def _metrics(server) -> dict:
-    text = requests.get(f"{server.http}/metrics", timeout=10).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
 
 
 def test_two_students_joining_at_different_times_get_exact_outputs(server, model_dir, tmp_path):
@@ -66,16 +57,16 @@ def test_status_metrics_and_health_match_what_was_sent(server):
         # moment after the student has the data.
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            status = requests.get(f"{server.http}/v1/status", timeout=10).json()
-            mine = [s for s in status["sessions"] if s["session_id"] == teacher.session_id]
-            if mine and mine[0]["batches_sent"] == 2:
+            mine = status_sessions(server.http).get(teacher.session_id)
+            if mine and mine["batches_sent"] == 2:
                 break
             time.sleep(0.05)
-        assert mine and mine[0]["job_id"] == "metrics-job" and mine[0]["state"] == "ready"
-        assert mine[0]["tokens_served"] == 2 * 9 + 3 * 5
+        assert mine and mine["job_id"] == "metrics-job" and mine["state"] == "ready"
+        assert mine["tokens_served"] == 2 * 9 + 3 * 5
+        status = requests.get(f"{server.http}/v1/status", timeout=10).json()
         assert status["vocab_size"] == 384 and status["num_layers"] == 2 and status["dtype"] == "float32"
 
-        samples = _metrics(server)
+        samples = metrics_samples(server.http)
         labels = (("job", "metrics-job"), ("session", teacher.session_id))
         assert samples[("teacher_batches_total", labels)] == 2
         assert samples[("teacher_tokens_total", labels)] == 2 * 9 + 3 * 5
@@ -100,8 +91,7 @@ def test_session_leaves_status_after_close(server):
         teacher.submit(torch.randint(0, 384, (1, 4))).result(timeout=60)
 
     def gone():
-        sessions = requests.get(f"{server.http}/v1/status", timeout=10).json()["sessions"]
-        return all(s["session_id"] != session_id for s in sessions)
+        return session_id not in status_sessions(server.http)
 
     deadline = time.monotonic() + 10
     while not gone():

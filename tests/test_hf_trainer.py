@@ -9,7 +9,6 @@ tokens labelled -100, so the positions KD counts are the labels' and not the att
 from __future__ import annotations
 
 import re
-import socket
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 from distill_demo.corpus import stdlib_root
 from distill_demo.tokenizer import train_tokenizer
 from student_trainer.errors import Incompatible, TeacherUnavailable
-from tests.helpers import ServerProcess, wait_until
+from tests.helpers import ServerProcess, free_port, wait_until
 
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (pip install '.[hf]')")
 
@@ -268,9 +267,3 @@ def test_settings_are_checked_before_anything_runs(setup, tmp_path):
     with pytest.raises(ValueError, match=r"may not set \['topk'\]"):
         distillation_trainer(setup, "student", args, Rows(setup["rows"]), teacher_address="x:1",
                              teacher_client_options={"topk": 3, "weight": 2.0})
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -18,14 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
-import requests
 import torch
 
 from distill_demo.corpus import write_jsonl_corpus
 from distill_demo.tokenizer import train_tokenizer
 from student_trainer import TeacherClient
 from student_trainer.errors import TeacherUnavailable
-from tests.helpers import ROOT, ServerProcess, child_env, wait_until
+from tests.helpers import ROOT, ServerProcess, child_env, status_sessions, wait_until
 from tests.test_trainer import build_llama, read_metrics
 
 VOCAB = 300
@@ -110,8 +109,7 @@ def thread_errors():
 
 
 def session_status(server: ServerProcess, session_id: str) -> dict | None:
-    sessions = requests.get(f"{server.http}/v1/status", timeout=10).json()["sessions"]
-    return next((s for s in sessions if s["session_id"] == session_id), None)
+    return status_sessions(server.http).get(session_id)
 
 
 # ---- the client ----------------------------------------------------------------------------

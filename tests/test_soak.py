@@ -25,10 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import requests
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import ServerProcess, build_tiny_model, start_student, wait_until
+from tests.helpers import ServerProcess, build_tiny_model, metrics_samples, start_student, status_sessions, wait_until
 
 DURATION_S = float(os.environ.get("SOAK_DURATION_S", "600"))
 STUDENTS = int(os.environ.get("SOAK_STUDENTS", "8"))
@@ -105,13 +103,12 @@ class Student:
 
 
 def _metrics(server) -> dict[str, float]:
-    text = requests.get(f"{server.http}/metrics", timeout=10).text
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name + "".join(f"{{{v}}}" for k, v in sorted(sample.labels.items()) if k == "reason")
-            if not (set(sample.labels) & {"session", "job"}):
-                values[key] = values.get(key, 0.0) + sample.value
+    for (name, labels), value in metrics_samples(server.http).items():
+        labels = dict(labels)
+        if not (set(labels) & {"session", "job"}):
+            key = name + (f"{{{labels['reason']}}}" if "reason" in labels else "")
+            values[key] = values.get(key, 0.0) + value
     return values
 
 
@@ -182,8 +179,8 @@ def test_soak(tmp_path):
             # Kills: a student that joined, preferably one with batches in flight at the teacher.
             joined = {f"soak-{s.number}": s for s in live if s.joined.is_set()}
             if time.monotonic() >= next_kill and joined:
-                sessions = requests.get(f"{server.http}/v1/status", timeout=10).json()["sessions"]
-                busy = [joined[s["job_id"]] for s in sessions if s["job_id"] in joined and s["inflight"]]
+                busy = [joined[s["job_id"]] for s in status_sessions(server.http).values()
+                        if s["job_id"] in joined and s["inflight"]]
                 victim = rng.choice(busy or list(joined.values()))
                 figures["kills_mid_transfer"] += bool(busy)
                 victim.proc.kill()
@@ -203,7 +200,7 @@ def test_soak(tmp_path):
             reap(student)
         live.clear()
         # Killed students' sessions end by lease or transfer timeout; nothing stays behind.
-        wait_until(lambda: not requests.get(f"{server.http}/v1/status", timeout=10).json()["sessions"],
+        wait_until(lambda: not status_sessions(server.http),
                    LEASE_S + TRANSFER_TIMEOUT_S + 30, "every session to end after the soak")
         metrics = _metrics(server)
         # Sender and connect threads of the last sessions exit; idle workers of the HTTP

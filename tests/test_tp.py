@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 
 import pytest
 import requests
 
-from tests.helpers import (ROOT, ServerProcess, build_tiny_model, child_env, finish_student, start_student,
+from tests.helpers import (ROOT, ServerProcess, build_tiny_model, child_env, finish_student, free_port, start_student,
                            wait_until)
 
 TOLERANCE = 1e-4
@@ -75,16 +74,10 @@ def test_heads_not_divisible_by_the_world_size_are_refused():
             "run 1 or 2 ranks") in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("dies", ["follower", "rank0"])
 def test_a_dead_rank_ends_the_others_instead_of_hanging(dies):
     """Ranks started by hand (no torchrun agent to clean up): each notices the other's death."""
-    world = dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    world = dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     args = ("--model", "builtin:tiny", "--tp-timeout-s", "8")
     follower = subprocess.Popen([sys.executable, "-m", "teacher_server", "--host", "127.0.0.1", "--port", "0",
                                  "--http-port", "0", "--store-port", "0", *args], stdout=subprocess.PIPE,

@@ -12,21 +12,18 @@ import importlib.util
 import json
 import math
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import requests
 import torch
 import torch.nn.functional as F
-from prometheus_client.parser import text_string_to_metric_families
 
 from distill_common.vocab import tokenizer_fingerprint
 from distill_demo.corpus import write_jsonl_corpus
 from distill_demo.tokenizer import train_tokenizer
-from tests.helpers import ROOT, ServerProcess, child_env, wait_until
+from tests.helpers import ROOT, ServerProcess, child_env, free_port, metrics_samples, wait_until
 
 VOCAB = 400
 SEQ_LEN = 64
@@ -155,11 +152,6 @@ def torchrun(server, model_dir: Path, data: Path, output_dir: Path, *args: str) 
     return result
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
@@ -176,12 +168,7 @@ def mean(values: list[float]) -> float:
 
 
 def sessions_joined(server) -> float:
-    text = requests.get(f"{server.http}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "teacher_sessions_joined_total":
-                return sample.value
-    raise AssertionError(f"no teacher_sessions_joined_total in /metrics:\n{text}")
+    return metrics_samples(server.http)[("teacher_sessions_joined_total", ())]
 
 
 def joined_lines(server, job_id: str) -> list[tuple[str, int, str]]:
