@@ -15,11 +15,16 @@ median and 90th percentile), the device time per forward, and what the link woul
 k x 0.75 ms. A launch well under the link time here and 3-8 ms in the server means the
 server's other threads (or the sends) slow the engine down; a launch near it here means
 the forward itself costs that much host time. --profile DIR writes torch.profiler tables
-(host time per operator and CUDA call) of --profile-k batches per forward.
+(host and device time per operator, kernel and CUDA call) of --profile-k batches per forward,
+for each runner timed.
 
 --cuda-graphs N adds rows for a runner that replays the decoder from CUDA graphs
 (teacher_server/cuda_graphs.py), and the largest difference of its logits from the
 eager runner's on the same batches.
+
+--model 1.5b times a Llama-shaped 1.5B model (the pipeline bench's student shape, 28
+layers, the same 128k vocabulary) instead: a small real teacher, where the forward's own
+device time is tens of ms.
 
 --side-threads N adds N Python threads that each hold the interpreter lock for
 --side-busy-us in every 0.75 ms (as the server's gRPC, sender, waiter and announcer
@@ -33,6 +38,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -44,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the server does
 import torch  # noqa: E402
 
+from bench.distill_pipeline import STUDENT_SHAPE, write_config  # noqa: E402
 from bench.table import emit  # noqa: E402
 from bench.transport_throughput import BYTES_PER_TOKEN, VOCAB, batch_shape  # noqa: E402
 from teacher_server.model_runner import ModelRunner  # noqa: E402
@@ -142,7 +149,7 @@ def graphs_check(runners: dict, vocab: int) -> str:
             f"each: {worst:.3g}")
 
 
-def profile(runner: ModelRunner, k: int, ids: torch.Tensor, folder: str) -> None:
+def profile(runner: ModelRunner, name: str, k: int, ids: torch.Tensor, folder: str) -> None:
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     os.makedirs(folder, exist_ok=True)
@@ -156,9 +163,10 @@ def profile(runner: ModelRunner, k: int, ids: torch.Tensor, folder: str) -> None
             held.append(one_forward(runner, batches)[0])
         torch.cuda.synchronize()
     averages = prof.key_averages()
-    for key, name in (("self_cpu_time_total", "host"), ("self_device_time_total", "device")):
-        Path(folder, f"forward_k{k}_{name}.txt").write_text(averages.table(sort_by=key, row_limit=40))
-    print(averages.table(sort_by="self_cpu_time_total", row_limit=25))
+    for key, side in (("self_cpu_time_total", "host"), ("self_device_time_total", "device")):
+        Path(folder, f"forward_{name}_k{k}_{side}.txt").write_text(averages.table(sort_by=key, row_limit=40))
+    print(f"{name}, {k} batches per forward, 10 forwards:")
+    print(averages.table(sort_by="self_device_time_total", row_limit=12))
 
 
 def main() -> int:
@@ -172,18 +180,22 @@ def main() -> int:
     p.add_argument("--profile-k", type=int, default=7)
     p.add_argument("--side-threads", default="0", help="Python threads sharing the lock; several values compare")
     p.add_argument("--side-busy-us", type=float, default=100.0, help="each side thread's Python time per 0.75 ms")
+    p.add_argument("--model", choices=["wide", "1.5b"], default="wide",
+                   help="builtin:wide (one layer), or a random Llama-shaped 1.5B model")
     p.add_argument("--cuda-graphs", type=int, default=0,
                    help="also time a runner with --cuda-graphs N (0: the eager runner alone)")
     p.add_argument("--out", default="")
     args = p.parse_args()
     rows, seq = batch_shape(args.size_mib << 20)
-    runners = {"eager": ModelRunner("builtin:wide", args.device, "bfloat16")}
+    spec = "builtin:wide" if args.model == "wide" else write_config(Path(tempfile.mkdtemp()) / "1.5b", STUDENT_SHAPE)
+    runners = {"eager": ModelRunner(spec, args.device, "bfloat16")}
     if args.cuda_graphs:
-        runners["graphs"] = ModelRunner("builtin:wide", args.device, "bfloat16", cuda_graphs=args.cuda_graphs)
+        runners["graphs"] = ModelRunner(spec, args.device, "bfloat16", cuda_graphs=args.cuda_graphs)
     runner = runners["eager"]
     ids = torch.randint(0, VOCAB, (rows, seq))
     link_ms = rows * seq * BYTES_PER_TOKEN / (LINK_GBPS * 1e9) * 1e3
-    lines = [f"builtin:wide, bf16, {torch.cuda.get_device_name(runner.device)}, torch {torch.__version__}; "
+    lines = [f"{'builtin:wide' if args.model == 'wide' else 'Llama-shaped 1.5B (random)'}, bf16, "
+             f"{torch.cuda.get_device_name(runner.device)}, torch {torch.__version__}; "
              f"batches of {rows} x {seq} tokens ({args.size_mib} MiB of logits, {link_ms:.2f} ms on a "
              f"{LINK_GBPS:.0f} GB/s link); {args.forwards} forwards per row, outputs of the last {args.hold} held",
              "| forward | side threads | batches per forward | host ms (median) | host p90 | pack | launch | slice | "
@@ -201,7 +213,8 @@ def main() -> int:
         lines.append(graphs_check(runners, VOCAB))
     emit(lines, args.out)
     if args.profile:
-        profile(runner, args.profile_k, ids, args.profile)
+        for name, each in runners.items():
+            profile(each, name, args.profile_k, ids, args.profile)
     return 0
 
 
