@@ -147,10 +147,12 @@ class SessionGroup:
         The student deletes the key, not the teacher once its send completed: a small
         NCCL send completes before its receive is posted (NCCL buffers it at the peer),
         so the teacher could delete an announcement the student has not read yet.
+        Two round trips to the store: a `get` waits for the key (up to the store's timeout,
+        set here: the ready store must be a connection of the caller's own), then a delete.
         """
         key = str(batch_id)
         try:
-            self.ready_store.wait([key], datetime.timedelta(seconds=timeout_s))
+            self.ready_store.set_timeout(datetime.timedelta(seconds=timeout_s))
             value = self.ready_store.get(key)
         except Exception as e:
             raise TransferError(f"the teacher did not get to batch {batch_id} within {timeout_s:.0f}s: {e}") from e
