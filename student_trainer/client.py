@@ -207,7 +207,6 @@ class TeacherClient:
         self._broken: TeacherError | None = None
         self._submit_lock = threading.Lock()
         self._recv_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._unresolved = 0  # futures handed out and not yet resolved
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self.session_id = ""
@@ -287,9 +286,6 @@ class TeacherClient:
         self._acquire_slot(wait_s)
         future: Future = Future()
         future.add_done_callback(lambda _: self._slots.release())
-        with self._cond:
-            self._unresolved += 1
-        future.add_done_callback(self._resolved)
         request = pb.SubmitRequest(input_ids=ids)
         if mask is not None:
             request.attention_mask.CopyFrom(mask)
@@ -353,16 +349,12 @@ class TeacherClient:
                 return False  # a reconnect sends the batch again, or has already
             if self._undelivered.pop(batch.batch_id, None) is None:
                 return False
+            self._cond.notify_all()  # close() waits for _undelivered to empty
         if error is None:
             batch.future.set_result(result)
         else:
             batch.future.set_exception(error)
         return True
-
-    def _resolved(self, _future) -> None:
-        with self._cond:
-            self._unresolved -= 1
-            self._cond.notify_all()
 
     def _request_stream(self, requests: queue.Queue):
         while True:
@@ -448,7 +440,7 @@ class TeacherClient:
             return
         deadline = time.monotonic() + (self.transfer_timeout_s if timeout_s is None else timeout_s)
         with self._cond:
-            while self._unresolved and self._broken is None and time.monotonic() < deadline:
+            while self._undelivered and self._broken is None and time.monotonic() < deadline:
                 self._cond.wait(0.05)
         self._closed = True
         self._stop.set()
