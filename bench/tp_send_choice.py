@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.distill_pipeline import TEACHER_SHAPE, write_config  # noqa: E402
 from bench.table import emit  # noqa: E402
-from distill_common.models import load_causal_lm  # noqa: E402
+from distill_common.models import load_causal_lm, model_config  # noqa: E402
 from teacher_server import parallel  # noqa: E402
 from teacher_server.model_runner import output_width  # noqa: E402
 
@@ -93,7 +93,7 @@ def main() -> int:
     spec = args.model
     if not spec:
         spec = write_config(Path(tempfile.mkdtemp(prefix=f"tp-bench-{rank}-")), TEACHER_SHAPE)
-    parallel.check_heads(parallel.model_config(spec), size)
+    parallel.check_heads(model_config(spec), size)
 
     gathered_model = build(spec, world, gather_logits=True)
     shard_model = build(spec, world, gather_logits=False)

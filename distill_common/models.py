@@ -49,16 +49,29 @@ def builtin_model(name: str, dtype: torch.dtype = torch.float32):
     return _seeded_init(lambda: LlamaForCausalLM(config)).to(dtype)
 
 
+def model_config(spec: str, trust_remote_code: bool = False):
+    """The config of the model named by `spec`, without its weights."""
+    from transformers import AutoConfig
+
+    if spec.startswith(BUILTIN_PREFIX):
+        return builtin_config(spec[len(BUILTIN_PREFIX):])
+    name = spec[len(RANDOM_PREFIX):] if spec.startswith(RANDOM_PREFIX) else spec
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise ValueError(f"model {spec!r}: no config could be read ({e})") from e
+
+
 def load_causal_lm(spec: str, *, device: torch.device, dtype: torch.dtype | None = None,
                    trust_remote_code: bool = False):
     """The model named by `spec` on `device` (dtype None: the model's own, float32 for random ones)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if spec.startswith(BUILTIN_PREFIX):
         with torch.device(device):
             return builtin_model(spec[len(BUILTIN_PREFIX):], dtype or torch.float32)
     if spec.startswith(RANDOM_PREFIX):
-        config = AutoConfig.from_pretrained(spec[len(RANDOM_PREFIX):], trust_remote_code=trust_remote_code)
+        config = model_config(spec, trust_remote_code)
         # Built directly on the device, in the target dtype: an 8B model never touches host memory.
         with torch.device(device):
             previous = torch.get_default_dtype()

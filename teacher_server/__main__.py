@@ -42,14 +42,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     config.log_non_defaults()
 
-    from teacher_server import parallel  # heavy imports after argument errors
+    from distill_common.models import model_config  # heavy imports after argument errors
+    from teacher_server import parallel
     from teacher_server.model_runner import ModelRunner
 
     # Under torchrun with several ranks: rank 0 serves, the others follow (teacher_server/parallel.py).
     world = None
     if parallel.world_size_from_env() > 1:
         try:  # a bad size is refused before any rank joins the world: each rank says why and exits
-            parallel.check_heads(parallel.model_config(config.model, config.trust_remote_code),
+            parallel.check_heads(model_config(config.model, config.trust_remote_code),
                                  parallel.world_size_from_env())
             world = parallel.init_world(config.device, config.tp_timeout_s)
         except ValueError as e:

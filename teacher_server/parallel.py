@@ -84,21 +84,6 @@ def check_heads(config, size: int) -> None:
                          "(torchrun --nproc-per-node times --nnodes)")
 
 
-def model_config(spec: str, trust_remote_code: bool = False):
-    """The config of the model named by `spec` (see distill_common.models), without its weights."""
-    from transformers import AutoConfig
-
-    from distill_common.models import BUILTIN_PREFIX, RANDOM_PREFIX, builtin_config
-
-    if spec.startswith(BUILTIN_PREFIX):
-        return builtin_config(spec[len(BUILTIN_PREFIX):])
-    name = spec[len(RANDOM_PREFIX):] if spec.startswith(RANDOM_PREFIX) else spec
-    try:
-        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
-    except OSError as e:
-        raise ValueError(f"model {spec!r}: no config could be read ({e})") from e
-
-
 # The plan for models built from a config (builtin:, random:), where transformers' own plan
 # is only applied by from_pretrained. Megatron's split, as in gpt-fast: q/k/v and gate/up
 # column-wise (each rank computes its heads and its slice of the MLP, no communication),
@@ -226,7 +211,7 @@ def load_model(spec: str, world: "World", *, dtype: torch.dtype | None, trust_re
     shard); models built from a config, or without a declared plan, are built whole on
     each rank and sharded with `apply_plan`.
     """
-    from distill_common.models import BUILTIN_PREFIX, RANDOM_PREFIX, load_causal_lm
+    from distill_common.models import BUILTIN_PREFIX, RANDOM_PREFIX, load_causal_lm, model_config
 
     config = model_config(spec, trust_remote_code)
     check_heads(config, world.size)
