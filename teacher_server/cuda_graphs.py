@@ -17,12 +17,14 @@ pool: replays run one at a time on one stream, and each replay's output is read 
 head right after it, before any other replay.
 
 What runs eagerly instead: the first forward of each shape (it loads the kernels and
-picks the algorithms the capture then records), shapes past the cap N, packs with
-padding (transformers checks a padding mask on the host) and forwards that return hidden
-states. A capture that fails (a model that syncs with the host in its forward, or passes
-its decoder tensors other than the ids) turns graphs off for the process, with a warning.
-One GPU only: a tensor-parallel forward's collectives would have to be captured on every
-rank in step.
+picks the algorithms the capture then records), shapes past the cap N, packs with padding
+(transformers checks a padding mask on the host) and forwards that return hidden states
+(with --cache-bytes, every forward while any live session asks for hidden states). A
+capture that fails (a model that syncs with the host in its forward, or passes its decoder
+tensors other than the ids) stops further captures, with a warning and the reason on
+/v1/status; shapes captured before keep replaying. One GPU only: a tensor-parallel
+forward's collectives would have to be captured on every rank in step. One caller at a
+time: the engine thread (graphs share their static inputs and their pool).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 log = logging.getLogger(__name__)
 
@@ -43,22 +46,37 @@ class _Graph:
     output: object = None  # what the decoder returned at capture: its tensors are the graph's outputs
 
 
+class _CaptureFailed(RuntimeError):
+    """The decoder could not be captured: graphs stop here, the forward runs eagerly."""
+
+
+# Arguments a graph may take as they are: anything else (a tensor other than the static ids,
+# a cache object) would be read at its capture-time address on every replay.
+_PLAIN = (type(None), bool, int, float, str)
+_SEEN_LIMIT = 4096  # shapes remembered as seen once, before the memory starts over
+
+
 class ForwardGraphs:
     """Runs the model's forward with its decoder replayed from a CUDA graph per input shape."""
 
     def __init__(self, model, device: torch.device, max_shapes: int):
         self.model = model
-        self.device = device
+        self.device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         self.max_shapes = max_shapes
-        self.off = ""  # why graphs are off for this model, once they are
+        self.off = ""  # why no further shape is captured, once that is so
         self._graphs: dict[tuple[int, ...], _Graph] = {}
         self._seen: set[tuple[int, ...]] = set()
         self._active = threading.local()  # the graph the decoder stands in for, during a forward
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device)  # captures run here, off the engine's stream
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        try:
+            decoder = model.get_decoder()
+        except Exception as e:  # remote code may not implement it
+            decoder, why = None, f"get_decoder() failed: {e}"
+        else:
+            why = "get_decoder() returns the model itself"
         if decoder is None or decoder is model:
-            self.off = "the model has no decoder of its own (get_decoder())"
+            self._turn_off(f"the model has no decoder of its own to capture ({why})")
             return
         self._decoder_forward = decoder.forward
         decoder.forward = self._stand_in  # an instance attribute: Module.__call__ finds it first
@@ -80,26 +98,40 @@ class ForwardGraphs:
             if self.off or len(self._graphs) >= self.max_shapes:
                 return None
             if shape not in self._seen:  # a shape's first forward runs eagerly and warms it up
+                if len(self._seen) >= _SEEN_LIMIT:
+                    self._seen.clear()
                 self._seen.add(shape)
                 return None
             entry = _Graph(torch.empty(shape, dtype=input_ids.dtype, device=self.device))
         entry.input_ids.copy_(input_ids, non_blocking=True)
-        self._active.entry = entry
+        self._active.entry, self._active.failed = entry, None
         try:
-            out = self.model(input_ids=entry.input_ids, attention_mask=None, use_cache=False, return_dict=True)
-        except Exception as e:
-            if not capturing:
+            out = self.model(input_ids=entry.input_ids, attention_mask=None, use_cache=False, return_dict=True,
+                             output_hidden_states=False, output_attentions=False)
+        except Exception:
+            failed = self._active.failed
+            if failed is None:  # not the capture (out of memory in the head, say): the engine reports it
                 raise
-            self.off = f"capturing a forward of {shape[0]} x {shape[1]} failed: {e}"
-            log.warning("CUDA graphs are off, every forward runs eagerly: %s", self.off)
+            # The first line: CUDA's messages go on with generic debugging advice.
+            reason = str(failed.__cause__ or failed).strip().splitlines()[0]
+            self._turn_off(f"capturing a forward of {shape[0]} x {shape[1]} failed: {reason}")
             return None
         finally:
             self._active.entry = None
         if capturing:
+            if entry.graph is None:  # the model's forward never called its decoder
+                self._turn_off("the model's forward does not call the module get_decoder() returns")
+                return None
             self._graphs[shape] = entry
             log.info("captured the decoder's CUDA graph for %d x %d tokens (%d of at most %d shapes)", shape[0],
                      shape[1], len(self._graphs), self.max_shapes)
         return out.logits
+
+    def _turn_off(self, why: str) -> None:
+        self.off = why
+        kept = f"; the {len(self._graphs)} shapes captured before keep replaying" if self._graphs else ""
+        log.warning("CUDA graphs: no further shape is captured, they run eagerly%s. %s. This model cannot be "
+                    "captured as it is: run without --cuda-graphs to silence this", kept, why)
 
     def _stand_in(self, *args, **kwargs):
         """The decoder's forward: the plain one outside `logits`, a capture or a replay inside."""
@@ -107,34 +139,63 @@ class ForwardGraphs:
         if entry is None:
             return self._decoder_forward(*args, **kwargs)
         if entry.graph is None:
-            self._capture(entry, args, kwargs)
+            try:
+                self._capture(entry, args, kwargs)
+            except _CaptureFailed as e:  # noted here too: the model's code might wrap the exception
+                self._active.failed = e
+                raise
         entry.graph.replay()
         return entry.output
 
     def _capture(self, entry: _Graph, args: tuple, kwargs: dict) -> None:
+        """Captures the decoder called with `args`/`kwargs` into `entry`; _CaptureFailed if it cannot be."""
         # A graph reads its inputs at the addresses it was captured with: any tensor the
-        # model made for its decoder in this call (position ids, say) would be stale later.
-        stray = [name for name, value in list(enumerate(args)) + list(kwargs.items())
-                 if isinstance(value, torch.Tensor) and value is not entry.input_ids]
-        if stray:
-            raise RuntimeError(f"the model passes its decoder tensors other than the input ids ({stray})")
+        # model made for its decoder in this call (position ids, say), or an object holding
+        # some, would be stale later.
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and leaf is not entry.input_ids:
+                raise _CaptureFailed(f"the model passes its decoder a tensor besides the input ids "
+                                     f"({tuple(leaf.shape)} {leaf.dtype})")
+            if not isinstance(leaf, (torch.Tensor, *_PLAIN)):
+                raise _CaptureFailed(f"the model passes its decoder a {type(leaf).__name__}")
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self._stream):
-            self._decoder_forward(*args, **kwargs)  # lazy initialisations happen here, not in the capture
+            try:
+                self._decoder_forward(*args, **kwargs)  # lazy initialisations happen here, not in the capture
+            except Exception as e:
+                raise _CaptureFailed(f"the decoder's warm-up forward failed: {e}") from e
             # thread_local: the announcer and sender threads keep using CUDA meanwhile. No
             # device-wide sync either (torch.cuda.graph makes one): a send to a dead student
             # would never let it finish.
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 output = self._decoder_forward(*args, **kwargs)
-            except BaseException:
-                try:
-                    graph.capture_end()
-                except Exception:  # the capture is already invalid; the first error says why
-                    pass
-                raise
-            graph.capture_end()
+            except Exception as e:
+                self._abandon(graph)
+                raise _CaptureFailed(str(e)) from e
+            try:
+                graph.capture_end()
+            except Exception as e:
+                self._abandon(graph)
+                raise _CaptureFailed(str(e)) from e
         current.wait_stream(self._stream)
         entry.graph, entry.output = graph, output
+
+    def _abandon(self, graph: torch.cuda.CUDAGraph) -> None:
+        """Ends a capture that failed, leaving the allocator as it was.
+
+        capture_end checks the capture's status before it tells the caching allocator that
+        the capture is over, so after an invalidated capture the allocator would think one
+        still runs, for good: memory freed on another stream (every NCCL send's) would never
+        be reused, and it would not free its cache before giving up with out of memory.
+        """
+        try:
+            graph.capture_end()
+        except Exception:  # the capture is already invalid; the caller reports why
+            pass
+        try:
+            torch._C._cuda_endAllocateToPool(self.device.index, self._pool)
+        except Exception as e:  # ended already (capture_end got that far), or a torch without it
+            log.debug("ending the allocator's capture after a failed one: %s", e)

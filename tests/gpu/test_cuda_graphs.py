@@ -24,10 +24,25 @@ def pinned_batch(vocab: int, rows: int, seq: int, seed: int) -> tuple[torch.Tens
 
 @pytest.fixture(scope="module")
 def runners():
+    tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
-    eager = ModelRunner("builtin:tiny", "cuda:0", "float32")
-    graphed = ModelRunner("builtin:tiny", "cuda:0", "float32", cuda_graphs=2)
-    return eager, graphed
+    yield ModelRunner("builtin:tiny", "cuda:0", "float32"), ModelRunner("builtin:tiny", "cuda:0", "float32",
+                                                                        cuda_graphs=2)
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def reserved_growth_after_stream_frees(blocks: int = 8, size: int = 256 << 20) -> int:
+    """Bytes the allocator reserves for `blocks` allocations, each freed after use on another
+    stream (as every NCCL send's tensors are): about one block when it reuses them."""
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    for _ in range(blocks):
+        block = torch.empty(size, dtype=torch.uint8, device="cuda")
+        block.record_stream(side)
+        del block
+    torch.cuda.synchronize()
+    return torch.cuda.memory_reserved() - before
 
 
 def test_replays_equal_the_eager_forward_on_new_inputs(runners):
@@ -96,6 +111,9 @@ def test_a_model_that_syncs_in_its_forward_falls_back_to_eager():
         assert (got - reference.forward(ids, mask, hidden=False).logits).abs().max().item() <= 1e-5
     assert runner.graphs.shapes == 0
     assert "capturing a forward of 2 x 33 failed" in runner.graphs.off
+    # The failed capture is over for the allocator too: it reuses memory freed on other
+    # streams (left thinking a capture runs, it reserved all 8 blocks, for good).
+    assert reserved_growth_after_stream_frees() <= 2 * (256 << 20)
 
 
 def serve_one_student(tmp_path, device: str, batches: int) -> tuple[dict, dict]:
