@@ -113,7 +113,8 @@ class ForwardGraphs:
             if failed is None:  # not the capture (out of memory in the head, say): the engine reports it
                 raise
             # The first line: CUDA's messages go on with generic debugging advice.
-            reason = str(failed.__cause__ or failed).strip().splitlines()[0]
+            error = failed.__cause__ or failed
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
             self._turn_off(f"capturing a forward of {shape[0]} x {shape[1]} failed: {reason}")
             return None
         finally:
