@@ -62,6 +62,11 @@ def write_config(path: Path, shape: dict) -> str:
     return f"random:{path}"
 
 
+def small_teacher_spec() -> str:
+    """The student's 1.5B shape as a small teacher (random weights): benches of the forward alone."""
+    return write_config(Path(tempfile.mkdtemp()) / "1.5b", STUDENT_SHAPE)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=2)

@@ -38,7 +38,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
@@ -50,39 +49,34 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the server does
 import torch  # noqa: E402
 
-from bench.distill_pipeline import STUDENT_SHAPE, write_config  # noqa: E402
+from bench.distill_pipeline import small_teacher_spec  # noqa: E402
 from bench.table import emit  # noqa: E402
 from bench.transport_throughput import BYTES_PER_TOKEN, VOCAB, batch_shape  # noqa: E402
+from teacher_server.engine import pack  # noqa: E402
 from teacher_server.model_runner import ModelRunner  # noqa: E402
 
 LINK_GBPS = 358.0  # raw NCCL GPU0 -> GPU1 at 256 MiB (docs/performance.md, ../DESIGN.md)
 
 
-def one_forward(runner: ModelRunner, batches: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, float]]:
-    """The engine's work for one forward (teacher_server/engine.py `_execute`), timed in parts."""
+def one_forward(runner: ModelRunner, batches: list[tuple[torch.Tensor, torch.Tensor]]
+                ) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """The engine's work for one forward of (ids, mask) batches (teacher_server/engine.py
+    `_execute`), timed in parts."""
     t0 = time.perf_counter()
-    rows = sum(b.shape[0] for b in batches)
-    seq = max(b.shape[1] for b in batches)
-    input_ids = torch.zeros(rows, seq, dtype=torch.int64, pin_memory=True)
-    mask = torch.zeros(rows, seq, dtype=torch.int64, pin_memory=True)
-    row = 0
-    for b in batches:
-        input_ids[row:row + b.shape[0], :b.shape[1]] = b
-        mask[row:row + b.shape[0], :b.shape[1]] = 1
-        row += b.shape[0]
+    input_ids, mask = pack(batches, pinned=True)
     t1 = time.perf_counter()
     out = runner.forward(input_ids, mask, hidden=False)
     t2 = time.perf_counter()
     kept, row = [], 0
-    for b in batches:
-        kept.append(out.logits[row:row + b.shape[0], :b.shape[1]].to(torch.bfloat16).contiguous())
-        row += b.shape[0]
+    for ids, _ in batches:
+        kept.append(out.logits[row:row + ids.shape[0], :ids.shape[1]].to(torch.bfloat16).contiguous())
+        row += ids.shape[0]
     t3 = time.perf_counter()
     return kept, {"pack": t1 - t0, "launch": t2 - t1, "slice": t3 - t2, "host": t3 - t0}
 
 
 def measure(runner: ModelRunner, k: int, ids: torch.Tensor, forwards: int, hold: int) -> dict[str, float]:
-    batches = [ids] * k
+    batches = [(ids, torch.ones_like(ids))] * k
     held: deque = deque(maxlen=hold)
     for _ in range(3):  # warm-up: kernels of this shape load on first use
         held.append(one_forward(runner, batches)[0])
@@ -138,7 +132,7 @@ def graphs_check(runners: dict, vocab: int) -> str:
     """The graphed runner's logits against the eager runner's, on new ids of every shape it captured."""
     graphs = runners["graphs"].graphs
     worst = 0.0
-    for shape in list(graphs._graphs):
+    for shape in graphs.captured:
         ids = torch.randint(0, vocab, shape).pin_memory()
         mask = torch.ones_like(ids)
         want = runners["eager"].forward(ids, mask, hidden=False).logits
@@ -153,7 +147,7 @@ def profile(runner: ModelRunner, name: str, k: int, ids: torch.Tensor, folder: s
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     os.makedirs(folder, exist_ok=True)
-    batches = [ids] * k
+    batches = [(ids, torch.ones_like(ids))] * k
     held: deque = deque(maxlen=4)
     for _ in range(3):
         held.append(one_forward(runner, batches)[0])
@@ -187,7 +181,7 @@ def main() -> int:
     p.add_argument("--out", default="")
     args = p.parse_args()
     rows, seq = batch_shape(args.size_mib << 20)
-    spec = "builtin:wide" if args.model == "wide" else write_config(Path(tempfile.mkdtemp()) / "1.5b", STUDENT_SHAPE)
+    spec = "builtin:wide" if args.model == "wide" else small_teacher_spec()
     runners = {"eager": ModelRunner(spec, args.device, "bfloat16")}
     if args.cuda_graphs:
         runners["graphs"] = ModelRunner(spec, args.device, "bfloat16", cuda_graphs=args.cuda_graphs)

@@ -59,13 +59,10 @@ def attention_kernel_us(fn, calls: int) -> float:
 
 
 def decoder_rows(rows: int = 7, seq: int = 1046, iters: int = 10) -> list[str]:
-    import tempfile
-
-    from bench.distill_pipeline import STUDENT_SHAPE, write_config
+    from bench.distill_pipeline import small_teacher_spec
     from distill_common.models import load_causal_lm
 
-    spec = write_config(Path(tempfile.mkdtemp()) / "1.5b", STUDENT_SHAPE)
-    model = load_causal_lm(spec, device=torch.device("cuda"), dtype=torch.bfloat16).eval()
+    model = load_causal_lm(small_teacher_spec(), device=torch.device("cuda"), dtype=torch.bfloat16).eval()
     decoder = model.get_decoder()
     ids = torch.randint(0, model.config.vocab_size, (rows, seq), device="cuda")
 

@@ -82,6 +82,11 @@ class ForwardGraphs:
         decoder.forward = self._stand_in  # an instance attribute: Module.__call__ finds it first
 
     @property
+    def captured(self) -> tuple[tuple[int, ...], ...]:
+        """The pack shapes replayed from a graph."""
+        return tuple(self._graphs)
+
+    @property
     def shapes(self) -> int:
         return len(self._graphs)
 

@@ -35,6 +35,26 @@ from teacher_server.sessions import Batch, Session
 
 log = logging.getLogger(__name__)
 
+def pack(batches: list[tuple[torch.Tensor, torch.Tensor]], pinned: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward's ids and mask: the (ids, mask) batches one after the other, rows right-padded.
+
+    Pinned (for a CUDA model): the copy to the device is then truly asynchronous. From
+    pageable memory it would wait for the device to finish the previous forward, and the
+    engine could not launch one forward while the other runs.
+    """
+    rows = sum(ids.shape[0] for ids, _ in batches)
+    seq = max(ids.shape[1] for ids, _ in batches)
+    input_ids = torch.zeros(rows, seq, dtype=torch.int64, pin_memory=pinned)
+    mask = torch.zeros(rows, seq, dtype=torch.int64, pin_memory=pinned)
+    row = 0
+    for ids, batch_mask in batches:
+        b, s = ids.shape
+        input_ids[row:row + b, :s] = ids
+        mask[row:row + b, :s] = batch_mask
+        row += b
+    return input_ids, mask
+
+
 @dataclass
 class _Planned:
     session: Session
@@ -425,18 +445,10 @@ class Engine:
         if not computed:  # every batch came from the cache: no forward to wait for or count
             self._hand_to_announcer(time.monotonic(), 0, [self._send(p, p.cached, derived) for p in plan])
             return
-        rows = sum(p.batch.input_ids.shape[0] for p in computed)
-        seq = max(p.batch.input_ids.shape[1] for p in computed)
-        # Pinned: the copy to the device is then truly asynchronous. From pageable memory
-        # it would wait for the device to finish the previous forward, and the engine
-        # could not launch one forward while the other runs.
-        pinned = self.runner.device.type == "cuda"
-        input_ids = torch.zeros(rows, seq, dtype=torch.int64, pin_memory=pinned)
-        mask = torch.zeros(rows, seq, dtype=torch.int64, pin_memory=pinned)
-        for p in computed:
-            b, s = p.batch.input_ids.shape
-            input_ids[p.row:p.row + b, :s] = p.batch.input_ids
-            mask[p.row:p.row + b, :s] = p.batch.attention_mask
+        # `computed` is in row order (_pick gives each its rows in turn).
+        input_ids, mask = pack([(p.batch.input_ids, p.batch.attention_mask) for p in computed],
+                               pinned=self.runner.device.type == "cuda")
+        rows, seq = input_ids.shape
         wanted = [p.session for p in plan]
         if self.cache.enabled:  # entries keep every layer a live session asks, so later ones hit
             wanted += self.sessions()
