@@ -1,0 +1,292 @@
+"""The scheduler alone: fair share by weight, admission, bounds, shared work.
+
+No server, no threads, no torch: sessions and batches are small stand-ins with the
+fields the scheduler reads, and a simulated forward is one `plan()` whose sends
+complete before the next (`sent()` at once) unless a test holds them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+
+import pytest
+
+from teacher_server.errors import InvalidArgument, ResourceExhausted
+from teacher_server.scheduler import Scheduler
+
+ROWS, SEQ = 1, 64  # the default batch: 64 tokens
+TOLERANCE = 0.02
+
+_keys = itertools.count()
+
+
+@dataclass
+class FakeSession:
+    session_id: str
+    job_id: str
+    weight: float = 1.0
+    max_inflight: int = 4
+
+
+@dataclass
+class FakeBatch:
+    key: bytes
+    rows: int = ROWS
+    seq_len: int = SEQ
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.seq_len
+
+
+def batch(rows: int = ROWS, seq_len: int = SEQ, key: bytes | None = None) -> FakeBatch:
+    """A batch of its own content unless `key` says it is identical to another."""
+    return FakeBatch(key if key is not None else f"batch-{next(_keys)}".encode(), rows, seq_len)
+
+
+def joined(scheduler: Scheduler, *sessions: FakeSession) -> list[FakeSession]:
+    for session in sessions:
+        scheduler.admit(session)
+        scheduler.ready(session)
+    return list(sessions)
+
+
+def fill(scheduler: Scheduler, sessions: list[FakeSession]) -> None:
+    for session in sessions:
+        while scheduler.queued(session) < session.max_inflight:
+            scheduler.submit(session, batch())
+
+
+def forwards(scheduler: Scheduler, sessions: list[FakeSession], count: int) -> list[list]:
+    """`count` forwards while `sessions` keep their queues full: each submits its next
+    batches while the last ones are being sent (so it is never idle), and the sends
+    complete before the next forward."""
+    plans = []
+    for _ in range(count):
+        fill(scheduler, sessions)
+        plan = scheduler.plan()
+        fill(scheduler, sessions)
+        for planned in plan:
+            scheduler.sent(planned.session)
+        plans.append(plan)
+    return plans
+
+
+def tokens_by(plans: list[list], key) -> dict[str, int]:
+    tokens: dict[str, int] = defaultdict(int)
+    for plan in plans:
+        for planned in plan:
+            tokens[key(planned.session)] += planned.batch.tokens
+    return tokens
+
+
+def by_job(plans):
+    return tokens_by(plans, lambda s: s.job_id)
+
+
+def test_the_scheduler_imports_without_torch():
+    code = "import sys, teacher_server.scheduler; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "teacher_server.scheduler imports torch"
+
+
+# ---- fair share ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (1.0, 3.0), (3.0, 1.0)])
+def test_jobs_share_by_weight(weights):
+    scheduler = Scheduler(max_batch_tokens=4 * ROWS * SEQ, max_sessions=8)
+    sessions = joined(scheduler, *(FakeSession(f"s{i}", f"job-{i}", weight) for i, weight in enumerate(weights)))
+    tokens = by_job(forwards(scheduler, sessions, 1000))
+    ratio = tokens["job-1"] / tokens["job-0"]
+    expected = weights[1] / weights[0]
+    assert abs(ratio - expected) / expected < TOLERANCE, (dict(tokens), expected)
+
+
+def test_a_job_of_two_ranks_gets_the_share_of_its_weight_split_between_its_ranks():
+    scheduler = Scheduler(max_batch_tokens=4 * ROWS * SEQ, max_sessions=8)
+    sessions = joined(scheduler, FakeSession("a", "job-a"), FakeSession("b0", "job-b"), FakeSession("b1", "job-b"),
+                      FakeSession("c", "job-c", weight=2.0))
+    plans = forwards(scheduler, sessions, 1000)
+    jobs, ranks = by_job(plans), tokens_by(plans, lambda s: s.session_id)
+    for job, share in (("job-b", 1.0), ("job-c", 2.0)):
+        assert abs(jobs[job] / jobs["job-a"] - share) / share < TOLERANCE, dict(jobs)
+    assert abs(ranks["b1"] / ranks["b0"] - 1) < TOLERANCE, dict(ranks)
+
+
+@pytest.mark.parametrize("others_idle", [False, True], ids=["others-busy", "others-idle"])
+def test_a_job_joining_late_gets_its_share_from_then_on_not_a_burst(others_idle):
+    scheduler = Scheduler(max_batch_tokens=4 * ROWS * SEQ, max_sessions=8)
+    early = joined(scheduler, FakeSession("a", "job-a"))
+    forwards(scheduler, early, 500)
+    if others_idle:  # job-a's queue runs dry before job-b joins: no busy job to start level with
+        forwards(scheduler, [], 1)
+    sessions = joined(scheduler, FakeSession("b", "job-b")) + early  # job-b submits first
+    plans = forwards(scheduler, sessions, 500)
+    # From its first forward on, the newcomer is never more than one batch ahead...
+    seen: dict[str, int] = defaultdict(int)
+    for plan in plans:
+        for job, tokens in by_job([plan]).items():
+            seen[job] += tokens
+        assert seen["job-b"] <= seen["job-a"] + ROWS * SEQ, dict(seen)
+    # ...and gets its fair share over the whole time.
+    assert abs(seen["job-b"] / seen["job-a"] - 1) < TOLERANCE, dict(seen)
+
+
+def test_a_job_idle_for_a_while_comes_back_at_the_busy_jobs_clock():
+    scheduler = Scheduler(max_batch_tokens=4 * ROWS * SEQ, max_sessions=8)
+    a, b = joined(scheduler, FakeSession("a", "job-a"), FakeSession("b", "job-b"))
+    forwards(scheduler, [a, b], 100)
+    forwards(scheduler, [a], 500)  # b submits nothing: its queue empties, it is idle
+    seen: dict[str, int] = defaultdict(int)
+    for plan in forwards(scheduler, [a, b], 100):
+        for job, tokens in by_job([plan]).items():
+            seen[job] += tokens
+        assert seen["job-b"] <= seen["job-a"] + ROWS * SEQ, dict(seen)
+
+
+def test_a_job_still_busy_keeps_its_clock_when_it_submits_again():
+    # One batch per forward. job-a's first batch stays unsent while job-b gets ten
+    # forwards: job-a was busy all along, behind rather than idle, so it gets the next ten.
+    scheduler = Scheduler(max_batch_tokens=ROWS * SEQ, max_sessions=8)
+    b, a = joined(scheduler, FakeSession("b", "job-b"), FakeSession("a", "job-a", max_inflight=1))
+    scheduler.submit(a, batch())
+    [planned] = scheduler.plan()
+    assert planned.session is a
+    forwards(scheduler, [b], 10)
+    scheduler.submit(a, batch())  # while its first batch is still being sent
+    scheduler.sent(a)
+    plans = forwards(scheduler, [a, b], 10)
+    assert [[p.session.session_id for p in plan] for plan in plans] == [["a"]] * 10
+
+
+# ---- no starvation ---------------------------------------------------------------------
+
+
+def longest_wait(plans: list[list], session: FakeSession) -> int:
+    """The most forwards in a row, from the first, that did not plan `session`."""
+    longest = waiting = 0
+    for plan in plans:
+        waiting = 0 if any(p.session is session for p in plan) else waiting + 1
+        longest = max(longest, waiting)
+    return longest
+
+
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (1.0, 100.0), (100.0, 1.0)])
+def test_every_session_with_work_is_planned_within_a_bounded_number_of_forwards(weights):
+    batches_per_forward = 4
+    scheduler = Scheduler(max_batch_tokens=batches_per_forward * ROWS * SEQ, max_sessions=8)
+    sessions = joined(scheduler, FakeSession("low-0", "job-0", weights[0]), FakeSession("low-1", "job-0", weights[0]),
+                      FakeSession("high", "job-1", weights[1]))
+    plans = forwards(scheduler, sessions, 2000)
+    # A rank of a job whose share is w of W (weights) and who has R ranks gets a batch
+    # every (W / w) * R batches; one forward more for rounding.
+    total = sum(weights)
+    bounds = {"low-0": total / weights[0] * 2, "low-1": total / weights[0] * 2, "high": total / weights[1]}
+    for session in sessions:
+        assert longest_wait(plans, session) <= bounds[session.session_id] / batches_per_forward + 1, session
+
+
+def test_a_batch_larger_than_the_budget_runs_alone_and_is_not_starved_by_small_ones():
+    scheduler = Scheduler(max_batch_tokens=4 * ROWS * SEQ, max_sessions=8)
+    small, large = joined(scheduler, FakeSession("small", "job-small"), FakeSession("large", "job-large"))
+    for _ in range(4):
+        scheduler.submit(large, batch(rows=2, seq_len=5 * SEQ))
+    plans = forwards(scheduler, [small], 40)
+    with_large = [plan for plan in plans if any(p.session is large for p in plan)]
+    assert len(with_large) == 4
+    assert all(len(plan) == 1 for plan in with_large), "a batch over the budget shares its forward"
+
+
+# ---- bounds ---------------------------------------------------------------------------
+
+
+def test_a_session_has_at_most_max_inflight_batches_planned_or_sending():
+    scheduler = Scheduler(max_batch_tokens=100 * ROWS * SEQ, max_sessions=8)
+    [session] = joined(scheduler, FakeSession("s", "job", max_inflight=2))
+    for _ in range(5):
+        scheduler.submit(session, batch())
+    assert len(scheduler.plan()) == 2
+    assert scheduler.plan() == [], "planned while its sends were still in flight"
+    scheduler.sent(session)
+    assert len(scheduler.plan()) == 1
+    assert scheduler.queued(session) == 2
+
+
+def test_a_forward_holds_batches_up_to_the_token_budget_padding_included():
+    scheduler = Scheduler(max_batch_tokens=500, max_sessions=8)
+    a, b = joined(scheduler, FakeSession("a", "job-a", max_inflight=8), FakeSession("b", "job-b"))
+    for _ in range(5):
+        scheduler.submit(a, batch(rows=2, seq_len=100))  # 200 tokens each
+    assert [p.batch.tokens for p in scheduler.plan()] == [200, 200]
+    assert len(scheduler.plan()) == 2
+    assert len(scheduler.plan()) == 1
+    # 1 x 100 and 1 x 300 are 400 tokens, but packed they pad to 2 x 300 = 600.
+    scheduler.submit(a, batch(rows=1, seq_len=100))
+    scheduler.submit(b, batch(rows=1, seq_len=300))
+    assert len(scheduler.plan()) == 1
+    assert len(scheduler.plan()) == 1
+
+
+def test_only_sessions_whose_group_formed_are_planned():
+    scheduler = Scheduler(max_batch_tokens=4 * ROWS * SEQ, max_sessions=8)
+    session = FakeSession("s", "job")
+    scheduler.admit(session)
+    scheduler.submit(session, batch())
+    assert scheduler.plan() == []
+    scheduler.ready(session)
+    assert len(scheduler.plan()) == 1
+
+
+def test_admission_stops_at_max_sessions():
+    scheduler = Scheduler(max_batch_tokens=ROWS * SEQ, max_sessions=2)
+    first, _ = joined(scheduler, FakeSession("a", "job-a"), FakeSession("b", "job-b"))
+    with pytest.raises(ResourceExhausted, match="already serves 2 sessions"):
+        scheduler.admit(FakeSession("c", "job-c"))
+    scheduler.remove(first)
+    scheduler.admit(FakeSession("c", "job-c"))
+
+
+def test_every_rank_of_a_job_gives_the_same_weight():
+    scheduler = Scheduler(max_batch_tokens=ROWS * SEQ, max_sessions=8)
+    scheduler.admit(FakeSession("r0", "job", weight=2.0))
+    with pytest.raises(InvalidArgument, match="already has weight 2.*same weight"):
+        scheduler.admit(FakeSession("r1", "job", weight=1.0))
+    scheduler.admit(FakeSession("r1", "job", weight=2.0))
+
+
+# ---- shared work -----------------------------------------------------------------------
+
+
+def test_identical_batches_in_one_forward_share_rows_outside_the_budget():
+    scheduler = Scheduler(max_batch_tokens=2 * ROWS * SEQ, max_sessions=8)
+    a, b, c = joined(scheduler, FakeSession("a", "job-a"), FakeSession("b", "job-b"), FakeSession("c", "job-c"))
+    scheduler.submit(a, batch(key=b"same"))
+    scheduler.submit(b, batch(key=b"same"))
+    scheduler.submit(c, batch())
+    plan = {p.session.session_id: p for p in scheduler.plan()}
+    assert set(plan) == {"a", "b", "c"}, "the shared batch took room in the budget"
+    assert plan["a"].computed and not plan["b"].computed
+    assert plan["b"].row == plan["a"].row and plan["b"].cached is None
+    assert plan["c"].computed and plan["c"].row == ROWS
+
+
+def test_cache_hits_need_no_rows():
+    scheduler = Scheduler(max_batch_tokens=ROWS * SEQ, max_sessions=8)
+    a, b = joined(scheduler, FakeSession("a", "job-a"), FakeSession("b", "job-b"))
+    scheduler.submit(a, batch(key=b"cached"))
+    scheduler.submit(b, batch())
+    asked = []
+
+    def lookup(session, batch):
+        asked.append(session.session_id)
+        return "outputs" if batch.key == b"cached" else None
+
+    plan = {p.session.session_id: p for p in scheduler.plan(lookup)}
+    assert set(plan) == {"a", "b"}, "the cache hit took room in the budget"
+    assert not plan["a"].computed and plan["a"].cached == "outputs"
+    assert plan["b"].computed and plan["b"].row == 0
+    assert sorted(asked) == ["a", "b"]
