@@ -86,11 +86,12 @@ class TeacherService:
         session.next_batch_id += 1
         try:
             # Queued batches are what a session can pile up here; batches already computed
-            # and being sent are bounded by the engine, which schedules no more than
+            # and being sent are bounded by the scheduler, which plans no more than
             # max_inflight of a session. (Counting sends too would race the student, which
             # sees its receive finish a moment before the teacher sees its send finish.)
-            if len(session.pending) >= session.max_inflight:
-                raise ResourceExhausted(f"session already has {len(session.pending)} batches queued (its "
+            queued = self.engine.queued(session)
+            if queued >= session.max_inflight:
+                raise ResourceExhausted(f"session already has {queued} batches queued (its "
                                         f"max_inflight, at most the teacher's --max-inflight {self.config.max_inflight}); "
                                         "receive outputs before submitting more")
             batch = self._decode_batch(request)

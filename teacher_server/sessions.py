@@ -1,4 +1,4 @@
-"""What the teacher knows of one student session, and the batches it has queued.
+"""What the teacher knows of one student session, and of one batch it submitted.
 
 Glossary: a *job* is a student training run (one or more processes); a *session*
 is one process of that job joined to the teacher, with its own process group.
@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import functools
 import secrets
-import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +41,14 @@ class Batch:
         return batch_key(self.input_ids, self.attention_mask)
 
     @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
     def tokens(self) -> int:
         return self.input_ids.numel()
 
@@ -62,21 +68,14 @@ class Session:
     # Only the admitted student learns the prefix, so only it can form the group.
     store_prefix: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     state: str = "connecting"  # connecting -> ready -> draining -> closed | failed
-    group: object = None
-    pending: deque = field(default_factory=deque)  # Batch, validated, not yet run
     next_batch_id: int = 0
     batches_submitted: int = 0
     batches_sent: int = 0
-    batches_sending: int = 0  # forwarded, transfer not yet complete
     tokens_served: int = 0
     bytes_sent: int = 0
-    # Tokens the engine has scheduled for this session: orders the ranks of one job (the
-    # fair share between jobs runs on the job's clock, in the engine).
-    virtual_tokens: float = 0.0
     last_heartbeat: float = field(default_factory=time.monotonic)
     created: float = field(default_factory=time.monotonic)
     failure: str = ""
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def inflight(self) -> int:
