@@ -61,7 +61,7 @@ LINK_GBPS = 358.0  # raw NCCL GPU0 -> GPU1 at 256 MiB (docs/performance.md, ../D
 def one_forward(runner: ModelRunner, batches: list[tuple[torch.Tensor, torch.Tensor]]
                 ) -> tuple[list[torch.Tensor], dict[str, float]]:
     """The engine's work for one forward of (ids, mask) batches (teacher_server/engine.py
-    `_execute`), timed in parts."""
+    `Engine._forward`), timed in parts."""
     t0 = time.perf_counter()
     input_ids, mask = pack(batches, pinned=True)
     t1 = time.perf_counter()
