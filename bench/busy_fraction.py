@@ -1,4 +1,4 @@
-"""Teacher busy fraction while two student jobs saturate it (issue 5's bar: >= 90%).
+"""Teacher busy fraction while two student jobs saturate it (the bar: >= 90%).
 
 A Llama-3-8B-shaped teacher (random weights, bf16) is served on --teacher-gpu. Two
 student jobs, each a process of its own on --student-gpu, keep --inflight batches of
@@ -8,8 +8,8 @@ every --sample-s for --window-s: `teacher_busy_fraction` (time in forward over w
 time, last 10 s), the forward time and each job's tokens/s. Prints a table (and
 writes it to --out).
 
-    python bench/busy_fraction.py --out busy.md
-    python bench/busy_fraction.py --model builtin:tiny --teacher-device cpu --student-device cpu \
+    python -m bench.busy_fraction --out busy.md
+    python -m bench.busy_fraction --model builtin:tiny --teacher-device cpu --student-device cpu \
         --seq 64 --warmup-s 2 --window-s 4     # a smoke run of the script itself, on CPU
 """
 
@@ -26,9 +26,6 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the programs do
 import torch  # noqa: E402
@@ -78,8 +75,7 @@ class _Student:
     """A student process whose output is read (and kept) by a thread, so it never blocks on a full pipe."""
 
     def __init__(self, command: list[str], env: dict):
-        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     cwd=ROOT)
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: queue.Queue = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -140,7 +136,7 @@ def main() -> int:
         return student(args)
 
     from bench.distill_pipeline import TEACHER_SHAPE, write_config
-    from tests.helpers import ServerProcess, child_env, metrics_samples
+    from teacher_server.launcher import ServerProcess, child_env, metrics_samples
 
     tmp = Path(tempfile.mkdtemp())
     teacher_spec = args.model or write_config(tmp / "teacher", TEACHER_SHAPE)
@@ -156,7 +152,7 @@ def main() -> int:
     try:
         for job in JOBS:
             students.append(_Student(
-                [sys.executable, str(Path(__file__).resolve()), "--student", "--address", server.address,
+                [sys.executable, "-m", "bench.busy_fraction", "--student", "--address", server.address,
                  "--job-id", job, "--device", args.student_device, "--stop-file", str(stop),
                  "--rows", str(args.rows), "--seq", str(args.seq), "--inflight", str(args.inflight)], child_env()))
         for s in students:

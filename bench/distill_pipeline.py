@@ -9,7 +9,7 @@ checkpointing, 2 x 4096 tokens a step. Three figures, tokens/s:
   pipeline        train steps with the teacher's outputs prefetched (--prefetch ahead)
 The bar is pipeline >= 90% of min(teacher alone, student alone).
 
-    python bench/distill_pipeline.py --steps 12 --out table.md
+    python -m bench.distill_pipeline --steps 12 --out table.md
 """
 
 from __future__ import annotations
@@ -23,9 +23,6 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the programs do
 import torch  # noqa: E402
@@ -87,7 +84,7 @@ def main() -> int:
     from student_trainer.client import TeacherOutput
     from student_trainer.config import TrainConfig
     from student_trainer.train import TeacherPrefetcher, train_micro_batch
-    from tests.helpers import ServerProcess
+    from teacher_server.launcher import ServerProcess
 
     tmp = Path(tempfile.mkdtemp())
     teacher_spec = write_config(tmp / "teacher", TEACHER_SHAPE)

@@ -1,6 +1,6 @@
-"""Issue 2: what one forward of the data-plane bench model costs the teacher's host, on one GPU.
+"""What one forward of the data-plane bench model costs the teacher's host, on one GPU.
 
-    python bench/forward_launch.py --out forward_launch.md [--profile DIR]
+    python -m bench.forward_launch --out forward_launch.md [--profile DIR]
 
 The 256 MiB row of bench/transport_throughput.py is decided by how fast the engine
 launches forwards of builtin:wide (bench/transport_trace.py: 3-8 ms per forward in the
@@ -42,9 +42,6 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the server does
 import torch  # noqa: E402

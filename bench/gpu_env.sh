@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced at the start of every command on the GPU machine: multicast off, the
 # carried wheels (.whl, from ../shared/gpu/wheels.sh) on the path.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

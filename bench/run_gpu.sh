@@ -3,7 +3,9 @@
 # own timeout, each output kept under $OUT:
 #   bash bench/run_gpu.sh stubs e2e tp tpforward transport
 # tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs. Benches: transport,
-# transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, tpsend, launch (one GPU).
+# transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, launch (one GPU).
+# Investigations (bench/investigations/): tpsend.
+# Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
 # shellcheck source=bench/gpu_env.sh
 source bench/gpu_env.sh
@@ -19,34 +21,35 @@ for what in "$@"; do
   echo "=== $what ($(date +%T))"
   case $what in
     # The committed stubs under the image's own grpcio (1.84), not the carried one.
-    stubs) env -u PYTHONPATH python3 -c "import grpc, sys; sys.path.insert(0, '.')
+    stubs) env -u PYTHONPATH python3 -c "import grpc
 from distill_common.proto.teacher.v1 import teacher_pb2, teacher_pb2_grpc
 print('stubs import under grpcio', grpc.__version__)" ;;
     tests) timeout 580 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -15 ;;
     e2e) gpu_test test_nccl_end_to_end 170 ;;
     tp) gpu_test test_tp_gpu 200 ;;
     restart) gpu_test test_restart_nccl 200 ;;
-    # Student faults (issue 4): a student killed with a 1 GiB send in flight; detection and recovery times.
+    # A student killed with a 1 GiB send in flight; detection and recovery times.
     faults) gpu_test test_gpu_faults 200 ;;
     graphs) gpu_test test_cuda_graphs 200 ;;
     # The engine's host time per forward of the bench model, eager and with CUDA graphs (one GPU).
-    launch) timeout 300 python3 bench/forward_launch.py --cuda-graphs 16 --side-threads 0,3 --out "$out/launch.md" 2>&1 | quiet | tail -40 ;;
-    transport) timeout 400 python3 bench/transport_throughput.py --inflight 8,16 --out "$out/transport.md" 2>&1 | quiet | tail -12 ;;
+    launch) timeout 300 python3 -m bench.forward_launch --cuda-graphs 16 --side-threads 0,3 --out "$out/launch.md" 2>&1 | quiet | tail -40 ;;
+    transport) timeout 400 python3 -m bench.transport_throughput --inflight 8,16 --out "$out/transport.md" 2>&1 | quiet | tail -12 ;;
     # The same with the teacher's decoder replayed from CUDA graphs: 64 shapes, as every size
     # packs 1..16 batches per forward and one server serves all four sizes.
-    transportgraphs) timeout 400 python3 bench/transport_throughput.py --inflight 8,16 --cuda-graphs 64 \
+    transportgraphs) timeout 400 python3 -m bench.transport_throughput --inflight 8,16 --cuda-graphs 64 \
                        --out "$out/transport_graphs.md" 2>&1 | quiet | tail -12 ;;
-    pipeline) timeout 500 python3 bench/distill_pipeline.py --out "$out/pipeline.md" 2>&1 | quiet | tail -12 ;;
-    # Two student jobs saturating one teacher (issue 5): teacher_busy_fraction >= 0.90.
-    busy) timeout 500 python3 bench/busy_fraction.py --out "$out/busy.md" 2>&1 | quiet | tail -20 ;;
+    pipeline) timeout 500 python3 -m bench.distill_pipeline --out "$out/pipeline.md" 2>&1 | quiet | tail -12 ;;
+    # Two student jobs saturating one teacher: teacher_busy_fraction >= 0.90.
+    busy) timeout 500 python3 -m bench.busy_fraction --out "$out/busy.md" 2>&1 | quiet | tail -20 ;;
     trace) mkdir -p "$out/trace"
-           timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 128 --inflight 16 --keep "$out/trace" 2>&1 | quiet | head -45 ;;
-    tracegraphs) timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 128 --inflight 16 --cuda-graphs 64 2>&1 | quiet | head -45 ;;
+           timeout 200 python3 -m bench.transport_trace --size-mib 256 --batches 128 --inflight 16 --keep "$out/trace" 2>&1 | quiet | head -45 ;;
+    tracegraphs) timeout 200 python3 -m bench.transport_trace --size-mib 256 --batches 128 --inflight 16 --cuda-graphs 64 2>&1 | quiet | head -45 ;;
     profile) export PATH=/tmp/site/bin:$PATH
-             timeout 200 python3 bench/transport_trace.py --size-mib 256 --batches 1000 --inflight 16 --profile "$out/profile" 2>&1 | quiet | head -20 ;;
-    # Tensor parallelism (issue 5): the TP=2 forward against TP=1, and the send-path choice.
-    tpforward) timeout 200 "${torchrun2[@]}" bench/tp_forward.py --profile "$out/tpprof" --out "$out/tp_forward.md" 2>&1 | quiet | tail -8 ;;
-    tpsend) timeout 300 "${torchrun2[@]}" bench/tp_send_choice.py --out "$out/tp_send.md" 2>&1 | quiet | tail -16 ;;
+             timeout 200 python3 -m bench.transport_trace --size-mib 256 --batches 1000 --inflight 16 --profile "$out/profile" 2>&1 | quiet | head -20 ;;
+    # Tensor parallelism: the TP=2 forward against TP=1.
+    tpforward) timeout 200 "${torchrun2[@]}" -m bench.tp_forward --profile "$out/tpprof" --out "$out/tp_forward.md" 2>&1 | quiet | tail -8 ;;
+    # Gathered logits from rank 0 or a vocabulary shard from each rank (docs/performance.md).
+    tpsend) timeout 300 "${torchrun2[@]}" -m bench.investigations.tp_send_choice --out "$out/tp_send.md" 2>&1 | quiet | tail -16 ;;
     *) echo "unknown step $what" ;;
   esac
 done

@@ -1,6 +1,6 @@
-"""Issue 5: how fast is a tensor-parallel teacher's forward, against one GPU, and why.
+"""How fast is a tensor-parallel teacher's forward, against one GPU, and why.
 
-    python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/tp_forward.py --out tp_forward.md
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m bench.tp_forward --out tp_forward.md
 
 Builds a Llama-3-8B-shaped model (random bfloat16 weights, --layers of them, built on the
 GPU), saves it once, and times its forward as the server calls it (no mask, no cache;
@@ -28,12 +28,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.distill_pipeline import TEACHER_SHAPE, VOCAB  # noqa: E402
-from bench.table import emit  # noqa: E402
-from distill_common.models import load_causal_lm  # noqa: E402
-from teacher_server import parallel  # noqa: E402
+from bench.distill_pipeline import TEACHER_SHAPE, VOCAB
+from bench.table import emit
+from distill_common.models import load_causal_lm
+from teacher_server import parallel
 
 # Llama-3-8B-shaped: the teacher shape of the pipeline bench.
 LLAMA3_8B = dict(vocab_size=VOCAB, max_position_embeddings=8192, **TEACHER_SHAPE)

@@ -12,7 +12,7 @@ Prints a table (and writes it to --out): size, raw GB/s, project GB/s, ratio.
 CUDA graphs: a forward of builtin:wide then costs the engine ~0.6 ms of host time
 instead of ~3, bench/forward_launch.py).
 
-    python bench/transport_throughput.py --sizes-mib 64,256,1024,2048 [--cuda-graphs 64]
+    python -m bench.transport_throughput --sizes-mib 64,256,1024,2048 [--cuda-graphs 64]
 """
 
 from __future__ import annotations
@@ -24,17 +24,13 @@ import os
 import sys
 import time
 from collections import deque
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the programs do
 import torch  # noqa: E402
-
-from bench.table import emit  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+
+from bench.table import emit  # noqa: E402
 
 VOCAB = 128256  # builtin:wide
 BYTES_PER_TOKEN = VOCAB * 2  # bf16 logits
@@ -95,7 +91,7 @@ def stream_batches(teacher, ids: torch.Tensor, count: int) -> float:
 def measure_project(sizes: list[int], iters: int, teacher_gpu: int, student_gpu: int, inflight: int,
                     warmup: int, cuda_graphs: int = 0) -> dict[int, float]:
     from student_trainer import TeacherClient
-    from tests.helpers import ServerProcess
+    from teacher_server.launcher import ServerProcess
 
     # Small batches pack into one forward up to 16k tokens (4 GiB of logits); a
     # 2 GiB batch is a forward of its own.

@@ -7,7 +7,7 @@ median and 90th percentile time after submit(), the median gap between consecuti
 milestones, and the achieved throughput. Optionally samples both processes with
 py-spy (--profile DIR).
 
-    python bench/transport_trace.py --size-mib 256 --batches 64
+    python -m bench.transport_trace --size-mib 256 --batches 64
 """
 
 from __future__ import annotations
@@ -24,9 +24,6 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 TRACE_DIR = tempfile.mkdtemp(prefix="distill-trace-")
 os.environ["DISTILL_TRACE"] = os.path.join(TRACE_DIR, "trace")  # read at import, here and in the teacher
@@ -112,7 +109,7 @@ def main() -> int:
     p.add_argument("--profile", default="", help="write py-spy profiles of both processes into this folder")
     args = p.parse_args()
     from student_trainer import TeacherClient
-    from tests.helpers import ServerProcess
+    from teacher_server.launcher import ServerProcess
 
     if args.switch_interval_s:
         sys.setswitchinterval(args.switch_interval_s)

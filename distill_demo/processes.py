@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-READY = re.compile(r"READY grpc=(\d+) http=(\d+) store=(\d+)")
+from teacher_server.launcher import ServerProcess, ServerStartError, child_env, stop_process
+
 # How long a child gets to exit after SIGTERM before it is killed.
 STOP_TIMEOUT_S = 15.0
 # Lines of a failed child's log quoted in the error.
@@ -33,21 +30,15 @@ class DemoError(RuntimeError):
     """A step of the demo failed; the message says which, and what to look at or change."""
 
 
-def child_env(threads: int) -> dict:
-    """The environment of a child: this checkout importable, unbuffered, `threads` CPU threads.
+def threads_env(threads: int) -> dict:
+    """A child's environment with `threads` CPU threads.
 
     The children share the machine's cores (a teacher and two students at once on two
     cores), so each gets a fixed share rather than all of them spinning up one thread
     per core and fighting over it.
     """
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["OMP_NUM_THREADS"] = str(threads)
-    env["MKL_NUM_THREADS"] = str(threads)
     # The Rust tokenizer's own thread pool would compete with the training threads.
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    return env
+    return child_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
 
 
 def log_tail(path: Path, lines: int = TAIL_LINES) -> str:
@@ -60,17 +51,6 @@ def log_tail(path: Path, lines: int = TAIL_LINES) -> str:
     return "\n".join(f"    | {line}" for line in kept[-lines:] if line.strip())
 
 
-def _stop(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout_s)
-
-
 class TeacherProcess:
     """`python -m teacher_server` on a model directory, on free loopback ports.
 
@@ -81,63 +61,47 @@ class TeacherProcess:
     def __init__(self, model_dir: Path, log_path: Path, *, startup_timeout_s: float, threads: int):
         self.model_dir, self.log_path = model_dir, log_path
         self.startup_timeout_s, self.threads = startup_timeout_s, threads
-        self.grpc_port = self.http_port = self.store_port = 0
-        self._ready = threading.Event()
-        self._proc: subprocess.Popen | None = None
+        self._server: ServerProcess | None = None
 
-    def __enter__(self) -> "TeacherProcess":
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "teacher_server", "--model", str(self.model_dir), "--host", "127.0.0.1",
-             "--port", "0", "--http-port", "0", "--store-port", "0", "--grace-period-s", "5"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(self.threads))
-        # A reader thread both copies the output to the log (so the pipe never fills) and spots READY.
-        self._reader = threading.Thread(target=self._read, name="teacher-log", daemon=True)
-        self._reader.start()
+    def __enter__(self) -> TeacherProcess:
         try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
+            self._server = ServerProcess("--model", str(self.model_dir), "--grace-period-s", "5",
+                                         startup_timeout_s=self.startup_timeout_s, env=threads_env(self.threads),
+                                         log_path=self.log_path)
+        except ServerStartError as e:
+            if e.exit_code is None:
+                raise DemoError(f"the teacher server did not print READY within {self.startup_timeout_s:.0f} s "
+                                f"(raise --startup-timeout-s on a slow machine); end of {self.log_path}:\n"
+                                f"{log_tail(self.log_path)}") from e
+            raise DemoError(f"the teacher server exited with code {e.exit_code} before it was ready; "
+                            f"end of {self.log_path}:\n{log_tail(self.log_path)}") from e
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _read(self) -> None:
-        with open(self.log_path, "w") as log:
-            for line in self._proc.stdout:
-                log.write(line)
-                log.flush()
-                match = READY.search(line)
-                if match and not self._ready.is_set():
-                    self.grpc_port, self.http_port, self.store_port = map(int, match.groups())
-                    self._ready.set()
-        self._ready.set()  # EOF: the process is gone; _wait_ready tells the two apart
-
-    def _wait_ready(self) -> None:
-        if not self._ready.wait(self.startup_timeout_s):
-            raise DemoError(f"the teacher server did not print READY within {self.startup_timeout_s:.0f} s "
-                            f"(raise --startup-timeout-s on a slow machine); end of {self.log_path}:\n"
-                            f"{log_tail(self.log_path)}")
-        if not self.grpc_port:
-            self._reader.join(5)
-            raise DemoError(f"the teacher server exited with code {self._proc.wait(5)} before it was ready; "
-                            f"end of {self.log_path}:\n{log_tail(self.log_path)}")
-
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return self._server.address
+
+    @property
+    def http_port(self) -> int:
+        return self._server.http_port
+
+    @property
+    def store_port(self) -> int:
+        return self._server.store_port
 
     def check_alive(self) -> None:
-        if self._proc.poll() is not None:
-            self._reader.join(5)
-            raise DemoError(f"the teacher server exited with code {self._proc.returncode} while students were "
+        code = self._server.proc.poll()
+        if code is not None:
+            self._server.stop()  # reaps it and reads the rest of its output into the log
+            raise DemoError(f"the teacher server exited with code {code} while students were "
                             f"training; end of {self.log_path}:\n{log_tail(self.log_path)}")
 
     def status(self, timeout_s: float = 5.0) -> dict:
         """GET /v1/status: the model and every connected session's counters."""
-        url = f"http://127.0.0.1:{self.http_port}/v1/status"
+        url = f"{self._server.http}/v1/status"
         request = urllib.request.Request(url)
         # The server and the students take the token from the environment they inherit; so does this.
         if token := os.environ.get("TEACHER_AUTH_TOKEN"):
@@ -150,9 +114,8 @@ class TeacherProcess:
                             f"see {self.log_path}") from e
 
     def stop(self) -> None:
-        if self._proc is not None:
-            _stop(self._proc)
-            self._reader.join(5)
+        if self._server is not None:
+            self._server.stop(timeout_s=STOP_TIMEOUT_S)
 
 
 class TrainerRun:
@@ -174,7 +137,7 @@ class TrainerRun:
         with open(self.log_path, "w") as log:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "student_trainer", "train", "--output-dir", str(run_dir), *args],
-                stdout=log, stderr=subprocess.STDOUT, env=child_env(threads))
+                stdout=log, stderr=subprocess.STDOUT, env=threads_env(threads))
 
     def poll(self) -> int | None:
         code = self._proc.poll()
@@ -208,7 +171,7 @@ class TrainerRun:
         return evals[-1]
 
     def stop(self) -> None:
-        _stop(self._proc)
+        stop_process(self._proc, timeout_s=STOP_TIMEOUT_S)
 
 
 def wait_all(runs: list[TrainerRun], *, timeout_s: float, on_poll: Callable[[], None] = lambda: None,

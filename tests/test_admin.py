@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from student_trainer import TeacherClient
-from tests.helpers import ROOT, ServerProcess, build_tiny_model, child_env
+from teacher_server.launcher import ServerProcess, child_env
+from tests.helpers import ROOT, build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from student_trainer import TeacherClient
 from student_trainer.errors import AuthenticationFailed
-from tests.helpers import ServerProcess, build_tiny_model, child_env
+from teacher_server.launcher import ServerProcess, child_env
+from tests.helpers import build_tiny_model
 
 TOKEN = "s3cret-token"
 

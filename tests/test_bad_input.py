@@ -17,7 +17,8 @@ from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from student_trainer import TeacherClient
 from student_trainer.errors import InvalidRequest, LimitExceeded
-from tests.helpers import ServerProcess, build_tiny_model, start_student, wait_for_line
+from teacher_server.launcher import ServerProcess
+from tests.helpers import build_tiny_model, start_student, wait_for_line
 
 VOCAB = 384
 MAX_SEQ = 64

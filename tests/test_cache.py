@@ -14,8 +14,8 @@ import torch
 
 from student_trainer import TeacherClient
 from teacher_server.cache import BatchOutputs, OutputCache, batch_key
-from tests.helpers import (ServerProcess, build_tiny_model, finish_student, metrics_samples, start_student,
-                           wait_for_line)
+from teacher_server.launcher import ServerProcess, metrics_samples
+from tests.helpers import build_tiny_model, finish_student, start_student, wait_for_line
 
 TOLERANCE = 1e-4
 VOCAB = 384

@@ -18,7 +18,8 @@ import pytest
 from distill_demo.config import DemoConfig
 from distill_demo.processes import DemoError, TrainerRun, wait_all
 from distill_demo.report import GroupStats, StudentResult, kd_beats_ce, loss_table
-from tests.helpers import ROOT, child_env
+from teacher_server.launcher import child_env
+from tests.helpers import ROOT
 
 RESULT = re.compile(r"^RESULT teacher_loss=(\d+\.\d{4}) kd_loss=(\d+\.\d{4}) ce_loss=(\d+\.\d{4})$")
 RUN_TIMEOUT_S = 150

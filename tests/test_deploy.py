@@ -26,7 +26,8 @@ import pytest
 import requests
 import yaml
 
-from tests.helpers import ROOT, ServerProcess, child_env, free_port, wait_until
+from teacher_server.launcher import ServerProcess, child_env
+from tests.helpers import ROOT, free_port, wait_until
 
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"

@@ -11,8 +11,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from student_trainer import TeacherClient
-from tests.helpers import (ServerProcess, build_tiny_model, finish_student, metrics_samples, start_student,
-                           status_sessions, wait_for_line)
+from teacher_server.launcher import ServerProcess, metrics_samples
+from tests.helpers import build_tiny_model, finish_student, start_student, status_sessions, wait_for_line
 
 TOLERANCE = 1e-4
 

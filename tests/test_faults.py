@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from tests.helpers import (ServerProcess, build_tiny_model, finish_student, metrics_samples, start_student,
-                           status_sessions, wait_for_line, wait_until)
+from teacher_server.launcher import ServerProcess, metrics_samples
+from tests.helpers import build_tiny_model, finish_student, start_student, status_sessions, wait_for_line, wait_until
 
 LEASE_S = 3.0
 TRANSFER_TIMEOUT_S = 3.0

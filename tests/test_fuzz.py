@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from student_trainer import TeacherClient
-from tests.helpers import ServerProcess, build_tiny_model
+from teacher_server.launcher import ServerProcess
+from tests.helpers import build_tiny_model
 
 METHODS = ("GetInfo", "Join", "Submit", "Heartbeat", "Leave", "GetStatus")
 EXAMPLES = 150

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from distill_demo.corpus import stdlib_root
 from distill_demo.tokenizer import train_tokenizer
 from student_trainer.errors import Incompatible, TeacherUnavailable
-from tests.helpers import ServerProcess, free_port, wait_until
+from teacher_server.launcher import ServerProcess
+from tests.helpers import free_port, wait_until
 
 pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (pip install '.[hf]')")
 

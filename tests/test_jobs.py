@@ -17,8 +17,8 @@ import pytest
 
 from student_trainer import TeacherClient
 from student_trainer.errors import InvalidRequest, LimitExceeded
-from tests.helpers import (ServerProcess, build_tiny_model, child_env, finish_student, metrics_samples,
-                           start_student, wait_for_line)
+from teacher_server.launcher import ServerProcess, child_env, metrics_samples
+from tests.helpers import build_tiny_model, finish_student, start_student, wait_for_line
 
 TOLERANCE = 1e-4
 JOBS = {"job-a": (1.0, 1), "job-b": (1.0, 2), "job-c": (2.0, 1)}  # weight, ranks

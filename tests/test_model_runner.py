@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from distill_common.models import load_causal_lm
+from teacher_server.launcher import child_env
 from teacher_server.model_runner import ModelRunner
-from tests.helpers import ROOT, child_env
+from tests.helpers import ROOT
 
 
 def test_forward_equals_the_model_with_and_without_padding():

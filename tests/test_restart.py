@@ -24,7 +24,8 @@ from distill_demo.corpus import write_jsonl_corpus
 from distill_demo.tokenizer import train_tokenizer
 from student_trainer import TeacherClient
 from student_trainer.errors import TeacherUnavailable
-from tests.helpers import ROOT, ServerProcess, child_env, status_sessions, wait_until
+from teacher_server.launcher import ServerProcess, child_env
+from tests.helpers import ROOT, status_sessions, wait_until
 from tests.test_trainer import build_llama, read_metrics
 
 VOCAB = 300

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ServerProcess, build_tiny_model, metrics_samples, start_student, status_sessions, wait_until
+from teacher_server.launcher import ServerProcess, metrics_samples
+from tests.helpers import build_tiny_model, start_student, status_sessions, wait_until
 
 DURATION_S = float(os.environ.get("SOAK_DURATION_S", "600"))
 STUDENTS = int(os.environ.get("SOAK_STUDENTS", "8"))

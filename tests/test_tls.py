@@ -24,7 +24,8 @@ from student_trainer import TeacherClient
 from student_trainer.config import TrainConfig
 from student_trainer.errors import AuthenticationFailed, LimitExceeded, TeacherUnavailable
 from teacher_server.config import ServerConfig
-from tests.helpers import ROOT, ServerProcess, build_tiny_model, child_env
+from teacher_server.launcher import ServerProcess, child_env
+from tests.helpers import ROOT, build_tiny_model
 
 TOKEN = "tls-and-token"
 MAX_REQUEST_BYTES = 1 << 20

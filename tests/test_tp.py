@@ -14,8 +14,8 @@ import sys
 import pytest
 import requests
 
-from tests.helpers import (ROOT, ServerProcess, build_tiny_model, child_env, finish_student, free_port, start_student,
-                           wait_until)
+from teacher_server.launcher import ServerProcess, child_env
+from tests.helpers import ROOT, build_tiny_model, finish_student, free_port, start_student, wait_until
 
 TOLERANCE = 1e-4
 SERVER_ARGS = ("--max-batch-tokens", "256", "--max-seq-len", "64", "--grace-period-s", "10")

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from distill_common.vocab import tokenizer_fingerprint
 from distill_demo.corpus import write_jsonl_corpus
 from distill_demo.tokenizer import train_tokenizer
-from tests.helpers import ROOT, ServerProcess, child_env, free_port, metrics_samples, wait_until
+from teacher_server.launcher import ServerProcess, child_env, metrics_samples
+from tests.helpers import ROOT, free_port, wait_until
 
 VOCAB = 400
 SEQ_LEN = 64

@@ -11,8 +11,9 @@ import urllib.request
 import pytest
 import torch
 
+from teacher_server.launcher import ServerProcess
 from teacher_server.model_runner import ModelRunner
-from tests.helpers import ServerProcess, build_tiny_model, finish_student, start_student
+from tests.helpers import build_tiny_model, finish_student, start_student
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -26,8 +26,8 @@ import torch
 
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
-from tests.helpers import (ServerProcess, build_tiny_model, finish_student, start_student, status_sessions,
-                           wait_for_line, wait_until)
+from teacher_server.launcher import ServerProcess
+from tests.helpers import build_tiny_model, finish_student, start_student, status_sessions, wait_for_line, wait_until
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]

@@ -7,7 +7,8 @@ import torch
 
 from student_trainer import TeacherClient
 from student_trainer.errors import Incompatible
-from tests.helpers import ServerProcess, build_tiny_model, finish_student, start_student, wait_for_line
+from teacher_server.launcher import ServerProcess
+from tests.helpers import build_tiny_model, finish_student, start_student, wait_for_line
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from student_trainer import TeacherClient
-from tests.helpers import ServerProcess
+from teacher_server.launcher import ServerProcess
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]

@@ -1,6 +1,6 @@
 """Does each attention kernel run as fast inside a CUDA graph as outside it?
 
-    python bench/sdpa_in_graphs.py [--shape 7,12,2,1046,128] [--decoder]
+    python -m bench.investigations.sdpa_in_graphs [--shape 7,12,2,1046,128] [--decoder]
 
 bench/forward_launch.py found the 1.5B model's decoder 8% slower on the device when
 replayed from a graph, all of it in cuDNN's attention kernel (188 us per call against 75
@@ -19,15 +19,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.table import emit  # noqa: E402
+from bench.table import emit
 
 BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}

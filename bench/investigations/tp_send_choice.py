@@ -1,7 +1,8 @@
-"""Issue 5, point 2: does a tensor-parallel teacher send gathered logits from rank 0, or does
+"""Does a tensor-parallel teacher send gathered logits from rank 0, or does
 each rank send its own vocabulary shard straight to the student?
 
-    python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/tp_send_choice.py --out tp_send.md
+    python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m bench.investigations.tp_send_choice \
+        --out tp_send.md
 
 On two GPUs the teacher (TP=2) takes both, so there is no third GPU for a student; what
 each design costs is measured piece by piece instead, on a Llama-3-8B-shaped teacher
@@ -37,13 +38,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.distill_pipeline import TEACHER_SHAPE, write_config  # noqa: E402
-from bench.table import emit  # noqa: E402
-from distill_common.models import load_causal_lm, model_config  # noqa: E402
-from teacher_server import parallel  # noqa: E402
-from teacher_server.model_runner import output_width  # noqa: E402
+from bench.distill_pipeline import TEACHER_SHAPE, write_config
+from bench.table import emit
+from distill_common.models import load_causal_lm, model_config
+from teacher_server import parallel
+from teacher_server.model_runner import output_width
 
 
 def synchronize() -> None:

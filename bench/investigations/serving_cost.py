@@ -1,6 +1,6 @@
 """CPU time the teacher process spends per batch, by thread, on this machine (no GPU needed).
 
-    python bench/serving_cost.py --batches 2000 --seq 1046
+    python -m bench.investigations.serving_cost --batches 2000 --seq 1046
 
 A teacher server on the CPU serving builtin:tiny (its forward is cheap) and one
 TeacherClient streaming batches of 1 x --seq tokens with 16 in flight, asking for top-1
@@ -17,13 +17,10 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
-
-from bench.table import emit  # noqa: E402
-from bench.transport_throughput import stream_batches  # noqa: E402
+from bench.table import emit
+from bench.transport_throughput import stream_batches
 
 
 def thread_cpu_s(pid: int) -> dict[int, float]:
@@ -45,7 +42,7 @@ def main() -> int:
     p.add_argument("--out", default="")
     args = p.parse_args()
     from student_trainer import TeacherClient
-    from tests.helpers import ServerProcess
+    from teacher_server.launcher import ServerProcess
 
     server = ServerProcess("--model", "builtin:tiny", "--device", "cpu", "--max-batch-tokens", "16384",
                            "--max-seq-len", "4096", "--max-inflight", "16")

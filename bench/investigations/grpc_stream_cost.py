@@ -1,6 +1,6 @@
 """What a grpc.aio server pays per streamed message, answered or not (no GPU, no model).
 
-    python bench/grpc_stream_cost.py --messages 20000
+    python -m bench.investigations.grpc_stream_cost --messages 20000
 
 A grpc.aio server process with one stream-stream method (raw bytes, as the teacher's
 handlers take them) and a client streaming --messages messages of 8 KiB (the ids of a
@@ -16,15 +16,11 @@ import asyncio
 import multiprocessing as mp
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import grpc
 
-import grpc  # noqa: E402
-
-from bench.serving_cost import thread_cpu_s  # noqa: E402
-from bench.table import emit  # noqa: E402
+from bench.investigations.serving_cost import thread_cpu_s
+from bench.table import emit
 
 MODES = {"every message": 1, "every 8th": 8, "none": 0}
 
