@@ -41,7 +41,7 @@ def _skip_packed_sequence_check() -> None:
     Python: a device-to-host sync in every forward, which made the engine wait for the
     device to finish the previous forward before it could launch the next (5 ms per
     forward of a one-layer model on an H200, bench/transport_trace.py). Inside the runner's
-    forward the answer is known, "none"; everywhere else the check runs as before."""
+    forward the answer is known, "none"; everywhere else transformers runs its check."""
     try:
         from transformers import masking_utils
     except ImportError:

@@ -7,13 +7,12 @@ runs the whole server (gRPC, HTTP, the store, the engine); every other rank is a
 rank 0 says stop. At world size 1 none of this exists (`init_world` returns None) and the
 server is the plain one-process program.
 
-What rank 0 broadcasts, and what it does not. The issue's design has rank 0 broadcast every
-engine event (join, batch, leave) so that all ranks also build the same session
-communicators. Here only the forwards are broadcast: the logits come out of the forward
+What rank 0 broadcasts, and what it does not. Rank 0 could broadcast every engine event
+(join, batch, leave) so that all ranks also build the same session communicators. Only the forwards are broadcast: the logits come out of the forward
 gathered (the lm_head's all-gather) and rank 0 alone sends them to the students, so the
 followers take no part in any session group and need to hear of no join or leave. That
 choice (gathered outputs from rank 0 vs. every rank sending its vocabulary shard) is
-measured by bench/tp_send_choice.py; docs/performance.md has the figures.
+measured by bench/investigations/tp_send_choice.py; docs/performance.md has the figures.
 
 Control messages (a 4-number header, then the token ids and mask) travel on a gloo group
 of their own, also on GPUs: a follower waits for the next message on the CPU with a real
@@ -180,7 +179,7 @@ def apply_plan(model, mesh, *, gather_logits: bool = True) -> None:
     """Shards a Llama-family model over `mesh` through torch's parallelize_module.
 
     gather_logits=False leaves each rank its vocabulary shard of the logits (the
-    alternative bench/tp_send_choice.py measures; the server always gathers)."""
+    alternative bench/investigations/tp_send_choice.py measures; the server always gathers)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     base = model.get_decoder() if hasattr(model, "get_decoder") else None
