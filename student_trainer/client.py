@@ -35,12 +35,13 @@ import grpc
 import torch
 
 from distill_common import tracing, wire
+from distill_common.announcements import Announcements
 from distill_common.channel import TeacherUnreachable, channel_credentials, open_channel, wait_until_reachable
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from distill_common.session_group import (STUDENT_RANK, SessionGroup, TransferError, build_group, connect_store,
-                                          device_uuid, handshake, local_address_towards, mark_refused,
-                                          nccl_version, prefix_token, ready_store_of)
+                                          device_uuid, handshake, local_address_towards, nccl_version,
+                                          prefix_token)
 from distill_common.vocab import tokenizer_fingerprint
 from student_trainer.errors import (Incompatible, TeacherError, TeacherUnavailable, TransferFailed, from_rpc_error,
                                     from_status, teacher_gone)
@@ -124,16 +125,14 @@ class _Session:
     the old teacher holds nothing up.
     """
 
-    def __init__(self, joined: pb.JoinResponse, group: SessionGroup, store, wait_store, wake_store):
+    def __init__(self, joined: pb.JoinResponse, group: SessionGroup, store, waiting: Announcements):
         self.joined = joined
         self.session_id = joined.session_id
         self.group = group
         self.store = store  # keeps the connection the group uses alive
-        # The receive thread waits for announcements on a connection of its own: a store
-        # client runs one operation at a time, so a mark made on the same connection to
-        # end that wait (see TeacherClient._wake) would queue behind the wait itself.
-        self.wait_store = wait_store
-        self.wake_store = wake_store  # the ready store on the group's own connection
+        # The receive thread waits for announcements on a connection of its own; the
+        # group's (group.announcements) ends that wait (distill_common/announcements.py).
+        self.waiting = waiting
         self.waiting_on: int | None = None  # the wire id the receive thread waits for
         self.requests: queue.Queue = queue.Queue()  # what the submit stream sends; None ends it
         self.responses = None  # the SubmitStream call
@@ -400,10 +399,7 @@ class TeacherClient:
     @staticmethod
     def _wake(session: _Session, wire_id: int) -> None:
         """Ends the receive thread's wait for `wire_id` (marked refused: it receives nothing)."""
-        try:
-            mark_refused(session.wake_store, wire_id)
-        except Exception as e:  # the teacher's store is gone: that wait fails by itself
-            log.debug("could not end the wait for batch %d: %s", wire_id, e)
+        session.group.announcements.end_wait(wire_id)
 
     def _receive_loop(self, session: _Session) -> None:
         """Posts each batch's receives, in order, once the teacher announced its sends."""
@@ -415,7 +411,7 @@ class TeacherClient:
             if session.retired:
                 return
             try:
-                announced = session.group.await_announced(pending.wire_id, self.transfer_timeout_s)
+                announced = session.waiting.await_announced(pending.wire_id, self.transfer_timeout_s)
                 session.waiting_on = None
                 if session.retired:
                     return
@@ -484,12 +480,12 @@ class TeacherClient:
                             device=self.device, timeout_s=timeout_s, gloo_host=gloo_host)
         try:
             handshake(group, prefix_token(joined.store_prefix), timeout_s)
-            wait_store = connect_store(joined.store_host, joined.store_port, timeout_s)
+            waiting = Announcements(connect_store(joined.store_host, joined.store_port, timeout_s),
+                                    joined.store_prefix)
         except BaseException:
             group.abort()
             raise
-        wake_store, group.ready_store = group.ready_store, ready_store_of(wait_store, joined.store_prefix)
-        return _Session(joined, group, store, wait_store, wake_store)
+        return _Session(joined, group, store, waiting)
 
     def _start(self, session: _Session) -> None:
         """Starts the threads and the submit stream of `session` (already made current)."""

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from distill_common import tracing
+from distill_common.announcements import Announcements
 from distill_common.session_group import (TEACHER_RANK, SessionGroup, TransferError, build_group, connect_store,
-                                          handshake, mark_refused, prefix_token, ready_store_of)
+                                          handshake, prefix_token)
 from teacher_server.cache import BatchOutputs, OutputCache
 from teacher_server.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from teacher_server.metrics import Metrics
@@ -215,9 +216,9 @@ class Engine:
             return
         try:
             if session.group is not None:
-                session.group.refuse(batch_id)
+                session.group.announcements.refuse(batch_id)
             else:  # refused while the group still forms
-                mark_refused(ready_store_of(self.store, session.store_prefix), batch_id)
+                Announcements(self.store, session.store_prefix).refuse(batch_id)
         except Exception as e:  # the student's wait then times out and it joins again
             log.warning("session %s: could not mark batch %d refused: %s", session.session_id, batch_id, e)
 
@@ -519,7 +520,7 @@ class Engine:
                 self.metrics.record_forward(start, previous_end, launched.tokens)
             for session, group, batch_id in launched.announcements:
                 try:
-                    group.announce(batch_id)
+                    group.announcements.announce(batch_id)
                 except Exception as e:
                     self._end(session, "transfer_failed", f"announcing batch {batch_id} failed: {e}")
                     continue
