@@ -81,8 +81,8 @@ def main() -> int:
 
     from distill_common.models import load_causal_lm
     from student_trainer import TeacherClient
-    from student_trainer.client import TeacherOutput
     from student_trainer.config import TrainConfig
+    from student_trainer.session import TeacherOutput
     from student_trainer.train import TeacherPrefetcher, train_micro_batch
     from teacher_server.launcher import ServerProcess
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distill_common.announcements import Announcements
+
 log = logging.getLogger(__name__)
 
 TEACHER_RANK = 0
@@ -91,19 +93,6 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
             "Is --store-port reachable from this machine?") from e
 
 
-# What the teacher writes under a session's ready store for each batch (see SessionGroup.announce).
-ANNOUNCED, REFUSED = b"1", b"refused"
-
-
-def ready_store_of(store, prefix: str):
-    """Where the teacher announces a session's batches (JoinRequest.stream_refusals_only)."""
-    return dist.PrefixStore(f"teacher-session/{prefix}/ready", store)
-
-
-def mark_refused(ready_store, batch_id: int) -> None:
-    ready_store.set(str(batch_id), REFUSED)
-
-
 @dataclass
 class SessionGroup:
     """One session's two-rank group and how to wait on its work with a deadline."""
@@ -113,8 +102,8 @@ class SessionGroup:
     pg: object
     device: torch.device
     timeout_s: float
-    # Where the teacher announces each batch whose sends it has posted (see `announce`).
-    ready_store: object = None
+    # The session's announcements over the store connection the group was built on.
+    announcements: Announcements | None = None
 
     @property
     def peer(self) -> int:
@@ -125,39 +114,6 @@ class SessionGroup:
 
     def recv(self, tensor: torch.Tensor, tag: int = 0):
         return self.pg.recv([tensor], self.peer, tag)
-
-    def announce(self, batch_id: int) -> None:
-        """Teacher: the sends of `batch_id` are posted; the student may post its receives.
-
-        An NCCL receive posted before its send spins on the student's GPU, holding SMs
-        its training needs for as long as the teacher takes to compute the batch. So
-        the student posts each receive only once the teacher has announced the batch.
-        """
-        self.ready_store.set(str(batch_id), ANNOUNCED)
-
-    def refuse(self, batch_id: int) -> None:
-        """Teacher: `batch_id` was refused; a student waiting for its announcement wakes."""
-        mark_refused(self.ready_store, batch_id)
-
-    def await_announced(self, batch_id: int, timeout_s: float) -> bool:
-        """Student: blocks (GIL released) until the teacher announced `batch_id`, then forgets it.
-
-        True: its sends are posted; False: it was marked refused (by the teacher, or by the
-        student's own threads to end this wait; the reason comes on the submit stream).
-        The student deletes the key, not the teacher once its send completed: a small
-        NCCL send completes before its receive is posted (NCCL buffers it at the peer),
-        so the teacher could delete an announcement the student has not read yet.
-        Two round trips to the store: a `get` waits for the key (up to the store's timeout,
-        set here: the ready store must be a connection of the caller's own), then a delete.
-        """
-        key = str(batch_id)
-        try:
-            self.ready_store.set_timeout(datetime.timedelta(seconds=timeout_s))
-            value = self.ready_store.get(key)
-        except Exception as e:
-            raise TransferError(f"the teacher did not get to batch {batch_id} within {timeout_s:.0f}s: {e}") from e
-        self.ready_store.delete_key(key)
-        return value != REFUSED
 
     def wait(self, work, timeout_s: float | None = None, what: str = "transfer") -> None:
         """Waits for `work` at most `timeout_s`; raises TransferError otherwise.
@@ -281,8 +237,8 @@ def build_group(store: dist.Store, prefix: str, *, backend: str, rank: int, devi
             raise TransferError(f"session group did not form within {timeout_s:.0f}s: {e}") from e
     else:
         raise ValueError(f"unknown backend {backend!r}; use 'nccl' or 'gloo'")
-    ready_store = ready_store_of(store, prefix)
-    return SessionGroup(backend=backend, rank=rank, pg=pg, device=device, timeout_s=timeout_s, ready_store=ready_store)
+    return SessionGroup(backend=backend, rank=rank, pg=pg, device=device, timeout_s=timeout_s,
+                        announcements=Announcements(store, prefix))
 
 
 def prefix_token(prefix: str) -> int:

@@ -43,8 +43,9 @@ import torch.nn.functional as F
 from transformers import Trainer
 
 from student_trainer import losses
-from student_trainer.client import TeacherClient, TeacherOutput
+from student_trainer.client import TeacherClient
 from student_trainer.errors import TeacherUnavailable
+from student_trainer.session import TeacherOutput
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from student_trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
-from student_trainer.client import TeacherClient, TeacherOutput
+from student_trainer.client import TeacherClient
 from student_trainer.config import TrainConfig
 from student_trainer.data import BatchIterator, PackedDataset
 from student_trainer.losses import HiddenProjection, hidden_state_loss, kd_loss, topk_kd_loss
+from student_trainer.session import TeacherOutput
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from distill_common import tracing
+from distill_common.announcements import Announcements
 from distill_common.session_group import (TEACHER_RANK, SessionGroup, TransferError, build_group, connect_store,
-                                          handshake, mark_refused, prefix_token, ready_store_of)
+                                          handshake, prefix_token)
 from teacher_server.cache import BatchOutputs
 from teacher_server.metrics import Metrics
 from teacher_server.sessions import Batch, Session
@@ -136,9 +137,9 @@ class Delivery:
             link = self._links.get(session.session_id)
         try:
             if link is not None:
-                link.group.refuse(batch_id)
+                link.group.announcements.refuse(batch_id)
             else:  # refused while the group still forms
-                mark_refused(ready_store_of(self.store, session.store_prefix), batch_id)
+                Announcements(self.store, session.store_prefix).refuse(batch_id)
         except Exception as e:  # the student's wait then times out and it joins again
             log.warning("session %s: could not mark batch %d refused: %s", session.session_id, batch_id, e)
 
@@ -257,7 +258,7 @@ class Delivery:
                 self.metrics.record_forward(start, previous_end, launched.tokens)
             for session, group, batch_id in launched.announcements:
                 try:
-                    group.announce(batch_id)
+                    group.announcements.announce(batch_id)
                 except Exception as e:
                     self._end(session, "transfer_failed", f"announcing batch {batch_id} failed: {e}")
                     continue

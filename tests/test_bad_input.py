@@ -237,7 +237,8 @@ def test_submit_stream_of_a_refusals_only_session_answers_only_refusals_and_mark
     the batch's announcement."""
     import datetime
 
-    from distill_common.session_group import REFUSED, connect_store, ready_store_of
+    from distill_common.announcements import REFUSED, ready_store
+    from distill_common.session_group import connect_store
 
     raw = RawSession(stub, stream_refusals_only=True)
     assert raw.joined.stream_refusals_only
@@ -249,7 +250,7 @@ def test_submit_stream_of_a_refusals_only_session_answers_only_refusals_and_mark
         (1, grpc.StatusCode.INVALID_ARGUMENT.value[0]), (4, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])]
     assert "[0, 384)" in replies[0].error_message and "--max-batch-tokens" in replies[1].error_message
     store = connect_store(raw.joined.store_host, raw.joined.store_port, 10)
-    ready = ready_store_of(store, raw.joined.store_prefix)
+    ready = ready_store(store, raw.joined.store_prefix)
     ready.wait(["1", "4"], datetime.timedelta(seconds=10))
     assert ready.get("1") == REFUSED and ready.get("4") == REFUSED
     assert not ready.check(["0"]) and not ready.check(["2"])  # accepted: announced only once sent

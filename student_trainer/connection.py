@@ -1,0 +1,215 @@
+"""The client's connection to the teacher, as a state machine: what a failure leads to.
+
+    CONNECTED ── the teacher went away, reconnect_timeout_s > 0 ──▶ LOST ──▶ REJOINING ── joined ──▶ CONNECTED
+        │                                                                     │ ▲
+        │                                                                     └─┘ an attempt failed that
+        │                                                                         may go otherwise: pause
+        └── any other failure ──▶ BROKEN ◀── a refusal, or reconnect_timeout_s passed ── REJOINING
+    every state ── close() ──▶ CLOSED
+
+CONNECTED: the current session serves the batches. LOST: the session that failed is
+being torn down (its stream cancelled, its group aborted). REJOINING: joins are attempted,
+with backoff, until a deadline. BROKEN: every outstanding and later batch fails with
+`error`. CLOSED: the caller closed the client (a broken client keeps its error).
+
+A failure of a session that is no longer current (its threads outlive it) changes
+nothing, and so does any failure once the client is broken or closed: each failure is
+acted on once. Nothing leaves BROKEN but close(); nothing leaves CLOSED.
+
+No threads, no sockets, no lock: TeacherClient calls it under its own lock, and the
+transitions are tested alone (tests/test_connection.py). The clock and the jitter of
+the backoff are injected.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+import time
+from typing import Callable
+
+import grpc
+
+from student_trainer.errors import TeacherError, TeacherUnavailable, teacher_gone
+
+# Reconnecting: the first pause, doubled after each failed attempt up to the cap, each
+# drawn down by up to half (jitter: the jobs of one teacher do not come back in lockstep).
+RECONNECT_FIRST_DELAY_S = 0.5
+RECONNECT_MAX_DELAY_S = 5.0
+# Besides a teacher that is gone (errors.teacher_gone): one too slow to answer, or full
+# (--max-sessions), may take the session a little later.
+_REJOIN_ALSO_ON = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+def worth_retrying(error: Exception) -> bool:
+    """Whether joining again may go otherwise: the teacher is not up (yet), or the group did not form."""
+    if isinstance(error, TeacherError):
+        return teacher_gone(error) or error.code in _REJOIN_ALSO_ON
+    # The store or the group: ConnectionError from connect_store, TransferError or a DistError
+    # (a RuntimeError) from building the group.
+    return isinstance(error, (ConnectionError, RuntimeError))
+
+
+def counts_as_gone(heartbeat_error: TeacherError, reconnect_timeout_s: float) -> bool:
+    """Whether a failed heartbeat means the session failed.
+
+    NOT_FOUND does: the teacher forgot the session. UNAVAILABLE only when there is a
+    reconnect to try; without one, one unanswered heartbeat is not worth failing for: the
+    stream and the data plane tell when the teacher is really gone.
+    """
+    return heartbeat_error.code == grpc.StatusCode.NOT_FOUND or (
+        heartbeat_error.code == grpc.StatusCode.UNAVAILABLE and reconnect_timeout_s > 0)
+
+
+class State(enum.Enum):
+    CONNECTED = "connected"
+    LOST = "lost"
+    REJOINING = "rejoining"
+    BROKEN = "broken"
+    CLOSED = "closed"
+
+
+class Action(enum.Enum):
+    """What the client does about a failure."""
+
+    IGNORE = "ignore"  # not the current session's, or acted on already
+    REJOIN = "rejoin"  # tear the session down and join again
+    BREAK = "break"  # tear the session down and fail every outstanding batch with `error`
+
+
+class Connection:
+    """Which session is current and what happens to the client when something fails.
+
+    `session` is opaque here: whatever the client calls a session.
+    """
+
+    def __init__(self, session, address: str, reconnect_timeout_s: float, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 jitter: Callable[[float, float], float] = random.uniform):
+        self.state = State.CONNECTED
+        self.session = session
+        self.address = address
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.error: TeacherError | None = None  # why the client is broken
+        self.cause: TeacherError | None = None  # why the session was lost, while rejoining
+        self.deadline: float | None = None  # until when to rejoin (the clock's time)
+        self._last: BaseException | None = None  # the last rejoin attempt's error
+        self._closed_while_serving = None  # the session current at close(), if it was connected
+        self._delay_s = RECONNECT_FIRST_DELAY_S
+        self._clock = clock
+        self._jitter = jitter
+
+    # ---- reading -----------------------------------------------------------------
+
+    def serves(self, session) -> bool:
+        """Whether `session`'s results are delivered: it is the current one and not lost.
+
+        A client closed while connected lets its session deliver until its threads are joined.
+        """
+        if self.state is State.CLOSED:
+            return session is self._closed_while_serving
+        return session is self.session and self.state is State.CONNECTED
+
+    def current(self):
+        """The session to send a new batch to, or None while rejoining (the new session will get it)."""
+        return self.session if self.state is State.CONNECTED else None
+
+    @property
+    def reconnecting(self) -> bool:
+        return self.state in (State.LOST, State.REJOINING)
+
+    def unusable(self) -> TeacherError | None:
+        """Why nothing can be submitted any more, or None."""
+        if self.error is not None:
+            return self.error
+        if self.state is State.CLOSED:
+            return TeacherError("the client is closed")
+        return None
+
+    # ---- failures while connected ------------------------------------------------
+
+    def failed(self, session, error: TeacherError) -> Action:
+        """A thread of `session` hit `error`: join again if the teacher went away, else break."""
+        if session is not self.session or self.state is not State.CONNECTED:
+            return Action.IGNORE
+        if self.reconnect_timeout_s > 0 and teacher_gone(error):
+            self.state, self.cause = State.LOST, error
+            return Action.REJOIN
+        self._break(error)
+        return Action.BREAK
+
+    def heartbeat_failed(self, session, error: TeacherError) -> Action:
+        if not counts_as_gone(error, self.reconnect_timeout_s):
+            return Action.IGNORE
+        return self.failed(session, error)
+
+    # ---- rejoining ---------------------------------------------------------------
+
+    def start_rejoining(self) -> bool:
+        """LOST → REJOINING: the lost session is torn down; the deadline starts now.
+
+        False when the client was closed meanwhile.
+        """
+        if self.state is not State.LOST:
+            return False
+        self.state = State.REJOINING
+        self.deadline = self._clock() + self.reconnect_timeout_s
+        self._delay_s = RECONNECT_FIRST_DELAY_S
+        self._last = self.cause
+        return True
+
+    def may_attempt(self) -> bool:
+        """Whether to make another join attempt; past the deadline the client breaks.
+
+        False when the client is broken (see `error`) or was closed meanwhile.
+        """
+        if self.state is not State.REJOINING:
+            return False
+        if self._clock() < self.deadline:
+            return True
+        self._break(TeacherUnavailable(
+            f"teacher {self.address} did not come back within reconnect_timeout_s={self.reconnect_timeout_s:g}s "
+            f"(the trainer's --teacher-reconnect-timeout-s); it was lost: {self.cause}; last attempt: {self._last}. "
+            "Restart the teacher, or raise that timeout to ride out longer outages", grpc.StatusCode.UNAVAILABLE))
+        return False
+
+    def attempt_failed(self, error: Exception) -> float | None:
+        """A join attempt failed: the pause before the next one, or None.
+
+        None when retrying would not change the answer (a different model, a wrong token:
+        the client breaks) or when the client was closed meanwhile. The pause never goes
+        past the deadline.
+        """
+        if self.state is not State.REJOINING:
+            return None
+        if not worth_retrying(error):
+            what = f"joining teacher {self.address} again after it was lost ({self.cause})"
+            self._break(type(error)(f"{what}: {error}", error.code) if isinstance(error, TeacherError)
+                        else TeacherError(f"{what}: {type(error).__name__}: {error}"))
+            return None
+        self._last = error
+        pause_s = min(max(0.0, self.deadline - self._clock()), self._delay_s * self._jitter(0.5, 1.0))
+        self._delay_s = min(2 * self._delay_s, RECONNECT_MAX_DELAY_S)
+        return pause_s
+
+    def rejoined(self, session) -> bool:
+        """REJOINING → CONNECTED with `session` current. False when the client was closed meanwhile:
+        the caller then gives `session` up."""
+        if self.state is not State.REJOINING:
+            return False
+        self.state, self.session, self.cause, self.deadline = State.CONNECTED, session, None, None
+        return True
+
+    # ---- the end -----------------------------------------------------------------
+
+    def close(self) -> bool:
+        """Any state → CLOSED. False when it was closed already."""
+        if self.state is State.CLOSED:
+            return False
+        if self.state is State.CONNECTED:
+            self._closed_while_serving = self.session
+        self.state = State.CLOSED
+        return True
+
+    def _break(self, error: TeacherError) -> None:
+        self.state, self.error = State.BROKEN, error

@@ -1,0 +1,321 @@
+"""One session seen from the student: from a streamed batch to its received outputs.
+
+Every Join makes a Session: the session group, the submit stream and three threads.
+
+- read-submit-answers: reads the teacher's answers on the submit stream. The client joins
+  with stream_refusals_only, so only refusals come, each failing its batch's future.
+- post-receives: for each streamed batch in order, waits until the teacher announces it
+  (distill_common/announcements.py), then allocates its output buffers and posts its
+  receives; the teacher's sends land in them in submit order.
+- complete-receives: waits for each batch's receives with a deadline (transfer_timeout_s),
+  assembles its TeacherOutput and hands it to be resolved.
+
+A thread that fails hands its error to `on_failure`; the client decides what that leads to
+(student_trainer/connection.py). Results and refusals go to `resolve`, which delivers
+only what the current session sends (TeacherClient._resolve, the one place a future is
+resolved). When the teacher goes away the session is stopped: its stream is cancelled,
+its group aborted, and whatever its threads still finish is dropped. The client joins
+again as a new Session with threads of its own, so a thread stuck on the old teacher
+holds nothing up.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+import torch
+
+from distill_common import tracing, wire
+from distill_common.announcements import Announcements
+from distill_common.proto.teacher.v1 import teacher_pb2 as pb
+from distill_common.session_group import SessionGroup, TransferError
+from student_trainer.errors import TeacherError, TeacherUnavailable, TransferFailed, from_rpc_error, from_status
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+@dataclass
+class TeacherOutput:
+    """One batch's outputs, on the client's device. Absent kinds are None / empty."""
+
+    batch_id: int
+    logits: torch.Tensor | None = None  # [B, S, V]
+    topk_values: torch.Tensor | None = None  # [B, S, k]
+    topk_indices: torch.Tensor | None = None  # [B, S, k] int32
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, S, H]
+
+
+@dataclass(frozen=True)
+class ReceiveSpec:
+    """What each batch's receives hold and where they land: the outputs asked for at Join,
+    their sizes and dtype from its answer, the client's device."""
+
+    logits: bool
+    topk: int
+    hidden_layers: tuple[int, ...]
+    vocab_size: int
+    hidden_size: int
+    dtype: torch.dtype
+    backend: str
+    device: torch.device
+    # NCCL receives are posted on this stream (see Session._post_receives); None for gloo.
+    stream: torch.cuda.Stream | None
+
+
+@dataclass
+class Batch:
+    """One submitted batch, from `submit` until its future is resolved (exactly once).
+
+    Keeps its encoded request: after a teacher restart it is sent again, to the new session.
+    """
+
+    batch_id: int  # the client's own id: 0, 1, 2, ... in submit order, across reconnects
+    shape: tuple[int, int]
+    request: pb.SubmitRequest  # the ids and the mask; session_id and batch_id are set per session
+    future: Future
+
+
+@dataclass
+class _Pending:
+    """A batch sent on one session: its id on that session's wire and its receives."""
+
+    batch: Batch
+    wire_id: int  # SubmitRequest.batch_id on this session: 0, 1, 2, ... from its Join
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    works: list = field(default_factory=list)
+
+    @property
+    def batch_id(self) -> int:
+        return self.batch.batch_id
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.batch.shape
+
+
+class Session:
+    """One Join: its group, its submit stream, and the threads that receive its batches' outputs."""
+
+    def __init__(self, joined: pb.JoinResponse, group: SessionGroup, store, waiting: Announcements,
+                 spec: ReceiveSpec, address: str, *, on_failure: Callable[["Session", TeacherError], None],
+                 resolve: Callable[..., bool]):
+        """`waiting`: the session's announcements on a store connection of its own (the group's
+        own, group.announcements, ends a wait: see distill_common/announcements.py).
+        `on_failure(session, error)`: a thread of this session failed.
+        `resolve(batch, session, result=..., error=...)`: a batch's outcome."""
+        self.joined = joined
+        self.session_id = joined.session_id
+        self.group = group
+        self.store = store  # keeps the connection the group uses alive
+        self.spec = spec
+        self.address = address
+        self.threads: list[threading.Thread] = []
+        # The teacher answers only refused batches (else every batch) on the submit stream.
+        self.refusals_only = joined.stream_refusals_only
+        self._waiting = waiting
+        self._on_failure = on_failure
+        self._resolve = resolve
+        self._transfer_timeout_s = 0.0  # set by start
+        self._responses = None  # the SubmitStream call
+        self._requests: queue.Queue = queue.Queue()  # what the submit stream sends; None ends it
+        self._to_receive: queue.Queue = queue.Queue()  # to wait for, in order; receives not yet posted
+        self._posted: queue.Queue = queue.Queue()  # receives posted, in order; None: no more
+        self._lock = threading.Lock()  # the wire ids, what awaits an answer, stopping
+        self._sent: dict[int, _Pending] = {}  # by wire id: streamed, not yet answered or announced
+        self._next_wire_id = 0
+        self._waiting_on: int | None = None  # the wire id the post-receives thread waits for
+        self._stopped = False
+
+    def start(self, open_stream: Callable, transfer_timeout_s: float) -> None:
+        """Opens the submit stream with `open_stream(requests)` and starts the threads (unless stopped)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._transfer_timeout_s = transfer_timeout_s
+            self._responses = open_stream(self._request_stream())
+            short = self.session_id[:8]
+            self.threads = [
+                threading.Thread(target=self._read_answers, name=f"read-submit-answers-{short}", daemon=True),
+                threading.Thread(target=self._post_announced, name=f"post-receives-{short}", daemon=True),
+                threading.Thread(target=self._complete_receives, name=f"complete-receives-{short}", daemon=True)]
+        for thread in self.threads:
+            thread.start()
+
+    def send(self, batch: Batch) -> None:
+        """Puts `batch` on the stream under the session's next wire id."""
+        request = batch.request
+        if request.session_id:  # sent before, to a session since lost, whose stream may still read it
+            request = pb.SubmitRequest()
+            request.CopyFrom(batch.request)
+        request.session_id = self.session_id
+        with self._lock:  # wire ids and the stream in one order
+            request.batch_id = self._next_wire_id
+            pending = self._sent[self._next_wire_id] = _Pending(batch, self._next_wire_id)
+            self._next_wire_id += 1  # used up, accepted or refused (see SubmitRequest.batch_id)
+            self._requests.put(request)
+        if self.refusals_only:  # no answer comes for an accepted batch: wait for its announcement now
+            self._to_receive.put(pending)
+
+    def finish(self) -> None:
+        """No more batches: the stream ends, and the threads end once what was posted is received."""
+        self._requests.put(None)
+        self._to_receive.put(None)
+
+    def stop(self) -> None:
+        """Ends the stream and the threads and frees the group, without waiting for the teacher."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self._requests.put(None)
+        self._to_receive.put(None)
+        self._posted.put(None)
+        waiting_on = self._waiting_on
+        if waiting_on is not None:  # the post-receives thread waits: end it (joined with the others)
+            end = threading.Thread(target=self.group.announcements.end_wait, args=(waiting_on,),
+                                   name=f"end-announcement-wait-{self.session_id[:8]}", daemon=True)
+            end.start()  # off this thread: a store that stopped answering must not hold us up
+            self.threads.append(end)
+        if self._responses is not None:
+            self._responses.cancel()
+        self.group.abort()  # a receive blocked on the old teacher returns
+
+    def join(self, timeout_s: float) -> None:
+        """Joins the threads, each for at most `timeout_s`."""
+        for thread in self.threads:
+            thread.join(timeout=timeout_s)
+
+    # ---- the submit stream -------------------------------------------------------
+
+    def _request_stream(self):
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            tracing.mark("s_yield", request.batch_id)
+            yield request
+
+    def _read_answers(self) -> None:
+        """Reads the teacher's answers to the streamed batches, in order: every batch's, or
+        only the refused ones' (refusals_only)."""
+        what = f"the submit stream to teacher {self.address}"
+        try:
+            for response in self._responses:
+                with self._lock:
+                    pending = self._sent.pop(response.batch_id, None)
+                if pending is None:
+                    self._on_failure(self, TeacherError(
+                        f"{what} answered batch {response.batch_id}, which awaits no answer (client and teacher "
+                        "disagree on the protocol: run the same version on both sides)"))
+                    return
+                tracing.mark("s_ack", pending.wire_id)
+                if not response.error_code:
+                    if not self.refusals_only:
+                        self._to_receive.put(pending)
+                    continue
+                waiting_on = self._waiting_on
+                if self.refusals_only and (waiting_on is None or waiting_on <= pending.wire_id):
+                    # The post-receives thread waits for this batch, or will: the teacher marks
+                    # most refusals itself, not one whose batch id it did not take (out of order).
+                    self.group.announcements.end_wait(pending.wire_id)
+                code = _STATUS_BY_NUMBER.get(response.error_code, grpc.StatusCode.UNKNOWN)
+                error = from_status(code, response.error_message, f"Submit to teacher {self.address}")
+                if code == grpc.StatusCode.NOT_FOUND:  # the teacher no longer knows this session
+                    self._on_failure(self, error)
+                    return
+                self._resolve(pending.batch, self, error=error)
+            error = TeacherUnavailable(f"{what} ended: the teacher closed it", grpc.StatusCode.UNAVAILABLE)
+        except grpc.RpcError as e:
+            error = from_rpc_error(e, what)
+        self._on_failure(self, error)
+
+    # ---- receiving ---------------------------------------------------------------
+
+    def _post_announced(self) -> None:
+        """Posts each batch's receives, in order, once the teacher announced its sends."""
+        try:
+            while True:
+                pending = self._to_receive.get()
+                if pending is None:
+                    return
+                self._waiting_on = pending.wire_id  # before the check: stop() reads it after setting _stopped
+                if self._stopped:
+                    return
+                try:
+                    announced = self._waiting.await_announced(pending.wire_id, self._transfer_timeout_s)
+                    self._waiting_on = None
+                    if self._stopped:
+                        return
+                    if not announced:
+                        continue  # refused: the answer reader fails its future with the teacher's reason
+                    if self.refusals_only:
+                        with self._lock:
+                            self._sent.pop(pending.wire_id, None)
+                    tracing.mark("s_announced", pending.wire_id)
+                    self._post_receives(pending)
+                    tracing.mark("s_posted", pending.wire_id)
+                except Exception as e:
+                    self._on_failure(self, TransferFailed(f"receiving batch {pending.batch_id}: {e}"))
+                    return
+                self._posted.put(pending)
+        finally:
+            self._posted.put(None)  # what was posted is still received
+
+    def _post_receives(self, pending: _Pending) -> None:
+        spec = self.spec
+        b, s = pending.shape
+        specs = wire.output_layout(batch=b, seq=s, vocab=spec.vocab_size, hidden=spec.hidden_size,
+                                   logits=spec.logits, topk=spec.topk, hidden_layers=spec.hidden_layers,
+                                   dtype=spec.dtype)
+        if spec.backend == "gloo":  # gloo writes host memory; moved to the device on arrival
+            pending.buffers = [torch.empty(size, dtype=dtype) for size, dtype in specs]
+            pending.works = [self.group.recv(buffer) for buffer in pending.buffers]
+            return
+        # NCCL makes its stream wait for the current stream when a receive is posted. On
+        # our own idle stream the receive starts at once instead of queueing behind the
+        # training step's kernels; the buffers are allocated there too, so the allocator
+        # never hands NCCL memory that queued kernels of another stream still read.
+        with torch.cuda.device(spec.device), torch.cuda.stream(spec.stream):
+            pending.buffers = [torch.empty(size, dtype=dtype, device=spec.device) for size, dtype in specs]
+            pending.works = [self.group.recv(buffer) for buffer in pending.buffers]
+
+    def _complete_receives(self) -> None:
+        """Waits for each batch's receives, in order, with a deadline, and hands its outputs to be resolved."""
+        while True:
+            pending = self._posted.get()
+            if pending is None or self._stopped:
+                return
+            try:
+                for work in pending.works:
+                    self.group.wait(work, self._transfer_timeout_s, what=f"receiving batch {pending.batch_id}")
+                tracing.mark("s_received", pending.wire_id)
+                result = self._assemble(pending)
+            except TransferError as e:
+                self._on_failure(self, TransferFailed(f"{e}; the teacher may have dropped this session (see its log)"))
+                return
+            self._resolve(pending.batch, self, result=result)
+            tracing.mark("s_resolved", pending.wire_id)
+
+    def _assemble(self, pending: _Pending) -> TeacherOutput:
+        spec = self.spec
+        if spec.backend == "nccl":
+            consumer = torch.cuda.current_stream(spec.device)
+            for buffer in pending.buffers:  # freed later by the training loop's stream
+                buffer.record_stream(consumer)
+            buffers = pending.buffers
+        else:
+            buffers = [t.to(spec.device) for t in pending.buffers]
+        out = TeacherOutput(batch_id=pending.batch_id)  # the client's id, not the session's wire id
+        if spec.logits:
+            out.logits = buffers.pop(0)
+        if spec.topk:
+            out.topk_values, out.topk_indices = buffers.pop(0), buffers.pop(0)
+        if spec.hidden_layers:
+            stacked = buffers.pop(0)
+            out.hidden_states = {layer: stacked[i] for i, layer in enumerate(spec.hidden_layers)}
+        return out
