@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import gc
 import logging
 import signal
@@ -21,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from distill_common.channel import read_pem
 from teacher_server.config import ServerConfig
+from teacher_server.edge import CallGuard, GuardedH11Protocol, HttpConnections, install_accept_error_log
 from teacher_server.engine import Engine
 from teacher_server.http_app import create_app
 from teacher_server.metrics import Metrics
@@ -79,12 +81,17 @@ class TeacherServer:
 
     async def serve(self) -> None:
         c = self.config
+        loop = asyncio.get_running_loop()
         self.engine.start()
-        # Token ids are small (16k int64 = 128 KiB); the limit keeps garbage out. grpc enforces
-        # it before any handler runs, so the refusal is grpc's own RESOURCE_EXHAUSTED
-        # ("Received message larger than max (N vs. LIMIT)"): docs/security.md names the flag.
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", c.max_request_bytes),
-                                          ("grpc.max_send_message_length", c.max_request_bytes)])
+        install_accept_error_log(loop)
+        # Requests hold a batch of token ids at most (16 bytes a token: int64 ids and mask), so
+        # the limit is what a full batch needs. grpc enforces it as a message arrives, before
+        # any handler runs: the refusal is grpc's own RESOURCE_EXHAUSTED ("Received message
+        # larger than max (N vs. LIMIT)"); docs/security.md names the flag. The CallGuard runs
+        # first on every call, so a call without the token is refused before its request is read.
+        server = grpc.aio.server(interceptors=[CallGuard(c, self.metrics)],
+                                 options=[("grpc.max_receive_message_length", c.request_limit_bytes),
+                                          ("grpc.max_send_message_length", c.request_limit_bytes)])
         server.add_generic_rpc_handlers((generic_handler(self.service, self.metrics),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if c.tls:
@@ -97,12 +104,19 @@ class TeacherServer:
 
         # HTTPS without client certificates even under --tls-client-ca: kubelet probes and most
         # scrapers present none; /v1/status stays behind the token.
+        # uvicorn's own limit_concurrency is left off: it counts open connections, idle ones too,
+        # so sockets held open by anyone would make it answer 503 to every probe. The guarded
+        # protocol caps connections instead, and one connection serves one request at a time.
+        # asyncio accepts up to `backlog` connections at a time before the protocol can close
+        # any: tied to the cap, a flood of connections holds at most a few hundred descriptors.
+        protocol = functools.partial(GuardedH11Protocol,
+                                     connections=HttpConnections(c.http_max_connections, c.http_header_timeout_s))
         http = uvicorn.Server(uvicorn.Config(create_app(self.engine, self.metrics, self.ready, c.auth_token), host=c.host,
-                                             port=c.http_port, log_level="warning", lifespan="off",
+                                             port=c.http_port, log_level="warning", lifespan="off", http=protocol,
+                                             backlog=2 * c.http_max_connections,
                                              ssl_certfile=c.tls_cert or None, ssl_keyfile=c.tls_key or None))
         http.install_signal_handlers = lambda: None  # this loop handles signals (graceful shutdown)
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         http_task = asyncio.create_task(http.serve())
@@ -119,7 +133,7 @@ class TeacherServer:
         gc.freeze()
         log.info("teacher ready: gRPC%s %s:%d, HTTP%s :%d, store %s:%d, model %s, requests up to %d bytes "
                  "(--max-request-bytes)", " (TLS)" if c.tls else "", c.host, self.grpc_port, "S" if c.tls else "",
-                 self.http_port, self.advertise_host, self.store_port, c.model, c.max_request_bytes)
+                 self.http_port, self.advertise_host, self.store_port, c.model, c.request_limit_bytes)
         print(f"READY grpc={self.grpc_port} http={self.http_port} store={self.store_port}", flush=True)
 
         await stop.wait()

@@ -60,14 +60,32 @@ class ServerConfig:
     tp_timeout_s: float = 1800.0
     trust_remote_code: bool = False
     auth_token: str = field(default="", repr=False)
-    # Largest gRPC request accepted; grpc itself refuses bigger ones (RESOURCE_EXHAUSTED).
-    max_request_bytes: int = 64 << 20
     # TLS for gRPC and HTTP (PEM files); with tls_client_ca, gRPC also requires client certificates.
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
     log_level: str = "INFO"
     log_format: str = "text"
+    # Bounds on what a caller can hold, most of them before its token is checked
+    # (teacher_server/edge.py, docs/security.md).
+    # Largest gRPC request accepted; grpc itself refuses bigger ones (RESOURCE_EXHAUSTED).
+    # 0: what a full batch needs (request_limit_bytes).
+    max_request_bytes: int = 0
+    # SubmitStream (and grpc.health Watch) streams open at once; 0: two per --max-sessions,
+    # room for a reconnecting student whose old stream has not ended yet.
+    max_streams: int = 0
+    # Other calls of the teacher service in progress at once, and (counted apart) health
+    # checks still waiting for their request; 0: four per --max-sessions plus 16 for joins
+    # and operators.
+    max_rpcs: int = 0
+    # HTTP connections open at once; past it, a new connection closes the oldest one that
+    # has not sent a complete request (so idle sockets cannot lock probes out).
+    http_max_connections: int = 64
+    # A HTTP connection that has not sent complete request headers this long after it opened
+    # (or after its previous response) is closed.
+    http_header_timeout_s: float = 10.0
+    # Largest weight a job may declare at Join (its share of the forwards against other jobs).
+    max_weight: float = 100.0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -98,11 +116,20 @@ class ServerConfig:
         for name in ("transfer_timeout_s", "join_timeout_s", "grace_period_s", "tp_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-        # A full batch travels as int64 ids and mask (the largest the wire allows), plus framing.
-        needed = 2 * 8 * self.max_batch_tokens + (64 << 10)
-        if self.max_request_bytes < needed:
+        if self.max_request_bytes and self.max_request_bytes < self.full_batch_bytes:
             raise ValueError(f"--max-request-bytes {self.max_request_bytes} is too small for a batch of "
-                             f"--max-batch-tokens {self.max_batch_tokens} (int64 ids and mask): use at least {needed}")
+                             f"--max-batch-tokens {self.max_batch_tokens} (int64 ids and mask): use at least "
+                             f"{self.full_batch_bytes} (or 0 for that)")
+        for name in ("max_request_bytes", "max_streams", "max_rpcs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be >= 0 "
+                                 "(0: derived from the other limits)")
+        if self.http_max_connections < 1:
+            raise ValueError(f"--http-max-connections {self.http_max_connections} must be >= 1")
+        if not self.http_header_timeout_s > 0:
+            raise ValueError(f"--http-header-timeout-s {self.http_header_timeout_s} must be > 0")
+        if not 1 <= self.max_weight < float("inf"):
+            raise ValueError(f"--max-weight {self.max_weight} must be a finite number >= 1 (the default job weight)")
         self._check_tls()
 
     def _check_tls(self) -> None:
@@ -125,6 +152,24 @@ class ServerConfig:
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert)
+
+    @property
+    def full_batch_bytes(self) -> int:
+        """A request carrying a full batch: int64 ids and mask (the widest the wire allows), plus
+        64 KiB for framing, which also covers every other message."""
+        return 2 * 8 * self.max_batch_tokens + (64 << 10)
+
+    @property
+    def request_limit_bytes(self) -> int:
+        return self.max_request_bytes or self.full_batch_bytes
+
+    @property
+    def streams_limit(self) -> int:
+        return self.max_streams or 2 * self.max_sessions
+
+    @property
+    def rpcs_limit(self) -> int:
+        return self.max_rpcs or 4 * self.max_sessions + 16
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -170,8 +215,6 @@ class ServerConfig:
         parser.add_argument("--auth-token", default=os.environ.get("TEACHER_AUTH_TOKEN", ""),
                             help="require this shared token on every RPC but health, and on /v1/status "
                                  "(default: $TEACHER_AUTH_TOKEN; empty: no authentication)")
-        parser.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
-                            help="largest gRPC request accepted (bigger ones: RESOURCE_EXHAUSTED from grpc)")
         parser.add_argument("--tls-cert", default=d.tls_cert,
                             help="PEM certificate chain: serve gRPC and HTTP over TLS (needs --tls-key)")
         parser.add_argument("--tls-key", default=d.tls_key, help="PEM private key of --tls-cert")
@@ -180,6 +223,20 @@ class ServerConfig:
         parser.add_argument("--log-level", default=d.log_level)
         parser.add_argument("--log-format", default=d.log_format, choices=["text", "json"],
                             help="json: one JSON object per line, with session_id on session records")
+        parser.add_argument("--max-request-bytes", type=parse_bytes, default=d.max_request_bytes,
+                            help="largest gRPC request accepted (bigger ones: RESOURCE_EXHAUSTED from grpc; "
+                                 "default 0: what a batch of --max-batch-tokens needs)")
+        parser.add_argument("--max-streams", type=int, default=d.max_streams,
+                            help="submit streams open at once (default 0: 2 x --max-sessions)")
+        parser.add_argument("--max-rpcs", type=int, default=d.max_rpcs,
+                            help="other calls in progress at once, and health checks waiting for their request "
+                                 "(default 0: 4 x --max-sessions + 16)")
+        parser.add_argument("--http-max-connections", type=int, default=d.http_max_connections,
+                            help="HTTP connections open at once; a new one closes the oldest idle one")
+        parser.add_argument("--http-header-timeout-s", type=float, default=d.http_header_timeout_s,
+                            help="close a HTTP connection that has not sent its request headers within this long")
+        parser.add_argument("--max-weight", type=float, default=d.max_weight,
+                            help="largest weight a job may ask for at join (its share of forwards against other jobs)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerConfig":

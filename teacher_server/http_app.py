@@ -1,9 +1,13 @@
-"""The HTTP side: liveness, readiness, Prometheus metrics and a JSON status."""
+"""The HTTP side: liveness, readiness, Prometheus metrics and a JSON status.
+
+With --auth-token, everything but the probes' /healthz and /readyz needs
+`Authorization: Bearer <token>`: /metrics and /v1/status name jobs and sessions, and
+/openapi.json describes the rest.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import time
 from typing import Callable
 
@@ -12,38 +16,51 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from distill_common import wire
+from teacher_server.edge import bearer_matches
 from teacher_server.engine import Engine
 from teacher_server.metrics import Metrics
 
 
 def create_app(engine: Engine, metrics: Metrics, ready: Callable[[], bool], auth_token: str = "") -> FastAPI:
-    app = FastAPI(title="teacher-server", docs_url=None, redoc_url=None)
+    app = FastAPI(title="teacher-server", docs_url=None, redoc_url=None, openapi_url=None)
     info = engine.runner.info
 
+    def refused(authorization: str | None) -> JSONResponse | None:
+        if bearer_matches(authorization, auth_token):
+            return None
+        return JSONResponse({"error": "missing or wrong auth token (Authorization: Bearer <token>)"}, status_code=401)
+
+    # The probes' endpoints run on the event loop, not in the thread pool that the others
+    # share, so a burst of slow requests cannot delay them.
     @app.get("/healthz")
-    def healthz():
+    async def healthz():
         # Alive: the process answers and the engine thread has not died.
         if not engine.healthy:
             return JSONResponse({"status": "engine failed", "error": repr(engine.error)}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/readyz")
-    def readyz():
+    async def readyz():
         if not ready():
             return JSONResponse({"status": "not ready"}, status_code=503)
         return {"status": "ready"}
 
     @app.get("/metrics")
-    def prometheus_metrics():
+    def prometheus_metrics(authorization: str | None = Header(default=None)):
+        if (refusal := refused(authorization)) is not None:
+            return refusal
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    def openapi(authorization: str | None = Header(default=None)):
+        if (refusal := refused(authorization)) is not None:
+            return refusal
+        return JSONResponse(app.openapi())
 
     @app.get("/v1/status")
     def status(authorization: str | None = Header(default=None)):
-        # Sessions and job names are for operators: behind the token when there is one.
-        # /healthz, /readyz and /metrics stay open for probes and Prometheus.
-        if auth_token and not hmac.compare_digest((authorization or "").encode(), f"Bearer {auth_token}".encode()):
-            return JSONResponse({"error": "missing or wrong auth token (Authorization: Bearer <token>)"},
-                                status_code=401)
+        if (refusal := refused(authorization)) is not None:
+            return refusal
         now = time.monotonic()
         return {
             "model": info.model_name,

@@ -50,12 +50,21 @@ def test_missing_or_wrong_token_is_unauthenticated(server, token):
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_health_and_metrics_stay_open_status_does_not(server):
+def test_probes_stay_open_metrics_status_and_openapi_do_not(server):
     with grpc.insecure_channel(server.address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     assert requests.get(f"{server.http}/healthz", timeout=10).status_code == 200
-    assert requests.get(f"{server.http}/metrics", timeout=10).status_code == 200
-    assert requests.get(f"{server.http}/v1/status", timeout=10).status_code == 401
-    ok = requests.get(f"{server.http}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+    assert requests.get(f"{server.http}/readyz", timeout=10).status_code == 200
+    # /metrics and /v1/status name jobs and sessions; /openapi.json describes the endpoints.
+    for path in ("/metrics", "/v1/status", "/openapi.json"):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            refused = requests.get(f"{server.http}{path}", headers=headers, timeout=10)
+            assert refused.status_code == 401 and "auth token" in refused.text, (path, refused.text)
+    token = {"Authorization": f"Bearer {TOKEN}"}
+    ok = requests.get(f"{server.http}/v1/status", headers=token, timeout=10)
     assert ok.status_code == 200 and ok.json()["vocab_size"] == 384
+    metrics = requests.get(f"{server.http}/metrics", headers=token, timeout=10)
+    assert metrics.status_code == 200 and "teacher_rpc_errors_total" in metrics.text
+    openapi = requests.get(f"{server.http}/openapi.json", headers=token, timeout=10)
+    assert openapi.status_code == 200 and "/v1/status" in openapi.json()["paths"]

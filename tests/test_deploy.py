@@ -223,6 +223,15 @@ def test_teacher_command_line_parses_and_matches_values(directory):
     assert secret_env["TEACHER_AUTH_TOKEN"] == {"name": "teacher-auth", "key": "token"}
 
 
+def test_prometheus_scrapes_with_the_teachers_token():
+    """/metrics follows --auth-token: the ServiceMonitor passes the Secret the teacher reads it from."""
+    docs = render(K8S / "overlays" / "single-node")
+    teacher = container(find(docs, "StatefulSet", "teacher"), "teacher")
+    secret = next(e["valueFrom"]["secretKeyRef"] for e in teacher["env"] if e["name"] == "TEACHER_AUTH_TOKEN")
+    for endpoint in find(docs, "ServiceMonitor", "teacher")["spec"]["endpoints"]:
+        assert endpoint["authorization"] == {"type": "Bearer", "credentials": secret}
+
+
 def test_multi_node_overlay_ranks_pods_and_serves_from_rank_0():
     docs = render(K8S / "overlays" / "multi-node")
     values = teacher_values(docs)

@@ -1,0 +1,303 @@
+"""Attacks on the teacher's gRPC and HTTP ports from callers without the token, on one
+teacher whose descriptor limit is the common default soft limit of 1024.
+
+Each test is an attack that worked before the bounds of teacher_server/edge.py: big
+requests buffered before the token check, streams and calls without limit, HTTP
+connections that never send a request, a flood of sockets that exhausted descriptors
+(/healthz dead, a traceback per failed accept), /metrics and /openapi.json open, and a
+self-declared job weight without bound.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+import requests
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from distill_common.proto.teacher.v1 import teacher_pb2 as pb
+from student_trainer import TeacherClient
+from student_trainer.errors import InvalidRequest
+from tests.helpers import ServerProcess, build_tiny_model, child_env, wait_until
+
+TOKEN = "edge-token"
+BEARER = (("authorization", f"Bearer {TOKEN}"),)
+MAX_SESSIONS = 2
+MAX_STREAMS = 2 * MAX_SESSIONS  # the defaults that follow --max-sessions
+MAX_RPCS = 4 * MAX_SESSIONS + 16
+MAX_BATCH_TOKENS = 16384
+REQUEST_LIMIT_BYTES = 16 * MAX_BATCH_TOKENS + (64 << 10)  # int64 ids and mask of a full batch, plus framing
+HTTP_MAX_CONNECTIONS = 32
+HEADER_TIMEOUT_S = 2.0
+MAX_WEIGHT = 10.0
+LEASE_S = 3.0
+FD_SOFT_LIMIT = 1024
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("teacher") / "model")
+    server = ServerProcess("--model", str(model_dir), "--max-sessions", str(MAX_SESSIONS), "--max-batch-tokens",
+                           str(MAX_BATCH_TOKENS), "--http-max-connections", str(HTTP_MAX_CONNECTIONS),
+                           "--http-header-timeout-s", str(HEADER_TIMEOUT_S), "--max-weight", str(MAX_WEIGHT),
+                           "--lease-s", str(LEASE_S), "--heartbeat-interval-s", "0.5",
+                           env=child_env(TEACHER_AUTH_TOKEN=TOKEN))
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.prlimit(server.proc.pid, resource.RLIMIT_NOFILE, (min(FD_SOFT_LIMIT, hard), hard))
+    yield server
+    server.stop()
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _waiting(release: threading.Event, first: bytes | None = None):
+    """A request stream that sends `first` (if any), then nothing until `release`."""
+    if first is not None:
+        yield first
+    release.wait(60)
+    return
+
+
+def _open_sockets(port: int, count: int) -> list[socket.socket]:
+    """`count` connections to `port`, every other one with half a request's headers."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < count + 256:
+        if hard != resource.RLIM_INFINITY and hard < count + 256:
+            pytest.skip(f"needs {count + 256} descriptors, the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (count + 256, hard))
+    sockets = []
+    for i in range(count):
+        sock = socket.socket()
+        sock.setblocking(False)
+        try:
+            sock.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        if i % 2:
+            try:
+                sock.send(b"GET /healthz HTTP/1.1\r\nHost: teacher\r\n")
+            except OSError:
+                pass  # not connected yet: an idle socket then
+        sockets.append(sock)
+    return sockets
+
+
+def _closed_within(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether the teacher closes `sock` within `timeout_s` (whatever it sends before)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            sock.settimeout(left)
+            if sock.recv(4096) == b"":
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        pass
+    return False
+
+
+# ---- gRPC ---------------------------------------------------------------------------------
+
+
+def test_requests_without_the_token_are_refused_before_they_are_read(server):
+    pid = server.proc.pid
+    before_mib = _rss_mib(pid)
+    peak_mib = [before_mib]
+    sampling = threading.Event()
+
+    def sample():
+        while not sampling.is_set():
+            peak_mib[0] = max(peak_mib[0], _rss_mib(pid))
+            time.sleep(0.02)
+
+    # 8 concurrent 32 MiB requests without the token (each would be buffered whole, then
+    # refused, if the token were checked in the handler).
+    payload = b"\x0a" + b"\xff" * (32 << 20)
+    codes = []
+
+    def send():
+        with grpc.insecure_channel(server.address, options=[("grpc.max_send_message_length", -1)]) as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                channel.unary_unary("/teacher.v1.TeacherService/Submit")(payload, timeout=60)
+            codes.append(info.value.code())
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    senders = [threading.Thread(target=send) for _ in range(8)]
+    for thread in senders:
+        thread.start()
+    for thread in senders:
+        thread.join(90)
+    sampling.set()
+    sampler.join()
+    assert len(codes) == 8 and set(codes) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert peak_mib[0] - before_mib < 100, f"teacher RSS grew from {before_mib:.0f} to {peak_mib[0]:.0f} MiB"
+
+    with grpc.insecure_channel(server.address) as channel:
+        # A call without the token is refused before its request arrives (here: never).
+        release = threading.Event()
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            channel.stream_unary("/teacher.v1.TeacherService/GetInfo")(_waiting(release), timeout=10)
+        release.set()
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and time.monotonic() - started < 5
+        # With the token, the default request limit is what a full batch of --max-batch-tokens needs.
+        with pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary("/teacher.v1.TeacherService/Submit")(b"\x0a" + b"\xff" * (1 << 20), timeout=30,
+                                                                     metadata=BEARER)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"vs. {REQUEST_LIMIT_BYTES})" in info.value.details(), info.value.details()
+
+
+def test_streams_and_calls_in_progress_are_bounded(server):
+    release = threading.Event()
+    nobody = pb.SubmitRequest(session_id="nobody").SerializeToString()
+    with grpc.insecure_channel(server.address) as channel:
+        submit_stream = channel.stream_stream("/teacher.v1.TeacherService/SubmitStream")
+        get_info = channel.unary_unary("/teacher.v1.TeacherService/GetInfo")
+        try:
+            streams = [submit_stream(_waiting(release, nobody), metadata=BEARER, timeout=60)
+                       for _ in range(MAX_STREAMS)]
+            for stream in streams:
+                next(stream)  # the in-band NOT_FOUND answer: this stream is open on the teacher
+            with pytest.raises(grpc.RpcError) as info:
+                next(submit_stream(_waiting(release, nobody), metadata=BEARER, timeout=60))
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-streams" in info.value.details()
+
+            # Calls whose request never comes hold the other calls' budget.
+            hung = [channel.stream_unary("/teacher.v1.TeacherService/GetInfo").future(
+                _waiting(release), metadata=BEARER, timeout=60) for _ in range(MAX_RPCS)]
+
+            def refused() -> str:
+                try:
+                    get_info(pb.GetInfoRequest().SerializeToString(), metadata=BEARER, timeout=10)
+                except grpc.RpcError as e:
+                    return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and e.details()
+                return ""
+
+            assert "--max-rpcs" in wait_until(refused, 15, "a call past --max-rpcs to be refused")
+        finally:
+            release.set()
+        for call in hung:
+            call.cancel()
+        for stream in streams:
+            stream.cancel()
+        # Ended calls give their budget back.
+        wait_until(lambda: not refused(), 15, "calls to be served again")
+        next(submit_stream(_waiting(release, nobody), metadata=BEARER, timeout=60))
+
+
+def test_health_checks_waiting_for_their_request_cannot_lock_probes_out(server):
+    release = threading.Event()
+    with grpc.insecure_channel(server.address) as channel:
+        check = channel.stream_unary("/grpc.health.v1.Health/Check")
+        try:
+            hung = [check.future(_waiting(release), timeout=60) for _ in range(MAX_RPCS + 8)]
+            # Past --max-rpcs, the oldest waiting checks make room; a probe is answered.
+            wait_until(lambda: sum(call.done() for call in hung) >= 8, 15, "the oldest waiting checks to be dropped")
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            dropped = [call for call in hung if call.done()]
+            assert all(call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for call in dropped)
+        finally:
+            release.set()
+            for call in hung:
+                call.cancel()
+
+
+def test_a_weight_over_max_weight_is_refused_at_join(server):
+    with pytest.raises(InvalidRequest, match=f"--max-weight {MAX_WEIGHT}"):
+        TeacherClient(server.address, "cpu", logits=True, auth_token=TOKEN, weight=1e12, join_timeout_s=30)
+
+
+# ---- HTTP ---------------------------------------------------------------------------------
+
+
+def test_half_sent_headers_and_idle_connections_time_out(server):
+    address = ("127.0.0.1", server.http_port)
+    idle = socket.create_connection(address)
+    half = socket.create_connection(address)
+    half.sendall(b"GET /healthz HTTP/1.1\r\nHost: teacher\r\n")
+    # A complete request, answered; then half of the next one on the same connection.
+    kept = socket.create_connection(address)
+    kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: teacher\r\n\r\n")
+    kept.settimeout(10)
+    assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+    kept.sendall(b"GET /healthz HTTP/1.1\r\n")
+    # Headers trickled a line at a time still have to be complete within the deadline.
+    trickle = socket.create_connection(address)
+    started = time.monotonic()
+    trickle.sendall(b"GET /healthz HTTP/1.1\r\n")
+    closed = False
+    while not closed and time.monotonic() - started < HEADER_TIMEOUT_S + 5:
+        try:
+            trickle.sendall(b"X-Slow: 1\r\n")
+            closed = _closed_within(trickle, 0.3)
+        except OSError:  # reset: the teacher closed it
+            closed = True
+    assert closed, "headers trickled a line at a time kept the connection open"
+    for sock in (idle, half, kept):
+        assert _closed_within(sock, HEADER_TIMEOUT_S + 5), "a connection without a complete request stayed open"
+    for sock in (idle, half, kept, trickle):
+        sock.close()
+
+
+def test_thousands_of_open_sockets_starve_neither_probes_nor_sessions(server):
+    pid = server.proc.pid
+    with TeacherClient(server.address, "cpu", logits=True, auth_token=TOKEN, weight=MAX_WEIGHT) as client:
+        assert client.submit(torch.randint(0, 384, (1, 6))).result(timeout=60).logits.shape == (1, 6, 384)
+        before = _fds(pid)
+        sockets = _open_sockets(server.http_port, 3000)
+        most_fds = 0
+        try:
+            # Longer than the lease: the session's heartbeats must go on meanwhile.
+            deadline = time.monotonic() + 2 * LEASE_S
+            while time.monotonic() < deadline:
+                assert requests.get(f"{server.http}/healthz", timeout=3).status_code == 200
+                with grpc.insecure_channel(server.address) as channel:
+                    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                most_fds = max(most_fds, _fds(pid))
+                time.sleep(0.3)
+            out = client.submit(torch.randint(0, 384, (2, 5))).result(timeout=60)
+            assert out.logits.shape == (2, 5, 384)
+        finally:
+            for sock in sockets:
+                sock.close()
+    # A connection past the cap closes one, and asyncio accepts at most 2 x the cap at a time.
+    assert most_fds - before <= 3 * HTTP_MAX_CONNECTIONS, f"teacher descriptors {before} -> {most_fds}"
+    assert "Traceback" not in server.log
+
+
+def test_accept_errors_are_logged_a_line_at_a_time(server):
+    pid = server.proc.pid
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    start = len(server.log_lines)
+    # Out of descriptors, however it happened: asyncio's accept loop fails on every attempt.
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (_fds(pid) + 4, hard))
+    try:
+        sockets = _open_sockets(server.http_port, 200)
+        time.sleep(3)
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (min(FD_SOFT_LIMIT, hard), hard))
+    for sock in sockets:
+        sock.close()
+    wait_until(lambda: requests.get(f"{server.http}/healthz", timeout=3).status_code == 200, 15, "/healthz")
+    new = "".join(server.log_lines[start:])
+    assert 1 <= new.count("Too many open files") <= 2 and "Traceback" not in new, new[:3000]
+    assert "cannot accept connections" in new
