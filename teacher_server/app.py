@@ -91,7 +91,8 @@ class TeacherServer:
         # first on every call, so a call without the token is refused before its request is read.
         server = grpc.aio.server(interceptors=[CallGuard(c, self.metrics)],
                                  options=[("grpc.max_receive_message_length", c.request_limit_bytes),
-                                          ("grpc.max_send_message_length", c.request_limit_bytes)])
+                                          # Answers are the teacher's own (a status of many sessions may be large).
+                                          ("grpc.max_send_message_length", 64 << 20)])
         server.add_generic_rpc_handlers((generic_handler(self.service, self.metrics),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if c.tls:
