@@ -1,6 +1,7 @@
 """The student side: the client that reaches a teacher, and a distillation trainer built on it."""
 
-from student_trainer.client import TeacherClient, TeacherInfo, TeacherOutput
+from distill_common.outputs import HiddenStates, Logits, TeacherOutput, TopK
+from student_trainer.client import TeacherClient, TeacherInfo
 from student_trainer.errors import TeacherError
 
-__all__ = ["TeacherClient", "TeacherInfo", "TeacherOutput", "TeacherError"]
+__all__ = ["TeacherClient", "TeacherInfo", "TeacherOutput", "TeacherError", "Logits", "TopK", "HiddenStates"]

@@ -1,6 +1,6 @@
 """TeacherClient: how a training process gets the teacher's outputs.
 
-    with TeacherClient("host:50051", device="cuda:1", logits=True, topk=0) as teacher:
+    with TeacherClient("host:50051", device="cuda:1", outputs=(Logits(),)) as teacher:
         fut = teacher.submit(input_ids, attention_mask)   # returns at once
         out = fut.result(timeout=60)                       # TeacherOutput
 
@@ -28,6 +28,7 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ import torch
 
 from distill_common import tracing, wire
 from distill_common.channel import TeacherUnreachable, channel_credentials, open_channel, wait_until_reachable
+from distill_common.outputs import Logits, Output, OutputRequest, TeacherOutput, output_spec
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from distill_common.session_group import (STUDENT_RANK, SessionGroup, TransferError, build_group, connect_store,
@@ -66,17 +68,6 @@ class TeacherInfo:
                    hidden_size=info.hidden_size, num_layers=info.num_layers, dtype=info.dtype,
                    tokenizer_fingerprint=info.tokenizer_fingerprint, max_batch_tokens=info.max_batch_tokens,
                    max_seq_len=info.max_seq_len)
-
-
-@dataclass
-class TeacherOutput:
-    """One batch's outputs, on the client's device. Absent kinds are None / empty."""
-
-    batch_id: int
-    logits: torch.Tensor | None = None  # [B, S, V]
-    topk_values: torch.Tensor | None = None  # [B, S, k]
-    topk_indices: torch.Tensor | None = None  # [B, S, k] int32
-    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, S, H]
 
 
 @dataclass
@@ -178,14 +169,17 @@ def _grpc_options() -> list:
 
 
 class TeacherClient:
-    def __init__(self, address: str, device: str | torch.device = "cpu", *, logits: bool = True, topk: int = 0,
-                 hidden_layers=(), dtype: str | None = None, max_inflight: int = 0, job_id: str | None = None,
+    def __init__(self, address: str, device: str | torch.device = "cpu", *, outputs: Iterable[Output] = (Logits(),),
+                 dtype: str | None = None, max_inflight: int = 0, job_id: str | None = None,
                  job_rank: int | None = None, tokenizer=None, vocab_size: int = 0, weight: float = 1.0,
                  rpc_timeout_s: float = 30.0, auth_token: str | None = None,
                  join_timeout_s: float = 120.0, transfer_timeout_s: float | None = None,
                  tls_ca: str | bool | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  reconnect_timeout_s: float = 300.0):
-        """`tls_ca`: talk TLS to a teacher started with --tls-cert, trusting this PEM CA bundle
+        """`outputs`: the kinds of teacher output to receive (distill_common.outputs: Logits(),
+        TopK(k), HiddenStates(layers)), in `dtype` (None: the teacher's).
+
+        `tls_ca`: talk TLS to a teacher started with --tls-cert, trusting this PEM CA bundle
         (True: the system's roots). `tls_cert`/`tls_key`: this client's certificate, for a
         teacher started with --tls-client-ca. The data plane is not encrypted either way.
 
@@ -206,7 +200,6 @@ class TeacherClient:
         self._closed = False
         self._broken: TeacherError | None = None
         self._submit_lock = threading.Lock()
-        self._recv_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self.session_id = ""
@@ -223,7 +216,7 @@ class TeacherClient:
         request = pb.JoinRequest(
             job_id=job_id or os.environ.get("TORCHELASTIC_RUN_ID", "") or f"pid{os.getpid()}",
             job_rank=int(os.environ.get("RANK", "0")) if job_rank is None else job_rank,
-            outputs=pb.OutputSpec(logits=logits, topk=topk, hidden_layers=list(hidden_layers), dtype=dtype or ""),
+            outputs=output_spec(outputs, dtype),
             peer=pb.PeerInfo(device_type=self.device.type, device_uuid=device_uuid(self.device),
                              torch_version=torch.__version__,
                              nccl_version=nccl_version() if self.device.type == "cuda" else ""),
@@ -238,9 +231,7 @@ class TeacherClient:
         self.backend = joined.backend
         self.max_inflight = joined.max_inflight
         self.output_dtype = wire.parse_output_dtype(joined.output_dtype)
-        self.topk = topk
-        self.logits = logits
-        self.hidden_layers = tuple(hidden_layers)
+        self.outputs = OutputRequest.granted(request.outputs, joined)
         self._transfer_timeout_arg = transfer_timeout_s
         self.transfer_timeout_s = transfer_timeout_s or joined.timeout_s
         self.heartbeat_interval_s = joined.heartbeat_interval_s
@@ -479,9 +470,10 @@ class TeacherClient:
 
     def _connect(self, joined: pb.JoinResponse, timeout_s: float) -> _Session:
         store = connect_store(joined.store_host, joined.store_port, timeout_s)
-        gloo_host = local_address_towards(joined.store_host, joined.store_port) if joined.backend == "gloo" else ""
+        # The address the teacher reaches this process at, where gloo listens (NCCL finds its own).
+        local_host = local_address_towards(joined.store_host, joined.store_port)
         group = build_group(store, joined.store_prefix, backend=joined.backend, rank=STUDENT_RANK,
-                            device=self.device, timeout_s=timeout_s, gloo_host=gloo_host)
+                            device=self.device, timeout_s=timeout_s, gloo_host=local_host)
         try:
             handshake(group, prefix_token(joined.store_prefix), timeout_s)
             wait_store = connect_store(joined.store_host, joined.store_port, timeout_s)
@@ -644,21 +636,8 @@ class TeacherClient:
     # ---- receiving ---------------------------------------------------------------
 
     def _post_receives(self, pending: _Pending) -> None:
-        b, s = pending.shape
-        specs = wire.output_layout(batch=b, seq=s, vocab=self.info.vocab_size, hidden=self.info.hidden_size,
-                                   logits=self.logits, topk=self.topk, hidden_layers=self.hidden_layers,
-                                   dtype=self.output_dtype)
-        if self.backend == "gloo":  # gloo writes host memory; moved to the device on arrival
-            pending.buffers = [torch.empty(size, dtype=dtype) for size, dtype in specs]
-            pending.works = [pending.session.group.recv(buffer) for buffer in pending.buffers]
-            return
-        # NCCL makes its stream wait for the current stream when a receive is posted. On
-        # our own idle stream the receive starts at once instead of queueing behind the
-        # training step's kernels; the buffers are allocated there too, so the allocator
-        # never hands NCCL memory that queued kernels of another stream still read.
-        with torch.cuda.device(self.device), torch.cuda.stream(self._recv_stream):
-            pending.buffers = [torch.empty(size, dtype=dtype, device=self.device) for size, dtype in specs]
-            pending.works = [pending.session.group.recv(buffer) for buffer in pending.buffers]
+        # On a stream of the group's own (NCCL): see SessionGroup.post_receives.
+        pending.buffers, pending.works = pending.session.group.post_receives(self.outputs.layout(*pending.shape))
 
     def _completion_loop(self, session: _Session) -> None:
         while True:
@@ -685,22 +664,8 @@ class TeacherClient:
             tracing.mark("s_resolved", pending.wire_id)
 
     def _assemble(self, pending: _Pending) -> TeacherOutput:
-        if self.backend == "nccl":
-            consumer = torch.cuda.current_stream(self.device)
-            for buffer in pending.buffers:  # freed later by the training loop's stream
-                buffer.record_stream(consumer)
-            buffers = pending.buffers
-        else:
-            buffers = [t.to(self.device) for t in pending.buffers]
-        out = TeacherOutput(batch_id=pending.batch_id)  # the client's id, not the session's wire id
-        if self.logits:
-            out.logits = buffers.pop(0)
-        if self.topk:
-            out.topk_values, out.topk_indices = buffers.pop(0), buffers.pop(0)
-        if self.hidden_layers:
-            stacked = buffers.pop(0)
-            out.hidden_states = {layer: stacked[i] for i, layer in enumerate(self.hidden_layers)}
-        return out
+        tensors = pending.session.group.delivered(pending.buffers)  # on self.device, for the training loop's stream
+        return self.outputs.assemble(pending.batch_id, tensors)  # the client's id, not the session's wire id
 
     # ---- plumbing ----------------------------------------------------------------
 

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from distill_common import tracing
+from distill_common.outputs import BatchOutputs, ForwardNeeds
 from distill_common.session_group import (TEACHER_RANK, SessionGroup, TransferError, build_group, connect_store,
                                           handshake, mark_refused, prefix_token, ready_store_of)
-from teacher_server.cache import BatchOutputs, OutputCache
+from teacher_server.cache import OutputCache
 from teacher_server.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from teacher_server.metrics import Metrics
 from teacher_server.model_runner import ModelRunner
@@ -415,9 +416,8 @@ class Engine:
                 continue
             batch = session.pending[index]
             b, s = batch.input_ids.shape
-            layers = session.outputs.hidden_layers
             twin = in_forward.get(batch.key)
-            cached = None if twin is not None else self.cache.get(batch.key, layers)
+            cached = None if twin is not None else self.cache.get(batch.key, session.outputs.needs)
             if twin is not None:
                 plan.append(_Planned(session, batch, twin.row, computed=False))
             elif cached is not None:
@@ -450,13 +450,13 @@ class Engine:
                                pinned=self.runner.device.type == "cuda")
         rows, seq = input_ids.shape
         wanted = [p.session for p in plan]
-        if self.cache.enabled:  # entries keep every layer a live session asks, so later ones hit
+        if self.cache.enabled:  # entries keep what any live session needs, so later ones hit
             wanted += self.sessions()
-        layers = sorted({layer for session in wanted for layer in session.outputs.hidden_layers})
+        needs = ForwardNeeds.union(session.outputs.needs for session in wanted)
         start = time.monotonic()
         tracing.mark("t_inputs", plan[0].batch.batch_id)
         try:
-            out = self.runner.forward(input_ids, mask, hidden=bool(layers))
+            out = self.runner.forward(input_ids, mask, hidden=needs.hidden_states)
             tracing.mark("t_launched", plan[0].batch.batch_id)
         except Exception as e:  # e.g. out of memory: those sessions fail, the teacher stays up
             # (The busy clock is the announcer's: a launch that failed at once adds nothing to it.)
@@ -468,8 +468,7 @@ class Engine:
         produced: dict[int, BatchOutputs] = {}  # by first row: what each computed batch is served from
         for p in computed:
             b, s = p.batch.input_ids.shape
-            outputs = BatchOutputs(out.logits[p.row:p.row + b, :s],
-                                   {layer: out.hidden_states[layer][p.row:p.row + b, :s] for layer in layers})
+            outputs = BatchOutputs.of_rows(out, needs, slice(p.row, p.row + b), s)
             produced[p.row] = self.cache.put(p.batch.key, outputs)  # `outputs` itself with the cache off
         announcements = [self._send(p, p.cached if p.cached is not None else produced[p.row], derived)
                          for p in plan]
@@ -528,23 +527,23 @@ class Engine:
     def _send(self, p: _Planned, out: BatchOutputs, derived: dict):
         """Derives what this session asked for from the batch's outputs and posts the sends.
 
-        `derived` holds what this forward already derived, by (outputs, request, backend):
+        `derived` holds what this forward already derived, by (outputs, request, transport):
         sessions that share a batch and ask the same are sent the same tensors.
         Returns what the announcer needs once the forward is done: (session, group, batch id),
         or None when the session ended meanwhile.
         """
         session, batch = p.session, p.batch
-        key = (id(out), session.outputs, session.backend)
-        tensors = derived.get(key)
-        if tensors is None:
-            tensors = derived[key] = self._derive(out, session.outputs, session.backend)
         with self._cond:
             sends = self._senders.get(session.session_id)
             group = session.group
         if sends is None or group is None:
             return None  # ended meanwhile
+        key = (id(out), session.outputs, session.backend)
+        tensors = derived.get(key)
+        if tensors is None:
+            tensors = derived[key] = group.to_send(session.outputs.derive(out, batch))
         try:
-            works = [group.send(t) for t in tensors]
+            works = group.send_all(tensors)
         except Exception as e:
             self._end(session, "transfer_failed", f"posting the send of batch {batch.batch_id} failed: {e}")
             return None
@@ -554,19 +553,3 @@ class Engine:
         # previous batch): the student posts this batch's receives as soon as the forward
         # is done, so consecutive transfers run back to back.
         return session, group, batch.batch_id
-
-    @staticmethod
-    def _derive(out: BatchOutputs, spec, backend: str) -> list[torch.Tensor]:
-        """The tensors a session receives, in wire order (distill_common.wire.output_layout)."""
-        tensors = []
-        if spec.logits:
-            tensors.append(out.logits.to(spec.dtype).contiguous())
-        if spec.topk:
-            values, indices = torch.topk(out.logits, spec.topk, dim=-1)
-            tensors.append(values.to(spec.dtype).contiguous())
-            tensors.append(indices.to(torch.int32).contiguous())
-        if spec.hidden_layers:
-            tensors.append(torch.stack([out.hidden[layer] for layer in spec.hidden_layers]).to(spec.dtype).contiguous())
-        if backend == "gloo":
-            tensors = [t.cpu() for t in tensors]
-        return tensors
