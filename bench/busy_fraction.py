@@ -44,7 +44,7 @@ def student(args) -> int:
         torch.cuda.set_device(device)
     generator = torch.Generator().manual_seed(JOBS.index(args.job_id))
     deadline = time.monotonic() + args.max_s
-    with TeacherClient(args.address, device, logits=True, max_inflight=args.inflight, job_id=args.job_id,
+    with TeacherClient(args.address, device, max_inflight=args.inflight, job_id=args.job_id,
                        join_timeout_s=300) as teacher:
         futures = []
         first = True

@@ -80,9 +80,8 @@ def main() -> int:
         os.environ.setdefault(key, value)
 
     from distill_common.models import load_causal_lm
-    from student_trainer import TeacherClient
+    from student_trainer import TeacherClient, TeacherOutput
     from student_trainer.config import TrainConfig
-    from student_trainer.session import TeacherOutput
     from student_trainer.train import TeacherPrefetcher, train_micro_batch
     from teacher_server.launcher import ServerProcess
 
@@ -101,7 +100,7 @@ def main() -> int:
                            startup_timeout_s=300)
     results = {}
     try:
-        teacher = TeacherClient(server.address, device, logits=True, max_inflight=args.prefetch + 1,
+        teacher = TeacherClient(server.address, device, max_inflight=args.prefetch + 1,
                                 job_id="bench-pipeline")
 
         # 1. Teacher alone: outputs received and dropped, prefetch+1 in flight.

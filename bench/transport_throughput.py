@@ -106,7 +106,7 @@ def measure_project(sizes: list[int], iters: int, teacher_gpu: int, student_gpu:
         for size in sizes:
             rows, seq = batch_shape(size)
             ids = torch.randint(0, VOCAB, (rows, seq))
-            with TeacherClient(server.address, f"cuda:{student_gpu}", logits=True, max_inflight=inflight,
+            with TeacherClient(server.address, f"cuda:{student_gpu}", max_inflight=inflight,
                                job_id="bench") as teacher:
                 # Warm-up first: the teacher packs 1 to `inflight` batches per forward, and
                 # each new shape loads its CUDA kernels on first use (tens of ms each on a

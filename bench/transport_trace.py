@@ -121,7 +121,7 @@ def main() -> int:
                            str(args.inflight), "--cuda-graphs", str(args.cuda_graphs))
     spies = []
     try:
-        with TeacherClient(server.address, args.device, logits=True, max_inflight=args.inflight) as teacher:
+        with TeacherClient(server.address, args.device, max_inflight=args.inflight) as teacher:
             ids = torch.randint(0, VOCAB, (rows, seq))
             # Warm-up, a whole untimed pass: every packing of 1..inflight batches per
             # forward loads its CUDA kernels on first use (tens of ms each on a cold host).

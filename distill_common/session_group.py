@@ -9,6 +9,9 @@ TCPStore under a PrefixStore that only the admitted student knows:
 
 What this is not: a general communicator. It carries point-to-point sends from the
 teacher (rank 0) to one student (rank 1), in order; tags are only meaningful to gloo.
+The difference between the two backends (where tensors live, which stream a receive
+runs on, how a transfer is waited for) stays inside `SessionGroup`: callers send,
+receive and wait the same way over either.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 import queue
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -95,7 +98,7 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 
 @dataclass
 class SessionGroup:
-    """One session's two-rank group and how to wait on its work with a deadline."""
+    """One session's two-rank group: sending, receiving, and waiting on its work with a deadline."""
 
     backend: str
     rank: int
@@ -104,16 +107,66 @@ class SessionGroup:
     timeout_s: float
     # The session's announcements over the store connection the group was built on.
     announcements: Announcements | None = None
+    # NCCL, student: the stream its receives run on (see `post_receives`).
+    _receive_stream: object = field(default=None, init=False, repr=False)
 
     @property
     def peer(self) -> int:
         return STUDENT_RANK if self.rank == TEACHER_RANK else TEACHER_RANK
+
+    @property
+    def tensor_device(self) -> torch.device:
+        """Where this transport reads and writes tensors: the GPU for NCCL, host memory for gloo."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
 
     def send(self, tensor: torch.Tensor, tag: int = 0):
         return self.pg.send([tensor], self.peer, tag)
 
     def recv(self, tensor: torch.Tensor, tag: int = 0):
         return self.pg.recv([tensor], self.peer, tag)
+
+    def to_send(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Teacher: `tensors` where this transport sends them from. gloo reads host memory, so
+        outputs on a GPU are copied to the host here; NCCL sends device memory as it is."""
+        return [tensor.to(self.tensor_device) for tensor in tensors]
+
+    def send_all(self, tensors: list[torch.Tensor]) -> list:
+        """Teacher: posts one send per tensor (from `to_send`), in order; returns their works.
+
+        The transfer reads the tensors asynchronously: keep them alive and unchanged until
+        every work completed (`wait`). NCCL's send waits on the current stream at call time:
+        post it on the stream that produced the tensors.
+        """
+        return [self.send(tensor) for tensor in tensors]
+
+    def post_receives(self, layout) -> tuple[list[torch.Tensor], list]:
+        """Student: one buffer per (shape, dtype) of `layout`, its receive posted, in order.
+
+        Returns the buffers and the receives' works; once every work completed (`wait`),
+        `delivered(buffers)` hands them to the consumer.
+        """
+        if self.backend == "gloo":  # gloo writes host memory; moved to the device in `delivered`
+            buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in layout]
+            return buffers, [self.recv(buffer) for buffer in buffers]
+        # NCCL makes its stream wait for the current stream when a receive is posted. On our
+        # own idle stream the receive starts at once instead of queueing behind the training
+        # step's kernels; the buffers are allocated there too, so the allocator never hands
+        # NCCL memory that queued kernels of another stream still read.
+        if self._receive_stream is None:
+            self._receive_stream = torch.cuda.Stream(self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._receive_stream):
+            buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in layout]
+            return buffers, [self.recv(buffer) for buffer in buffers]
+
+    def delivered(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Student: received buffers (their works completed) as tensors on this side's device,
+        safe to use on its current stream."""
+        if self.backend == "gloo":
+            return [buffer.to(self.device) for buffer in buffers]
+        consumer = torch.cuda.current_stream(self.device)
+        for buffer in buffers:  # allocated on the receive stream, freed later by the consumer's
+            buffer.record_stream(consumer)
+        return buffers
 
     def wait(self, work, timeout_s: float | None = None, what: str = "transfer") -> None:
         """Waits for `work` at most `timeout_s`; raises TransferError otherwise.
@@ -253,7 +306,7 @@ def handshake(group: SessionGroup, token: int, timeout_s: float) -> None:
     The student checks the token so a group formed under a wrong prefix fails loudly.
     """
     buffer = torch.tensor([token if group.rank == TEACHER_RANK else -1], dtype=torch.int64,
-                          device=group.device if group.backend == "nccl" else "cpu")
+                          device=group.tensor_device)
     if group.rank == TEACHER_RANK:
         group.wait(group.send(buffer), timeout_s, what="session handshake send")
     else:

@@ -85,20 +85,3 @@ def _checked_array(message: pb.Tensor, *, what: str, dtypes: dict, max_elements:
             f"{what} has {len(message.data)} bytes but shape {shape} of {message.dtype} needs {count * np_dtype.itemsize}")
     return np.frombuffer(message.data, dtype=np_dtype).reshape(shape)
 
-
-def output_layout(*, batch: int, seq: int, vocab: int, hidden: int, logits: bool, topk: int,
-                  hidden_layers: tuple[int, ...], dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """The tensors the teacher sends for one [batch, seq] input, in send order.
-
-    The student preallocates its receives from this; the engine sends in the same order:
-    logits, top-k values, top-k int32 indices, hidden states stacked [layers, B, S, H].
-    """
-    out = []
-    if logits:
-        out.append(((batch, seq, vocab), dtype))
-    if topk:
-        out.append(((batch, seq, topk), dtype))
-        out.append(((batch, seq, topk), torch.int32))
-    if hidden_layers:
-        out.append(((len(hidden_layers), batch, seq, hidden), dtype))
-    return out

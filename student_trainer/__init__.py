@@ -1,7 +1,7 @@
 """The student side: the client that reaches a teacher, and a distillation trainer built on it."""
 
+from distill_common.outputs import HiddenStates, Logits, TeacherOutput, TopK
 from student_trainer.client import TeacherClient, TeacherInfo
 from student_trainer.errors import TeacherError
-from student_trainer.session import TeacherOutput
 
-__all__ = ["TeacherClient", "TeacherInfo", "TeacherOutput", "TeacherError"]
+__all__ = ["TeacherClient", "TeacherInfo", "TeacherOutput", "TeacherError", "Logits", "TopK", "HiddenStates"]

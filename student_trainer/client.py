@@ -1,6 +1,6 @@
 """TeacherClient: how a training process gets the teacher's outputs.
 
-    with TeacherClient("host:50051", device="cuda:1", logits=True, topk=0) as teacher:
+    with TeacherClient("host:50051", device="cuda:1", outputs=(Logits(),)) as teacher:
         fut = teacher.submit(input_ids, attention_mask)   # returns at once
         out = fut.result(timeout=60)                       # TeacherOutput
 
@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ import torch
 from distill_common import tracing, wire
 from distill_common.announcements import Announcements
 from distill_common.channel import TeacherUnreachable, channel_credentials, open_channel, wait_until_reachable
+from distill_common.outputs import Logits, Output, OutputRequest, output_spec
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from distill_common.session_group import (STUDENT_RANK, build_group, connect_store, device_uuid, handshake,
@@ -45,7 +47,7 @@ from distill_common.session_group import (STUDENT_RANK, build_group, connect_sto
 from distill_common.vocab import tokenizer_fingerprint
 from student_trainer.connection import Action, Connection, State
 from student_trainer.errors import Incompatible, TeacherError, TeacherUnavailable, from_rpc_error
-from student_trainer.session import Batch, ReceiveSpec, Session
+from student_trainer.session import Batch, Session
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +80,17 @@ def _grpc_options() -> list:
 
 
 class TeacherClient:
-    def __init__(self, address: str, device: str | torch.device = "cpu", *, logits: bool = True, topk: int = 0,
-                 hidden_layers=(), dtype: str | None = None, max_inflight: int = 0, job_id: str | None = None,
+    def __init__(self, address: str, device: str | torch.device = "cpu", *, outputs: Iterable[Output] = (Logits(),),
+                 dtype: str | None = None, max_inflight: int = 0, job_id: str | None = None,
                  job_rank: int | None = None, tokenizer=None, vocab_size: int = 0, weight: float = 1.0,
                  rpc_timeout_s: float = 30.0, auth_token: str | None = None,
                  join_timeout_s: float = 120.0, transfer_timeout_s: float | None = None,
                  tls_ca: str | bool | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  reconnect_timeout_s: float = 300.0):
-        """`tls_ca`: talk TLS to a teacher started with --tls-cert, trusting this PEM CA bundle
+        """`outputs`: the kinds of teacher output to receive (distill_common.outputs: Logits(),
+        TopK(k), HiddenStates(layers)), in `dtype` (None: the teacher's).
+
+        `tls_ca`: talk TLS to a teacher started with --tls-cert, trusting this PEM CA bundle
         (True: the system's roots). `tls_cert`/`tls_key`: this client's certificate, for a
         teacher started with --tls-client-ca. The data plane is not encrypted either way.
 
@@ -117,7 +122,7 @@ class TeacherClient:
         request = pb.JoinRequest(
             job_id=job_id or os.environ.get("TORCHELASTIC_RUN_ID", "") or f"pid{os.getpid()}",
             job_rank=int(os.environ.get("RANK", "0")) if job_rank is None else job_rank,
-            outputs=pb.OutputSpec(logits=logits, topk=topk, hidden_layers=list(hidden_layers), dtype=dtype or ""),
+            outputs=output_spec(outputs, dtype),
             peer=pb.PeerInfo(device_type=self.device.type, device_uuid=device_uuid(self.device),
                              torch_version=torch.__version__,
                              nccl_version=nccl_version() if self.device.type == "cuda" else ""),
@@ -132,13 +137,7 @@ class TeacherClient:
         self.backend = joined.backend
         self.max_inflight = joined.max_inflight
         self.output_dtype = wire.parse_output_dtype(joined.output_dtype)
-        self.topk = topk
-        self.logits = logits
-        self.hidden_layers = tuple(hidden_layers)
-        self._receive_spec = ReceiveSpec(
-            logits=logits, topk=topk, hidden_layers=self.hidden_layers, vocab_size=self.info.vocab_size,
-            hidden_size=self.info.hidden_size, dtype=self.output_dtype, backend=self.backend, device=self.device,
-            stream=torch.cuda.Stream(self.device) if self.device.type == "cuda" else None)
+        self.outputs = OutputRequest.granted(request.outputs, joined)
         self._transfer_timeout_arg = transfer_timeout_s
         self.transfer_timeout_s = transfer_timeout_s or joined.timeout_s
         self.heartbeat_interval_s = joined.heartbeat_interval_s
@@ -296,9 +295,10 @@ class TeacherClient:
 
     def _connect(self, joined: pb.JoinResponse, timeout_s: float) -> Session:
         store = connect_store(joined.store_host, joined.store_port, timeout_s)
-        gloo_host = local_address_towards(joined.store_host, joined.store_port) if joined.backend == "gloo" else ""
+        # The address the teacher reaches this process at, where gloo listens (NCCL finds its own).
+        local_host = local_address_towards(joined.store_host, joined.store_port)
         group = build_group(store, joined.store_prefix, backend=joined.backend, rank=STUDENT_RANK,
-                            device=self.device, timeout_s=timeout_s, gloo_host=gloo_host)
+                            device=self.device, timeout_s=timeout_s, gloo_host=local_host)
         try:
             handshake(group, prefix_token(joined.store_prefix), timeout_s)
             # Announcements are waited for on a connection of their own (distill_common/announcements.py).
@@ -307,7 +307,7 @@ class TeacherClient:
         except BaseException:
             group.abort()
             raise
-        return Session(joined, group, store, waiting, self._receive_spec, self.address,
+        return Session(joined, group, store, waiting, self.outputs, self.address,
                        on_failure=self._session_failed, resolve=self._resolve)
 
     def _start(self, session: Session) -> None:

@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer
 
+from distill_common.outputs import Logits, TeacherOutput, TopK
 from student_trainer import losses
 from student_trainer.client import TeacherClient
 from student_trainer.errors import TeacherUnavailable
-from student_trainer.session import TeacherOutput
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class DistillationTrainer(Trainer):
             raise ValueError(f"teacher_timeout_s must be > 0, got {teacher_timeout_s!r}")
         losses.check_options(kd_loss, temperature, jsd_beta, kd_chunk_tokens)  # the losses' own checks, once
         options = dict(teacher_client_options or {})
-        taken = {"address", "device", "logits", "topk", "tokenizer", "vocab_size", "max_inflight", "job_id",
+        taken = {"address", "device", "outputs", "tokenizer", "vocab_size", "max_inflight", "job_id",
                  "job_rank", "auth_token", "join_timeout_s", "transfer_timeout_s"} & options.keys()
         if taken:
             raise ValueError(f"teacher_client_options may not set {sorted(taken)}: the trainer sets them (use "
@@ -233,7 +233,7 @@ class DistillationTrainer(Trainer):
             tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
             job_id = self.args.run_name or os.path.basename(os.path.normpath(self.args.output_dir))
             self._teacher = TeacherClient(
-                self.teacher_address, self.args.device, logits=not self.topk, topk=self.topk,
+                self.teacher_address, self.args.device, outputs=(TopK(self.topk) if self.topk else Logits(),),
                 tokenizer=tokenizer if hasattr(tokenizer, "get_vocab") else None,
                 vocab_size=self._student_vocab_size, max_inflight=PREFETCH_MICRO_BATCHES + 1, job_id=job_id,
                 job_rank=self.args.process_index, auth_token=self.teacher_auth_token,

@@ -30,41 +30,14 @@ from typing import Callable
 import grpc
 import torch
 
-from distill_common import tracing, wire
+from distill_common import tracing
 from distill_common.announcements import Announcements
+from distill_common.outputs import OutputRequest, TeacherOutput
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.session_group import SessionGroup, TransferError
 from student_trainer.errors import TeacherError, TeacherUnavailable, TransferFailed, from_rpc_error, from_status
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
-
-
-@dataclass
-class TeacherOutput:
-    """One batch's outputs, on the client's device. Absent kinds are None / empty."""
-
-    batch_id: int
-    logits: torch.Tensor | None = None  # [B, S, V]
-    topk_values: torch.Tensor | None = None  # [B, S, k]
-    topk_indices: torch.Tensor | None = None  # [B, S, k] int32
-    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, S, H]
-
-
-@dataclass(frozen=True)
-class ReceiveSpec:
-    """What each batch's receives hold and where they land: the outputs asked for at Join,
-    their sizes and dtype from its answer, the client's device."""
-
-    logits: bool
-    topk: int
-    hidden_layers: tuple[int, ...]
-    vocab_size: int
-    hidden_size: int
-    dtype: torch.dtype
-    backend: str
-    device: torch.device
-    # NCCL receives are posted on this stream (see Session._post_receives); None for gloo.
-    stream: torch.cuda.Stream | None
 
 
 @dataclass
@@ -102,7 +75,7 @@ class Session:
     """One Join: its group, its submit stream, and the threads that receive its batches' outputs."""
 
     def __init__(self, joined: pb.JoinResponse, group: SessionGroup, store, waiting: Announcements,
-                 spec: ReceiveSpec, address: str, *, on_failure: Callable[["Session", TeacherError], None],
+                 outputs: OutputRequest, address: str, *, on_failure: Callable[["Session", TeacherError], None],
                  resolve: Callable[..., bool]):
         """`waiting`: the session's announcements on a store connection of its own (the group's
         own, group.announcements, ends a wait: see distill_common/announcements.py).
@@ -112,7 +85,7 @@ class Session:
         self.session_id = joined.session_id
         self.group = group
         self.store = store  # keeps the connection the group uses alive
-        self.spec = spec
+        self.outputs = outputs  # what each batch's receives hold, in wire order
         self.address = address
         self.threads: list[threading.Thread] = []
         # The teacher answers only refused batches (else every batch) on the submit stream.
@@ -267,22 +240,8 @@ class Session:
             self._posted.put(None)  # what was posted is still received
 
     def _post_receives(self, pending: _Pending) -> None:
-        spec = self.spec
-        b, s = pending.shape
-        specs = wire.output_layout(batch=b, seq=s, vocab=spec.vocab_size, hidden=spec.hidden_size,
-                                   logits=spec.logits, topk=spec.topk, hidden_layers=spec.hidden_layers,
-                                   dtype=spec.dtype)
-        if spec.backend == "gloo":  # gloo writes host memory; moved to the device on arrival
-            pending.buffers = [torch.empty(size, dtype=dtype) for size, dtype in specs]
-            pending.works = [self.group.recv(buffer) for buffer in pending.buffers]
-            return
-        # NCCL makes its stream wait for the current stream when a receive is posted. On
-        # our own idle stream the receive starts at once instead of queueing behind the
-        # training step's kernels; the buffers are allocated there too, so the allocator
-        # never hands NCCL memory that queued kernels of another stream still read.
-        with torch.cuda.device(spec.device), torch.cuda.stream(spec.stream):
-            pending.buffers = [torch.empty(size, dtype=dtype, device=spec.device) for size, dtype in specs]
-            pending.works = [self.group.recv(buffer) for buffer in pending.buffers]
+        # On a stream of the group's own (NCCL): see SessionGroup.post_receives.
+        pending.buffers, pending.works = self.group.post_receives(self.outputs.layout(*pending.shape))
 
     def _complete_receives(self) -> None:
         """Waits for each batch's receives, in order, with a deadline, and hands its outputs to be resolved."""
@@ -302,20 +261,5 @@ class Session:
             tracing.mark("s_resolved", pending.wire_id)
 
     def _assemble(self, pending: _Pending) -> TeacherOutput:
-        spec = self.spec
-        if spec.backend == "nccl":
-            consumer = torch.cuda.current_stream(spec.device)
-            for buffer in pending.buffers:  # freed later by the training loop's stream
-                buffer.record_stream(consumer)
-            buffers = pending.buffers
-        else:
-            buffers = [t.to(spec.device) for t in pending.buffers]
-        out = TeacherOutput(batch_id=pending.batch_id)  # the client's id, not the session's wire id
-        if spec.logits:
-            out.logits = buffers.pop(0)
-        if spec.topk:
-            out.topk_values, out.topk_indices = buffers.pop(0), buffers.pop(0)
-        if spec.hidden_layers:
-            stacked = buffers.pop(0)
-            out.hidden_states = {layer: stacked[i] for i, layer in enumerate(spec.hidden_layers)}
-        return out
+        tensors = self.group.delivered(pending.buffers)  # on the client's device, for the training loop's stream
+        return self.outputs.assemble(pending.batch_id, tensors)  # the client's id, not the session's wire id

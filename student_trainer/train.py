@@ -23,12 +23,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from distill_common.outputs import HiddenStates, Logits, Output, TeacherOutput, TopK
 from student_trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
 from student_trainer.client import TeacherClient
 from student_trainer.config import TrainConfig
 from student_trainer.data import BatchIterator, PackedDataset
 from student_trainer.losses import HiddenProjection, hidden_state_loss, kd_loss, topk_kd_loss
-from student_trainer.session import TeacherOutput
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,17 @@ def student_layer_for(teacher_layer: int, teacher_layers: int, student_layers: i
 
     Halves round up (not to even), so a layer never maps back onto the embeddings."""
     return math.floor(teacher_layer * student_layers / teacher_layers + 0.5)
+
+
+def teacher_outputs(cfg: TrainConfig) -> tuple[Output, ...]:
+    """What `distill_losses` reads of the teacher: its full or top-k logits for KD, the hidden
+    states of the layers asked."""
+    kinds = []
+    if cfg.uses_logits:
+        kinds.append(TopK(cfg.topk) if cfg.topk else Logits())
+    if cfg.hidden_layers:
+        kinds.append(HiddenStates(cfg.hidden_layers))
+    return tuple(kinds)
 
 
 def distill_losses(cfg: TrainConfig, logits: torch.Tensor, student_hidden, batch: dict, out: TeacherOutput | None,
@@ -241,8 +252,7 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.needs_teacher:
         student_vocab = model.get_output_embeddings().weight.shape[0]
         teacher = TeacherClient(
-            cfg.teacher, device, logits=cfg.uses_logits and not cfg.topk, topk=cfg.topk if cfg.uses_logits else 0,
-            hidden_layers=cfg.hidden_layers, tokenizer=tokenizer if cfg.uses_logits else None,
+            cfg.teacher, device, outputs=teacher_outputs(cfg), tokenizer=tokenizer if cfg.uses_logits else None,
             vocab_size=student_vocab if cfg.uses_logits else 0, max_inflight=cfg.prefetch + 1,
             job_id=cfg.job_id or output_dir.name, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s,
             reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, weight=cfg.teacher_weight,

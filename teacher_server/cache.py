@@ -12,10 +12,10 @@ Two levels save the teacher that work:
   bound is taken from the room the forward has for activations.
 
 An entry holds what the forward produced, not what one session asked for: the
-logits in the teacher's dtype and the hidden states of the layers any live session
-asked for. Each session's tensors (its dtype, its top-k, its layers) are derived
-from the entry as from a fresh forward; an entry that lacks a layer a session asks
-for is a miss.
+logits in the teacher's dtype and what any live session's request needs of the
+forward (the hidden states of the layers asked: distill_common.outputs.ForwardNeeds).
+Each session's tensors (its dtype, its top-k, its layers) are derived from the entry
+as from a fresh forward; an entry that lacks something a session needs is a miss.
 
 Keys are a BLAKE2b digest of the token ids and the attention mask (their bytes,
 shape and dtype), never Python's `hash()` (salted per process, 64 bits) and never
@@ -27,9 +27,11 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from distill_common.outputs import BatchOutputs, ForwardNeeds
 
 
 def batch_key(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bytes:
@@ -40,27 +42,6 @@ def batch_key(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bytes:
         digest.update(f"{tensor.dtype}:{tuple(tensor.shape)};".encode())
         digest.update(tensor.view(torch.uint8).numpy())  # the buffer itself, not a copy of it
     return digest.digest()
-
-
-@dataclass
-class BatchOutputs:
-    """What the forward produced for one batch: logits [B, S, V] in the teacher's
-    dtype and hidden states [B, S, H] by layer (only the layers kept)."""
-
-    logits: torch.Tensor
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.logits, *self.hidden.values()))
-
-    def covers(self, layers) -> bool:
-        return all(layer in self.hidden for layer in layers)
-
-    def detached(self) -> "BatchOutputs":
-        """A copy that owns its memory: a slice of the packed forward's outputs would
-        keep the whole packed tensor alive, and the cache's byte count would lie."""
-        return BatchOutputs(self.logits.clone(), {layer: h.clone() for layer, h in self.hidden.items()})
 
 
 @dataclass
@@ -93,14 +74,14 @@ class OutputCache:
     def enabled(self) -> bool:
         return self.capacity_bytes > 0
 
-    def get(self, key: bytes, layers=()) -> BatchOutputs | None:
-        """The entry for `key` if it holds every layer in `layers` (counted as a hit);
+    def get(self, key: bytes, needs: ForwardNeeds = ForwardNeeds()) -> BatchOutputs | None:
+        """The entry for `key` if it holds all that `needs` asks (counted as a hit);
         None otherwise. Misses are counted by `put`, when the batch has been computed."""
         if not self.enabled:
             return None
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None or not entry.covers(layers):
+            if entry is None or not entry.covers(needs):
                 return None
             self._entries.move_to_end(key)
             self._stats.hits += 1

@@ -25,9 +25,9 @@ import torch
 
 from distill_common import tracing
 from distill_common.announcements import Announcements
+from distill_common.outputs import BatchOutputs
 from distill_common.session_group import (TEACHER_RANK, SessionGroup, TransferError, build_group, connect_store,
                                           handshake, prefix_token)
-from teacher_server.cache import BatchOutputs
 from teacher_server.metrics import Metrics
 from teacher_server.sessions import Batch, Session
 
@@ -164,21 +164,21 @@ class Delivery:
     def _send(self, session: Session, batch: Batch, out: BatchOutputs, derived: dict):
         """Derives what this session asked for from the batch's outputs and posts the sends.
 
-        `derived` holds what this forward already derived, by (outputs, request, backend):
+        `derived` holds what this forward already derived, by (outputs, request, transport):
         sessions that share a batch and ask the same are sent the same tensors.
         Returns what the announcer needs once the forward is done: (session, group, batch id),
         or None when the session ended meanwhile.
         """
-        key = (id(out), session.outputs, session.backend)
-        tensors = derived.get(key)
-        if tensors is None:
-            tensors = derived[key] = self._derive(out, session.outputs, session.backend)
         with self._lock:
             link = self._links.get(session.session_id)
         if link is None:
             return None  # ended meanwhile
+        key = (id(out), session.outputs, session.backend)
+        tensors = derived.get(key)
+        if tensors is None:
+            tensors = derived[key] = link.group.to_send(session.outputs.derive(out, batch))
         try:
-            works = [link.group.send(t) for t in tensors]
+            works = link.group.send_all(tensors)
         except Exception as e:
             self._end(session, "transfer_failed", f"posting the send of batch {batch.batch_id} failed: {e}")
             return None
@@ -188,22 +188,6 @@ class Delivery:
         # previous batch): the student posts this batch's receives as soon as the forward
         # is done, so consecutive transfers run back to back.
         return session, link.group, batch.batch_id
-
-    @staticmethod
-    def _derive(out: BatchOutputs, spec, backend: str) -> list[torch.Tensor]:
-        """The tensors a session receives, in wire order (distill_common.wire.output_layout)."""
-        tensors = []
-        if spec.logits:
-            tensors.append(out.logits.to(spec.dtype).contiguous())
-        if spec.topk:
-            values, indices = torch.topk(out.logits, spec.topk, dim=-1)
-            tensors.append(values.to(spec.dtype).contiguous())
-            tensors.append(indices.to(torch.int32).contiguous())
-        if spec.hidden_layers:
-            tensors.append(torch.stack([out.hidden[layer] for layer in spec.hidden_layers]).to(spec.dtype).contiguous())
-        if backend == "gloo":
-            tensors = [t.cpu() for t in tensors]
-        return tensors
 
     def _send_loop(self, session: Session, link: _Link) -> None:
         """Waits, in order, for each batch's sends to complete; fails the session on timeout."""

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from distill_common import tracing
-from teacher_server.cache import BatchOutputs, OutputCache
+from distill_common.outputs import BatchOutputs, ForwardNeeds
+from teacher_server.cache import OutputCache
 from teacher_server.delivery import Delivery
 from teacher_server.errors import NotFound, Unavailable
 from teacher_server.metrics import Metrics
@@ -290,7 +291,7 @@ class Engine:
         return plan
 
     def _cached(self, session: Session, batch: Batch) -> BatchOutputs | None:
-        return self.cache.get(batch.key, session.outputs.hidden_layers)
+        return self.cache.get(batch.key, session.outputs.needs)
 
     def _forward(self, plan: list[Planned]) -> _Forward | None:
         """Launches the forward of the plan's computed batches (does not wait for the
@@ -307,13 +308,13 @@ class Engine:
                                pinned=self.runner.device.type == "cuda")
         rows, seq = input_ids.shape
         wanted = [p.session for p in plan]
-        if self.cache.enabled:  # entries keep every layer a live session asks, so later ones hit
+        if self.cache.enabled:  # entries keep what any live session needs, so later ones hit
             wanted += self.sessions()
-        layers = sorted({layer for session in wanted for layer in session.outputs.hidden_layers})
+        needs = ForwardNeeds.union(session.outputs.needs for session in wanted)
         start = time.monotonic()
         tracing.mark("t_inputs", plan[0].batch.batch_id)
         try:
-            out = self.runner.forward(input_ids, mask, hidden=bool(layers))
+            out = self.runner.forward(input_ids, mask, hidden=needs.hidden_states)
             tracing.mark("t_launched", plan[0].batch.batch_id)
         except Exception as e:  # e.g. out of memory: those sessions fail, the teacher stays up
             # (The busy clock is the announcer's: a launch that failed at once adds nothing to it.)
@@ -325,8 +326,7 @@ class Engine:
         produced: dict[int, BatchOutputs] = {}  # by first row: what each computed batch is served from
         for p in computed:
             b, s = p.batch.input_ids.shape
-            outputs = BatchOutputs(out.logits[p.row:p.row + b, :s],
-                                   {layer: out.hidden_states[layer][p.row:p.row + b, :s] for layer in layers})
+            outputs = BatchOutputs.of_rows(out, needs, slice(p.row, p.row + b), s)
             produced[p.row] = self.cache.put(p.batch.key, outputs)  # `outputs` itself with the cache off
         return _Forward(start, launched, (rows, seq),
                         [p.cached if p.cached is not None else produced[p.row] for p in plan])

@@ -17,6 +17,7 @@ from google.protobuf import message as pb_message
 from google.protobuf import message_factory
 
 from distill_common import tracing, wire
+from distill_common.outputs import OutputRequest, OutputSpecError, TeacherFacts, VocabularyMismatch
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.session_group import device_uuid
 from distill_common.wire import WireError
@@ -24,7 +25,7 @@ from teacher_server.config import ServerConfig
 from teacher_server.engine import Engine
 from teacher_server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError
 from teacher_server.metrics import Metrics
-from teacher_server.sessions import Batch, OutputRequest, Session
+from teacher_server.sessions import Batch, Session
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class TeacherService:
         self.store_port = store_port
         self.info = engine.runner.info
         self.teacher_uuid = device_uuid(self.info.device)
+        self.facts = TeacherFacts.from_info(self.teacher_info())  # what a session's outputs are checked against
 
     # ---- RPCs ---------------------------------------------------------------------
 
@@ -47,9 +49,15 @@ class TeacherService:
         return self.teacher_info()
 
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
-        outputs = self._resolve_outputs(request.outputs)
+        try:
+            outputs = OutputRequest.resolve(request.outputs, self.facts)
+        except OutputSpecError as e:
+            raise InvalidArgument(str(e)) from e
         backend = self._check_peer(request.peer)
-        self._check_vocabulary(request, outputs)
+        try:
+            outputs.check_student(request.vocab_size, request.tokenizer_fingerprint)
+        except VocabularyMismatch as e:
+            raise FailedPrecondition(str(e)) from e
         max_inflight = request.max_inflight or self.config.max_inflight
         if max_inflight < 0 or max_inflight > self.config.max_inflight:
             raise InvalidArgument(f"max_inflight {request.max_inflight} is outside 1..{self.config.max_inflight} "
@@ -150,25 +158,6 @@ class TeacherService:
             max_inflight=c.max_inflight, tokenizer_fingerprint=i.tokenizer_fingerprint,
             torch_version=i.torch_version, nccl_version=i.nccl_version)
 
-    def _resolve_outputs(self, spec: pb.OutputSpec) -> OutputRequest:
-        info = self.info
-        if spec.topk < 0 or spec.topk > info.vocab_size:
-            raise InvalidArgument(f"topk {spec.topk} must be between 0 and the vocabulary size {info.vocab_size}")
-        layers = tuple(spec.hidden_layers)
-        bad = [layer for layer in layers if not 0 <= layer <= info.num_layers]
-        if bad:
-            raise InvalidArgument(f"hidden layers {bad} are out of range: the teacher has {info.num_layers} layers, "
-                                  f"so use 0 (embeddings) .. {info.num_layers}")
-        if len(set(layers)) != len(layers):
-            raise InvalidArgument(f"hidden layers {list(layers)} repeat a layer")
-        if not (spec.logits or spec.topk or layers):
-            raise InvalidArgument("no outputs requested: ask for logits, topk > 0 or hidden layers")
-        try:
-            dtype = wire.parse_output_dtype(spec.dtype) if spec.dtype else info.dtype
-        except WireError as e:
-            raise InvalidArgument(f"outputs.dtype: {e}") from e
-        return OutputRequest(logits=spec.logits, topk=spec.topk, hidden_layers=layers, dtype=dtype)
-
     def _check_peer(self, peer: pb.PeerInfo) -> str:
         if peer.device_type not in ("cpu", "cuda"):
             raise InvalidArgument(f"peer.device_type {peer.device_type!r} must be 'cpu' or 'cuda'")
@@ -187,19 +176,6 @@ class TeacherService:
                 f"the student's NCCL {peer.nccl_version or '(none)'} differs from the teacher's "
                 f"{self.info.nccl_version}: install the same torch/NCCL build on both sides")
         return "nccl"
-
-    def _check_vocabulary(self, request: pb.JoinRequest, outputs: OutputRequest) -> None:
-        if not (outputs.logits or outputs.topk):
-            return  # hidden states only: vocabularies may differ
-        if request.vocab_size and request.vocab_size != self.info.vocab_size:
-            raise FailedPrecondition(
-                f"the student's vocabulary has {request.vocab_size} entries, the teacher's {self.info.vocab_size}: "
-                "logit distillation needs the same tokenizer on both sides (hidden-state distillation does not)")
-        theirs, ours = request.tokenizer_fingerprint, self.info.tokenizer_fingerprint
-        if theirs and ours and theirs != ours:
-            raise FailedPrecondition(
-                "the student's tokenizer differs from the teacher's (fingerprints "
-                f"{theirs[:12]} != {ours[:12]}): logit distillation needs the same tokenizer on both sides")
 
     def _decode_batch(self, request: pb.SubmitRequest) -> Batch:
         limits = self.config

@@ -13,17 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from distill_common.outputs import OutputRequest
 from teacher_server.cache import batch_key
-
-
-@dataclass(frozen=True)
-class OutputRequest:
-    """What a session asked for at join, resolved against the teacher."""
-
-    logits: bool
-    topk: int
-    hidden_layers: tuple[int, ...]
-    dtype: torch.dtype
 
 
 @dataclass
@@ -57,7 +48,7 @@ class Batch:
 class Session:
     job_id: str
     job_rank: int
-    outputs: OutputRequest
+    outputs: OutputRequest  # what it asked for at join, resolved against this teacher
     backend: str
     peer_device_type: str
     max_inflight: int

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from student_trainer import TeacherClient  # noqa: E402
+from student_trainer import HiddenStates, Logits, TeacherClient, TopK  # noqa: E402
 
 
 def random_batch(generator: torch.Generator, vocab: int, max_len: int, shape: tuple[int, int] | None = None,
@@ -89,9 +89,11 @@ def main() -> int:
         print("LOADED", flush=True)
         wait_for_file(args.join_file)
     start = time.monotonic()
-    with TeacherClient(args.address, device, logits=not args.no_logits, topk=args.topk, hidden_layers=layers,
-                       dtype="float32", max_inflight=args.inflight, job_id=args.job_id, job_rank=args.job_rank,
-                       weight=args.weight) as teacher:
+    outputs = [] if args.no_logits else [Logits()]
+    outputs += [TopK(args.topk)] if args.topk else []
+    outputs += [HiddenStates(layers)] if layers else []
+    with TeacherClient(args.address, device, outputs=outputs, dtype="float32", max_inflight=args.inflight,
+                       job_id=args.job_id, job_rank=args.job_rank, weight=args.weight) as teacher:
         print(f"JOINED {teacher.session_id}", flush=True)
         if args.start_file:
             wait_for_file(args.start_file)

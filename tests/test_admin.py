@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from student_trainer import TeacherClient
+from student_trainer import Logits, TeacherClient, TopK
 from teacher_server.launcher import ServerProcess, child_env
 from tests.helpers import ROOT, build_tiny_model
 
@@ -28,8 +28,8 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_status_lists_both_sessions_and_info_the_limits(server):
-    with TeacherClient(server.address, "cpu", logits=True, job_id="job-a", job_rank=0) as a, \
-            TeacherClient(server.address, "cpu", topk=4, job_id="job-b", job_rank=1) as b:
+    with TeacherClient(server.address, "cpu", job_id="job-a", job_rank=0) as a, \
+            TeacherClient(server.address, "cpu", outputs=(Logits(), TopK(4)), job_id="job-b", job_rank=1) as b:
         a.submit(torch.randint(0, 384, (2, 5))).result(timeout=60)
         b.submit(torch.randint(0, 384, (1, 7))).result(timeout=60)
         b.submit(torch.randint(0, 384, (1, 3))).result(timeout=60)
@@ -56,7 +56,7 @@ def test_status_of_an_unreachable_teacher_says_so():
 
 
 def test_json_logs_carry_session_ids(server):
-    with TeacherClient(server.address, "cpu", logits=True, job_id="json-job") as client:
+    with TeacherClient(server.address, "cpu", job_id="json-job") as client:
         session_id = client.session_id
     records = [json.loads(line) for line in server.log_lines if line.startswith("{")]
     assert records, server.log

@@ -28,7 +28,7 @@ def server(tmp_path_factory):
 
 
 def test_right_token_is_served(server):
-    with TeacherClient(server.address, "cpu", logits=True, auth_token=TOKEN) as client:
+    with TeacherClient(server.address, "cpu", auth_token=TOKEN) as client:
         out = client.submit(torch.randint(0, 384, (1, 6))).result(timeout=60)
     assert out.logits.shape == (1, 6, 384)
 
@@ -36,7 +36,7 @@ def test_right_token_is_served(server):
 @pytest.mark.parametrize("token", ["", "wrong"])
 def test_missing_or_wrong_token_is_unauthenticated(server, token):
     with pytest.raises(AuthenticationFailed, match="auth token"):
-        TeacherClient(server.address, "cpu", logits=True, auth_token=token)
+        TeacherClient(server.address, "cpu", auth_token=token)
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.TeacherServiceStub(channel)
         metadata = (("authorization", f"Bearer {token}"),) if token else ()

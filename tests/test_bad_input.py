@@ -37,7 +37,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with TeacherClient(server.address, "cpu", logits=True) as client:
+    with TeacherClient(server.address, "cpu") as client:
         yield client
 
 

@@ -12,8 +12,9 @@ import pytest
 import requests
 import torch
 
-from student_trainer import TeacherClient
-from teacher_server.cache import BatchOutputs, OutputCache, batch_key
+from distill_common.outputs import BatchOutputs, ForwardNeeds
+from student_trainer import HiddenStates, Logits, TeacherClient, TopK
+from teacher_server.cache import OutputCache, batch_key
 from teacher_server.launcher import ServerProcess, metrics_samples
 from tests.helpers import build_tiny_model, finish_student, start_student, wait_for_line
 
@@ -48,6 +49,10 @@ def _outputs(rows: int, layers=(), fill: float = 0.0) -> BatchOutputs:
     return BatchOutputs(torch.full((rows, 4, 10), fill), {layer: torch.full((rows, 4, 6), fill) for layer in layers})
 
 
+def _layers(*layers: int) -> ForwardNeeds:
+    return ForwardNeeds(hidden_layers=frozenset(layers))
+
+
 def test_lru_within_bytes_and_layers():
     entry = _outputs(1).nbytes  # 1 x 4 x 10 float32 = 160 bytes
     cache = OutputCache(capacity_bytes=2 * entry + entry // 2)
@@ -63,10 +68,10 @@ def test_lru_within_bytes_and_layers():
     assert stats.bytes == 2 * entry <= stats.capacity_bytes
 
     # An entry without a layer a session asks for is a miss; a recompute with it replaces it.
-    assert cache.get(a, layers=(1,)) is None
+    assert cache.get(a, _layers(1)) is None
     cache.put(a, _outputs(1, layers=(0, 1)))
-    assert cache.get(a, layers=(1,)) is not None and cache.get(a, layers=(0, 1)) is not None
-    assert cache.get(a, layers=(2,)) is None
+    assert cache.get(a, _layers(1)) is not None and cache.get(a, _layers(0, 1)) is not None
+    assert cache.get(a, _layers(2)) is None
     assert cache.stats().bytes <= cache.capacity_bytes
 
     # An entry larger than the whole cache is served but not kept.
@@ -161,10 +166,10 @@ def test_a_layer_the_entry_lacks_is_a_miss(cached_server, reference):
     with torch.no_grad():
         ref = reference(input_ids=ids, output_hidden_states=True)
     before = metrics_samples(cached_server.http)
-    with TeacherClient(cached_server.address, "cpu", logits=True, hidden_layers=(0,), job_id="layers-a") as a:
+    with TeacherClient(cached_server.address, "cpu", outputs=(Logits(), HiddenStates((0,))), job_id="layers-a") as a:
         first = a.submit(ids).result(timeout=60)
     # Alone when it ran, a's forward kept layer 0 only: b's layer 1 needs a forward.
-    with TeacherClient(cached_server.address, "cpu", logits=False, topk=4, hidden_layers=(1,),
+    with TeacherClient(cached_server.address, "cpu", outputs=(TopK(4), HiddenStates((1,))),
                        job_id="layers-b") as b:
         second = b.submit(ids).result(timeout=60)
         third = b.submit(ids).result(timeout=60)  # now kept with layer 1: a hit
@@ -187,8 +192,8 @@ def test_without_the_cache_the_same_batch_later_costs_a_second_forward(model_dir
         ids = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(3))
         with torch.no_grad():
             ref = reference(input_ids=ids).logits
-        with TeacherClient(server.address, "cpu", logits=True, job_id="off-a") as a, \
-                TeacherClient(server.address, "cpu", logits=True, job_id="off-b") as b:
+        with TeacherClient(server.address, "cpu", job_id="off-a") as a, \
+                TeacherClient(server.address, "cpu", job_id="off-b") as b:
             first = a.submit(ids).result(timeout=60)
             second = b.submit(ids).result(timeout=60)  # at a different time: nothing kept
         samples = metrics_samples(server.http)
@@ -219,7 +224,7 @@ def test_lru_evicts_within_cache_bytes(model_dir, reference):
             return {name: _counter(samples, f"teacher_cache_{name}")
                     for name in ("hits_total", "misses_total", "evictions_total", "entries", "bytes")}
 
-        with TeacherClient(server.address, "cpu", logits=True, job_id="lru") as teacher:
+        with TeacherClient(server.address, "cpu", job_id="lru") as teacher:
             def run(ids):
                 out = teacher.submit(ids).result(timeout=60)
                 return out.logits

@@ -10,7 +10,7 @@ import requests
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from student_trainer import TeacherClient
+from student_trainer import HiddenStates, Logits, TeacherClient, TopK
 from teacher_server.launcher import ServerProcess, metrics_samples
 from tests.helpers import build_tiny_model, finish_student, start_student, status_sessions, wait_for_line
 
@@ -50,7 +50,7 @@ def test_two_students_joining_at_different_times_get_exact_outputs(server, model
 
 def test_status_metrics_and_health_match_what_was_sent(server):
     batches = [(torch.randint(0, 384, (2, 9)), None), (torch.randint(0, 384, (3, 5)), None)]
-    with TeacherClient(server.address, "cpu", logits=True, topk=3, job_id="metrics-job") as teacher:
+    with TeacherClient(server.address, "cpu", outputs=(Logits(), TopK(3)), job_id="metrics-job") as teacher:
         for ids, mask in batches:
             teacher.submit(ids, mask).result(timeout=60)
         # batches_sent is counted by the teacher's sender once its send completes, a
@@ -86,7 +86,7 @@ def test_status_metrics_and_health_match_what_was_sent(server):
 
 
 def test_session_leaves_status_after_close(server):
-    with TeacherClient(server.address, "cpu", logits=False, hidden_layers=(2,), job_id="short") as teacher:
+    with TeacherClient(server.address, "cpu", outputs=(HiddenStates((2,)),), job_id="short") as teacher:
         session_id = teacher.session_id
         teacher.submit(torch.randint(0, 384, (1, 4))).result(timeout=60)
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
-from student_trainer import TeacherClient
+from student_trainer import Logits, TeacherClient, TopK
 from teacher_server.launcher import ServerProcess
 from tests.helpers import build_tiny_model
 
@@ -94,7 +94,7 @@ def test_oversized_message_is_refused(channel):
 
 
 def test_replayed_and_foreign_ids_on_a_live_session(server, channel):
-    with TeacherClient(server.address, "cpu", logits=True) as client:
+    with TeacherClient(server.address, "cpu") as client:
         client.submit(torch.randint(0, 384, (1, 4))).result(timeout=60)
         ids = pb.Tensor(dtype="int32", shape=[1, 4], data=bytes(16))
         for batch_id in (0, 0, 5, 2**63):  # replayed, replayed again, skipped ahead, huge
@@ -108,7 +108,7 @@ def test_replayed_and_foreign_ids_on_a_live_session(server, channel):
 
 def test_a_normal_client_is_served_after_the_fuzzing(server):
     assert server.proc.poll() is None, server.log
-    with TeacherClient(server.address, "cpu", logits=True, topk=3) as client:
+    with TeacherClient(server.address, "cpu", outputs=(Logits(), TopK(3))) as client:
         out = client.submit(torch.randint(0, 384, (2, 9))).result(timeout=60)
     assert out.logits.shape == (2, 9, 384) and out.topk_indices.shape == (2, 9, 3)
     assert "Traceback" not in server.log, server.log[-3000:]

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from distill_demo.corpus import stdlib_root
 from distill_demo.tokenizer import train_tokenizer
+from student_trainer import TopK
 from student_trainer.errors import Incompatible, TeacherUnavailable
 from teacher_server.launcher import ServerProcess
 from tests.helpers import free_port, wait_until
@@ -265,6 +266,6 @@ def test_settings_are_checked_before_anything_runs(setup, tmp_path):
     with pytest.raises(ValueError, match="label_smoothing_factor"):
         distillation_trainer(setup, "student", training_args(tmp_path, label_smoothing_factor=0.1),
                              Rows(setup["rows"]), teacher_address="x:1")
-    with pytest.raises(ValueError, match=r"may not set \['topk'\]"):
+    with pytest.raises(ValueError, match=r"may not set \['outputs'\]"):
         distillation_trainer(setup, "student", args, Rows(setup["rows"]), teacher_address="x:1",
-                             teacher_client_options={"topk": 3, "weight": 2.0})
+                             teacher_client_options={"outputs": (TopK(3),), "weight": 2.0})

@@ -48,10 +48,10 @@ def server(model_dir, env):
 
 
 def test_every_rank_of_a_job_gives_the_same_weight(server):
-    with TeacherClient(server.address, "cpu", logits=True, job_id="weighted", job_rank=0, weight=2.0):
+    with TeacherClient(server.address, "cpu", job_id="weighted", job_rank=0, weight=2.0):
         with pytest.raises(InvalidRequest, match="already has weight 2.*same weight"):
-            TeacherClient(server.address, "cpu", logits=True, job_id="weighted", job_rank=1, weight=1.0)
-        with TeacherClient(server.address, "cpu", logits=True, job_id="weighted", job_rank=1, weight=2.0):
+            TeacherClient(server.address, "cpu", job_id="weighted", job_rank=1, weight=1.0)
+        with TeacherClient(server.address, "cpu", job_id="weighted", job_rank=1, weight=2.0):
             pass
 
 
@@ -87,7 +87,7 @@ def test_jobs_get_exact_outputs_and_weighted_shares(server, model_dir, env, tmp_
                 wait_for_line(proc, "SATURATING")  # outputs checked; now submitting back to back
 
         with pytest.raises(LimitExceeded, match="--max-sessions 4"):
-            TeacherClient(server.address, "cpu", logits=True, job_id="one-too-many", join_timeout_s=30)
+            TeacherClient(server.address, "cpu", job_id="one-too-many", join_timeout_s=30)
 
         time.sleep(0.5)  # the newest session's first unchecked batches are through
         start_tokens = _job_tokens(server.http)

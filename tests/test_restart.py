@@ -22,7 +22,7 @@ import torch
 
 from distill_demo.corpus import write_jsonl_corpus
 from distill_demo.tokenizer import train_tokenizer
-from student_trainer import TeacherClient
+from student_trainer import Logits, TeacherClient, TopK
 from student_trainer.errors import TeacherUnavailable
 from teacher_server.launcher import ServerProcess, child_env
 from tests.helpers import ROOT, status_sessions, wait_until
@@ -127,7 +127,7 @@ def test_every_future_resolves_once_in_order_across_a_kill_9(teacher, assets, th
     masks[6][1, 11:] = 0  # right padding: the mask must travel again with its batch
     expected = [b.clone() for b in batches]
     delivered_first, resolved = 3, []
-    with TeacherClient(server.address, "cpu", logits=True, topk=4, max_inflight=8, job_id="restart-client",
+    with TeacherClient(server.address, "cpu", outputs=(Logits(), TopK(4)), max_inflight=8, job_id="restart-client",
                        reconnect_timeout_s=120) as client:
         first_session = client.session_id
         futures = [client.submit(ids, masks[i]) for i, ids in enumerate(batches[:delivered_first])]
@@ -227,7 +227,7 @@ def test_training_across_a_teacher_kill_9_repeats_the_uninterrupted_losses(teach
 
 def test_futures_fail_naming_the_timeout_when_the_teacher_stays_down(teacher):
     server = teacher.running()
-    with TeacherClient(server.address, "cpu", logits=True, job_id="restart-never", reconnect_timeout_s=2) as client:
+    with TeacherClient(server.address, "cpu", job_id="restart-never", reconnect_timeout_s=2) as client:
         client.submit(torch.randint(0, VOCAB, (1, 8))).result(timeout=60)
         teacher.freeze()
         futures = [client.submit(torch.randint(0, VOCAB, (1, 8))) for _ in range(3)]

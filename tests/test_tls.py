@@ -20,7 +20,7 @@ import pytest
 import requests
 import torch
 
-from student_trainer import TeacherClient
+from student_trainer import Logits, TeacherClient, TopK
 from student_trainer.config import TrainConfig
 from student_trainer.errors import AuthenticationFailed, LimitExceeded, TeacherUnavailable
 from teacher_server.config import ServerConfig
@@ -125,7 +125,7 @@ def _fails_fast(make_client, error, match):
 
 def test_right_ca_and_token_are_served_with_exact_outputs(servers, pki, model_dir):
     ids = torch.randint(0, 384, (2, 9), generator=torch.Generator().manual_seed(3))
-    with TeacherClient(servers["tls"].address, "cpu", logits=True, tls_ca=str(pki / "ca.pem"),
+    with TeacherClient(servers["tls"].address, "cpu", tls_ca=str(pki / "ca.pem"),
                        auth_token=TOKEN) as client:
         out = client.submit(ids).result(timeout=60)
     assert (out.logits - _reference_logits(model_dir, ids)).abs().max().item() <= 1e-4
@@ -188,7 +188,7 @@ def test_admin_commands_over_tls(servers, pki):
 
 def test_mutual_tls_needs_a_client_certificate_its_ca_signed(servers, pki):
     address, ca = servers["mtls"].address, str(pki / "ca.pem")
-    with TeacherClient(address, "cpu", topk=3, tls_ca=ca, tls_cert=str(pki / "client.pem"),
+    with TeacherClient(address, "cpu", outputs=(Logits(), TopK(3)), tls_ca=ca, tls_cert=str(pki / "client.pem"),
                        tls_key=str(pki / "client.key")) as client:
         out = client.submit(torch.randint(0, 384, (1, 5))).result(timeout=60)
     assert out.topk_indices.shape == (1, 5, 3)
@@ -248,15 +248,15 @@ def test_requests_over_max_request_bytes_are_resource_exhausted(servers):
         with pytest.raises(grpc.RpcError) as under:
             submit(b"\x0a" + b"\xff" * (MAX_REQUEST_BYTES - 4096), timeout=30)
         assert under.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed" in under.value.details()
-    with TeacherClient(server.address, "cpu", logits=True) as client:
+    with TeacherClient(server.address, "cpu") as client:
         # 80k int64 ids = 640 KiB, under the limit: refused by the teacher's own --max-batch-tokens.
         with pytest.raises(LimitExceeded, match="--max-batch-tokens"):
             client.submit(torch.zeros(80, 1000, dtype=torch.int64)).result(timeout=60)
         assert client.submit(torch.randint(0, 384, (1, 4))).result(timeout=60).logits.shape == (1, 4, 384)
-    with TeacherClient(server.address, "cpu", logits=True) as client:
+    with TeacherClient(server.address, "cpu") as client:
         # 160k int64 ids = 1.25 MiB: grpc ends the submit stream; the client says so.
         with pytest.raises(LimitExceeded, match="larger than max"):
             client.submit(torch.zeros(160, 1000, dtype=torch.int64)).result(timeout=60)
-    with TeacherClient(server.address, "cpu", logits=True) as client:  # the teacher serves on
+    with TeacherClient(server.address, "cpu") as client:  # the teacher serves on
         assert client.submit(torch.randint(0, 384, (2, 4))).result(timeout=60).logits.shape == (2, 4, 384)
     assert server.proc.poll() is None

@@ -41,14 +41,14 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=1046, help="tokens per batch (1046: a 256 MiB batch of builtin:wide)")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    from student_trainer import TeacherClient
+    from student_trainer import TeacherClient, TopK
     from teacher_server.launcher import ServerProcess
 
     server = ServerProcess("--model", "builtin:tiny", "--device", "cpu", "--max-batch-tokens", "16384",
                            "--max-seq-len", "4096", "--max-inflight", "16")
     pid = server.proc.pid
     try:
-        with TeacherClient(server.address, "cpu", logits=False, topk=1, max_inflight=16) as teacher:
+        with TeacherClient(server.address, "cpu", outputs=(TopK(1),), max_inflight=16) as teacher:
             ids = torch.randint(0, teacher.info.vocab_size, (1, args.seq))
 
             stream_batches(teacher, ids, 100)  # warm-up

@@ -47,7 +47,7 @@ def test_two_students_on_gpu1_receive_exact_outputs_over_nccl(server, model_dir,
 
 def test_student_on_the_teachers_gpu_is_refused(server):
     with pytest.raises(Incompatible, match="CUDA_VISIBLE_DEVICES"):
-        TeacherClient(server.address, "cuda:0", logits=True)
+        TeacherClient(server.address, "cuda:0")
 
 
 def test_cpu_student_of_a_gpu_teacher_uses_gloo(server, model_dir, tmp_path):

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from student_trainer import TeacherClient
+from student_trainer import Logits, TeacherClient, TopK
 from tests.helpers import build_tiny_model
 from tests.test_restart import RestartableTeacher, session_status
 
@@ -35,7 +35,7 @@ def test_nccl_client_gets_every_batch_once_across_a_teacher_kill_9(tmp_path):
         generator = torch.Generator().manual_seed(0)
         batches = [torch.randint(0, VOCAB, (4, 256), generator=generator) for _ in range(12)]
         delivered_first, resolved = 4, []
-        with TeacherClient(server.address, "cuda:1", logits=True, topk=8, max_inflight=8, job_id="nccl-restart",
+        with TeacherClient(server.address, "cuda:1", outputs=(Logits(), TopK(8)), max_inflight=8, job_id="nccl-restart",
                            reconnect_timeout_s=180) as client:
             assert client.backend == "nccl"
             futures = [client.submit(ids) for ids in batches[:delivered_first]]

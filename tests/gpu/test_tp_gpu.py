@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from student_trainer import TeacherClient
+from student_trainer import HiddenStates, Logits, TeacherClient
 from teacher_server.launcher import ServerProcess
 
 pytestmark = [pytest.mark.gpu,
@@ -47,7 +47,7 @@ def _batches():
 
 
 def _served(server: ServerProcess, batches) -> list:
-    with TeacherClient(server.address, "cpu", logits=True, hidden_layers=(LAYERS,), dtype="float32",
+    with TeacherClient(server.address, "cpu", outputs=(Logits(), HiddenStates((LAYERS,))), dtype="float32",
                        max_inflight=len(batches)) as teacher:
         futures = [teacher.submit(ids, mask) for ids, mask in batches]
         return [f.result(timeout=300) for f in futures]

@@ -1,0 +1,373 @@
+"""Teacher outputs: each kind a session can ask for is one class.
+
+A kind (`Output`) says, in one place:
+
+- how a session asks for it: `from_spec` reads its field(s) of the proto `OutputSpec`,
+  `to_spec` writes them;
+- what the teacher checks at join: `check` raises `OutputSpecError` when this model cannot
+  give it, and `same_vocabulary` says whether the student must share the teacher's tokenizer;
+- what the forward must produce for it (`needs`, a `ForwardNeeds`);
+- its tensors for one `[batch, seq]` input (`layout`), which the student preallocates;
+- how the teacher derives them from the forward of one batch (`derive`);
+- how the student turns them into fields of a `TeacherOutput` (`assemble`).
+
+Its place in the wire order is its place in `KINDS`. A session's `OutputRequest` is the kinds
+it asked for, resolved against one teacher: frozen and hashable, so sessions that ask the same
+share what the teacher derives. The engine and the client call only the request's methods;
+neither names a kind.
+
+Join-time data. What a kind needs from the student once (a token subset, say) is a field of
+its `OutputSpec`, read in `from_spec` and checked in `check` like `TopK.k`. What it needs from
+the teacher once (the weights of its head, say) is too large for the control plane: it crosses
+the session group once, right after the handshake, laid out, derived and assembled by the kind
+as its per-batch tensors are (the first such kind adds that one exchange where both sides call
+`handshake`, as methods of the request).
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import operator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import ClassVar, NamedTuple
+
+import torch
+
+from distill_common import wire
+from distill_common.proto.teacher.v1 import teacher_pb2 as pb
+
+
+class OutputSpecError(ValueError):
+    """A session asked for outputs the teacher cannot give; the message says what to change."""
+
+
+class VocabularyMismatch(ValueError):
+    """The outputs asked need the teacher's vocabulary, and the student's differs."""
+
+
+class TensorSpec(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class TeacherFacts:
+    """What a session's outputs depend on, as the join answer (TeacherInfo) tells it."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    dtype: torch.dtype  # the model's: outputs come in it unless the session asks another
+    tokenizer_fingerprint: str = ""
+
+    @classmethod
+    def from_info(cls, info: pb.TeacherInfo) -> "TeacherFacts":
+        return cls(vocab_size=info.vocab_size, hidden_size=info.hidden_size, num_layers=info.num_layers,
+                   dtype=wire.parse_output_dtype(info.dtype), tokenizer_fingerprint=info.tokenizer_fingerprint)
+
+
+@dataclass(frozen=True)
+class ForwardNeeds:
+    """What a forward must produce besides its logits (always produced).
+
+    A kind that needs more of the forward (the attention inputs of some layers) adds a field
+    here, merges it in `__or__`, and has `BatchOutputs` keep it.
+    """
+
+    hidden_layers: frozenset[int] = frozenset()
+
+    def __or__(self, other: "ForwardNeeds") -> "ForwardNeeds":
+        return ForwardNeeds(hidden_layers=self.hidden_layers | other.hidden_layers)
+
+    @classmethod
+    def union(cls, needs: Iterable["ForwardNeeds"]) -> "ForwardNeeds":
+        return functools.reduce(operator.or_, needs, cls())
+
+    @property
+    def hidden_states(self) -> bool:
+        """Whether the model must return its hidden states."""
+        return bool(self.hidden_layers)
+
+
+@dataclass
+class BatchOutputs:
+    """What the forward produced for one batch: logits [B, S, V] in the teacher's dtype and
+    hidden states [B, S, H] by layer (only the layers kept)."""
+
+    logits: torch.Tensor
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def of_rows(cls, forward, needs: ForwardNeeds, rows: slice, seq: int) -> "BatchOutputs":
+        """One batch's rows of a packed forward (`logits`, `hidden_states` by layer), keeping what `needs` asks."""
+        return cls(forward.logits[rows, :seq],
+                   {layer: forward.hidden_states[layer][rows, :seq] for layer in sorted(needs.hidden_layers)})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.logits, *self.hidden.values()))
+
+    def covers(self, needs: ForwardNeeds) -> bool:
+        return needs.hidden_layers <= self.hidden.keys()
+
+    def detached(self) -> "BatchOutputs":
+        """A copy that owns its memory: a slice of the packed forward's outputs would
+        keep the whole packed tensor alive, and the cache's byte count would lie."""
+        return BatchOutputs(self.logits.clone(), {layer: h.clone() for layer, h in self.hidden.items()})
+
+
+@dataclass
+class TeacherOutput:
+    """One batch's outputs, on the client's device. Kinds not asked for are None / empty."""
+
+    batch_id: int
+    logits: torch.Tensor | None = None  # [B, S, V]
+    topk_values: torch.Tensor | None = None  # [B, S, k]
+    topk_indices: torch.Tensor | None = None  # [B, S, k] int32
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, S, H]
+
+
+class Output(abc.ABC):
+    """One kind of teacher output (see the module's docstring). Subclasses are frozen dataclasses."""
+
+    # How to ask for it, for the message that says nothing was asked.
+    asked_as: ClassVar[str]
+    # Whether it only means something to a student with the teacher's vocabulary.
+    same_vocabulary: ClassVar[bool] = False
+
+    @classmethod
+    @abc.abstractmethod
+    def from_spec(cls, spec: pb.OutputSpec) -> "Output | None":
+        """This kind as `spec` asks for it; None when `spec` does not."""
+
+    @abc.abstractmethod
+    def to_spec(self, spec: pb.OutputSpec) -> None:
+        """Writes this kind's field(s) of `spec`."""
+
+    def check(self, teacher: TeacherFacts) -> None:
+        """Raises OutputSpecError when `teacher` cannot give this."""
+
+    @property
+    def needs(self) -> ForwardNeeds:
+        return ForwardNeeds()
+
+    @abc.abstractmethod
+    def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
+        """The tensors this kind sends for a [batch, seq] input, in order; their number does not
+        depend on the input's shape."""
+
+    @abc.abstractmethod
+    def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
+        """This kind's tensors (contiguous, as `layout` says) from the forward of `batch`.
+
+        `batch` is what the student submitted: its ids and mask, and whatever per-batch data
+        a kind reads (ids to score, say). Sessions whose requests are equal and whose batches
+        share a forward entry are sent the same derived tensors.
+        """
+
+    @abc.abstractmethod
+    def assemble(self, tensors: list[torch.Tensor]) -> dict:
+        """The TeacherOutput fields this kind fills from its received tensors."""
+
+
+@dataclass(frozen=True)
+class Logits(Output):
+    """The full logits [B, S, V]."""
+
+    asked_as: ClassVar[str] = "logits"
+    same_vocabulary: ClassVar[bool] = True
+
+    @classmethod
+    def from_spec(cls, spec: pb.OutputSpec) -> "Logits | None":
+        return cls() if spec.logits else None
+
+    def to_spec(self, spec: pb.OutputSpec) -> None:
+        spec.logits = True
+
+    def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
+        return [TensorSpec((batch, seq, teacher.vocab_size), dtype)]
+
+    def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
+        return [forward.logits.to(dtype).contiguous()]
+
+    def assemble(self, tensors: list[torch.Tensor]) -> dict:
+        (logits,) = tensors
+        return {"logits": logits}
+
+    def __str__(self) -> str:
+        return "logits"
+
+
+@dataclass(frozen=True)
+class TopK(Output):
+    """The k largest logits per position: values [B, S, k] and their int32 vocabulary ids."""
+
+    k: int
+    asked_as: ClassVar[str] = "topk > 0"
+    same_vocabulary: ClassVar[bool] = True
+
+    @classmethod
+    def from_spec(cls, spec: pb.OutputSpec) -> "TopK | None":
+        return cls(spec.topk) if spec.topk else None
+
+    def to_spec(self, spec: pb.OutputSpec) -> None:
+        spec.topk = self.k
+
+    def check(self, teacher: TeacherFacts) -> None:
+        if not 0 < self.k <= teacher.vocab_size:
+            raise OutputSpecError(f"topk {self.k} must be between 0 and the vocabulary size {teacher.vocab_size}")
+
+    def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
+        return [TensorSpec((batch, seq, self.k), dtype), TensorSpec((batch, seq, self.k), torch.int32)]
+
+    def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
+        values, indices = torch.topk(forward.logits, self.k, dim=-1)
+        return [values.to(dtype).contiguous(), indices.to(torch.int32).contiguous()]
+
+    def assemble(self, tensors: list[torch.Tensor]) -> dict:
+        values, indices = tensors
+        return {"topk_values": values, "topk_indices": indices}
+
+    def __str__(self) -> str:
+        return f"topk={self.k}"
+
+
+@dataclass(frozen=True)
+class HiddenStates(Output):
+    """Hidden states of some layers (HF output_hidden_states indexing: 0 is the embeddings,
+    i is after layer i), sent stacked as [len(layers), B, S, H] in the order asked."""
+
+    layers: tuple[int, ...]
+    asked_as: ClassVar[str] = "hidden layers"
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(self.layers))  # any sequence given: hashable all the same
+
+    @classmethod
+    def from_spec(cls, spec: pb.OutputSpec) -> "HiddenStates | None":
+        return cls(tuple(spec.hidden_layers)) if spec.hidden_layers else None
+
+    def to_spec(self, spec: pb.OutputSpec) -> None:
+        spec.hidden_layers.extend(self.layers)
+
+    def check(self, teacher: TeacherFacts) -> None:
+        bad = [layer for layer in self.layers if not 0 <= layer <= teacher.num_layers]
+        if bad:
+            raise OutputSpecError(f"hidden layers {bad} are out of range: the teacher has {teacher.num_layers} "
+                                  f"layers, so use 0 (embeddings) .. {teacher.num_layers}")
+        if len(set(self.layers)) != len(self.layers):
+            raise OutputSpecError(f"hidden layers {list(self.layers)} repeat a layer")
+
+    @property
+    def needs(self) -> ForwardNeeds:
+        return ForwardNeeds(hidden_layers=frozenset(self.layers))
+
+    def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
+        return [TensorSpec((len(self.layers), batch, seq, teacher.hidden_size), dtype)]
+
+    def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
+        return [torch.stack([forward.hidden[layer] for layer in self.layers]).to(dtype).contiguous()]
+
+    def assemble(self, tensors: list[torch.Tensor]) -> dict:
+        (stacked,) = tensors
+        return {"hidden_states": {layer: stacked[i] for i, layer in enumerate(self.layers)}}
+
+    def __str__(self) -> str:
+        return f"hidden_layers={self.layers}"
+
+
+# Every kind, in wire order: a session's tensors are sent kind by kind in this order.
+KINDS: tuple[type[Output], ...] = (Logits, TopK, HiddenStates)
+
+
+def output_spec(kinds: Iterable[Output], dtype: str | None = None) -> pb.OutputSpec:
+    """The OutputSpec that asks for `kinds` (in any order), in `dtype` (None: the teacher's)."""
+    spec = pb.OutputSpec(dtype=dtype or "")
+    seen = set()
+    for kind in kinds:
+        if not isinstance(kind, Output):
+            raise TypeError(f"outputs must be kinds such as Logits(), TopK(8), HiddenStates((1, 2)); got {kind!r}")
+        if type(kind) in seen:
+            raise ValueError(f"outputs ask for {type(kind).__name__} twice: ask for each kind once")
+        seen.add(type(kind))
+        kind.to_spec(spec)
+    return spec
+
+
+@dataclass(frozen=True)
+class OutputRequest:
+    """What one session asked for, resolved against one teacher: its kinds in wire order."""
+
+    kinds: tuple[Output, ...]
+    dtype: torch.dtype
+    teacher: TeacherFacts
+
+    @classmethod
+    def resolve(cls, spec: pb.OutputSpec, teacher: TeacherFacts) -> "OutputRequest":
+        """The request `spec` makes of `teacher`; OutputSpecError when the teacher cannot serve it."""
+        kinds = []
+        for kind_class in KINDS:
+            kind = kind_class.from_spec(spec)
+            if kind is not None:
+                kind.check(teacher)
+                kinds.append(kind)
+        if not kinds:
+            *others, last = [kind_class.asked_as for kind_class in KINDS]
+            raise OutputSpecError(f"no outputs requested: ask for {', '.join(others)} or {last}")
+        try:
+            dtype = wire.parse_output_dtype(spec.dtype) if spec.dtype else teacher.dtype
+        except wire.WireError as e:
+            raise OutputSpecError(f"outputs.dtype: {e}") from e
+        return cls(tuple(kinds), dtype, teacher)
+
+    @classmethod
+    def granted(cls, spec: pb.OutputSpec, joined: pb.JoinResponse) -> "OutputRequest":
+        """The student's copy of the request the teacher resolved at `joined` (same spec, same facts)."""
+        asked = pb.OutputSpec()
+        asked.CopyFrom(spec)
+        asked.dtype = joined.output_dtype
+        return cls.resolve(asked, TeacherFacts.from_info(joined.info))
+
+    def __iter__(self) -> Iterator[Output]:
+        return iter(self.kinds)
+
+    def __str__(self) -> str:
+        return f"{', '.join(map(str, self.kinds))} in {wire.dtype_name(self.dtype)}"
+
+    def check_student(self, vocab_size: int, tokenizer_fingerprint: str) -> None:
+        """Raises VocabularyMismatch when a kind asked needs the teacher's vocabulary and the
+        student's differs (0 and "" are unknown: not compared)."""
+        if not any(kind.same_vocabulary for kind in self):
+            return  # hidden states only: vocabularies may differ
+        if vocab_size and vocab_size != self.teacher.vocab_size:
+            raise VocabularyMismatch(
+                f"the student's vocabulary has {vocab_size} entries, the teacher's {self.teacher.vocab_size}: "
+                "logit distillation needs the same tokenizer on both sides (hidden-state distillation does not)")
+        theirs, ours = tokenizer_fingerprint, self.teacher.tokenizer_fingerprint
+        if theirs and ours and theirs != ours:
+            raise VocabularyMismatch(
+                "the student's tokenizer differs from the teacher's (fingerprints "
+                f"{theirs[:12]} != {ours[:12]}): logit distillation needs the same tokenizer on both sides")
+
+    @functools.cached_property
+    def needs(self) -> ForwardNeeds:
+        return ForwardNeeds.union(kind.needs for kind in self)
+
+    def layout(self, batch: int, seq: int) -> list[TensorSpec]:
+        """The tensors the teacher sends for a [batch, seq] input, in send order."""
+        return [spec for kind in self for spec in kind.layout(batch, seq, self.teacher, self.dtype)]
+
+    def derive(self, forward: BatchOutputs, batch) -> list[torch.Tensor]:
+        """The teacher's tensors for `batch` from its forward, in send order."""
+        return [tensor for kind in self for tensor in kind.derive(forward, batch, self.dtype)]
+
+    def assemble(self, batch_id: int, tensors: list[torch.Tensor]) -> TeacherOutput:
+        """The student's TeacherOutput from the tensors received for one batch, in send order."""
+        fields, start = {}, 0
+        for kind in self:
+            count = len(kind.layout(1, 1, self.teacher, self.dtype))
+            fields.update(kind.assemble(tensors[start:start + count]))
+            start += count
+        return TeacherOutput(batch_id=batch_id, **fields)

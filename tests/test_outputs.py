@@ -1,0 +1,185 @@
+"""The output kinds on their own, no server: asked, checked, laid out, derived, assembled.
+
+Each kind's round trip (teacher derives, student assembles the same tensors) is compared
+with values computed straightforwardly from a random forward: the top k by sorting, the
+hidden states by the layers asked. The transport is left out (tests/test_session_group.py
+sends them over a real group).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from distill_common.outputs import (KINDS, BatchOutputs, ForwardNeeds, HiddenStates, Logits, OutputRequest,
+                                    OutputSpecError, TeacherFacts, TopK, VocabularyMismatch, output_spec)
+from distill_common.proto.teacher.v1 import teacher_pb2 as pb
+
+VOCAB, HIDDEN, LAYERS = 50, 12, 4
+FACTS = TeacherFacts(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, dtype=torch.float32,
+                     tokenizer_fingerprint="abc123")
+
+
+def _forward(batch: int = 2, seq: int = 5, seed: int = 0) -> BatchOutputs:
+    generator = torch.Generator().manual_seed(seed)
+    return BatchOutputs(torch.randn(batch, seq, VOCAB, generator=generator),
+                        {layer: torch.randn(batch, seq, HIDDEN, generator=generator) for layer in range(LAYERS + 1)})
+
+
+def _request(*kinds, dtype: str | None = None) -> OutputRequest:
+    return OutputRequest.resolve(output_spec(kinds, dtype), FACTS)
+
+
+def _round_trip(request: OutputRequest, forward: BatchOutputs):
+    batch, seq = forward.logits.shape[:2]
+    tensors = request.derive(forward, batch=None)
+    assert [(tuple(t.shape), t.dtype) for t in tensors] == request.layout(batch, seq)
+    assert all(t.is_contiguous() for t in tensors)
+    return request.assemble(7, [t.clone() for t in tensors])  # what a student's buffers would hold
+
+
+# ---- each kind's round trip ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [None, "float16", "bfloat16"])
+def test_logits_arrive_whole_in_the_dtype_asked(dtype):
+    forward = _forward()
+    out = _round_trip(_request(Logits(), dtype=dtype), forward)
+    want = forward.logits.to(getattr(torch, dtype) if dtype else torch.float32)
+    assert out.batch_id == 7 and out.logits.dtype == want.dtype and torch.equal(out.logits, want)
+    assert out.topk_values is None and out.topk_indices is None and out.hidden_states == {}
+
+
+@pytest.mark.parametrize("k", [1, 5, VOCAB])
+def test_topk_are_the_k_largest_logits_and_their_ids(k):
+    forward = _forward()
+    out = _round_trip(_request(TopK(k)), forward)
+    assert out.logits is None and out.hidden_states == {}
+    assert out.topk_values.shape == out.topk_indices.shape == (2, 5, k)
+    assert out.topk_indices.dtype == torch.int32
+    largest = forward.logits.sort(dim=-1, descending=True).values[..., :k]
+    assert torch.equal(out.topk_values, largest)
+    assert torch.equal(forward.logits.gather(-1, out.topk_indices.long()), out.topk_values)
+
+
+def test_hidden_states_are_the_layers_asked_in_the_order_asked():
+    forward = _forward()
+    layers = (3, 0, LAYERS)
+    out = _round_trip(_request(HiddenStates(layers), dtype="float16"), forward)
+    assert out.logits is None and out.topk_values is None
+    assert list(out.hidden_states) == list(layers)
+    for layer in layers:
+        assert torch.equal(out.hidden_states[layer], forward.hidden[layer].half())
+
+
+def test_every_kind_at_once_in_wire_order():
+    forward = _forward()
+    request = _request(HiddenStates((2, 1)), TopK(3), Logits())  # asked in any order, sent in KINDS order
+    assert [type(kind) for kind in request] == [Logits, TopK, HiddenStates] == list(KINDS)
+    assert request.layout(2, 5) == [((2, 5, VOCAB), torch.float32), ((2, 5, 3), torch.float32),
+                                     ((2, 5, 3), torch.int32), ((2, 2, 5, HIDDEN), torch.float32)]
+    out = _round_trip(request, forward)
+    assert torch.equal(out.logits, forward.logits)
+    assert torch.equal(out.topk_values, forward.logits.sort(dim=-1, descending=True).values[..., :3])
+    assert torch.equal(out.hidden_states[2], forward.hidden[2]) and torch.equal(out.hidden_states[1], forward.hidden[1])
+
+
+def test_layouts_match_what_is_derived_for_every_combination_and_shape():
+    choices = [Logits(), TopK(4), HiddenStates((0, 2))]
+    for size in range(1, len(choices) + 1):
+        for kinds in itertools.combinations(choices, size):
+            for dtype in (None, "bfloat16"):
+                request = _request(*kinds, dtype=dtype)
+                for batch, seq in ((1, 1), (3, 7)):
+                    tensors = request.derive(_forward(batch, seq), batch=None)
+                    assert [(tuple(t.shape), t.dtype) for t in tensors] == request.layout(batch, seq), (kinds, dtype)
+
+
+# ---- what the teacher checks at join ----------------------------------------------------
+
+
+@pytest.mark.parametrize("spec, words", [
+    (pb.OutputSpec(), "no outputs requested: ask for logits, topk > 0 or hidden layers"),
+    (pb.OutputSpec(topk=-1), "topk -1 must be between 0 and the vocabulary size 50"),
+    (pb.OutputSpec(logits=True, topk=VOCAB + 1), "topk 51 must be between 0 and the vocabulary size 50"),
+    (pb.OutputSpec(hidden_layers=[LAYERS + 1]), "hidden layers [5] are out of range: the teacher has 4 layers, "
+                                                "so use 0 (embeddings) .. 4"),
+    (pb.OutputSpec(hidden_layers=[-1, 2]), "hidden layers [-1] are out of range"),
+    (pb.OutputSpec(hidden_layers=[1, 2, 1]), "hidden layers [1, 2, 1] repeat a layer"),
+    (pb.OutputSpec(logits=True, dtype="float8"), "outputs.dtype: unknown dtype 'float8'"),
+])
+def test_requests_the_teacher_cannot_serve_are_refused_saying_what_to_change(spec, words):
+    with pytest.raises(OutputSpecError) as refused:
+        OutputRequest.resolve(spec, FACTS)
+    assert words in str(refused.value)
+
+
+def test_the_edges_of_the_ranges_are_served():
+    request = OutputRequest.resolve(pb.OutputSpec(topk=VOCAB, hidden_layers=[0, LAYERS]), FACTS)
+    assert request.kinds == (TopK(VOCAB), HiddenStates((0, LAYERS))) and request.dtype == torch.float32
+
+
+def test_logits_need_the_teachers_vocabulary_and_hidden_states_do_not():
+    for kinds in ((Logits(),), (TopK(2),), (TopK(2), HiddenStates((1,)))):
+        request = _request(*kinds)
+        with pytest.raises(VocabularyMismatch, match="has 51 entries, the teacher.s 50: .*same tokenizer"):
+            request.check_student(VOCAB + 1, "")
+        with pytest.raises(VocabularyMismatch, match="tokenizer differs.*same tokenizer"):
+            request.check_student(VOCAB, "another")
+        request.check_student(VOCAB, "abc123")
+        request.check_student(0, "")  # unknown: not compared
+    _request(HiddenStates((1,))).check_student(VOCAB + 1, "another")
+
+
+def test_a_student_asks_each_kind_once_and_only_kinds():
+    with pytest.raises(ValueError, match="TopK twice"):
+        output_spec([TopK(2), TopK(3)])
+    with pytest.raises(TypeError, match="Logits\\(\\), TopK\\(8\\)"):
+        output_spec(["logits"])
+
+
+# ---- the request as a value -------------------------------------------------------------
+
+
+def test_requests_are_hashable_and_equal_when_equal():
+    a, b = _request(Logits(), HiddenStates([1, 2])), _request(HiddenStates((1, 2)), Logits())
+    assert a == b and hash(a) == hash(b)
+    derived = {a: "tensors"}
+    assert derived[b] == "tensors"  # the engine's key: sessions asking the same share one derive
+    assert a != _request(Logits(), HiddenStates((2, 1)))  # another order is another wire layout
+    assert a != _request(Logits(), HiddenStates((1, 2)), dtype="float16")
+    assert _request(TopK(3)) != _request(TopK(4)) and _request(TopK(3)) != _request(Logits(), TopK(3))
+
+
+def test_the_student_resolves_what_the_teacher_granted():
+    spec = output_spec([TopK(3), HiddenStates((1,))])
+    info = pb.TeacherInfo(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, dtype="bfloat16",
+                          tokenizer_fingerprint="abc123")
+    teacher_side = OutputRequest.resolve(spec, TeacherFacts.from_info(info))
+    joined = pb.JoinResponse(info=info, output_dtype="bfloat16")
+    assert OutputRequest.granted(spec, joined) == teacher_side and teacher_side.dtype == torch.bfloat16
+    # The dtype the join answer names is the one the teacher sends in, whatever the student asked.
+    joined.output_dtype = "float16"
+    assert OutputRequest.granted(spec, joined).dtype == torch.float16
+
+
+def test_what_the_forward_must_produce():
+    assert _request(Logits(), TopK(2)).needs == ForwardNeeds()
+    assert not _request(Logits()).needs.hidden_states
+    needs = ForwardNeeds.union([_request(HiddenStates((1, 3))).needs, _request(Logits(), HiddenStates((3, 0))).needs])
+    assert needs == ForwardNeeds(hidden_layers=frozenset({0, 1, 3})) and needs.hidden_states
+
+
+def test_one_batchs_rows_of_a_packed_forward_keep_what_is_needed():
+    class Packed:  # the runner's packed forward: logits and every layer's hidden states
+        logits = torch.randn(5, 8, VOCAB)
+        hidden_states = tuple(torch.randn(5, 8, HIDDEN) for _ in range(LAYERS + 1))
+
+    needs = ForwardNeeds(hidden_layers=frozenset({0, 2}))
+    rows = BatchOutputs.of_rows(Packed, needs, slice(1, 3), 6)
+    assert torch.equal(rows.logits, Packed.logits[1:3, :6]) and sorted(rows.hidden) == [0, 2]
+    assert torch.equal(rows.hidden[2], Packed.hidden_states[2][1:3, :6])
+    assert rows.covers(needs) and rows.covers(ForwardNeeds())
+    assert not rows.covers(ForwardNeeds(hidden_layers=frozenset({1})))
