@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from distill_common.settings import ConfigError, non_defaults
 from student_trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
 from student_trainer.client import TeacherClient, TeacherOutput
 from student_trainer.config import TrainConfig
@@ -138,7 +139,7 @@ def build_student(cfg: TrainConfig, device: torch.device, checkpoint: Path | Non
         try:
             from peft import LoraConfig, PeftModel, get_peft_model
         except ImportError as e:
-            raise SystemExit("--lora-r needs peft: pip install 'teacher-service[lora]'") from e
+            raise ConfigError("--lora-r needs peft: pip install 'teacher-service[lora]'") from e
         base = load_causal_lm(cfg.model, device=device, dtype=torch.float32)
         if checkpoint is not None:
             return PeftModel.from_pretrained(base, checkpoint / "model", is_trainable=True)
@@ -217,7 +218,9 @@ def train(cfg: TrainConfig) -> dict:
     output_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     if rank == 0:
-        log.info("trainer settings (non-default): %s", cfg.non_defaults() or "none")
+        log.info("trainer settings (non-default): %s", non_defaults(cfg) or "none")
+        if not cfg.needs_teacher:
+            log.warning("--kd-weight 0 and no hidden-state loss: this is plain cross-entropy training")
 
     from transformers import AutoTokenizer
 
@@ -246,11 +249,6 @@ def train(cfg: TrainConfig) -> dict:
             job_id=cfg.job_id or output_dir.name, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s,
             reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, weight=cfg.teacher_weight,
             tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
-        if cfg.uses_logits and student_vocab != teacher.info.vocab_size:
-            teacher.close()
-            raise SystemExit(f"the student's vocabulary has {student_vocab} entries, the teacher's "
-                             f"{teacher.info.vocab_size}: logit distillation needs the same tokenizer on both sides "
-                             "(or distil hidden states only: --kd-weight 0 --hidden-layers ...)")
     projections, layer_map = None, {}
     if cfg.hidden_layers:
         student_layers, student_hidden = model.config.num_hidden_layers, model.config.hidden_size
