@@ -96,4 +96,4 @@ def query(command: str, address: str, config: AdminConfig) -> str:
             hint = connection_hint(e.details() or "", bool(config.tls_ca), TLS_FLAGS) \
                 if e.code() == grpc.StatusCode.UNAVAILABLE else ""
             raise AdminError(f"{address} answered {e.code().name}: {e.details()}" + (f"\n{hint}" if hint else "")) \
-                from None
+                from e
