@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from distill_common.settings import ConfigError
+
 
 @dataclass(frozen=True)
 class TlsFlags:
@@ -33,9 +35,9 @@ def read_pem(path: str, flag: str) -> bytes:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot read it ({e.strerror})") from e
+        raise ConfigError(f"{flag} {path}: cannot read it ({e.strerror})") from e
     if b"-----BEGIN" not in data:
-        raise ValueError(f"{flag} {path} is not a PEM file (no -----BEGIN line)")
+        raise ConfigError(f"{flag} {path} is not a PEM file (no -----BEGIN line)")
     return data
 
 
@@ -53,11 +55,11 @@ def channel_credentials(tls_ca: str | bool | None, tls_cert: str | None = None, 
     with --tls-client-ca (mutual TLS).
     """
     if bool(tls_cert) != bool(tls_key):
-        raise ValueError(f"{flags.cert} and {flags.key} go together: the client certificate and its key")
+        raise ConfigError(f"{flags.cert} and {flags.key} go together: the client certificate and its key")
     if not tls_ca and not tls_cert:
         return None
     if not tls_ca:
-        raise ValueError(f"{flags.cert} needs {flags.ca} (the CA that signed the teacher's --tls-cert, "
+        raise ConfigError(f"{flags.cert} needs {flags.ca} (the CA that signed the teacher's --tls-cert, "
                          "or the system's roots)")
     roots = None if tls_ca is True else read_pem(str(tls_ca), flags.ca)
     if tls_cert:

@@ -21,6 +21,10 @@ PACKAGE_PATH = "distill_common/proto"
 GENERATED = ("teacher_pb2.py", "teacher_pb2.pyi", "teacher_pb2_grpc.py")
 
 
+class ProtocError(RuntimeError):
+    """protoc refused the proto; the message carries its command line (its own output is above)."""
+
+
 def generate(out_root: Path) -> Path:
     from grpc_tools import protoc  # dev dependency: only needed to regenerate
 
@@ -37,7 +41,7 @@ def generate(out_root: Path) -> Path:
     # protoc resolves the virtual path itself; the file argument is the virtual name.
     rc = protoc.main(args)
     if rc != 0:
-        raise SystemExit(f"protoc failed with exit code {rc}: {' '.join(args)}")
+        raise ProtocError(f"protoc failed with exit code {rc}: {' '.join(args)}")
     return out_root / PACKAGE_PATH / Path(PROTO_FILE).parent
 
 
@@ -46,14 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="fail if the committed stubs are stale")
     args = parser.parse_args(argv)
     committed = ROOT / PACKAGE_PATH / Path(PROTO_FILE).parent
-    if not args.check:
-        generate(ROOT)
-        print(f"regenerated {', '.join(GENERATED)} in {committed.relative_to(ROOT)}")
-        return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        fresh = generate(Path(tmp))
-        stale = [name for name in GENERATED if not (committed / name).exists()
-                 or not filecmp.cmp(fresh / name, committed / name, shallow=False)]
+    try:
+        if not args.check:
+            generate(ROOT)
+            print(f"regenerated {', '.join(GENERATED)} in {committed.relative_to(ROOT)}")
+            return 0
+        with tempfile.TemporaryDirectory() as tmp:
+            fresh = generate(Path(tmp))
+            stale = [name for name in GENERATED if not (committed / name).exists()
+                     or not filecmp.cmp(fresh / name, committed / name, shallow=False)]
+    except ProtocError as e:
+        print(e, file=sys.stderr)
+        return 1
     if stale:
         print(f"stale generated stubs: {', '.join(stale)}; run `make proto` and commit", file=sys.stderr)
         return 1

@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m distill_demo",
+    from distill_common.settings import ConfigError, settings_from, settings_parser
+    from distill_demo.config import QUICK, DemoConfig
+
+    parser = settings_parser(
+        DemoConfig, prog="python -m distill_demo",
         description="Train a small teacher on the Python stdlib, serve it, and distil two students from it at "
                     "once; compare them with the same students trained without a teacher. CPU only, no downloads.")
-    from distill_demo.config import DemoConfig
-
-    DemoConfig.add_arguments(parser)
+    if parser.parse_known_args(argv)[0].quick:
+        parser.set_defaults(**QUICK)  # the preset's values, under the flags given explicitly
     args = parser.parse_args(argv)
     try:
-        config = DemoConfig.from_args(args)
-    except ValueError as e:
+        config = settings_from(DemoConfig, args)
+    except ConfigError as e:
         parser.error(str(e))
 
     from distill_demo.demo import run_demo

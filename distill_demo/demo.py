@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from distill_common.settings import non_defaults
 from distill_demo.config import DemoConfig, ModelShape, settings_key
 from distill_demo.processes import DemoError, TeacherProcess, TrainerRun, wait_all
 from distill_demo.report import StudentResult, group, kd_beats_ce, loss_table, plot_curves
@@ -71,7 +72,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     out, cache = Path(cfg.output_dir), Path(cfg.cache_dir)
     cores = os.cpu_count() or 1
     say(f"distill_demo: teacher-as-a-service on {cores} CPU core(s); output {out}, cache {cache}")
-    say(f"settings (non-default): {cfg.non_defaults() or 'none'}")
+    say(f"settings (non-default): {non_defaults(cfg) or 'none'}")
     _quiet_transformers()
 
     data = prepare_data(cfg, cache)

@@ -12,21 +12,26 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="student-trainer", description="Distil a student from a teacher server.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    train_parser = commands.add_parser("train", help="train a student against a running teacher server")
+    from transformers import HfArgumentParser
+
+    from distill_common.settings import ConfigError, parser_options, settings_from
     from student_trainer.config import TrainConfig
 
-    TrainConfig.add_arguments(train_parser)
-    train_parser.add_argument("--log-level", default="INFO")
+    parser = argparse.ArgumentParser(prog="student-trainer", description="Distil a student from a teacher server.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=HfArgumentParser)
+    train_parser = commands.add_parser(
+        "train", dataclass_types=TrainConfig, help="train a student against a running teacher server",
+        **parser_options(usage="%(prog)s --model MODEL --data DATA [options]",
+                         description="Train a student against a running teacher server (or with plain "
+                                     "cross-entropy: --kd-weight 0)."))
     args = parser.parse_args(argv)
-    rank = int(os.environ.get("RANK", 0))
-    logging.basicConfig(level=args.log_level.upper() if rank == 0 else "WARNING",
-                        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
     try:
-        config = TrainConfig.from_args(args)
-    except ValueError as e:
+        config = settings_from(TrainConfig, args)
+    except ConfigError as e:
         train_parser.error(str(e))
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=config.log_level.upper() if rank == 0 else "WARNING",
+                        format=f"%(asctime)s %(levelname)s [rank {rank}] %(name)s: %(message)s")
 
     from student_trainer.data import DataError
     from student_trainer.errors import TeacherError
@@ -34,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = train(config)
-    except (DataError, TeacherError) as e:
+    except (ConfigError, DataError, TeacherError) as e:
         # The message says what to change; a traceback would only bury it.
         logging.getLogger("student_trainer").error("%s: %s", type(e).__name__, e)
         return 1

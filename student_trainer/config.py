@@ -1,113 +1,130 @@
-"""The trainer's settings: one dataclass, checked once, errors that name the flag."""
+"""The trainer's settings: one dataclass, checked once, errors that name the flag.
+
+`student-trainer train` generates its command line from these fields
+(distill_common/settings.py): a field's help text is its flag's.
+"""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
-from student_trainer.losses import HIDDEN_LOSS_KINDS, LOSS_KINDS
+from distill_common.settings import LOG_LEVELS, ConfigError, IntTuple, check_choices, flag
+from student_trainer.data import PackMode
+from student_trainer.losses import HiddenLossKind, LossKind, check_options
 
-log = logging.getLogger(__name__)
+
+def _help(text: str) -> dict:
+    return {"help": text}
 
 
 @dataclass
 class TrainConfig:
-    teacher: str = ""
-    model: str = ""
-    data: str = ""
-    output_dir: str = "runs/student"
-    tokenizer: str = ""  # default: the --model directory
-    eval_data: str = ""
-    max_steps: int = 0  # 0: run --epochs
-    epochs: int = 1
-    batch_size: int = 8
-    grad_accum: int = 1
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    schedule: str = "cosine"
-    max_grad_norm: float = 1.0
-    seq_len: int = 512
-    pack_mode: str = "pack"
-    loss: str = "forward_kl"
-    jsd_beta: float = 0.5
-    temperature: float = 1.0
-    kd_weight: float = 0.5
-    topk: int = 0
-    hidden_layers: tuple = ()
-    hidden_weight: float = 0.0
-    hidden_loss: str = "mse"
-    kd_chunk_tokens: int = 1024
-    lora_r: int = 0
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    lora_target_modules: str = "all-linear"
-    compile: bool = False
-    bf16: bool = False
-    grad_checkpointing: bool = False
-    prefetch: int = 2
-    save_every: int = 0
-    eval_every: int = 0
-    log_every: int = 1
-    resume: bool = False
-    stop_after_steps: int = 0
-    seed: int = 0
-    device: str = ""  # default: cuda:LOCAL_RANK when CUDA is available, else cpu
-    skip_bad_lines: bool = False
-    teacher_timeout_s: float = 600.0
-    teacher_reconnect_timeout_s: float = 300.0
-    teacher_weight: float = 1.0
-    job_id: str = ""
-    teacher_tls_ca: str = ""  # a PEM path, or "system" for the system's roots; empty: plaintext
-    teacher_tls_cert: str = ""
-    teacher_tls_key: str = ""
+    model: str = field(metadata=_help("the student: a HF directory, a hub id, builtin:NAME or random:CONFIG_DIR"))
+    data: str = field(metadata=_help("JSONL: {text}, {prompt, completion} or {messages}"))
+    teacher: str = field(default="", metadata=_help(
+        "the teacher server's gRPC address, HOST:PORT (needed unless --kd-weight 0 without --hidden-layers)"))
+    output_dir: str = field(default="runs/student", metadata=_help(
+        "checkpoints, metrics.jsonl and the final model"))
+    tokenizer: str = field(default="", metadata=_help("default: the --model directory"))
+    eval_data: str = field(default="", metadata=_help(
+        "JSONL scored every --eval-every steps: CE, and KD against the teacher when --kd-weight > 0"))
+    max_steps: int = field(default=0, metadata=_help("optimizer steps (0: run --epochs)"))
+    epochs: int = field(default=1, metadata=_help("passes over --data, when --max-steps is 0"))
+    batch_size: int = field(default=8, metadata=_help("sequences per micro-batch per rank"))
+    grad_accum: int = field(default=1, metadata=_help("micro-batches per optimizer step"))
+    lr: float = field(default=3e-4, metadata=_help("peak learning rate (AdamW)"))
+    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
+    warmup_steps: int = field(default=0, metadata=_help("steps of linear warmup to --lr"))
+    schedule: Literal["cosine", "linear", "constant"] = field(default="cosine", metadata=_help("decay after warmup"))
+    max_grad_norm: float = field(default=1.0, metadata=_help("gradient clipping (0: off)"))
+    seq_len: int = field(default=512, metadata=_help("tokens per training sequence"))
+    pack_mode: PackMode = field(default="pack", metadata=_help(
+        "pack: concatenate examples into full sequences; truncate: one example per sequence, cut at --seq-len"))
+    loss: LossKind = field(default="forward_kl", metadata=_help(
+        "the KD divergence: KL(teacher || student), KL(student || teacher) or generalized JSD"))
+    jsd_beta: float = field(default=0.5, metadata=_help("teacher weight in generalized JSD (--loss jsd)"))
+    temperature: float = field(default=1.0, metadata=_help("softmax temperature of the KD loss"))
+    kd_weight: float = field(default=0.5, metadata=_help("alpha in alpha*KD + (1-alpha)*CE"))
+    topk: int = field(default=0, metadata=_help("distil from the teacher's top-k logits (0: full logits)"))
+    hidden_layers: IntTuple = field(default=(), metadata=_help(
+        "comma-separated teacher layers whose hidden states the student matches"))
+    hidden_weight: float = field(default=0.0, metadata=_help("weight of the hidden-state loss"))
+    hidden_loss: HiddenLossKind = field(default="mse", metadata=_help("the hidden-state loss"))
+    kd_chunk_tokens: int = field(default=1024, metadata=_help(
+        "tokens per chunk of the KD loss (memory: ~5 x 4 B x chunk x vocab)"))
+    lora_r: int = field(default=0, metadata=_help("LoRA rank (needs peft; 0: full fine-tuning)"))
+    lora_alpha: int = field(default=16, metadata=_help("LoRA alpha"))
+    lora_dropout: float = field(default=0.0, metadata=_help("LoRA dropout"))
+    lora_target_modules: str = field(default="all-linear", metadata=_help(
+        "comma-separated module names LoRA adapts, or all-linear"))
+    compile: bool = field(default=False, metadata=_help("torch.compile the student"))
+    bf16: bool = field(default=False, metadata=_help("bf16 autocast for the student's forward"))
+    grad_checkpointing: bool = field(default=False, metadata=_help("gradient checkpointing in the student"))
+    prefetch: int = field(default=2, metadata=_help(
+        "micro-batches submitted to the teacher ahead of the one training"))
+    save_every: int = field(default=0, metadata=_help("checkpoint every N steps (0: only at the end)"))
+    eval_every: int = field(default=0, metadata=_help(
+        "score --eval-data every N steps and at the last step (0: never)"))
+    log_every: int = field(default=1, metadata=_help("write metrics.jsonl every N steps"))
+    resume: bool = field(default=False, metadata=_help("continue from the latest checkpoint in --output-dir"))
+    stop_after_steps: int = field(default=0, metadata=_help(
+        "checkpoint and stop after N steps of this run (continue later with --resume), e.g. to fit a scheduler's "
+        "time limit"))
+    seed: int = field(default=0, metadata=_help("seed of the data order and the student's RNG"))
+    device: str = field(default="", metadata=_help("default: cuda:LOCAL_RANK if CUDA is available, else cpu"))
+    skip_bad_lines: bool = field(default=False, metadata=_help("skip and count malformed JSONL lines"))
+    teacher_timeout_s: float = field(default=600.0, metadata=_help(
+        "how long to wait for one batch of teacher outputs"))
+    teacher_reconnect_timeout_s: float = field(default=300.0, metadata=_help(
+        "when the teacher goes away (restart, crash), keep trying to join it again this long, then fail; batches "
+        "not yet received are submitted again (0: fail at once)"))
+    teacher_weight: float = field(default=1.0, metadata=_help(
+        "this job's share of a busy teacher relative to other jobs (every rank gives the same)"))
+    job_id: str = field(default="", metadata=_help("shown in the teacher's status (default: the run directory)"))
+    teacher_tls_ca: str = field(default="", metadata=_help(
+        "talk TLS to a teacher started with --tls-cert: the PEM CA that signed its certificate, or 'system' for "
+        "the system's roots (default: plaintext)"))
+    teacher_tls_cert: str = field(default="", metadata=_help(
+        "this job's client certificate (PEM), for a teacher started with --tls-client-ca"))
+    teacher_tls_key: str = field(default="", metadata=_help("the key of --teacher-tls-cert (PEM)"))
+    log_level: str = field(default="INFO", metadata=_help(
+        "rank 0's logging level (other ranks log warnings and errors only)"))
 
     def __post_init__(self) -> None:
-        self.hidden_layers = tuple(int(x) for x in self.hidden_layers)
-        for flag in ("model", "data"):
-            if not getattr(self, flag):
-                raise ValueError(f"--{flag} is required")
+        self.hidden_layers = IntTuple(self.hidden_layers)
+        check_choices(self)
+        for name in ("model", "data"):
+            if not getattr(self, name):
+                raise ConfigError(f"{flag(name)} is required")
         if not self.teacher and self.needs_teacher:
-            raise ValueError("--teacher HOST:PORT is required (only --kd-weight 0 without --hidden-layers, "
-                             "plain cross-entropy, runs without one)")
+            raise ConfigError("--teacher HOST:PORT is required (only --kd-weight 0 without --hidden-layers, "
+                              "plain cross-entropy, runs without one)")
         if self.max_steps < 0 or (self.max_steps == 0 and self.epochs < 1):
-            raise ValueError("give --max-steps N (> 0) or --epochs N (>= 1)")
-        for flag in ("batch_size", "grad_accum", "seq_len"):
-            if getattr(self, flag) < 1:
-                raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
-        if self.loss not in LOSS_KINDS:
-            raise ValueError(f"--loss {self.loss!r}: use one of {', '.join(LOSS_KINDS)}")
-        if self.hidden_loss not in HIDDEN_LOSS_KINDS:
-            raise ValueError(f"--hidden-loss {self.hidden_loss!r}: use one of {', '.join(HIDDEN_LOSS_KINDS)}")
-        if self.loss == "jsd" and not 0 < self.jsd_beta < 1:
-            raise ValueError(f"--jsd-beta {self.jsd_beta} must lie in (0, 1); for 0 or 1 use --loss forward_kl "
-                             "or reverse_kl")
-        if self.temperature <= 0:
-            raise ValueError("--temperature must be > 0")
+            raise ConfigError("give --max-steps N (> 0) or --epochs N (>= 1)")
+        for name in ("batch_size", "grad_accum", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{flag(name)} must be >= 1")
+        check_options(self.loss, self.temperature, self.jsd_beta, self.kd_chunk_tokens)
         if not 0 <= self.kd_weight <= 1:
-            raise ValueError(f"--kd-weight {self.kd_weight} must lie in [0, 1] (alpha in alpha*KD + (1-alpha)*CE)")
+            raise ConfigError(f"--kd-weight {self.kd_weight} must lie in [0, 1] (alpha in alpha*KD + (1-alpha)*CE)")
         if self.topk < 0:
-            raise ValueError("--topk must be >= 0 (0: distil from full logits)")
+            raise ConfigError("--topk must be >= 0 (0: distil from full logits)")
         if self.hidden_weight < 0 or (self.hidden_weight > 0 and not self.hidden_layers):
-            raise ValueError("--hidden-weight > 0 needs --hidden-layers (teacher layers to match)")
+            raise ConfigError("--hidden-weight > 0 needs --hidden-layers (teacher layers to match)")
         if self.hidden_layers and self.hidden_weight == 0:
-            raise ValueError("--hidden-layers needs --hidden-weight > 0")
-        if self.kd_weight == 0 and not self.hidden_weight:
-            log.warning("--kd-weight 0 and no hidden-state loss: this is plain cross-entropy training")
-        if self.schedule not in ("cosine", "linear", "constant"):
-            raise ValueError(f"--schedule {self.schedule!r}: use cosine, linear or constant")
-        if self.pack_mode not in ("pack", "truncate"):
-            raise ValueError(f"--pack-mode {self.pack_mode!r}: use pack or truncate")
+            raise ConfigError("--hidden-layers needs --hidden-weight > 0")
         if self.prefetch < 0:
-            raise ValueError("--prefetch must be >= 0")
+            raise ConfigError("--prefetch must be >= 0")
         if not self.teacher_weight > 0:
-            raise ValueError("--teacher-weight must be > 0 (this job's share of the teacher against other jobs)")
+            raise ConfigError("--teacher-weight must be > 0 (this job's share of the teacher against other jobs)")
         if self.teacher_reconnect_timeout_s < 0:
-            raise ValueError("--teacher-reconnect-timeout-s must be >= 0 (0: fail at once when the teacher goes away)")
+            raise ConfigError("--teacher-reconnect-timeout-s must be >= 0 (0: fail at once when the teacher goes "
+                              "away)")
         if self.lora_r < 0:
-            raise ValueError("--lora-r must be >= 0 (0: full fine-tuning)")
+            raise ConfigError("--lora-r must be >= 0 (0: full fine-tuning)")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"--log-level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
         self._check_tls()
 
     def _check_tls(self) -> None:
@@ -131,81 +148,3 @@ class TrainConfig:
     @property
     def needs_teacher(self) -> bool:
         return self.uses_logits or bool(self.hidden_layers)
-
-    @classmethod
-    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
-        d = cls.__dataclass_fields__
-        p.add_argument("--teacher", default="", help="the teacher server's gRPC address, HOST:PORT")
-        p.add_argument("--model", required=True,
-                       help="the student: a HF directory, a hub id, builtin:NAME or random:CONFIG_DIR")
-        p.add_argument("--data", required=True, help="JSONL: {text}, {prompt, completion} or {messages}")
-        p.add_argument("--output-dir", default=d["output_dir"].default)
-        p.add_argument("--tokenizer", default="", help="default: the --model directory")
-        p.add_argument("--eval-data", default="", help="JSONL scored with --eval-every (CE and KD on held-out data)")
-        p.add_argument("--max-steps", type=int, default=0, help="optimizer steps (0: run --epochs)")
-        p.add_argument("--epochs", type=int, default=1)
-        p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per rank")
-        p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-        p.add_argument("--lr", type=float, default=3e-4)
-        p.add_argument("--weight-decay", type=float, default=0.0)
-        p.add_argument("--warmup-steps", type=int, default=0)
-        p.add_argument("--schedule", default="cosine", choices=["cosine", "linear", "constant"],
-                       help="decay after warmup")
-        p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
-        p.add_argument("--seq-len", type=int, default=512)
-        p.add_argument("--pack-mode", default="pack", choices=["pack", "truncate"])
-        p.add_argument("--loss", default="forward_kl", choices=list(LOSS_KINDS))
-        p.add_argument("--jsd-beta", type=float, default=0.5, help="teacher weight in generalized JSD")
-        p.add_argument("--temperature", type=float, default=1.0)
-        p.add_argument("--kd-weight", type=float, default=0.5, help="alpha in alpha*KD + (1-alpha)*CE")
-        p.add_argument("--topk", type=int, default=0, help="distil from the teacher's top-k logits (0: full logits)")
-        p.add_argument("--hidden-layers", default="",
-                       help="comma-separated teacher layers whose hidden states the student matches")
-        p.add_argument("--hidden-weight", type=float, default=0.0)
-        p.add_argument("--hidden-loss", default="mse", choices=list(HIDDEN_LOSS_KINDS))
-        p.add_argument("--kd-chunk-tokens", type=int, default=1024,
-                       help="tokens per chunk of the KD loss (memory: ~5 x 4 B x chunk x vocab)")
-        p.add_argument("--lora-r", type=int, default=0, help="LoRA rank (needs peft; 0: full fine-tuning)")
-        p.add_argument("--lora-alpha", type=int, default=16)
-        p.add_argument("--lora-dropout", type=float, default=0.0)
-        p.add_argument("--lora-target-modules", default="all-linear")
-        p.add_argument("--compile", action="store_true", help="torch.compile the student")
-        p.add_argument("--bf16", action="store_true", help="bf16 autocast for the student's forward")
-        p.add_argument("--grad-checkpointing", action="store_true")
-        p.add_argument("--prefetch", type=int, default=2,
-                       help="micro-batches submitted to the teacher ahead of the one training")
-        p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-        p.add_argument("--eval-every", type=int, default=0)
-        p.add_argument("--log-every", type=int, default=1)
-        p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
-        p.add_argument("--stop-after-steps", type=int, default=0,
-                       help="checkpoint and stop after N steps of this run (continue later with --resume), "
-                            "e.g. to fit a scheduler's time limit")
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--device", default="", help="default: cuda:LOCAL_RANK if CUDA is available, else cpu")
-        p.add_argument("--skip-bad-lines", action="store_true", help="skip and count malformed JSONL lines")
-        p.add_argument("--teacher-timeout-s", type=float, default=600.0,
-                       help="how long to wait for one batch of teacher outputs")
-        p.add_argument("--teacher-reconnect-timeout-s", type=float, default=300.0,
-                       help="when the teacher goes away (restart, crash), keep trying to join it again this long, "
-                            "then fail; batches not yet received are submitted again (0: fail at once)")
-        p.add_argument("--job-id", default="", help="shown in the teacher's status (default: the run directory)")
-        p.add_argument("--teacher-weight", type=float, default=1.0,
-                       help="this job's share of a busy teacher relative to other jobs (every rank gives the same)")
-        p.add_argument("--teacher-tls-ca", default="",
-                       help="talk TLS to a teacher started with --tls-cert: the PEM CA that signed its certificate, "
-                            "or 'system' for the system's roots (default: plaintext)")
-        p.add_argument("--teacher-tls-cert", default="",
-                       help="this job's client certificate (PEM), for a teacher started with --tls-client-ca")
-        p.add_argument("--teacher-tls-key", default="", help="the key of --teacher-tls-cert (PEM)")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
-        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-        if isinstance(values.get("hidden_layers"), str):
-            values["hidden_layers"] = tuple(int(x) for x in values["hidden_layers"].split(",") if x.strip())
-        return cls(**values)
-
-    def non_defaults(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) != f.default and f.name not in ("teacher", "model", "data")}

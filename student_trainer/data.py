@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import re
+import typing
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +52,7 @@ EXPECTED_SHAPES = (
     '{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}'
 )
 PackMode = Literal["pack", "truncate"]
-PACK_MODES = ("pack", "truncate")
+PACK_MODES = typing.get_args(PackMode)
 
 
 class DataError(ValueError):

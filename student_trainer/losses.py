@@ -64,13 +64,19 @@ hidden size to the teacher's when they differ.
 from __future__ import annotations
 
 import math
+import typing
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-LOSS_KINDS = ("forward_kl", "reverse_kl", "jsd")
-HIDDEN_LOSS_KINDS = ("mse", "cosine")
+from distill_common.settings import ConfigError
+
+LossKind = Literal["forward_kl", "reverse_kl", "jsd"]
+HiddenLossKind = Literal["mse", "cosine"]
+LOSS_KINDS = typing.get_args(LossKind)
+HIDDEN_LOSS_KINDS = typing.get_args(HiddenLossKind)
 
 
 # --------------------------------------------------------------------------- logit losses
@@ -383,17 +389,18 @@ def hidden_state_loss(
 
 
 def check_options(kind: str, temperature: float, jsd_beta: float, chunk_tokens: int) -> None:
+    """The logit losses' settings, checked once for the trainer's flags and DistillationTrainer's arguments."""
     if kind not in LOSS_KINDS:
-        raise ValueError(f"--kd-loss {kind!r} is not supported: use one of {', '.join(LOSS_KINDS)}")
+        raise ConfigError(f"--loss {kind!r} is not supported: use one of {', '.join(LOSS_KINDS)}")
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"--temperature must be > 0 and finite, got {temperature!r}")
+        raise ConfigError(f"--temperature must be > 0 and finite, got {temperature!r}")
     if kind == "jsd" and not (isinstance(jsd_beta, (int, float)) and 0.0 < jsd_beta < 1.0):
-        raise ValueError(
+        raise ConfigError(
             f"--jsd-beta must be strictly between 0 and 1, got {jsd_beta!r}: JSD(beta) vanishes at the ends; "
-            "for the beta -> 0 limit use --kd-loss forward_kl, for beta -> 1 use --kd-loss reverse_kl"
+            "for the beta -> 0 limit use --loss forward_kl, for beta -> 1 use --loss reverse_kl"
         )
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"--kd-chunk-tokens must be an int >= 1, got {chunk_tokens!r}")
+        raise ConfigError(f"--kd-chunk-tokens must be an int >= 1, got {chunk_tokens!r}")
 
 
 def _check_logits(name: str, tensor: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from distill_common.outputs import HiddenStates, Logits, Output, TeacherOutput, TopK
+from distill_common.settings import ConfigError, non_defaults
 from student_trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
 from student_trainer.client import TeacherClient
 from student_trainer.config import TrainConfig
@@ -100,13 +101,7 @@ def distill_losses(cfg: TrainConfig, logits: torch.Tensor, student_hidden, batch
               else student.sum() * 0.0}
     total = (1 - cfg.kd_weight) * losses["ce"]
     if cfg.uses_logits:
-        if cfg.topk:
-            losses["kd"] = topk_kd_loss(student, out.topk_values[:, :-1], out.topk_indices[:, :-1], mask,
-                                        kind=cfg.loss, temperature=cfg.temperature, jsd_beta=cfg.jsd_beta,
-                                        chunk_tokens=cfg.kd_chunk_tokens)
-        else:
-            losses["kd"] = kd_loss(student, out.logits[:, :-1], mask, kind=cfg.loss, temperature=cfg.temperature,
-                                   jsd_beta=cfg.jsd_beta, chunk_tokens=cfg.kd_chunk_tokens)
+        losses["kd"] = logit_kd(cfg, student, out, mask)
         total = total + cfg.kd_weight * losses["kd"]
     if cfg.hidden_layers:
         attention = batch["attention_mask"].to(device).bool()
@@ -117,6 +112,15 @@ def distill_losses(cfg: TrainConfig, logits: torch.Tensor, student_hidden, batch
         total = total + cfg.hidden_weight * losses["hidden"]
     losses["loss"] = total
     return losses
+
+
+def logit_kd(cfg: TrainConfig, student: torch.Tensor, out: TeacherOutput, mask: torch.Tensor) -> torch.Tensor:
+    """The KD loss of the student's logits [B, S - 1, V] against the teacher's for the same
+    positions, with the run's loss settings (full or top-k logits, divergence, temperature)."""
+    options = dict(kind=cfg.loss, temperature=cfg.temperature, jsd_beta=cfg.jsd_beta, chunk_tokens=cfg.kd_chunk_tokens)
+    if cfg.topk:
+        return topk_kd_loss(student, out.topk_values[:, :-1], out.topk_indices[:, :-1], mask, **options)
+    return kd_loss(student, out.logits[:, :-1], mask, **options)
 
 
 def train_micro_batch(cfg: TrainConfig, model, batch: dict, out: TeacherOutput | None, autocast,
@@ -150,7 +154,7 @@ def build_student(cfg: TrainConfig, device: torch.device, checkpoint: Path | Non
         try:
             from peft import LoraConfig, PeftModel, get_peft_model
         except ImportError as e:
-            raise SystemExit("--lora-r needs peft: pip install 'teacher-service[lora]'") from e
+            raise ConfigError("--lora-r needs peft: pip install 'teacher-service[lora]'") from e
         base = load_causal_lm(cfg.model, device=device, dtype=torch.float32)
         if checkpoint is not None:
             return PeftModel.from_pretrained(base, checkpoint / "model", is_trainable=True)
@@ -195,22 +199,32 @@ class MetricsWriter:
 
 
 @torch.no_grad()
-def evaluate(model, dataset: PackedDataset, cfg: TrainConfig, device: torch.device) -> float:
-    """Mean cross-entropy per target token on held-out data."""
+def evaluate(model, dataset: PackedDataset, cfg: TrainConfig, device: torch.device, teacher: TeacherClient | None,
+             timeout_s: float) -> dict[str, float]:
+    """Held-out scores per target token: cross-entropy ("eval_ce") and, when the run distils
+    logits, the KD loss against the teacher's outputs for the same batches ("eval_kd")."""
     model.eval()
-    total, count = 0.0, 0
+    ce_sum, kd_sum, count = 0.0, 0.0, 0
     for start in range(0, len(dataset), cfg.batch_size):
         batch = {k: v[start:start + cfg.batch_size] for k, v in
                  (("input_ids", dataset.input_ids), ("attention_mask", dataset.attention_mask),
                   ("loss_mask", dataset.loss_mask))}
-        logits = model(input_ids=batch["input_ids"].to(device),
-                       attention_mask=batch["attention_mask"].to(device)).logits[:, :-1].float()
+        # Submitted first: the teacher computes while the student's forward runs.
+        future = teacher.submit(batch["input_ids"], batch["attention_mask"]) if cfg.uses_logits else None
+        student = model(input_ids=batch["input_ids"].to(device),
+                        attention_mask=batch["attention_mask"].to(device)).logits[:, :-1]
         mask = (batch["loss_mask"][:, 1:] * batch["attention_mask"][:, 1:]).to(device).bool()
         targets = batch["input_ids"][:, 1:].to(device)
-        total += F.cross_entropy(logits[mask], targets[mask], reduction="sum").item()
-        count += int(mask.sum())
+        tokens = int(mask.sum())
+        ce_sum += F.cross_entropy(student[mask].float(), targets[mask], reduction="sum").item()
+        if future is not None:
+            kd_sum += logit_kd(cfg, student, future.result(timeout=timeout_s), mask).item() * tokens
+        count += tokens
     model.train()
-    return total / max(count, 1)
+    scores = {"eval_ce": ce_sum / max(count, 1)}
+    if cfg.uses_logits:
+        scores["eval_kd"] = kd_sum / max(count, 1)
+    return scores
 
 
 # ---- the loop ------------------------------------------------------------------------------
@@ -229,7 +243,9 @@ def train(cfg: TrainConfig) -> dict:
     output_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     if rank == 0:
-        log.info("trainer settings (non-default): %s", cfg.non_defaults() or "none")
+        log.info("trainer settings (non-default): %s", non_defaults(cfg) or "none")
+        if not cfg.needs_teacher:
+            log.warning("--kd-weight 0 and no hidden-state loss: this is plain cross-entropy training")
 
     from transformers import AutoTokenizer
 
@@ -257,11 +273,6 @@ def train(cfg: TrainConfig) -> dict:
             job_id=cfg.job_id or output_dir.name, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s,
             reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, weight=cfg.teacher_weight,
             tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
-        if cfg.uses_logits and student_vocab != teacher.info.vocab_size:
-            teacher.close()
-            raise SystemExit(f"the student's vocabulary has {student_vocab} entries, the teacher's "
-                             f"{teacher.info.vocab_size}: logit distillation needs the same tokenizer on both sides "
-                             "(or distil hidden states only: --kd-weight 0 --hidden-layers ...)")
     projections, layer_map = None, {}
     if cfg.hidden_layers:
         student_layers, student_hidden = model.config.num_hidden_layers, model.config.hidden_size
@@ -294,8 +305,8 @@ def train(cfg: TrainConfig) -> dict:
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext())
     # A batch may wait out a reconnect as well as its transfer: the client resolves it within
     # both (or fails it), so this is only the backstop.
-    prefetcher = TeacherPrefetcher(teacher, batches, cfg.prefetch,
-                                   cfg.teacher_timeout_s + cfg.teacher_reconnect_timeout_s)
+    outputs_timeout_s = cfg.teacher_timeout_s + cfg.teacher_reconnect_timeout_s
+    prefetcher = TeacherPrefetcher(teacher, batches, cfg.prefetch, outputs_timeout_s)
     metrics = MetricsWriter(output_dir, enabled=rank == 0)
 
     def checkpoint_now() -> Path:
@@ -344,7 +355,9 @@ def train(cfg: TrainConfig) -> dict:
                       "tokens_per_s": tokens * world_size / elapsed, "teacher_wait_s": teacher_wait_s,
                       "step_s": elapsed}
             if eval_set is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
-                record["eval_ce"] = evaluate(model, eval_set, cfg, device)
+                record.update(evaluate(model, eval_set, cfg, device, teacher, outputs_timeout_s))
+                log.info("step %d held-out: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in record.items()
+                                                                if k.startswith("eval_")))
             history.append(record)
             if step % cfg.log_every == 0 or step == stop_at:
                 metrics.write(record)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -16,6 +15,7 @@ from typing import NoReturn
 # CUDA initialises, so set before torch touches it; a user's own setting wins.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
+from distill_common.settings import ConfigError, non_defaults, settings_from, settings_parser
 from teacher_server.config import ServerConfig
 from teacher_server.logs import setup_logging
 
@@ -25,22 +25,19 @@ log = logging.getLogger("teacher_server")
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("status", "info"):
-        from teacher_server.admin import main as admin_main
-
-        return admin_main(argv[0], argv[1:])
+        return _admin(argv[0], argv[1:])
     if argv and argv[0] == "serve":
         argv = argv[1:]
-    parser = argparse.ArgumentParser(
-        prog="teacher-server", description="Serve a frozen teacher model to students. Other commands: "
+    parser = settings_parser(
+        ServerConfig, prog="teacher-server", description="Serve a frozen teacher model to students. Other commands: "
         "`teacher-server status HOST:PORT` (the sessions), `teacher-server info HOST:PORT` (model and limits).")
-    ServerConfig.add_arguments(parser)
     args = parser.parse_args(argv)
-    setup_logging(args.log_level, args.log_format)
     try:
-        config = ServerConfig.from_args(args)
-    except ValueError as e:
+        config = settings_from(ServerConfig, args)
+    except ConfigError as e:
         parser.error(str(e))
-    config.log_non_defaults()
+    setup_logging(config.log_level, config.log_format)
+    log.info("teacher server settings (non-default): %s", non_defaults(config) or "none")
 
     from distill_common.models import model_config  # heavy imports after argument errors
     from teacher_server import parallel
@@ -78,6 +75,26 @@ def main(argv: list[str] | None = None) -> int:
         _exit_now(1)
     if world is not None:
         _exit_now(0)
+    return 0
+
+
+def _admin(command: str, argv: list[str]) -> int:
+    """`teacher-server status|info HOST:PORT [options]`: 1 when the teacher cannot be asked."""
+    from teacher_server.admin import AdminConfig, AdminError, query
+
+    parser = settings_parser(AdminConfig, prog=f"teacher-server {command}", usage="%(prog)s HOST:PORT [options]",
+                             description=f"Print the {command} of a running teacher server.")
+    parser.add_argument("address", help="the teacher's gRPC address, HOST:PORT")
+    args = parser.parse_args(argv)
+    try:
+        config = settings_from(AdminConfig, args)
+    except ConfigError as e:
+        parser.error(str(e))
+    try:
+        print(query(command, args.address, config))
+    except AdminError as e:
+        print(f"teacher-server {command}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

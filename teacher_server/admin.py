@@ -1,16 +1,41 @@
-"""`teacher-server status ADDRESS` and `teacher-server info ADDRESS`: a running teacher, as tables."""
+"""`teacher-server status ADDRESS` and `teacher-server info ADDRESS`: a running teacher, as tables.
+
+Their settings are `AdminConfig`'s fields; teacher_server/__main__.py parses them and turns
+errors into exit codes.
+"""
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
+from dataclasses import dataclass, field
 
 import grpc
 
 from distill_common.channel import TlsFlags, channel_credentials, connection_hint, open_channel, tls_ca_arg
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
+from distill_common.settings import ConfigError
+
+TLS_FLAGS = TlsFlags(ca="--tls-ca", cert="--tls-cert", key="--tls-key")
+
+
+@dataclass
+class AdminConfig:
+    timeout_s: float = field(default=10.0, metadata={"help": "how long to wait for the teacher's answer"})
+    # repr=False: a secret, kept out of reprs.
+    auth_token: str = field(default_factory=lambda: os.environ.get("TEACHER_AUTH_TOKEN", ""), repr=False,
+                            metadata={"help": "the teacher's --auth-token (default: $TEACHER_AUTH_TOKEN)"})
+    tls_ca: str = field(default="", metadata={"help": (
+        "talk TLS to a teacher started with --tls-cert: the PEM CA that signed its certificate, or 'system' for "
+        "the system's roots")})
+    tls_cert: str = field(default="", metadata={"help": "client certificate (PEM), for a teacher with --tls-client-ca"})
+    tls_key: str = field(default="", metadata={"help": "the key of --tls-cert (PEM)"})
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ConfigError(f"--timeout-s {self.timeout_s} must be > 0")
+        # Built once here so a missing file or a lone --tls-cert fails by flag name before any call.
+        channel_credentials(tls_ca_arg(self.tls_ca), self.tls_cert or None, self.tls_key or None, TLS_FLAGS)
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
@@ -52,38 +77,23 @@ def format_status(status: pb.StatusResponse) -> str:
                                  "in flight", "sent", "heartbeat"], rows)
 
 
-def main(command: str, argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog=f"teacher-server {command}",
-                                     description=f"Print the {command} of a running teacher server.")
-    parser.add_argument("address", help="the teacher's gRPC address, HOST:PORT")
-    parser.add_argument("--timeout-s", type=float, default=10.0)
-    parser.add_argument("--auth-token", default=os.environ.get("TEACHER_AUTH_TOKEN", ""),
-                        help="the teacher's --auth-token (default: $TEACHER_AUTH_TOKEN)")
-    parser.add_argument("--tls-ca", default="",
-                        help="talk TLS to a teacher started with --tls-cert: the PEM CA that signed its certificate, "
-                             "or 'system' for the system's roots")
-    parser.add_argument("--tls-cert", default="", help="client certificate (PEM), for a teacher with --tls-client-ca")
-    parser.add_argument("--tls-key", default="", help="the key of --tls-cert (PEM)")
-    args = parser.parse_args(argv)
-    flags = TlsFlags(ca="--tls-ca", cert="--tls-cert", key="--tls-key")
-    tls_ca = tls_ca_arg(args.tls_ca)
-    try:
-        credentials = channel_credentials(tls_ca, args.tls_cert or None, args.tls_key or None, flags)
-    except ValueError as e:
-        parser.error(str(e))
-    with open_channel(args.address, credentials) as channel:
+class AdminError(RuntimeError):
+    """The teacher could not be asked, or refused to answer; the message says why and what to change."""
+
+
+def query(command: str, address: str, config: AdminConfig) -> str:
+    """What `teacher-server COMMAND ADDRESS` prints: the status or the info of a teacher, as a table."""
+    credentials = channel_credentials(tls_ca_arg(config.tls_ca), config.tls_cert or None, config.tls_key or None,
+                                      TLS_FLAGS)
+    metadata = (("authorization", f"Bearer {config.auth_token}"),) if config.auth_token else ()
+    with open_channel(address, credentials) as channel:
         stub = pb_grpc.TeacherServiceStub(channel)
-        metadata = (("authorization", f"Bearer {args.auth_token}"),) if args.auth_token else ()
         try:
             if command == "info":
-                print(format_info(stub.GetInfo(pb.GetInfoRequest(), timeout=args.timeout_s, metadata=metadata)))
-            else:
-                print(format_status(stub.GetStatus(pb.GetStatusRequest(), timeout=args.timeout_s,
-                                                   metadata=metadata)))
+                return format_info(stub.GetInfo(pb.GetInfoRequest(), timeout=config.timeout_s, metadata=metadata))
+            return format_status(stub.GetStatus(pb.GetStatusRequest(), timeout=config.timeout_s, metadata=metadata))
         except grpc.RpcError as e:
-            hint = connection_hint(e.details() or "", bool(tls_ca), flags) \
+            hint = connection_hint(e.details() or "", bool(config.tls_ca), TLS_FLAGS) \
                 if e.code() == grpc.StatusCode.UNAVAILABLE else ""
-            print(f"teacher-server {command}: {args.address} answered {e.code().name}: {e.details()}"
-                  + (f"\n{hint}" if hint else ""), file=sys.stderr)
-            return 1
-    return 0
+            raise AdminError(f"{address} answered {e.code().name}: {e.details()}" + (f"\n{hint}" if hint else "")) \
+                from e

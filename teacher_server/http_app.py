@@ -67,6 +67,7 @@ def create_app(engine: Engine, metrics: Metrics, ready: Callable[[], bool], auth
             "architecture": info.architecture,
             "dtype": wire.dtype_name(info.dtype),
             "devices": [str(info.device)],
+            "tp_size": info.tp_size,
             "vocab_size": info.vocab_size,
             "hidden_size": info.hidden_size,
             "num_layers": info.num_layers,

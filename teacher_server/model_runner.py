@@ -68,6 +68,7 @@ class ModelInfo:
     dtype: torch.dtype
     device: torch.device
     tokenizer_fingerprint: str
+    tp_size: int = 1  # ranks the model is sharded over (tensor parallelism)
     torch_version: str = torch.__version__
     nccl_version: str = ""
 
@@ -114,6 +115,7 @@ class ModelRunner:
             dtype=next(self.model.parameters()).dtype,
             device=self.device,
             tokenizer_fingerprint=self._fingerprint(model_name) if world is None or world.leader else "",
+            tp_size=world.size if world is not None else 1,
             nccl_version=nccl_version() if self.device.type == "cuda" else "",
         )
         log.info("loaded %s (%s) on %s in %s: vocab %d, hidden %d, %d layers%s", model_name, self.info.architecture,

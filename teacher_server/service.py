@@ -76,8 +76,8 @@ class TeacherService:
                  session.job_rank, backend, outputs, extra={"session_id": session.session_id, "job_id": session.job_id})
         return pb.JoinResponse(
             session_id=session.session_id, info=self.teacher_info(), store_host=self.store_host,
-            store_port=self.store_port, store_prefix=session.store_prefix, backend=backend, teacher_rank=0,
-            student_rank=1, group_size=2, timeout_s=self.config.transfer_timeout_s,
+            store_port=self.store_port, store_prefix=session.store_prefix, backend=backend,
+            timeout_s=self.config.transfer_timeout_s,
             heartbeat_interval_s=self.config.heartbeat_interval_s, lease_s=self.config.lease_s,
             max_inflight=max_inflight, output_dtype=wire.dtype_name(outputs.dtype),
             stream_refusals_only=session.stream_refusals_only)
@@ -153,7 +153,7 @@ class TeacherService:
         i, c = self.info, self.config
         return pb.TeacherInfo(
             model_name=i.model_name, architecture=i.architecture, vocab_size=i.vocab_size, hidden_size=i.hidden_size,
-            num_layers=i.num_layers, dtype=wire.dtype_name(i.dtype), device_type=i.device.type, tp_size=1,
+            num_layers=i.num_layers, dtype=wire.dtype_name(i.dtype), device_type=i.device.type, tp_size=i.tp_size,
             max_batch_tokens=c.max_batch_tokens, max_seq_len=c.max_seq_len, max_sessions=c.max_sessions,
             max_inflight=c.max_inflight, tokenizer_fingerprint=i.tokenizer_fingerprint,
             torch_version=i.torch_version, nccl_version=i.nccl_version)

@@ -10,7 +10,6 @@ A test whose tool is missing skips and names the package.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -26,6 +25,7 @@ import pytest
 import requests
 import yaml
 
+from distill_common.settings import settings_from, settings_parser
 from teacher_server.launcher import ServerProcess, child_env
 from tests.helpers import ROOT, free_port, wait_until
 
@@ -195,9 +195,8 @@ def test_teacher_command_line_parses_and_matches_values(directory):
     assert launcher.nproc_per_node == values["TEACHER_GPUS_PER_POD"]
     assert launcher.nnodes == values["TEACHER_NNODES"]
 
-    parser = argparse.ArgumentParser()
-    ServerConfig.add_arguments(parser)
-    config = ServerConfig.from_args(parser.parse_args([substitute(a, env) for a in c["args"]]))  # checks, too
+    config = settings_from(ServerConfig, settings_parser(ServerConfig).parse_args(
+        [substitute(a, env) for a in c["args"]]))  # checks, too
     assert (config.model, config.device) == (values["TEACHER_MODEL"], values["TEACHER_DEVICE"])
     assert config.advertise_host == "10.0.0.7", "students must reach the store at the pod IP, not via the Service"
 
@@ -273,9 +272,7 @@ def test_student_job_dials_the_teacher_service():
     assert launcher.module and launcher.training_script == "student_trainer"
     args = [substitute(a, env) for a in c["args"]]
     assert args[0] == "train"
-    parser = argparse.ArgumentParser()
-    TrainConfig.add_arguments(parser)
-    config = TrainConfig.from_args(parser.parse_args(args[1:]))
+    config = settings_from(TrainConfig, settings_parser(TrainConfig).parse_args(args[1:]))
     assert config.teacher == env["TEACHER_ADDRESS"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == int(env["STUDENT_GPUS_PER_POD"])
 
@@ -552,9 +549,7 @@ def test_student_sbatch_trains_against_the_published_address(tmp_path):
     from torch.distributed.run import get_args_parser
     launcher = get_args_parser().parse_args(launcher_args)
     assert launcher.module and launcher.training_script == "student_trainer"
-    parser = argparse.ArgumentParser()
-    TrainConfig.add_arguments(parser)
-    config = TrainConfig.from_args(parser.parse_args(train_args))
+    config = settings_from(TrainConfig, settings_parser(TrainConfig).parse_args(train_args))
     assert (config.teacher, config.job_id, config.resume, config.model) == (address, "student-42", True, "builtin:tiny")
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distill_common.settings import ConfigError
 from student_trainer.losses import (
     HIDDEN_LOSS_KINDS,
     LOSS_KINDS,
@@ -357,20 +358,20 @@ def test_hidden_projection_init():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(kind="kl"), "--kd-loss 'kl'"),
+        (dict(kind="kl"), "--loss 'kl'"),
         (dict(temperature=0.0), "--temperature must be > 0"),
         (dict(temperature=float("nan")), "--temperature must be > 0"),
         (dict(kind="jsd", jsd_beta=0.0), "--jsd-beta must be strictly between 0 and 1"),
-        (dict(kind="jsd", jsd_beta=1.0), "use --kd-loss reverse_kl"),
+        (dict(kind="jsd", jsd_beta=1.0), "use --loss reverse_kl"),
         (dict(chunk_tokens=0), "--kd-chunk-tokens"),
     ],
 )
 def test_options_are_validated(kwargs, message):
     student, teacher, mask = make_inputs()
     values, indices = make_topk(teacher)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         kd_loss(student, teacher, mask, **kwargs)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ConfigError, match=message):
         topk_kd_loss(student, values, indices, mask, **kwargs)
 
 

@@ -7,6 +7,7 @@ difference per output kind, so "equal to the model run locally" is "equal to TP=
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import sys
 import pytest
 import requests
 
+from teacher_server.admin import AdminConfig, query
 from teacher_server.launcher import ServerProcess, child_env
 from tests.helpers import ROOT, build_tiny_model, finish_student, free_port, start_student, wait_until
 
@@ -41,6 +43,9 @@ def test_tp2_saved_model_equals_tp1_and_sigterm_to_torchrun_stops_every_rank(tmp
         _student_matches_local_model(server, model_dir, tmp_path / "a.json")
         status = requests.get(f"{server.http}/v1/status", timeout=10).json()
         assert status["vocab_size"] == 384 and status["num_layers"] == 2  # the full vocabulary, not a shard
+        assert status["tp_size"] == 2
+        info = query("info", server.address, AdminConfig())  # what `teacher-server info` prints
+        assert re.search(r"^tensor parallel +2$", info, re.MULTILINE), info
     finally:
         server.stop()  # SIGTERM to the agent, which passes it to both ranks
     # torchrun's agent itself ends with its SignalException; the ranks say how they ended.

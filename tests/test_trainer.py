@@ -194,12 +194,13 @@ def test_kd_loss_falls_and_the_model_loads(server, models, corpus, tmp_path):
 
     out = tmp_path / "run"
     result = train_ok(server, models["student"], corpus["train"], out, "--kd-weight", "1.0", "--max-steps", "30",
-                      "--lr", "3e-3")
+                      "--lr", "3e-3", "--eval-data", str(corpus["heldout"]), "--eval-every", "30")
     assert "trained to step 30" in result.stdout
     records = read_metrics(out)
     assert [r["step"] for r in records] == list(range(1, 31))
     kd = column(records, "kd")
     assert mean(kd[-5:]) < 0.8 * mean(kd[:5]), kd
+    assert not any("eval_ce" in r or "eval_kd" in r for r in records[:-1])
 
     # The saved model is what was trained: identical to the last checkpoint's, closer to the
     # teacher than the student it started from (on held-out text, not the training batches).
@@ -224,6 +225,23 @@ def test_kd_loss_falls_and_the_model_loads(server, models, corpus, tmp_path):
                         reduction="batchmean").item()
 
     assert kl_to_teacher(logits["final"]) < 0.8 * kl_to_teacher(logits["initial"])
+
+    # The held-out scores of the last step: the final model's CE, and its KL(teacher || student)
+    # against the served teacher, per target token of the held-out set, as the trainer reads it.
+    from student_trainer.data import PackedDataset
+
+    heldout = PackedDataset(corpus["heldout"], saved_tokenizer, SEQ_LEN)
+    mask = (heldout.loss_mask[:, 1:] * heldout.attention_mask[:, 1:]).bool()
+    targets = heldout.input_ids[:, 1:]
+    with torch.no_grad():
+        student, teacher_logits = (model(input_ids=heldout.input_ids, attention_mask=heldout.attention_mask)
+                                   .logits[:, :-1] for model in (final, teacher))
+    ce = F.cross_entropy(student[mask], targets[mask]).item()
+    teacher_p = F.softmax(teacher_logits, -1)
+    kl = (teacher_p * (F.log_softmax(teacher_logits, -1) - F.log_softmax(student, -1))).sum(-1)[mask].mean().item()
+    assert records[-1]["eval_ce"] == pytest.approx(ce, rel=1e-4)
+    assert records[-1]["eval_kd"] == pytest.approx(kl, rel=1e-4)
+    assert re.search(r"step 30 held-out: eval_ce \S+, eval_kd \S+", result.stdout), result.stdout
 
 
 def test_resume_repeats_the_uninterrupted_run(server, models, corpus, tmp_path):

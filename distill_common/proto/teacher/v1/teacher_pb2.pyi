@@ -67,18 +67,16 @@ class OutputSpec(_message.Message):
     def __init__(self, logits: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
-    __slots__ = ("device_type", "device_uuid", "torch_version", "nccl_version", "host")
+    __slots__ = ("device_type", "device_uuid", "torch_version", "nccl_version")
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
     NCCL_VERSION_FIELD_NUMBER: _ClassVar[int]
-    HOST_FIELD_NUMBER: _ClassVar[int]
     device_type: str
     device_uuid: str
     torch_version: str
     nccl_version: str
-    host: str
-    def __init__(self, device_type: _Optional[str] = ..., device_uuid: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
+    def __init__(self, device_type: _Optional[str] = ..., device_uuid: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("job_id", "job_rank", "outputs", "peer", "max_inflight", "tokenizer_fingerprint", "vocab_size", "weight", "stream_refusals_only")
@@ -103,16 +101,13 @@ class JoinRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., job_rank: _Optional[int] = ..., outputs: _Optional[_Union[OutputSpec, _Mapping]] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., weight: _Optional[float] = ..., stream_refusals_only: _Optional[bool] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("session_id", "info", "store_host", "store_port", "store_prefix", "backend", "teacher_rank", "student_rank", "group_size", "timeout_s", "heartbeat_interval_s", "lease_s", "max_inflight", "output_dtype", "stream_refusals_only")
+    __slots__ = ("session_id", "info", "store_host", "store_port", "store_prefix", "backend", "timeout_s", "heartbeat_interval_s", "lease_s", "max_inflight", "output_dtype", "stream_refusals_only")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     STORE_HOST_FIELD_NUMBER: _ClassVar[int]
     STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     STORE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
-    TEACHER_RANK_FIELD_NUMBER: _ClassVar[int]
-    STUDENT_RANK_FIELD_NUMBER: _ClassVar[int]
-    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
@@ -125,16 +120,13 @@ class JoinResponse(_message.Message):
     store_port: int
     store_prefix: str
     backend: str
-    teacher_rank: int
-    student_rank: int
-    group_size: int
     timeout_s: float
     heartbeat_interval_s: float
     lease_s: float
     max_inflight: int
     output_dtype: str
     stream_refusals_only: bool
-    def __init__(self, session_id: _Optional[str] = ..., info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., backend: _Optional[str] = ..., teacher_rank: _Optional[int] = ..., student_rank: _Optional[int] = ..., group_size: _Optional[int] = ..., timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., max_inflight: _Optional[int] = ..., output_dtype: _Optional[str] = ..., stream_refusals_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., max_inflight: _Optional[int] = ..., output_dtype: _Optional[str] = ..., stream_refusals_only: _Optional[bool] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("session_id", "batch_id", "input_ids", "attention_mask")

@@ -1,0 +1,66 @@
+"""Settings written once: each program's flags come from its dataclass fields, with their help,
+defaults and checks (distill_common/settings.py). No server, no model."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from distill_common.settings import ConfigError, non_defaults, settings_from, settings_parser
+from distill_demo.config import DemoConfig
+from student_trainer.config import TrainConfig
+from teacher_server.admin import AdminConfig
+from teacher_server.config import ServerConfig
+
+PROGRAMS = [ServerConfig, TrainConfig, AdminConfig, DemoConfig]
+TRAIN_REQUIRED = ["--model", "m", "--data", "d", "--teacher", "t:1"]
+
+
+def parse(settings: type, *argv: str):
+    return settings_from(settings, settings_parser(settings).parse_args(list(argv)))
+
+
+@pytest.mark.parametrize("settings", PROGRAMS, ids=lambda s: s.__name__)
+def test_every_flag_has_help_and_is_listed_once_by_its_dashed_name(settings):
+    help_text = settings_parser(settings, prog="x").format_help()
+    for field in dataclasses.fields(settings):
+        if not field.init:
+            continue
+        assert field.metadata.get("help"), f"{settings.__name__}.{field.name} has no help text"
+        dashed = "--" + field.name.replace("_", "-")
+        assert len(re.findall(rf"^  {dashed}(?=[ ,]|$)", help_text, re.MULTILINE)) == 1, (dashed, help_text)
+    assert not re.search(r"^  --\w*_", help_text, re.MULTILINE), help_text  # the underscore spelling is not shown
+
+
+def test_special_flag_texts_parse_into_their_fields(monkeypatch):
+    monkeypatch.setenv("TEACHER_AUTH_TOKEN", "from-env")
+    server = parse(ServerConfig, "--cache-bytes", "8GiB", "--dtype", "bfloat16", "--trust-remote-code")
+    assert (server.cache_bytes, server.dtype, server.trust_remote_code) == (8 << 30, "bfloat16", True)
+    assert server.auth_token == "from-env" and parse(ServerConfig, "--auth-token", "flag").auth_token == "flag"
+    assert parse(ServerConfig, "--cache-bytes", "2GB").cache_bytes == 2 * 10**9
+    train = parse(TrainConfig, *TRAIN_REQUIRED, "--hidden-layers", "0,2", "--hidden-weight", "1")
+    assert train.hidden_layers == (0, 2)
+    assert parse(DemoConfig, "--seeds", "3,4,5").seeds == (3, 4, 5)
+    for settings, argv in ((ServerConfig, ["--cache-bytes", "8XB"]),
+                           (TrainConfig, [*TRAIN_REQUIRED, "--hidden-layers", "1,x"])):
+        with pytest.raises(SystemExit):
+            parse(settings, *argv)
+
+
+def test_a_choice_or_check_failed_in_python_names_the_flag():
+    with pytest.raises(ConfigError, match="--log-format 'xml': use one of text, json"):
+        ServerConfig(log_format="xml")
+    with pytest.raises(ConfigError, match="--loss 'kl': use one of forward_kl, reverse_kl, jsd"):
+        TrainConfig(model="m", data="d", teacher="t:1", loss="kl")
+    with pytest.raises(ConfigError, match="--max-batch-tokens"):
+        ServerConfig(max_batch_tokens=10, max_seq_len=20)
+    with pytest.raises(ConfigError, match="--timeout-s"):
+        AdminConfig(timeout_s=0)
+
+
+def test_non_default_settings_are_logged_and_secrets_hidden():
+    config = parse(ServerConfig, "--max-sessions", "3", "--auth-token", "s3cret")
+    assert non_defaults(config) == {"max_sessions": 3, "auth_token": "(set)"}
+    assert "s3cret" not in repr(config)
