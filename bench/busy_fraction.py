@@ -31,6 +31,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 import torch  # noqa: E402
 
 from bench.table import emit  # noqa: E402
+from teacher_server.launcher import multicast_off  # noqa: E402
 
 JOBS = ("busy-a", "busy-b")
 
@@ -129,9 +130,7 @@ def main() -> int:
     p.add_argument("--stop-file", default="", help=argparse.SUPPRESS)
     p.add_argument("--max-s", type=float, default=900.0, help=argparse.SUPPRESS)
     args = p.parse_args()
-    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                       ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ.setdefault(key, value)
+    multicast_off(os.environ)
     if args.student:
         return student(args)
 

@@ -28,6 +28,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 import torch  # noqa: E402
 
 from bench.table import emit  # noqa: E402
+from teacher_server.launcher import multicast_off  # noqa: E402
 
 VOCAB = 128256
 TEACHER_SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -75,9 +76,7 @@ def main() -> int:
     p.add_argument("--student-gpu", type=int, default=1)
     p.add_argument("--out", default="")
     args = p.parse_args()
-    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                       ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ.setdefault(key, value)
+    multicast_off(os.environ)
 
     from distill_common.models import load_causal_lm
     from student_trainer import TeacherClient, TeacherOutput

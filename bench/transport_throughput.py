@@ -31,6 +31,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from bench.table import emit  # noqa: E402
+from teacher_server.launcher import multicast_off  # noqa: E402
 
 VOCAB = 128256  # builtin:wide
 BYTES_PER_TOKEN = VOCAB * 2  # bf16 logits
@@ -130,9 +131,7 @@ def main() -> int:
     p.add_argument("--student-gpu", type=int, default=1)
     p.add_argument("--out", default="")
     args = p.parse_args()
-    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-                       ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ.setdefault(key, value)
+    multicast_off(os.environ)
     sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
     raw = measure_raw(sizes, args.iters, [args.teacher_gpu, args.student_gpu])
     inflights = [int(x) for x in args.inflight.split(",")]

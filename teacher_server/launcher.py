@@ -30,6 +30,16 @@ class ServerStartError(RuntimeError):
         self.exit_code, self.log = exit_code, log
 
 
+# NVLink multicast stays off on shared GPU hosts (their NVSwitch state is shared between tenants).
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def multicast_off(env) -> None:
+    """Sets MULTICAST_OFF in `env` (a dict or os.environ) where the user has not chosen otherwise."""
+    for key, value in MULTICAST_OFF.items():
+        env.setdefault(key, value)
+
+
 def child_env(**extra: str) -> dict:
     """The environment of a child program of this project: this package importable, unbuffered.
 
@@ -38,9 +48,7 @@ def child_env(**extra: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("NCCL_NVLS_ENABLE", "0")
-    env.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    multicast_off(env)
     env.update(extra)
     return env
 
