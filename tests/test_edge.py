@@ -25,7 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from student_trainer import TeacherClient
 from student_trainer.errors import InvalidRequest
-from tests.helpers import ServerProcess, build_tiny_model, child_env, wait_until
+from teacher_server.launcher import ServerProcess, child_env
+from tests.helpers import build_tiny_model, wait_until
 
 TOKEN = "edge-token"
 BEARER = (("authorization", f"Bearer {TOKEN}"),)
@@ -222,7 +223,7 @@ def test_health_checks_waiting_for_their_request_cannot_lock_probes_out(server):
 
 def test_a_weight_over_max_weight_is_refused_at_join(server):
     with pytest.raises(InvalidRequest, match=f"--max-weight {MAX_WEIGHT}"):
-        TeacherClient(server.address, "cpu", logits=True, auth_token=TOKEN, weight=1e12, join_timeout_s=30)
+        TeacherClient(server.address, "cpu", auth_token=TOKEN, weight=1e12, join_timeout_s=30)
 
 
 # ---- HTTP ---------------------------------------------------------------------------------
@@ -259,7 +260,7 @@ def test_half_sent_headers_and_idle_connections_time_out(server):
 
 def test_thousands_of_open_sockets_starve_neither_probes_nor_sessions(server):
     pid = server.proc.pid
-    with TeacherClient(server.address, "cpu", logits=True, auth_token=TOKEN, weight=MAX_WEIGHT) as client:
+    with TeacherClient(server.address, "cpu", auth_token=TOKEN, weight=MAX_WEIGHT) as client:
         assert client.submit(torch.randint(0, 384, (1, 6))).result(timeout=60).logits.shape == (1, 6, 384)
         before = _fds(pid)
         sockets = _open_sockets(server.http_port, 3000)
