@@ -15,6 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from distill_common.settings import ConfigError
 
+# The gRPC metadata key under which every call about a session carries its secret
+# (JoinResponse.session_secret): Submit, SubmitStream, Heartbeat, Leave. A session id alone
+# is not enough: ids are shown in status and metrics.
+SESSION_SECRET_KEY = "teacher-session-secret"
+
 
 @dataclass(frozen=True)
 class TlsFlags:

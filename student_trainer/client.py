@@ -17,10 +17,14 @@ session after a restart) the client joins again, with backoff, for up to
 `reconnect_timeout_s`, and sends the new session every batch whose outputs it has not
 delivered, in submit order: each future resolves exactly once, later than it would
 have. A refusal (INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED,
-UNAUTHENTICATED) is final. What a failure leads to is decided in one place, the
-connection's state machine (student_trainer/connection.py). Batch ids restart at 0 on
-every session (see SubmitRequest.batch_id); `TeacherOutput.batch_id` is the client's own
-id, which does not.
+UNAUTHENTICATED, PERMISSION_DENIED) is final, but for a first Join refused because the
+teacher is full (RESOURCE_EXHAUSTED), asked again until `join_timeout_s`. What a failure
+leads to is decided in one place, the connection's state machine
+(student_trainer/connection.py). Batch ids restart at 0 on every session (see
+SubmitRequest.batch_id); `TeacherOutput.batch_id` is the client's own id, which does not.
+
+Every call about a session carries the secret its Join returned (the gRPC metadata key
+SESSION_SECRET_KEY): a session id alone lets nobody act on it.
 """
 
 from __future__ import annotations
@@ -38,14 +42,15 @@ import torch
 
 from distill_common import tracing, wire
 from distill_common.announcements import Announcements
-from distill_common.channel import TeacherUnreachable, channel_credentials, open_channel, wait_until_reachable
+from distill_common.channel import (SESSION_SECRET_KEY, TeacherUnreachable, channel_credentials, open_channel,
+                                    wait_until_reachable)
 from distill_common.outputs import Logits, Output, OutputRequest, output_spec
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from distill_common.session_group import (STUDENT_RANK, build_group, connect_store, device_uuid, handshake,
                                           local_address_towards, nccl_version, prefix_token)
 from distill_common.vocab import tokenizer_fingerprint
-from student_trainer.connection import Action, Connection, State
+from student_trainer.connection import Action, Connection, FirstJoin, State
 from student_trainer.errors import Incompatible, TeacherError, TeacherUnavailable, from_rpc_error
 from student_trainer.session import Batch, Session
 
@@ -131,8 +136,9 @@ class TeacherClient:
             # exceed len(tokenizer): models pad it. Without it, no size check is made.
             vocab_size=vocab_size, weight=weight)
         self._join_request = request
+        first_join = FirstJoin(address, join_timeout_s)
         self._wait_for_server(join_timeout_s)
-        joined = self._call("Join", request)
+        joined = self._join_first(first_join)
         self.info = TeacherInfo.from_proto(joined.info)
         self.backend = joined.backend
         self.max_inflight = joined.max_inflight
@@ -147,7 +153,7 @@ class TeacherClient:
         try:
             session = self._connect(joined, join_timeout_s)
         except BaseException:
-            self._leave(joined.session_id)
+            self._leave(joined)
             self._channel.close()
             raise
         self._connection = Connection(session, address, reconnect_timeout_s)
@@ -221,7 +227,7 @@ class TeacherClient:
             self._cond.notify_all()
         session.finish()  # the stream ends: the teacher ends its answers too
         session.join(timeout_s=5)
-        self._leave(session.session_id, timeout_s=min(self.rpc_timeout_s, 5.0))
+        self._leave(session.joined, timeout_s=min(self.rpc_timeout_s, 5.0))
         session.stop()
         self._channel.close()  # cancels a heartbeat in flight
         # Threads end here, not during interpreter shutdown: a daemon thread that drops the
@@ -293,6 +299,20 @@ class TeacherClient:
             self._channel.close()
             raise TeacherUnavailable(str(e)) from None
 
+    def _join_first(self, first_join: FirstJoin) -> pb.JoinResponse:
+        """The first Join, asked again while the teacher is full (FirstJoin decides), within join_timeout_s."""
+        while True:
+            try:
+                return self._call("Join", self._join_request,
+                                  timeout_s=max(0.1, min(self.rpc_timeout_s, first_join.deadline - time.monotonic())))
+            except TeacherError as e:
+                pause_s = first_join.refused(e)
+                if pause_s is None:
+                    self._channel.close()
+                    raise first_join.final(e) from None
+                log.warning("%s", first_join.waiting(e, pause_s))
+                time.sleep(pause_s)
+
     def _connect(self, joined: pb.JoinResponse, timeout_s: float) -> Session:
         store = connect_store(joined.store_host, joined.store_port, timeout_s)
         # The address the teacher reaches this process at, where gloo listens (NCCL finds its own).
@@ -313,8 +333,8 @@ class TeacherClient:
     def _start(self, session: Session) -> None:
         """Opens the submit stream of `session` (already made current) and starts its threads."""
         # One stream carries every Submit of the session: no round trip per batch.
-        session.start(lambda requests: self._stub.SubmitStream(requests, metadata=self._metadata),
-                      self.transfer_timeout_s)
+        metadata = self._metadata + self._secret(session.joined)
+        session.start(lambda requests: self._stub.SubmitStream(requests, metadata=metadata), self.transfer_timeout_s)
 
     # ---- reconnecting ------------------------------------------------------------
 
@@ -352,7 +372,7 @@ class TeacherClient:
         log.warning("lost teacher %s (session %s): %s; joining again for up to %gs (reconnect_timeout_s)",
                     self.address, lost.session_id, cause, self.reconnect_timeout_s)
         # A teacher that is still up (it dropped the session, or the network blinked) frees its slot.
-        self._leave(lost.session_id, timeout_s=min(self.rpc_timeout_s, 5.0))
+        self._leave(lost.joined, timeout_s=min(self.rpc_timeout_s, 5.0))
         attempt = 0
         while True:
             with self._cond:
@@ -397,7 +417,7 @@ class TeacherClient:
             # The group forms in about a second; a last attempt gets that much even past the deadline.
             return self._connect(joined, min(self.join_timeout_s, max(1.0, deadline - time.monotonic())))
         except BaseException:
-            self._leave(joined.session_id, timeout_s=min(self.rpc_timeout_s, 5.0))
+            self._leave(joined, timeout_s=min(self.rpc_timeout_s, 5.0))
             raise
 
     def _check_same_teacher(self, joined: pb.JoinResponse) -> None:
@@ -428,7 +448,7 @@ class TeacherClient:
                     batches = list(self._undelivered.values())
             if not installed:
                 session.stop()
-                self._leave(session.session_id, timeout_s=min(self.rpc_timeout_s, 5.0))
+                self._leave(session.joined, timeout_s=min(self.rpc_timeout_s, 5.0))
                 return None
             self.heartbeat_interval_s = session.joined.heartbeat_interval_s
             if self._transfer_timeout_arg is None:
@@ -441,10 +461,17 @@ class TeacherClient:
 
     # ---- plumbing ----------------------------------------------------------------
 
-    def _call(self, method: str, request, timeout_s: float | None = None):
+    @staticmethod
+    def _secret(joined: pb.JoinResponse) -> tuple:
+        """The metadata that lets a call act on the session `joined`: its secret."""
+        return ((SESSION_SECRET_KEY, joined.session_secret),)
+
+    def _call(self, method: str, request, timeout_s: float | None = None, joined: pb.JoinResponse | None = None):
+        """`joined`: the session the call is about, whose secret it carries."""
         timeout_s = self.rpc_timeout_s if timeout_s is None else timeout_s
+        metadata = self._metadata if joined is None else self._metadata + self._secret(joined)
         try:
-            return getattr(self._stub, method)(request, timeout=timeout_s, metadata=self._metadata)
+            return getattr(self._stub, method)(request, timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e, f"{method} to teacher {self.address}") from None
 
@@ -462,17 +489,17 @@ class TeacherClient:
             if state is not State.CONNECTED:
                 continue  # reconnecting: the next session's lease starts at its Join
             try:
-                self._call("Heartbeat", pb.HeartbeatRequest(session_id=session.session_id))
+                self._call("Heartbeat", pb.HeartbeatRequest(session_id=session.session_id), joined=session.joined)
             except TeacherError as e:
                 if self._connection.state is State.CLOSED:
                     return
                 log.warning("heartbeat failed: %s", e)
                 self._session_failed(session, e, heartbeat=True)
 
-    def _leave(self, session_id: str, timeout_s: float | None = None) -> None:
-        if not session_id:
+    def _leave(self, joined: pb.JoinResponse, timeout_s: float | None = None) -> None:
+        if not joined.session_id:
             return
         try:
-            self._call("Leave", pb.LeaveRequest(session_id=session_id, drain=False), timeout_s)
+            self._call("Leave", pb.LeaveRequest(session_id=joined.session_id, drain=False), timeout_s, joined=joined)
         except TeacherError as e:
             log.debug("leave: %s", e)

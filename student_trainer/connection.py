@@ -16,6 +16,9 @@ A failure of a session that is no longer current (its threads outlive it) change
 nothing, and so does any failure once the client is broken or closed: each failure is
 acted on once. Nothing leaves BROKEN but close(); nothing leaves CLOSED.
 
+Before all that, the first Join (`FirstJoin`): a teacher that is full for now is asked
+again, with the same backoff, until the client's join timeout.
+
 No threads, no sockets, no lock: TeacherClient calls it under its own lock, and the
 transitions are tested alone (tests/test_connection.py). The clock and the jitter of
 the backoff are injected.
@@ -30,7 +33,7 @@ from typing import Callable
 
 import grpc
 
-from student_trainer.errors import TeacherError, TeacherUnavailable, teacher_gone
+from student_trainer.errors import LimitExceeded, TeacherError, TeacherUnavailable, teacher_gone
 
 # Reconnecting: the first pause, doubled after each failed attempt up to the cap, each
 # drawn down by up to half (jitter: the jobs of one teacher do not come back in lockstep).
@@ -59,6 +62,51 @@ def counts_as_gone(heartbeat_error: TeacherError, reconnect_timeout_s: float) ->
     """
     return heartbeat_error.code == grpc.StatusCode.NOT_FOUND or (
         heartbeat_error.code == grpc.StatusCode.UNAVAILABLE and reconnect_timeout_s > 0)
+
+
+class FirstJoin:
+    """When to ask again after the first Join was refused: only for capacity.
+
+    RESOURCE_EXHAUSTED at Join means the teacher is full for now (--max-sessions, the job's
+    session cap, --max-rpcs); slots come free as sessions leave, and a join that never forms
+    its group gives its slot back after the teacher's --join-timeout-s. Anything else is an
+    answer that asking again would not change. The pauses are the reconnect's (doubled,
+    capped, jittered) and never go past `timeout_s` from the start.
+    """
+
+    def __init__(self, address: str, timeout_s: float, *, clock: Callable[[], float] = time.monotonic,
+                 jitter: Callable[[float, float], float] = random.uniform):
+        self.address = address
+        self.timeout_s = timeout_s
+        self.deadline = clock() + timeout_s
+        self.attempts = 0  # refused so far
+        self._delay_s = RECONNECT_FIRST_DELAY_S
+        self._clock = clock
+        self._jitter = jitter
+
+    def refused(self, error: TeacherError) -> float | None:
+        """The Join was refused with `error`: the pause before asking again, or None to give up
+        (raise `final(error)`)."""
+        self.attempts += 1
+        left_s = self.deadline - self._clock()
+        if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or left_s <= 0:
+            return None
+        pause_s = min(left_s, self._delay_s * self._jitter(0.5, 1.0))
+        self._delay_s = min(2 * self._delay_s, RECONNECT_MAX_DELAY_S)
+        return pause_s
+
+    def waiting(self, error: TeacherError, pause_s: float) -> str:
+        """The log line for a pause: why the client waits, and for how long at most."""
+        return (f"teacher {self.address} has no room for this session yet ({error}); asking again in "
+                f"{pause_s:.1f}s, for up to {max(0.0, self.deadline - self._clock()):.0f}s more (join_timeout_s)")
+
+    def final(self, error: TeacherError) -> TeacherError:
+        """What to raise when giving up: `error`, saying how long the client asked when it was full."""
+        if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or self.attempts <= 1:
+            return error
+        return LimitExceeded(f"{error}; still refused after {self.attempts} attempts over join_timeout_s="
+                             f"{self.timeout_s:g}s: raise the teacher's limit or the client's join timeout",
+                             error.code)
 
 
 class State(enum.Enum):

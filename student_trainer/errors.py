@@ -43,6 +43,10 @@ class AuthenticationFailed(TeacherError):
     """UNAUTHENTICATED: a missing or wrong --auth-token."""
 
 
+class PermissionRefused(TeacherError):
+    """PERMISSION_DENIED: a job token used for another job, or a call without its session's secret."""
+
+
 class TransferFailed(TeacherError):
     """The data plane failed: a receive timed out or the session group broke."""
 
@@ -55,6 +59,7 @@ _BY_CODE = {
     grpc.StatusCode.UNAVAILABLE: TeacherUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: TeacherUnavailable,
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationFailed,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionRefused,
 }
 
 
@@ -78,7 +83,7 @@ def teacher_gone(error: BaseException) -> bool:
 
     UNAVAILABLE (unreachable, restarting, shutting down), NOT_FOUND (the session is unknown:
     a restarted teacher, an expired lease) and a broken data plane qualify; INVALID_ARGUMENT,
-    FAILED_PRECONDITION, RESOURCE_EXHAUSTED and UNAUTHENTICATED do not.
+    FAILED_PRECONDITION, RESOURCE_EXHAUSTED, UNAUTHENTICATED and PERMISSION_DENIED do not.
     """
     if isinstance(error, TransferFailed):
         return True

@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from distill_common.channel import read_pem
 from teacher_server.config import ServerConfig
-from teacher_server.edge import CallGuard, GuardedH11Protocol, HttpConnections, install_accept_error_log
+from teacher_server.edge import CallGuard, Callers, GuardedH11Protocol, HttpConnections, install_accept_error_log
 from teacher_server.engine import Engine
 from teacher_server.http_app import create_app
 from teacher_server.metrics import Metrics
@@ -70,7 +70,9 @@ class TeacherServer:
             max_batch_tokens=config.max_batch_tokens, max_sessions=config.max_sessions, lease_s=config.lease_s,
             join_timeout_s=config.join_timeout_s, transfer_timeout_s=config.transfer_timeout_s,
             cache_bytes=config.cache_bytes)
-        self.service = TeacherService(self.engine, config, self.metrics, self.advertise_host, self.store_port)
+        self.callers = Callers(config)  # the operator's token and the job tokens: who may do what
+        self.service = TeacherService(self.engine, config, self.metrics, self.advertise_host, self.store_port,
+                                      self.callers)
         self.health = health.aio.HealthServicer()
         self._shutting_down = False
         self.grpc_port = 0
@@ -89,7 +91,7 @@ class TeacherServer:
         # any handler runs: the refusal is grpc's own RESOURCE_EXHAUSTED ("Received message
         # larger than max (N vs. LIMIT)"); docs/security.md names the flag. The CallGuard runs
         # first on every call, so a call without the token is refused before its request is read.
-        server = grpc.aio.server(interceptors=[CallGuard(c, self.metrics)],
+        server = grpc.aio.server(interceptors=[CallGuard(self.callers, c, self.metrics)],
                                  options=[("grpc.max_receive_message_length", c.request_limit_bytes),
                                           # Answers are the teacher's own (a status of many sessions may be large).
                                           ("grpc.max_send_message_length", 64 << 20)])

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import ssl
 from dataclasses import dataclass, field
@@ -52,8 +54,12 @@ class ServerConfig:
     lease_s: float = field(default=30.0, metadata=_help("a session without a heartbeat for this long is dropped"))
     transfer_timeout_s: float = field(default=120.0, metadata=_help(
         "a send to a student that takes longer fails that session"))
-    join_timeout_s: float = field(default=60.0, metadata=_help(
-        "how long the teacher waits for a joining student's end of the group"))
+    # A join that never forms its group holds a --max-sessions slot until this ends it. Real
+    # ones form far sooner: within 0.03 s on CPU (gloo) under load, bench/connect_time.py and
+    # docs/security.md; NCCL adds its communicator's set-up.
+    join_timeout_s: float = field(default=20.0, metadata=_help(
+        "a joined session whose process group has not formed within this long of its Join is ended and its "
+        "slot freed"))
     grace_period_s: float = field(default=30.0, metadata=_help(
         "on SIGTERM, how long in-flight batches may take to finish"))
     # Long: loading a large model shard by shard waits for the slowest rank under it too.
@@ -92,6 +98,14 @@ class ServerConfig:
         "(or of its previous response)"))
     max_weight: float = field(default=100.0, metadata=_help(
         "largest weight a job may ask for at join (its share of forwards against other jobs)"))
+    max_sessions_per_job: int = field(default=0, metadata=_help(
+        "sessions one job id may hold at once (0: only --max-sessions bounds them)"))
+    job_tokens: str = field(default="", metadata={"metavar": "FILE", "help": (
+        "JSON file of per-job tokens: {\"JOB_ID\": {\"token\": ..., \"max_weight\": ..., \"max_sessions\": ...}}; "
+        "a caller with one may join only as its job and sees only its job's sessions (needs --auth-token, "
+        "the operator's)")})
+    # Read from --job-tokens at start-up; not a flag.
+    job_token_entries: tuple = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -137,6 +151,13 @@ class ServerConfig:
             raise ConfigError(f"--http-header-timeout-s {self.http_header_timeout_s} must be > 0")
         if not 1 <= self.max_weight < float("inf"):
             raise ConfigError(f"--max-weight {self.max_weight} must be a finite number >= 1 (the default job weight)")
+        if self.max_sessions_per_job < 0:
+            raise ConfigError(f"--max-sessions-per-job {self.max_sessions_per_job} must be >= 0 (0: no cap per job)")
+        if self.job_tokens:
+            if not self.auth_token:
+                raise ConfigError("--job-tokens needs --auth-token (or TEACHER_AUTH_TOKEN): the operator's token, "
+                                  "which every caller without a job token must present")
+            self.job_token_entries = read_job_tokens(self.job_tokens, self.auth_token)
         self._check_tls()
 
     def _check_tls(self) -> None:
@@ -178,3 +199,82 @@ class ServerConfig:
     def rpcs_limit(self) -> int:
         return self.max_rpcs or 4 * self.max_sessions + 16
 
+
+
+# ---- --job-tokens -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobToken:
+    """One entry of --job-tokens: a token that may join only as `job_id`, within its limits."""
+
+    job_id: str
+    token: str = field(repr=False)
+    max_weight: float | None = None  # None: --max-weight
+    max_sessions: int | None = None  # None: --max-sessions-per-job
+
+
+_JOB_TOKEN_KEYS = {"token", "max_weight", "max_sessions"}
+MIN_TOKEN_CHARS = 16
+
+
+def read_job_tokens(path: str, auth_token: str) -> tuple[JobToken, ...]:
+    """Reads --job-tokens: a JSON object keyed by job id (so that a message can name an entry
+    without showing its token), each value {"token": ..., "max_weight": ..., "max_sessions": ...}.
+
+    Raises ConfigError naming the flag, the file and the line (a syntax error) or the job and
+    key (a bad value); never the token itself.
+    """
+    where = f"--job-tokens {path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read it: {e.strerror or e}") from e
+
+    def unique_keys(pairs: list) -> dict:
+        seen = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ConfigError(f"{where}: key {key!r} appears twice in one object; give each job one entry")
+            seen[key] = value
+        return seen
+
+    try:
+        table = json.loads(text, object_pairs_hook=unique_keys)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{where}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from e
+    if not isinstance(table, dict) or not table:
+        raise ConfigError(f'{where}: expected an object of jobs, e.g. {{"team-a": {{"token": "...", '
+                          '"max_weight": 4, "max_sessions": 8}}}}')
+    entries, tokens = [], set()
+    for job_id, entry in table.items():
+        at = f"{where}: job {job_id!r}"
+        if not job_id or len(job_id) > 128:
+            raise ConfigError(f"{at}: a job id has 1 to 128 characters")
+        if not isinstance(entry, dict):
+            raise ConfigError(f'{at}: expected an object such as {{"token": "...", "max_weight": 4, '
+                              '"max_sessions": 8}}')
+        unknown = sorted(set(entry) - _JOB_TOKEN_KEYS)
+        if unknown:
+            raise ConfigError(f"{at}: unknown key {unknown[0]!r} (the keys are {', '.join(sorted(_JOB_TOKEN_KEYS))})")
+        token = entry.get("token")
+        if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS or token != token.strip():
+            raise ConfigError(f"{at}: key 'token' must be a string of at least {MIN_TOKEN_CHARS} characters "
+                              "without surrounding spaces (e.g. python -c 'import secrets; "
+                              "print(secrets.token_urlsafe(32))')")
+        if token == auth_token:
+            raise ConfigError(f"{at}: key 'token' is the operator's --auth-token; give each job a token of its own")
+        if token in tokens:
+            raise ConfigError(f"{at}: key 'token' is also another job's token; give each job a token of its own")
+        tokens.add(token)
+        max_weight = entry.get("max_weight")
+        if max_weight is not None and (isinstance(max_weight, bool) or not isinstance(max_weight, (int, float))
+                                       or not 1 <= max_weight < math.inf):
+            raise ConfigError(f"{at}: key 'max_weight' must be a finite number >= 1, got {max_weight!r}")
+        max_sessions = entry.get("max_sessions")
+        if max_sessions is not None and (isinstance(max_sessions, bool) or not isinstance(max_sessions, int)
+                                         or max_sessions < 1):
+            raise ConfigError(f"{at}: key 'max_sessions' must be an integer >= 1, got {max_sessions!r}")
+        entries.append(JobToken(job_id, token, None if max_weight is None else float(max_weight), max_sessions))
+    return tuple(entries)

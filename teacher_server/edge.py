@@ -5,6 +5,8 @@ token is checked, so that nobody without it can make the teacher buffer, hold or
   its request is read. It checks the token, then the call's budget (--max-streams,
   --max-rpcs); only then is the request read and the handler run. Requests are also capped
   by grpc itself (--max-request-bytes, set on the server in app.py).
+- Who a token belongs to, `Callers`: the operator (--auth-token) or one job (--job-tokens),
+  and what that caller may use; the handlers ask it with `Callers.of(context)`.
 - HTTP, `GuardedH11Protocol`: uvicorn's h11 protocol with a deadline for request headers
   and a cap on open connections.
 - `install_accept_error_log`: out of descriptors, asyncio's accept loop logs a traceback
@@ -15,15 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import hmac
 import inspect
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from distill_common.settings import flag
 from teacher_server.config import ServerConfig
 from teacher_server.errors import ResourceExhausted, ServiceError, Unauthenticated
 from teacher_server.metrics import Metrics
@@ -36,6 +41,69 @@ _OPEN_METHODS = frozenset({"/grpc.health.v1.Health/Check"})  # probes carry no t
 def bearer_matches(authorization: str | None, token: str) -> bool:
     """Whether `authorization` is `Bearer <token>` (compared in constant time); true when no token is set."""
     return not token or hmac.compare_digest((authorization or "").encode(), f"Bearer {token}".encode())
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a call comes from, and what it may use at Join.
+
+    The operator (the shared --auth-token, or anyone when the teacher has no token) may join
+    as any job and sees every session; a job token's holder joins only as its job and sees
+    only its sessions. Acting on a session needs that session's secret in either case.
+    """
+
+    job_id: str | None  # None: the operator
+    max_weight: float
+    max_sessions: int  # sessions of one job at once; 0: only --max-sessions bounds them
+
+    def limit(self, key: str) -> str:
+        """A limit of this caller ("max_weight" or "max_sessions") and where it is set, for a
+        message: the teacher's flag, or the job's entry in --job-tokens."""
+        value = getattr(self, key)
+        if self.job_id is None:
+            return f"the teacher's {flag({'max_weight': 'max_weight', 'max_sessions': 'max_sessions_per_job'}[key])} {value}"
+        return f"{key} {value} of job {self.job_id!r} in the teacher's --job-tokens"
+
+
+class Callers:
+    """The tokens a teacher accepts and whose each is: one home for the token check.
+
+    Job tokens are looked up by their SHA-256, so the lookup's timing says nothing about
+    which characters of a token were right; the operator's is compared in constant time.
+    """
+
+    def __init__(self, config: ServerConfig):
+        self._operator_token = config.auth_token
+        self.operator = Caller(None, config.max_weight, config.max_sessions_per_job)
+        self._jobs = {_digest(e.token): Caller(e.job_id, config.max_weight if e.max_weight is None else e.max_weight,
+                                               config.max_sessions_per_job if e.max_sessions is None else e.max_sessions)
+                      for e in config.job_token_entries}
+
+    def caller(self, authorization: str | None) -> Caller | None:
+        """The caller that `authorization` (the header's value) names, or None: a missing or wrong token."""
+        if bearer_matches(authorization, self._operator_token):
+            return self.operator
+        if authorization and authorization.startswith("Bearer "):
+            return self._jobs.get(_digest(authorization[len("Bearer "):]))
+        return None
+
+    def of(self, context: grpc.aio.ServicerContext) -> Caller:
+        """The caller of a call that CallGuard let through."""
+        caller = self.caller(_metadata_value(context.invocation_metadata(), "authorization"))
+        if caller is None:  # CallGuard refuses such calls before any handler runs
+            raise Unauthenticated("missing or wrong auth token")
+        return caller
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def _metadata_value(metadata, key: str) -> str | None:
+    for name, value in metadata or ():
+        if name == key:
+            return value
+    return None
 
 
 class RateLimitedLog:
@@ -92,9 +160,9 @@ class CallGuard(grpc.aio.ServerInterceptor):
     cannot lock the probes out.
     """
 
-    def __init__(self, config: ServerConfig, metrics: Metrics):
+    def __init__(self, callers: Callers, config: ServerConfig, metrics: Metrics):
         self.metrics = metrics
-        self._token = config.auth_token
+        self._callers = callers
         self._limits = {"stream": (config.streams_limit, "--max-streams"), "rpc": (config.rpcs_limit, "--max-rpcs")}
         self._in_progress = {"stream": 0, "rpc": 0}
         self._waiting_checks: dict[asyncio.Future, None] = {}  # oldest first
@@ -107,7 +175,7 @@ class CallGuard(grpc.aio.ServerInterceptor):
         name = details.method.rsplit("/", 1)[-1]
         if details.method in _OPEN_METHODS:
             return self._guarded(handler, name, budget=None)
-        if not bearer_matches(dict(details.invocation_metadata or ()).get("authorization"), self._token):
+        if self._callers.caller(_metadata_value(details.invocation_metadata, "authorization")) is None:
             return self._refusal(handler, name, Unauthenticated(
                 "missing or wrong auth token: pass the teacher's token to the client "
                 "(TeacherClient(auth_token=...) or TEACHER_AUTH_TOKEN)"))

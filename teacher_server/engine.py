@@ -83,6 +83,7 @@ class Engine:
                                  join_timeout_s=join_timeout_s, transfer_timeout_s=transfer_timeout_s,
                                  formed=self._formed, sent=self._sent, end=self._end)
         self.lease_s = lease_s
+        self.join_timeout_s = join_timeout_s  # a session still connecting after this long is ended
         self._sessions: dict[str, Session] = {}
         # Guards the sessions and the scheduler; notified when there may be work to plan.
         self._cond = threading.Condition()
@@ -133,11 +134,12 @@ class Engine:
 
     # ---- control, from the gRPC handlers: validate-free, quick ---------------------
 
-    def admit(self, session: Session) -> None:
+    def admit(self, session: Session, max_job_sessions: int = 0, job_limit: str = "") -> None:
+        """Admits a session; `max_job_sessions` (0: none) caps its job's sessions, `job_limit` says where it is set."""
         with self._cond:
             if not self.accepting:
                 raise Unavailable("the teacher is shutting down or unhealthy; join another replica or retry later")
-            self.scheduler.admit(session)
+            self.scheduler.admit(session, max_job_sessions, job_limit)
             self._sessions[session.session_id] = session
         self.metrics.sessions_joined.inc()
         self.metrics.sessions_connected.inc()
@@ -197,6 +199,7 @@ class Engine:
                 return False
             session.state = "ready"
             session.last_heartbeat = time.monotonic()
+            self.metrics.session_connect_seconds.observe(session.last_heartbeat - session.created)
             self.scheduler.ready(session)
             self._cond.notify_all()
         log.info("session %s ready: job %s rank %d, %s", session.session_id, session.job_id, session.job_rank,
@@ -242,16 +245,28 @@ class Engine:
         self.metrics.queue_depth.set(self.queue_depth())
 
     def _expire_leases(self) -> None:
+        """Ends sessions whose lease ran out, and those still connecting after --join-timeout-s.
+
+        The latter hold a --max-sessions slot without a student behind them: a join whose
+        group never forms (a crashed student, or joins made only to fill the teacher). The
+        group formation has waits of its own; this bounds the whole of it from the Join.
+        """
         now = time.monotonic()
         # Also called before every plan: a teacher kept busy by some students must still
         # drop a frozen one on time. Twice a second is often enough.
         if now < self._next_lease_check:
             return
         self._next_lease_check = now + 0.5
-        for session in [s for s in self._sessions.values() if s.state in ("ready", "draining")]:
-            if now - session.last_heartbeat > self.lease_s:
-                threading.Thread(target=self._end, args=(session, "expired", f"no heartbeat for {self.lease_s:.0f}s"),
-                                 name=f"expire-lease-{session.session_id}", daemon=True).start()
+        for session in list(self._sessions.values()):
+            if session.state in ("ready", "draining") and now - session.last_heartbeat > self.lease_s:
+                reason, failure = "expired", f"no heartbeat for {self.lease_s:.0f}s"
+            elif session.state == "connecting" and now - session.created > self.join_timeout_s:
+                reason, failure = "join_timeout", (f"its process group did not form within --join-timeout-s "
+                                                   f"{self.join_timeout_s:g} of its Join")
+            else:
+                continue
+            threading.Thread(target=self._end, args=(session, reason, failure),
+                             name=f"expire-{session.session_id}", daemon=True).start()
 
     # ---- the loop: plan -> forward -> deliver ------------------------------------------
 

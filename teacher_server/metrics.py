@@ -88,6 +88,10 @@ class Metrics:
         self.bytes_sent = Counter("teacher_bytes_sent_total", "Bytes of outputs sent", SESSION_LABELS, registry=r)
         self.inflight = Gauge("teacher_inflight_batches", "Batches submitted and not yet sent", SESSION_LABELS,
                               registry=r)
+        # What a real group formation takes here, against --join-timeout-s (which ends a session still connecting).
+        self.session_connect_seconds = Histogram(
+            "teacher_session_connect_seconds", "Time from a session's Join to its process group formed", registry=r,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0))
         self.queue_depth = Gauge("teacher_queue_depth", "Batches waiting for a forward, all sessions", registry=r)
         self.forward_seconds = Histogram(
             "teacher_forward_seconds", "Time of one packed forward (outputs ready on the device)", registry=r,

@@ -69,13 +69,17 @@ class Scheduler:
         self._jobs: dict[str, _Job] = {}
         self._queues: dict[str, _Queue] = {}  # by session_id, in admission order
 
-    def admit(self, session) -> None:
-        """Gives a new session a queue; refuses it beyond max_sessions or with another
-        weight than its job's."""
+    def admit(self, session, max_job_sessions: int = 0, job_limit: str = "") -> None:
+        """Gives a new session a queue; refuses it beyond max_sessions, beyond `max_job_sessions`
+        of its job (0: no such cap; `job_limit` names where it is set), or with another weight
+        than its job's."""
         if len(self._queues) >= self.max_sessions:
             raise ResourceExhausted(f"the teacher already serves {len(self._queues)} sessions (--max-sessions "
                                     f"{self.max_sessions}); retry later or raise --max-sessions")
         job = self._jobs.get(session.job_id)
+        if max_job_sessions and job is not None and job.sessions >= max_job_sessions:
+            raise ResourceExhausted(f"job {session.job_id!r} already has {job.sessions} sessions, its limit "
+                                    f"({job_limit or max_job_sessions}); retry once one ends, or raise that limit")
         if job is not None and job.weight != session.weight:
             raise InvalidArgument(f"job {session.job_id!r} already has weight {job.weight:g} (set by the rank "
                                   f"that joined first), this session asks {session.weight:g}: give every rank "

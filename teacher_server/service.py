@@ -4,11 +4,17 @@ Handlers never touch torch.distributed or the model. Every request arrives as ra
 bytes and is parsed here, so a malformed message becomes INVALID_ARGUMENT like any
 other bad input; typed errors raised below become their status code in one place
 (`_handler`).
+
+A session id names a session; it does not let anyone act on it: ids are shown in status
+and metrics. Every call about a session must carry the secret its Join returned
+(`session_for`), so only the process that joined can submit to it, renew it or end it.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import time
 
 import grpc
@@ -17,25 +23,32 @@ from google.protobuf import message as pb_message
 from google.protobuf import message_factory
 
 from distill_common import tracing, wire
+from distill_common.channel import SESSION_SECRET_KEY
 from distill_common.outputs import OutputRequest, OutputSpecError, TeacherFacts, VocabularyMismatch
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.session_group import device_uuid
 from distill_common.wire import WireError
 from teacher_server.config import ServerConfig
+from teacher_server.edge import Caller, Callers
 from teacher_server.engine import Engine
-from teacher_server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, ServiceError
+from teacher_server.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
+                                   ServiceError)
 from teacher_server.metrics import Metrics
 from teacher_server.sessions import Batch, Session
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "teacher.v1.TeacherService"
+# Compared against when no session has the id, so an unknown id costs the same compare.
+_NO_SESSION_SECRET = secrets.token_urlsafe(32)
 
 
 class TeacherService:
-    def __init__(self, engine: Engine, config: ServerConfig, metrics: Metrics, store_host: str, store_port: int):
+    def __init__(self, engine: Engine, config: ServerConfig, metrics: Metrics, store_host: str, store_port: int,
+                 callers: Callers | None = None):
         self.engine = engine
         self.config = config
+        self.callers = callers if callers is not None else Callers(config)  # who each token is (edge.py)
         self.metrics = metrics
         self.store_host = store_host
         self.store_port = store_port
@@ -49,6 +62,12 @@ class TeacherService:
         return self.teacher_info()
 
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
+        caller = self.callers.of(context)
+        job_id = request.job_id[:128]
+        if caller.job_id is not None and job_id not in ("", caller.job_id):
+            raise PermissionDenied(f"this job token may join only as job {caller.job_id!r}, not {job_id!r}: set the "
+                                   f"client's job_id to {caller.job_id!r} (or leave it empty), or use that job's token")
+        job_id = caller.job_id or job_id or "unnamed"
         try:
             outputs = OutputRequest.resolve(request.outputs, self.facts)
         except OutputSpecError as e:
@@ -65,13 +84,13 @@ class TeacherService:
         weight = request.weight or 1.0
         if not weight > 0 or weight != weight or weight == float("inf"):
             raise InvalidArgument(f"weight {request.weight} must be a positive finite number")
-        if weight > self.config.max_weight:
-            raise InvalidArgument(f"weight {weight} exceeds the teacher's --max-weight {self.config.max_weight}: "
-                                  "ask for less, or start the teacher with a larger --max-weight")
-        session = Session(job_id=request.job_id[:128] or "unnamed", job_rank=request.job_rank, outputs=outputs,
+        if weight > caller.max_weight:
+            raise InvalidArgument(f"weight {weight} exceeds {caller.limit('max_weight')}: ask for less, or raise "
+                                  "that limit")
+        session = Session(job_id=job_id, job_rank=request.job_rank, outputs=outputs,
                           backend=backend, peer_device_type=request.peer.device_type, max_inflight=max_inflight,
                           weight=weight, stream_refusals_only=request.stream_refusals_only)
-        self.engine.admit(session)
+        self.engine.admit(session, max_job_sessions=caller.max_sessions, job_limit=caller.limit("max_sessions"))
         log.info("session %s joined: job %s rank %d, %s, outputs %s", session.session_id, session.job_id,
                  session.job_rank, backend, outputs, extra={"session_id": session.session_id, "job_id": session.job_id})
         return pb.JoinResponse(
@@ -80,13 +99,47 @@ class TeacherService:
             timeout_s=self.config.transfer_timeout_s,
             heartbeat_interval_s=self.config.heartbeat_interval_s, lease_s=self.config.lease_s,
             max_inflight=max_inflight, output_dtype=wire.dtype_name(outputs.dtype),
-            stream_refusals_only=session.stream_refusals_only)
+            stream_refusals_only=session.stream_refusals_only, session_secret=session.secret)
+
+    def session_for(self, context, session_id: str) -> Session:
+        """The session a call is about, when the call may act on it; the one check every
+        per-session RPC makes.
+
+        The call must carry the session's secret (JoinResponse.session_secret) in the metadata
+        key SESSION_SECRET_KEY, compared in constant time, and come from the operator's token
+        or the session's job's token. None: PERMISSION_DENIED, whatever the id (so it says
+        nothing about which sessions exist). A wrong secret, another job's token, or an
+        unknown or ended session are one and the same NOT_FOUND: a caller cannot tell a live
+        session it may not touch from one that does not exist, and an honest client, which
+        always has the right secret, rejoins on NOT_FOUND as it does after a restart.
+        """
+        return self._checked_session(session_id, self._credentials(context))
+
+    def _credentials(self, context) -> tuple[Caller, bytes]:
+        secret = next((value for key, value in context.invocation_metadata() or () if key == SESSION_SECRET_KEY), "")
+        if not secret:
+            raise PermissionDenied(f"this call is about a session but carries no session secret (the gRPC metadata "
+                                   f"key {SESSION_SECRET_KEY!r}, from JoinResponse.session_secret): a client older "
+                                   "than the teacher sends none; update it")
+        return self.callers.of(context), secret.encode()
+
+    def _checked_session(self, session_id: str, credentials: tuple[Caller, bytes]) -> Session:
+        caller, secret = credentials
+        try:
+            session = self.engine.session(session_id)
+        except NotFound:
+            session = None
+        matches = hmac.compare_digest(secret, (session.secret if session is not None else _NO_SESSION_SECRET).encode())
+        if session is None or not matches or caller.job_id not in (None, session.job_id):
+            raise NotFound(f"session {session_id[:64]!r} is unknown or has ended, or this call lacks its secret: "
+                           "join again")
+        return session
 
     async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitResponse:
-        return self._submit(request)[1]
+        return self._submit(request, self._credentials(context))[1]
 
-    def _submit(self, request: pb.SubmitRequest) -> tuple[Session, pb.SubmitResponse]:
-        session = self.engine.session(request.session_id)
+    def _submit(self, request: pb.SubmitRequest, credentials: tuple[Caller, bytes]) -> tuple[Session, pb.SubmitResponse]:
+        session = self._checked_session(request.session_id, credentials)
         if request.batch_id != session.next_batch_id:
             raise InvalidArgument(f"batch_id {request.batch_id} is out of order: the session expects "
                                   f"{session.next_batch_id} (batch ids count 0, 1, 2, ... per session)")
@@ -112,14 +165,18 @@ class TeacherService:
 
     async def SubmitStream(self, requests, context):
         """Answers each streamed batch in order (or only the refused ones: JoinRequest.stream_refusals_only);
-        a refusal is an answer, not the end."""
+        a refusal is an answer, not the end. The stream's metadata carries the session's secret
+        (session_for), read once."""
+        credentials = None
         async for raw in requests:
             batch_id = 0
             try:
                 request = _parse(pb.SubmitRequest, raw)
                 batch_id = request.batch_id
                 tracing.mark("t_recv", batch_id)
-                session, response = self._submit(request)
+                if credentials is None:
+                    credentials = self._credentials(context)
+                session, response = self._submit(request, credentials)
                 if not session.stream_refusals_only:
                     yield response
             except ServiceError as e:
@@ -127,22 +184,24 @@ class TeacherService:
                 yield pb.SubmitResponse(batch_id=batch_id, error_code=e.code.value[0], error_message=str(e))
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
-        session = self.engine.session(request.session_id)
+        session = self.session_for(context, request.session_id)
         self.engine.heartbeat(session)
         return pb.HeartbeatResponse(batches_sent=session.batches_sent, inflight=session.inflight)
 
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
-        session = self.engine.session(request.session_id)
+        session = self.session_for(context, request.session_id)
         self.engine.leave(session, drain=request.drain)
         return pb.LeaveResponse(batches_sent=session.batches_sent)
 
     async def GetStatus(self, request: pb.GetStatusRequest, context) -> pb.StatusResponse:
+        """Every session for the operator; a job token's holder sees its job's only."""
+        caller = self.callers.of(context)
         now = time.monotonic()
         sessions = [pb.SessionStatus(
             session_id=s.session_id, job_id=s.job_id, job_rank=s.job_rank, backend=s.backend, state=s.state,
             batches_submitted=s.batches_submitted, batches_sent=s.batches_sent, tokens_served=s.tokens_served,
             bytes_sent=s.bytes_sent, inflight=s.inflight, last_heartbeat_age_s=now - s.last_heartbeat,
-            weight=s.weight) for s in self.engine.sessions()]
+            weight=s.weight) for s in self.engine.sessions() if caller.job_id in (None, s.job_id)]
         return pb.StatusResponse(info=self.teacher_info(), sessions=sessions,
                                  busy_fraction=self.metrics.busy_clock.fraction(),
                                  queue_depth=self.engine.queue_depth())

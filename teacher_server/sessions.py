@@ -56,6 +56,9 @@ class Session:
     # SubmitStream answers only refused batches (JoinRequest.stream_refusals_only).
     stream_refusals_only: bool = False
     session_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    # The capability: every call about the session must carry it (TeacherService.session_for).
+    # The id is not one: status and metrics show it. 256 bits, kept out of reprs and logs.
+    secret: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
     # Only the admitted student learns the prefix, so only it can form the group.
     store_prefix: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     state: str = "connecting"  # connecting -> ready -> draining -> closed | failed

@@ -94,7 +94,8 @@ def main() -> int:
     outputs += [HiddenStates(layers)] if layers else []
     with TeacherClient(args.address, device, outputs=outputs, dtype="float32", max_inflight=args.inflight,
                        job_id=args.job_id, job_rank=args.job_rank, weight=args.weight) as teacher:
-        print(f"JOINED {teacher.session_id}", flush=True)
+        # The secret too, for tests that act on this session from outside (the client keeps it private).
+        print(f"JOINED {teacher.session_id} {teacher._connection.session.joined.session_secret}", flush=True)
         if args.start_file:
             wait_for_file(args.start_file)
         in_flight = []

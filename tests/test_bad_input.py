@@ -13,6 +13,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from distill_common.channel import SESSION_SECRET_KEY
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from student_trainer import TeacherClient
@@ -59,13 +60,15 @@ def _tensor(array: np.ndarray, dtype: str | None = None) -> pb.Tensor:
 
 class RawSession:
     """A session joined with the bare stub: its group never forms, so it stays
-    'connecting' (for --join-timeout-s) and accepts Submits without a student behind it."""
+    'connecting' (for --join-timeout-s) and accepts Submits without a student behind it.
+    Calls about it carry `metadata`: its secret."""
 
     def __init__(self, stub, **join_fields):
         peer = pb.PeerInfo(device_type="cpu", torch_version=torch.__version__)
         self.joined = stub.Join(pb.JoinRequest(outputs=pb.OutputSpec(logits=True), peer=peer, **join_fields),
                                 timeout=10)
         self.session_id = self.joined.session_id
+        self.metadata = ((SESSION_SECRET_KEY, self.joined.session_secret),)
         self.next_batch_id = 0
 
     def request(self, **fields) -> pb.SubmitRequest:
@@ -124,16 +127,18 @@ BAD_SUBMITS = {
 def test_bad_submit(server, raw, stub, case):
     fields, code, words = BAD_SUBMITS[case]
     request = raw.request(**fields)
-    got, details = _code(lambda: stub.Submit(request, timeout=10))
+    got, details = _code(lambda: stub.Submit(request, timeout=10, metadata=raw.metadata))
     assert got == code, (got, details)
     assert words in details, details
     _assert_healthy(server)
 
 
 def test_unknown_session(server, stub):
-    got, details = _code(lambda: stub.Submit(pb.SubmitRequest(session_id="nope", input_ids=_tensor(ids_ok)), timeout=10))
+    secret = ((SESSION_SECRET_KEY, "any"),)
+    got, details = _code(lambda: stub.Submit(pb.SubmitRequest(session_id="nope", input_ids=_tensor(ids_ok)), timeout=10,
+                                             metadata=secret))
     assert got == grpc.StatusCode.NOT_FOUND and "join again" in details
-    got, _ = _code(lambda: stub.Heartbeat(pb.HeartbeatRequest(session_id="nope"), timeout=10))
+    got, _ = _code(lambda: stub.Heartbeat(pb.HeartbeatRequest(session_id="nope"), timeout=10, metadata=secret))
     assert got == grpc.StatusCode.NOT_FOUND
 
 
@@ -143,13 +148,14 @@ def test_expired_session_is_not_found(server, stub, tmp_path):
     student = start_student(server.address, server.model_dir, tmp_path / "s.json", "--batches", "1000",
                             "--pause-s", "0.05")
     try:
-        session_id = wait_for_line(student, "JOINED").split()[1]
+        _, session_id, secret = wait_for_line(student, "JOINED").split()
         os.kill(student.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 15
         while True:
             code, details = None, ""
             try:
-                stub.Submit(pb.SubmitRequest(session_id=session_id, batch_id=0, input_ids=_tensor(ids_ok)), timeout=10)
+                stub.Submit(pb.SubmitRequest(session_id=session_id, batch_id=0, input_ids=_tensor(ids_ok)), timeout=10,
+                            metadata=((SESSION_SECRET_KEY, secret),))
             except grpc.RpcError as e:
                 code, details = e.code(), e.details()
             if code == grpc.StatusCode.NOT_FOUND:
@@ -216,7 +222,7 @@ def test_client_raises_python_exceptions_that_say_what_to_change(server, client)
 
 
 def test_a_good_batch_is_accepted_after_the_refusals(raw, stub):
-    reply = stub.Submit(raw.request(input_ids=_tensor(np.ones((2, 8), np.int32))), timeout=10)
+    reply = stub.Submit(raw.request(input_ids=_tensor(np.ones((2, 8), np.int32))), timeout=10, metadata=raw.metadata)
     assert reply.batch_id == raw.next_batch_id - 1 and reply.inflight == 1
 
 
@@ -224,7 +230,7 @@ def test_submit_stream_answers_each_batch_in_order(raw, stub):
     good = lambda: raw.request(input_ids=_tensor(np.ones((1, 4), np.int32)))  # noqa: E731
     requests = [good(), raw.request(input_ids=_tensor(np.full((1, 4), VOCAB, np.int32))), good(),
                 raw.request(input_ids=_tensor(np.ones((1, 4), np.int32)), batch_id=10**6)]
-    replies = list(stub.SubmitStream(iter(requests), timeout=10))
+    replies = list(stub.SubmitStream(iter(requests), timeout=10, metadata=raw.metadata))
     assert [r.batch_id for r in replies] == [r.batch_id for r in requests]
     assert [r.error_code for r in replies] == [0, grpc.StatusCode.INVALID_ARGUMENT.value[0], 0,
                                               grpc.StatusCode.INVALID_ARGUMENT.value[0]]
@@ -245,7 +251,7 @@ def test_submit_stream_of_a_refusals_only_session_answers_only_refusals_and_mark
     good = lambda: raw.request(input_ids=_tensor(np.ones((1, 4), np.int32)))  # noqa: E731
     requests = [good(), raw.request(input_ids=_tensor(np.full((1, 4), VOCAB, np.int32))), good(), good(),
                 raw.request(input_ids=_tensor(np.zeros((5, MAX_SEQ), np.int32)))]
-    replies = list(stub.SubmitStream(iter(requests), timeout=10))
+    replies = list(stub.SubmitStream(iter(requests), timeout=10, metadata=raw.metadata))
     assert [(r.batch_id, r.error_code) for r in replies] == [
         (1, grpc.StatusCode.INVALID_ARGUMENT.value[0]), (4, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])]
     assert "[0, 384)" in replies[0].error_message and "--max-batch-tokens" in replies[1].error_message

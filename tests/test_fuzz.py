@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from distill_common.channel import SESSION_SECRET_KEY
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from student_trainer import Logits, TeacherClient, TopK
 from teacher_server.launcher import ServerProcess
@@ -35,10 +36,10 @@ def channel(server):
         yield channel
 
 
-def _answered(channel, method: str, payload: bytes) -> grpc.StatusCode:
+def _answered(channel, method: str, payload: bytes, metadata: tuple = ()) -> grpc.StatusCode:
     call = channel.unary_unary(f"/teacher.v1.TeacherService/{method}")
     try:
-        call(payload, timeout=20)
+        call(payload, timeout=20, metadata=metadata)
         return grpc.StatusCode.OK
     except grpc.RpcError as e:
         assert e.code() != grpc.StatusCode.DEADLINE_EXCEEDED, f"{method} did not answer: {e.details()}"
@@ -97,9 +98,11 @@ def test_replayed_and_foreign_ids_on_a_live_session(server, channel):
     with TeacherClient(server.address, "cpu") as client:
         client.submit(torch.randint(0, 384, (1, 4))).result(timeout=60)
         ids = pb.Tensor(dtype="int32", shape=[1, 4], data=bytes(16))
+        # With the session's secret (as the student itself could): ids out of order are refused.
+        secret = ((SESSION_SECRET_KEY, client._connection.session.joined.session_secret),)
         for batch_id in (0, 0, 5, 2**63):  # replayed, replayed again, skipped ahead, huge
             code = _answered(channel, "Submit", pb.SubmitRequest(session_id=client.session_id, batch_id=batch_id,
-                                                                   input_ids=ids).SerializeToString())
+                                                                   input_ids=ids).SerializeToString(), secret)
             assert code == grpc.StatusCode.INVALID_ARGUMENT
         CASES["replayed ids"] = 4
         # The session is undisturbed by the foreign submits.

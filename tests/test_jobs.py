@@ -86,8 +86,8 @@ def test_jobs_get_exact_outputs_and_weighted_shares(server, model_dir, env, tmp_
             for _, proc, _ in (s for s in students if s[0] == job):
                 wait_for_line(proc, "SATURATING")  # outputs checked; now submitting back to back
 
-        with pytest.raises(LimitExceeded, match="--max-sessions 4"):
-            TeacherClient(server.address, "cpu", job_id="one-too-many", join_timeout_s=30)
+        with pytest.raises(LimitExceeded, match="--max-sessions 4"):  # asked again while full, for join_timeout_s
+            TeacherClient(server.address, "cpu", job_id="one-too-many", join_timeout_s=2)
 
         time.sleep(0.5)  # the newest session's first unchecked batches are through
         start_tokens = _job_tokens(server.http)

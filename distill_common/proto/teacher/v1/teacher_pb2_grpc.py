@@ -88,7 +88,11 @@ class TeacherServiceServicer:
         FAILED_PRECONDITION  the student cannot talk to the teacher: its GPU is one the
         teacher uses, its NCCL/torch build differs, its vocabulary
         differs from the teacher's and it asked for logits.
-        RESOURCE_EXHAUSTED   the teacher already serves --max-sessions sessions.
+        RESOURCE_EXHAUSTED   the teacher already serves --max-sessions sessions, or the
+        job already has its most (--max-sessions-per-job, or its
+        job token's max_sessions); worth retrying: a session still
+        connecting after --join-timeout-s is ended.
+        PERMISSION_DENIED    a job token asked to join as another job.
         UNAVAILABLE          the teacher is shutting down or not ready yet.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -98,9 +102,10 @@ class TeacherServiceServicer:
     def Submit(self, request, context):
         """Registers one batch of token ids. Returns as soon as the batch is validated
         and queued; its outputs follow on the session's process group, in submit
-        order. Errors: NOT_FOUND (unknown or expired session), INVALID_ARGUMENT (bad
-        ids, shapes, batch id out of order), RESOURCE_EXHAUSTED (over
-        --max-batch-tokens, or more batches in flight than the session's limit).
+        order. Errors: NOT_FOUND (unknown or expired session, or not the session's
+        secret), PERMISSION_DENIED (no session secret), INVALID_ARGUMENT (bad ids,
+        shapes, batch id out of order), RESOURCE_EXHAUSTED (over --max-batch-tokens, or
+        more batches in flight than the session's limit).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -135,7 +140,8 @@ class TeacherServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStatus(self, request, context):
-        """The connected sessions and their counters (what `teacher-server status` prints).
+        """The connected sessions and their counters (what `teacher-server status` prints):
+        all of them for the operator's token, the job's own for a job token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
