@@ -7,10 +7,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from student_trainer.connection import (RECONNECT_FIRST_DELAY_S, RECONNECT_MAX_DELAY_S, Action, Connection, State,
-                                        worth_retrying)
+from student_trainer.connection import (RECONNECT_FIRST_DELAY_S, RECONNECT_MAX_DELAY_S, Action, Connection, FirstJoin,
+                                        State, worth_retrying)
 from student_trainer.errors import (AuthenticationFailed, Incompatible, InvalidRequest, LimitExceeded,
-                                    SessionNotFound, TeacherError, TeacherUnavailable, TransferFailed)
+                                    PermissionRefused, SessionNotFound, TeacherError, TeacherUnavailable,
+                                    TransferFailed)
 
 ADDRESS = "teacher:50051"
 
@@ -248,3 +249,61 @@ def test_closing_while_rejoining_ends_the_attempts_without_breaking():
     assert not conn.may_attempt() and conn.attempt_failed(ConnectionError("not up")) is None
     assert not conn.rejoined(object())
     assert conn.state is State.CLOSED and conn.error is None
+
+
+# ---- the first Join ----------------------------------------------------------------------------
+
+
+def full() -> LimitExceeded:
+    return LimitExceeded("the teacher already serves 4 sessions (--max-sessions 4)", grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def test_a_first_join_refused_for_capacity_is_asked_again_with_backoff_until_the_join_timeout():
+    clock = Clock()
+    first = FirstJoin(ADDRESS, 20.0, clock=clock, jitter=lambda low, high: high)
+    pauses = []
+    while (pause_s := first.refused(full())) is not None:
+        pauses.append(pause_s)
+        clock.now += pause_s
+    # Doubled up to the cap, the last one cut to end at the deadline; none after it.
+    assert pauses == pytest.approx([0.5, 1.0, 2.0, 4.0, 5.0, 5.0, 2.5])
+    assert sum(pauses) == pytest.approx(20.0) and first.attempts == len(pauses) + 1
+    final = first.final(full())
+    assert isinstance(final, LimitExceeded) and final.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-sessions 4" in str(final) and "8 attempts over join_timeout_s=20s" in str(final)
+
+
+def test_the_pauses_are_jittered_down_by_up_to_half():
+    first = FirstJoin(ADDRESS, 100.0, clock=Clock(), jitter=lambda low, high: low)
+    assert [first.refused(full()) for _ in range(3)] == pytest.approx([0.25, 0.5, 1.0])
+
+
+def test_the_log_line_says_why_the_client_waits_and_for_how_long():
+    clock = Clock()
+    first = FirstJoin(ADDRESS, 30.0, clock=clock, jitter=lambda low, high: high)
+    clock.now += 10.0
+    error = full()
+    line = first.waiting(error, first.refused(error))
+    assert ADDRESS in line and "has no room for this session yet" in line and str(error) in line
+    assert "asking again in 0.5s" in line and "up to 20s more (join_timeout_s)" in line
+
+
+@pytest.mark.parametrize("error", [
+    InvalidRequest("weight 3 exceeds --max-weight 2", grpc.StatusCode.INVALID_ARGUMENT),
+    Incompatible("another vocabulary", grpc.StatusCode.FAILED_PRECONDITION),
+    AuthenticationFailed("wrong token", grpc.StatusCode.UNAUTHENTICATED),
+    PermissionRefused("this job token may join only as job 'a'", grpc.StatusCode.PERMISSION_DENIED),
+    TeacherUnavailable("shutting down", grpc.StatusCode.UNAVAILABLE),
+])
+def test_a_first_join_refused_for_anything_but_capacity_is_not_asked_again(error):
+    first = FirstJoin(ADDRESS, 60.0, clock=Clock())
+    assert first.refused(error) is None
+    assert first.final(error) is error  # raised as the teacher said it
+
+
+def test_a_capacity_refusal_at_the_deadline_is_final_and_a_single_attempt_keeps_its_message():
+    clock = Clock()
+    first = FirstJoin(ADDRESS, 0.0, clock=clock)
+    error = full()
+    assert first.refused(error) is None
+    assert first.final(error) is error
