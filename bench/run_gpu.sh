@@ -3,7 +3,7 @@
 # own timeout, each output kept under $OUT:
 #   bash bench/run_gpu.sh stubs e2e tp tpforward transport
 # tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs. Benches: transport,
-# transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, launch (one GPU).
+# transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, launch (one GPU), connect.
 # Investigations (bench/investigations/): tpsend.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
@@ -50,6 +50,9 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     tpforward) timeout 200 "${torchrun2[@]}" -m bench.tp_forward --profile "$out/tpprof" --out "$out/tp_forward.md" 2>&1 | quiet | tail -8 ;;
     # Gathered logits from rank 0 or a vocabulary shard from each rank (docs/performance.md).
     tpsend) timeout 300 "${torchrun2[@]}" -m bench.investigations.tp_send_choice --out "$out/tp_send.md" 2>&1 | quiet | tail -16 ;;
+    # Join to group formed over NCCL (teacher GPU 0, students GPU 1): what --join-timeout-s must exceed.
+    connect) timeout 300 python3 -m bench.connect_time --teacher-device cuda:0 --student-device cuda:1 \
+               --out "$out/connect.md" 2>&1 | quiet | tail -8 ;;
     *) echo "unknown step $what" ;;
   esac
 done
