@@ -231,6 +231,42 @@ def test_prometheus_scrapes_with_the_teachers_token():
         assert endpoint["authorization"] == {"type": "Bearer", "credentials": secret}
 
 
+def test_the_job_tokens_component_mounts_the_secret_the_teacher_reads(tmp_path, monkeypatch):
+    """components/job-tokens (opt-in, so no overlay builds it): base plus the component renders
+    valid manifests, --job-tokens names the file of the mounted teacher-job-tokens Secret, and
+    the server accepts that command line with such a file in place."""
+    pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (in the dev extra)")
+    from teacher_server.config import ServerConfig
+
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    overlay.joinpath("kustomization.yaml").write_text(yaml.safe_dump({  # kustomize takes relative paths only
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": NAMESPACE,
+        "resources": [os.path.relpath(K8S / "base", overlay)],
+        "components": [os.path.relpath(K8S / "components" / "job-tokens", overlay)]}))
+    docs = render(overlay)
+    for doc in docs:
+        for version in K8S_VERSIONS:
+            validate_schema(doc, version)
+    teacher = find(docs, "StatefulSet", "teacher")
+    c = container(teacher, "teacher")
+    path = Path(next(a for a in c["args"] if a.startswith("--job-tokens=")).split("=", 1)[1])
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "job-tokens")
+    assert path.parent == Path(mount["mountPath"]) and mount["readOnly"]
+    volume = next(v for v in pod_spec(teacher)["volumes"] if v["name"] == "job-tokens")
+    assert volume["secret"]["secretName"] == "teacher-job-tokens"
+    # The server runs as a non-root user in the pod's fsGroup: the file must be group-readable.
+    assert volume["secret"]["defaultMode"] & 0o040 and pod_spec(teacher)["securityContext"]["fsGroup"]
+
+    tokens = tmp_path / path.name
+    tokens.write_text(json.dumps({"team-a": {"token": "a" * 32, "max_weight": 4, "max_sessions": 8}}))
+    monkeypatch.setenv("TEACHER_AUTH_TOKEN", "operator-token")  # from teacher-auth in the pod
+    env = pod_environment(docs, teacher, "teacher", POD_IP="10.0.0.7", NODE_RANK="0", POD_NAMESPACE=NAMESPACE)
+    args = [substitute(a, env).replace(str(path), str(tokens)) for a in c["args"]]
+    config = settings_from(ServerConfig, settings_parser(ServerConfig).parse_args(args))
+    assert [(e.job_id, e.max_weight, e.max_sessions) for e in config.job_token_entries] == [("team-a", 4.0, 8)]
+
+
 def test_multi_node_overlay_ranks_pods_and_serves_from_rank_0():
     docs = render(K8S / "overlays" / "multi-node")
     values = teacher_values(docs)
