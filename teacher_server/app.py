@@ -110,13 +110,15 @@ class TeacherServer:
         # uvicorn's own limit_concurrency is left off: it counts open connections, idle ones too,
         # so sockets held open by anyone would make it answer 503 to every probe. The guarded
         # protocol caps connections instead, and one connection serves one request at a time.
-        # asyncio accepts up to `backlog` connections at a time before the protocol can close
-        # any: tied to the cap, a flood of connections holds at most a few hundred descriptors.
+        # asyncio accepts up to `backlog` connections in one pass of its loop, before any of them
+        # is read. Kept well under the cap, a probe accepted in one pass has its request read in
+        # the next before a flood's later connections can push it out as the oldest idle one;
+        # and a flood holds at most cap + backlog descriptors.
         protocol = functools.partial(GuardedH11Protocol,
                                      connections=HttpConnections(c.http_max_connections, c.http_header_timeout_s))
         http = uvicorn.Server(uvicorn.Config(create_app(self.engine, self.metrics, self.ready, c.auth_token), host=c.host,
                                              port=c.http_port, log_level="warning", lifespan="off", http=protocol,
-                                             backlog=2 * c.http_max_connections,
+                                             backlog=max(8, c.http_max_connections // 4),
                                              ssl_certfile=c.tls_cert or None, ssl_keyfile=c.tls_key or None))
         http.install_signal_handlers = lambda: None  # this loop handles signals (graceful shutdown)
         stop = asyncio.Event()
