@@ -40,11 +40,23 @@ class TeacherUnavailable(TeacherError, ConnectionError):
 
 
 class AuthenticationFailed(TeacherError):
-    """UNAUTHENTICATED: a missing or wrong --auth-token."""
+    """UNAUTHENTICATED: a missing or wrong --auth-token; PERMISSION_DENIED: a credential of
+    another session (its rendezvous secret)."""
 
 
 class TransferFailed(TeacherError):
     """The data plane failed: a receive timed out or the session group broke."""
+
+
+class OutOfStep(TransferFailed):
+    """A batch's header on the data plane named another batch (or other token ids) than the
+    one its receives were posted for: nothing received was used. The session is given up
+    like a broken group: joined again and its undelivered batches sent again, or failed."""
+
+
+class BatchFailed(TeacherError):
+    """The teacher accepted the batch but could not compute or send it (its reason is in the
+    message). Final for that batch alone: it is not sent again, and the session goes on."""
 
 
 _BY_CODE = {
@@ -55,6 +67,7 @@ _BY_CODE = {
     grpc.StatusCode.UNAVAILABLE: TeacherUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: TeacherUnavailable,
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationFailed,
+    grpc.StatusCode.PERMISSION_DENIED: AuthenticationFailed,
 }
 
 

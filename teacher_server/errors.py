@@ -34,3 +34,7 @@ class Unavailable(ServiceError):
 
 class Unauthenticated(ServiceError):
     code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(ServiceError):
+    code = grpc.StatusCode.PERMISSION_DENIED
