@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import hmac
+import math
 import secrets
 import threading
 import time
@@ -78,7 +79,17 @@ class SessionStore:
 
     async def serve(self, request: pb.RendezvousRequest) -> pb.RendezvousResponse:
         """One call, whose secret was checked (`admits`). Raises RendezvousError."""
+        try:
+            return await self._serve(request)
+        except RendezvousError:
+            raise
+        except (ValueError, RuntimeError) as e:  # the store's own refusal: ADD to a value that is no number
+            raise RendezvousError("invalid", f"rendezvous {_op_name(request.op)} on {list(request.keys)}: {e}") from e
+
+    async def _serve(self, request: pb.RendezvousRequest) -> pb.RendezvousResponse:
         op = request.op
+        if op not in _Op.values() or op == _Op.OP_UNSPECIFIED:
+            raise RendezvousError("invalid", f"unknown rendezvous operation {op}")
         if op in (_Op.GET, _Op.WAIT):
             keys = self._keys(request, one=op == _Op.GET)
             found = await self._wait(keys, request.wait_s)
@@ -104,7 +115,7 @@ class SessionStore:
             with self._lock:
                 self._written.pop(key, None)
             return pb.RendezvousResponse(found=self._store().delete_key(key))
-        raise RendezvousError("invalid", f"unknown rendezvous operation {op}")
+        raise RendezvousError("invalid", f"unknown rendezvous operation {op}")  # new in the proto, not served here
 
     def close(self) -> None:
         """The session ended: its keys are deleted and later calls refused."""
@@ -125,7 +136,7 @@ class SessionStore:
     def _keys(request: pb.RendezvousRequest, one: bool = False) -> list[str]:
         keys = list(request.keys)
         if not keys or (one and len(keys) != 1) or any(not key for key in keys):
-            raise RendezvousError("invalid", f"rendezvous {_Op.Name(request.op)} needs {'one key' if one else 'keys'}, "
+            raise RendezvousError("invalid", f"rendezvous {_op_name(request.op)} needs {'one key' if one else 'keys'}, "
                                   f"got {len(keys)}")
         return keys
 
@@ -135,15 +146,16 @@ class SessionStore:
             if self._closed:
                 raise RendezvousError("ended", "the session has ended; its rendezvous keys are gone: join again")
             keys = len(self._written) + (key not in self._written)
-            size = sum(self._written.values()) - self._written.get(key, 0) + len(key) + len(value)
+            written = len(key.encode()) + len(value)
+            size = sum(self._written.values()) - self._written.get(key, 0) + written
             if keys > MAX_KEYS or size > MAX_BYTES:
                 raise RendezvousError("quota", f"a session's rendezvous holds at most {MAX_KEYS} keys and {MAX_BYTES} "
                                       f"bytes written by its student; this write would make {keys} keys, {size} bytes")
-            self._written[key] = len(key) + len(value)
+            self._written[key] = written
 
     async def _wait(self, keys: list[str], wait_s: float) -> bool:
         """Whether `keys` are all set within `wait_s` (at most MAX_WAIT_S), polled without a thread held."""
-        deadline = time.monotonic() + min(max(wait_s, 0.0), MAX_WAIT_S)
+        deadline = time.monotonic() + (min(max(wait_s, 0.0), MAX_WAIT_S) if math.isfinite(wait_s) else 0.0)
         pause_s = 0.001
         while not self._store().check(keys):
             if time.monotonic() >= deadline:
@@ -217,6 +229,10 @@ class RendezvousStore(dist.Store):
                                 self._rpc_timeout_s)
         self._clones.append(clone)
         return clone
+
+
+def _op_name(op: int) -> str:
+    return _Op.Name(op) if op in _Op.values() else str(op)
 
 
 def _bytes(value) -> bytes:

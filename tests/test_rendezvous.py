@@ -108,3 +108,9 @@ def test_the_secret_is_the_sessions_own_and_malformed_calls_are_refused():
     assert info.value.kind == "invalid"
     with pytest.raises(RendezvousError, match="unknown rendezvous operation"):
         serve(store, Op.OP_UNSPECIFIED, "a")
+    serve(store, Op.SET, "a", value=b"not a number")
+    with pytest.raises(RendezvousError, match="ADD") as info:
+        serve(store, Op.ADD, "a", amount=1)
+    assert info.value.kind == "invalid"
+    for wait_s in (float("nan"), float("-inf"), -1.0):  # answered at once, not waited on forever
+        assert not serve(store, Op.WAIT, "absent", wait_s=wait_s).found
