@@ -29,8 +29,6 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-
 from distill_common.outputs import BatchOutputs, ForwardNeeds
 
 
