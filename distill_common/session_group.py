@@ -2,16 +2,25 @@
 
 `init_process_group` can be called once per process and `new_group` only splits the
 default world, but a student job keeps its own DDP world and the teacher its own
-tensor-parallel world. So a session's group is built by hand on the teacher's
-TCPStore under a PrefixStore that only the admitted student knows:
-``ProcessGroupNCCL(prefix_store, rank, 2, options)`` between GPUs, or
-``ProcessGroupGloo(prefix_store, rank, 2, options)`` when either side is on CPU.
+tensor-parallel world. So a session's group is built by hand on the session's own
+rendezvous store (distill_common/rendezvous.py: in the teacher's process, reached by the
+student only over the authenticated gRPC channel): ``ProcessGroupNCCL(store, rank, 2,
+options)`` between GPUs, or ``ProcessGroupGloo(store, rank, 2, options)`` when either
+side is on CPU.
 
 What this is not: a general communicator. It carries point-to-point sends from the
 teacher (rank 0) to one student (rank 1), in order; tags are only meaningful to gloo.
 The difference between the two backends (where tensors live, which stream a receive
 runs on, how a transfer is waited for) stays inside `SessionGroup`: callers send,
 receive and wait the same way over either.
+
+Every batch's outputs are preceded by a *header* (`header`, `check_header`): the batch's
+id on the session's wire and 16 bytes of the BLAKE2b digest of its token ids and mask
+(distill_common/wire.py: batch_key). The student checks both against what it sent for
+that id before it uses the outputs, so buffers that got out of step with the batches
+(a receive skipped, a send lost or reordered) are an error, never another batch's
+outputs. One send of 24 bytes per batch, posted on the same stream right before the
+outputs.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import hmac
 import logging
 import os
 import queue
@@ -29,8 +39,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from distill_common.announcements import Announcements
-
 log = logging.getLogger(__name__)
 
 TEACHER_RANK = 0
@@ -38,8 +46,17 @@ STUDENT_RANK = 1
 GROUP_SIZE = 2
 
 
+# A batch's header: its wire id, then 16 bytes of its batch key as two int64.
+HEADER_LAYOUT = ((3,), torch.int64)
+
+
 class TransferError(RuntimeError):
     """A send or receive on a session group failed or timed out; the group is unusable."""
+
+
+class HeaderMismatch(TransferError):
+    """A batch's header names another batch than the one its receives were posted for:
+    the data plane is out of step with the batches (nothing received is used)."""
 
 
 @contextlib.contextmanager
@@ -73,10 +90,10 @@ def device_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def local_address_towards(host: str, port: int) -> str:
-    """The local IP address this machine uses to reach host:port (no packet is sent)."""
+def local_address_towards(host: str) -> str:
+    """The local IP address this machine uses to reach `host` (no packet is sent)."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        infos = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)  # any port: only the route matters
     except socket.gaierror as e:
         raise ConnectionError(f"cannot resolve teacher host {host!r}: {e}") from e
     family, _, _, _, address = infos[0]
@@ -85,15 +102,9 @@ def local_address_towards(host: str, port: int) -> str:
         return probe.getsockname()[0]
 
 
-def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """A client of the teacher's TCPStore."""
-    try:
-        return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=timeout_s))
-    except Exception as e:  # torch raises DistStoreError / RuntimeError subclasses
-        raise ConnectionError(
-            f"cannot reach the teacher's store at {host}:{port} within {timeout_s:.0f}s: {e}. "
-            "Is --store-port reachable from this machine?") from e
+def header_words(wire_id: int, key: bytes) -> list[int]:
+    """The header of the batch `wire_id` whose batch key is `key`, as HEADER_LAYOUT's int64 words."""
+    return [wire_id, int.from_bytes(key[:8], "little", signed=True), int.from_bytes(key[8:16], "little", signed=True)]
 
 
 @dataclass
@@ -105,8 +116,9 @@ class SessionGroup:
     pg: object
     device: torch.device
     timeout_s: float
-    # The session's announcements over the store connection the group was built on.
-    announcements: Announcements | None = None
+    # What the group was built on. A store implemented in Python (the student's
+    # RendezvousStore) must outlive the group: C++ holds no reference to the Python object.
+    store: object = None
     # NCCL, student: the stream its receives run on (see `post_receives`).
     _receive_stream: object = field(default=None, init=False, repr=False)
 
@@ -138,6 +150,33 @@ class SessionGroup:
         post it on the stream that produced the tensors.
         """
         return [self.send(tensor) for tensor in tensors]
+
+    def header(self, wire_id: int, key: bytes) -> torch.Tensor:
+        """Teacher: the header to send before the outputs of batch `wire_id` (`key`: its batch key).
+
+        On NCCL it is copied to the device on the current stream from pinned memory, without
+        waiting: a pageable copy would wait for the forward still running on that stream.
+        """
+        words = torch.tensor(header_words(wire_id, key), dtype=torch.int64)
+        if self.backend == "gloo":
+            return words
+        return words.pin_memory().to(self.device, non_blocking=True)
+
+    def check_header(self, buffer: torch.Tensor, wire_id: int, key: bytes) -> None:
+        """Student: raises HeaderMismatch unless `buffer` (received, its work completed) is the
+        header of batch `wire_id` with batch key `key`."""
+        if self.backend == "gloo":
+            got = buffer.tolist()
+        else:  # on the receive stream: the training step's kernels queue on the current one
+            with torch.cuda.device(self.device), torch.cuda.stream(self._receive_stream):
+                got = buffer.cpu().tolist()
+        expected = header_words(wire_id, key)
+        if got != expected:
+            what = ("another batch's outputs" if got[0] != wire_id
+                    else "outputs of other token ids under its batch id")
+            raise HeaderMismatch(f"batch {wire_id}'s receives got {what} (header: batch {got[0]}, digest "
+                                 f"{_digest_hex(got)}; expected digest {_digest_hex(expected)}): the data plane is "
+                                 "out of step with the batches; nothing of it was used")
 
     def post_receives(self, layout) -> tuple[list[torch.Tensor], list]:
         """Student: one buffer per (shape, dtype) of `layout`, its receive posted, in order.
@@ -251,67 +290,76 @@ class _CudaWaiter:
         self._queue.put(None)
 
 
-def build_group(store: dist.Store, prefix: str, *, backend: str, rank: int, device: torch.device,
+def _digest_hex(words: list[int]) -> str:
+    return b"".join(w.to_bytes(8, "little", signed=True) for w in words[1:3]).hex()
+
+
+def build_group(store: dist.Store, *, backend: str, rank: int, device: torch.device,
                 timeout_s: float, gloo_host: str = "") -> SessionGroup:
-    """Builds the session group on `store` under `prefix`; blocks until the peer arrives.
+    """Builds the session group on `store` (the session's own); blocks until the peer arrives.
 
     Group formation waits for the other side at most `timeout_s` (gloo connects in the
     constructor; NCCL connects at the first transfer, which `handshake` makes).
     """
-    prefix_store = dist.PrefixStore(f"teacher-session/{prefix}", store)
     timeout = datetime.timedelta(seconds=timeout_s)
-    # The group constructors block until the peer arrives and hold the GIL meanwhile: in
-    # the teacher that would freeze every other session's RPCs behind a student that
-    # joined and never came. So the student says it is here first, and the teacher
-    # waits for that on the store (GIL released) before it builds its end.
+    # The teacher builds its end only once the student said, through its rendezvous, that
+    # it is here: a student that joined and never came holds no half-built group, and
+    # the wait (GIL released) is on the session's own store.
     if rank == TEACHER_RANK:
         try:
-            prefix_store.wait(["student-arrived"], timeout)
+            store.wait(["student-arrived"], timeout)
         except Exception as e:
             raise TransferError(f"the student did not build its end of the session group within {timeout_s:.0f}s "
                                 f"({e})") from e
     else:
-        prefix_store.set("student-arrived", "1")
+        store.set("student-arrived", "1")
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         # A communicator error or timeout in a session group must clean up that group
         # only: the default (tear down the process) would let one student kill the teacher.
         with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
-            pg = dist.ProcessGroupNCCL(prefix_store, rank, GROUP_SIZE, options)
+            pg = dist.ProcessGroupNCCL(store, rank, GROUP_SIZE, options)
     elif backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=gloo_host)] if gloo_host else \
             [dist.ProcessGroupGloo.create_default_device()]
         try:
-            pg = dist.ProcessGroupGloo(prefix_store, rank, GROUP_SIZE, options)
+            pg = dist.ProcessGroupGloo(store, rank, GROUP_SIZE, options)
         except Exception as e:
             raise TransferError(f"session group did not form within {timeout_s:.0f}s: {e}") from e
     else:
         raise ValueError(f"unknown backend {backend!r}; use 'nccl' or 'gloo'")
-    return SessionGroup(backend=backend, rank=rank, pg=pg, device=device, timeout_s=timeout_s,
-                        announcements=Announcements(store, prefix))
+    return SessionGroup(backend=backend, rank=rank, pg=pg, device=device, timeout_s=timeout_s, store=store)
 
 
-def prefix_token(prefix: str) -> int:
-    """The handshake value both sides derive from the secret store prefix."""
-    return int(hashlib.sha256(prefix.encode()).hexdigest()[:15], 16)
+def proof(secret: bytes, rank: int) -> list[int]:
+    """What the end of rank `rank` sends to show it knows the session's secret: 16 bytes of
+    HMAC-SHA256(secret, rank) as two int64 (the secret itself never crosses the data plane)."""
+    mac = hmac.new(secret, f"teacher-session-rank-{rank}".encode(), hashlib.sha256).digest()
+    return [int.from_bytes(mac[:8], "little", signed=True), int.from_bytes(mac[8:16], "little", signed=True)]
 
 
-def handshake(group: SessionGroup, token: int, timeout_s: float) -> None:
-    """One small transfer teacher → student that proves the group works end to end.
+def handshake(group: SessionGroup, secret: bytes, timeout_s: float) -> None:
+    """Each end proves over the formed group that it knows the session's rendezvous secret.
 
-    It also makes NCCL create its communicator now, off the engine's critical path.
-    The student checks the token so a group formed under a wrong prefix fails loudly.
+    Teacher → student first: it also makes NCCL create its communicator now, off the
+    engine's critical path, and the student learns that the group reached the teacher.
+    Then student → teacher: the teacher learns that the peer that formed the group is the
+    student that joined (the secret travelled only in that student's Join answer), and
+    refuses the session otherwise. Raises TransferError on a wrong proof.
     """
-    buffer = torch.tensor([token if group.rank == TEACHER_RANK else -1], dtype=torch.int64,
-                          device=group.tensor_device)
+    peer_proof = proof(secret, group.peer)
+    mine = torch.tensor(proof(secret, group.rank), dtype=torch.int64, device=group.tensor_device)
+    theirs = torch.zeros(2, dtype=torch.int64, device=group.tensor_device)
     if group.rank == TEACHER_RANK:
-        group.wait(group.send(buffer), timeout_s, what="session handshake send")
+        group.wait(group.send(mine), timeout_s, what="session handshake send")
+        group.wait(group.recv(theirs), timeout_s, what="session handshake receive")
     else:
-        group.wait(group.recv(buffer), timeout_s, what="session handshake receive")
-        got = int(buffer.item())
-        if got != token:
-            raise TransferError(f"session handshake carried {got}, expected {token}: "
-                                "the group formed with the wrong peer")
+        group.wait(group.recv(theirs), timeout_s, what="session handshake receive")
+        group.wait(group.send(mine), timeout_s, what="session handshake send")
+    if theirs.tolist() != peer_proof:
+        who = "student" if group.rank == TEACHER_RANK else "teacher"
+        raise TransferError(f"the peer that formed the session group did not prove it is the {who} of this session "
+                            "(its handshake does not match the session's rendezvous secret): group refused")

@@ -1,12 +1,18 @@
-"""Dense tensors on the control plane (token ids and masks only) and dtype names.
+"""Dense tensors on the control plane (token ids and masks only), dtype names, batch keys.
 
 Token ids travel as raw little-endian bytes with an explicit dtype and shape: no
 pickle, no torch.load. Decoding validates every field, because the bytes come from
 the network.
+
+A batch's *key* (`batch_key`) is a BLAKE2b digest of the token ids and mask the teacher
+computes on: the output cache's key (teacher_server/cache.py) and, in 16 bytes, part of
+each batch's header on the data plane (distill_common/session_group.py), which the
+student checks against `request_key` of what it sent.
 """
 
 from __future__ import annotations
 
+import hashlib
 import sys
 
 import numpy as np
@@ -85,3 +91,27 @@ def _checked_array(message: pb.Tensor, *, what: str, dtypes: dict, max_elements:
             f"{what} has {len(message.data)} bytes but shape {shape} of {message.dtype} needs {count * np_dtype.itemsize}")
     return np.frombuffer(message.data, dtype=np_dtype).reshape(shape)
 
+
+
+def batch_key(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bytes:
+    """A content digest of one batch (32 bytes): equal keys mean the same forward inputs.
+
+    Over the tensors' dtype, shape and bytes; never Python's `hash()` (salted per process,
+    64 bits) and never pickle.
+    """
+    digest = hashlib.blake2b(digest_size=32)
+    for tensor in (input_ids, attention_mask):
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        digest.update(tensor.view(torch.uint8).numpy())  # the buffer itself, not a copy of it
+    return digest.digest()
+
+
+def request_key(input_ids: pb.Tensor, attention_mask: pb.Tensor | None) -> bytes:
+    """`batch_key` of the batch the teacher decodes from these SubmitRequest fields (int64 ids
+    and mask, a mask of ones when there is none), as the student computes it for the header."""
+    ids = torch.from_numpy(decode_ids(input_ids, what="input_ids", dtypes=ID_DTYPES, max_elements=sys.maxsize))
+    if attention_mask is None:
+        return batch_key(ids, torch.ones_like(ids))
+    mask = decode_ids(attention_mask, what="attention_mask", dtypes=MASK_DTYPES, max_elements=sys.maxsize)
+    return batch_key(ids, torch.from_numpy(mask))

@@ -86,7 +86,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     # thread of its own that the others have preempted.
     with TeacherProcess(teacher.model_dir, out / "teacher_server.log", startup_timeout_s=cfg.startup_timeout_s,
                         threads=1) as server:
-        say(f"  READY: gRPC {server.address}, HTTP :{server.http_port}, store :{server.store_port} "
+        say(f"  READY: gRPC {server.address}, HTTP :{server.http_port} "
             f"(log: {server.log_path})")
         kd = distil(cfg, server, data, inits, out)
     ce = train_baselines(cfg, data, inits, out)

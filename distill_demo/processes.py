@@ -88,10 +88,6 @@ class TeacherProcess:
     def http_port(self) -> int:
         return self._server.http_port
 
-    @property
-    def store_port(self) -> int:
-        return self._server.store_port
-
     def check_alive(self) -> None:
         code = self._server.proc.poll()
         if code is not None:

@@ -4,11 +4,14 @@
         fut = teacher.submit(input_ids, attention_mask)   # returns at once
         out = fut.result(timeout=60)                       # TeacherOutput
 
-Join tells the client every shape it will receive. `submit` puts a batch on the
-session's submit stream and returns its future. Once the teacher announces the batch
-(its outputs exist and its sends are posted), the client allocates the output buffers
-and posts the receives, which the teacher's sends fill in submit order; each batch's
-receives are waited for with a deadline and its future resolved (student_trainer/session.py).
+Join tells the client every shape it will receive. The session's group forms on the
+session's rendezvous keys, which the client reads and writes over this same gRPC channel
+(distill_common/rendezvous.py: the teacher opens no store port). `submit` puts a batch on
+the session's submit stream and returns its future. Once the teacher announces the batch
+on that stream (its outputs exist and its sends are posted), the client allocates the
+output buffers and posts the receives, which the teacher's sends fill in submit order;
+each batch's receives are waited for with a deadline, its header checked, and its
+future resolved (student_trainer/session.py).
 At most `max_inflight` batches are outstanding: `submit` blocks beyond that
 (backpressure, not memory).
 
@@ -41,14 +44,14 @@ import grpc
 import torch
 
 from distill_common import tracing, wire
-from distill_common.announcements import Announcements
 from distill_common.channel import (SESSION_SECRET_KEY, TeacherUnreachable, channel_credentials, open_channel,
                                     wait_until_reachable)
 from distill_common.outputs import Logits, Output, OutputRequest, output_spec
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
-from distill_common.session_group import (STUDENT_RANK, build_group, connect_store, device_uuid, handshake,
-                                          local_address_towards, nccl_version, prefix_token)
+from distill_common.rendezvous import RendezvousStore
+from distill_common.session_group import (STUDENT_RANK, build_group, device_uuid, handshake, local_address_towards,
+                                          nccl_version)
 from distill_common.vocab import tokenizer_fingerprint
 from student_trainer.connection import Action, Connection, FirstJoin, State
 from student_trainer.errors import Incompatible, TeacherError, TeacherUnavailable, from_rpc_error
@@ -314,21 +317,20 @@ class TeacherClient:
                 time.sleep(pause_s)
 
     def _connect(self, joined: pb.JoinResponse, timeout_s: float) -> Session:
-        store = connect_store(joined.store_host, joined.store_port, timeout_s)
+        # The session's rendezvous keys, over this channel: the token and the session's secret.
+        store = RendezvousStore(lambda request, call_timeout_s: self._call("Rendezvous", request, call_timeout_s, joined),
+                                joined.session_id, joined.rendezvous_secret, timeout_s, self.rpc_timeout_s)
         # The address the teacher reaches this process at, where gloo listens (NCCL finds its own).
-        local_host = local_address_towards(joined.store_host, joined.store_port)
-        group = build_group(store, joined.store_prefix, backend=joined.backend, rank=STUDENT_RANK,
-                            device=self.device, timeout_s=timeout_s, gloo_host=local_host)
+        local_host = local_address_towards(joined.data_plane_host)
+        group = build_group(store, backend=joined.backend, rank=STUDENT_RANK, device=self.device,
+                            timeout_s=timeout_s, gloo_host=local_host)
         try:
-            handshake(group, prefix_token(joined.store_prefix), timeout_s)
-            # Announcements are waited for on a connection of their own (distill_common/announcements.py).
-            waiting = Announcements(connect_store(joined.store_host, joined.store_port, timeout_s),
-                                    joined.store_prefix)
+            handshake(group, joined.rendezvous_secret, timeout_s)  # each end proves it knows the secret
         except BaseException:
             group.abort()
             raise
-        return Session(joined, group, store, waiting, self.outputs, self.address,
-                       on_failure=self._session_failed, resolve=self._resolve)
+        return Session(joined, group, self.outputs, self.address, on_failure=self._session_failed,
+                       resolve=self._resolve)
 
     def _start(self, session: Session) -> None:
         """Opens the submit stream of `session` (already made current) and starts its threads."""

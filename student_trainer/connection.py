@@ -48,7 +48,7 @@ def worth_retrying(error: Exception) -> bool:
     """Whether joining again may go otherwise: the teacher is not up (yet), or the group did not form."""
     if isinstance(error, TeacherError):
         return teacher_gone(error) or error.code in _REJOIN_ALSO_ON
-    # The store or the group: ConnectionError from connect_store, TransferError or a DistError
+    # The rendezvous or the group: ConnectionError (the teacher host did not resolve), TransferError or a DistError
     # (a RuntimeError) from building the group.
     return isinstance(error, (ConnectionError, RuntimeError))
 

@@ -44,11 +44,23 @@ class AuthenticationFailed(TeacherError):
 
 
 class PermissionRefused(TeacherError):
-    """PERMISSION_DENIED: a job token used for another job, or a call without its session's secret."""
+    """PERMISSION_DENIED: a job token used for another job, a call without its session's secret,
+    or a rendezvous with another session's rendezvous secret."""
 
 
 class TransferFailed(TeacherError):
     """The data plane failed: a receive timed out or the session group broke."""
+
+
+class OutOfStep(TransferFailed):
+    """A batch's header on the data plane named another batch (or other token ids) than the
+    one its receives were posted for: nothing received was used. The session is given up
+    like a broken group: joined again and its undelivered batches sent again, or failed."""
+
+
+class BatchFailed(TeacherError):
+    """The teacher accepted the batch but could not compute or send it (its reason is in the
+    message). Final for that batch alone: it is not sent again, and the session goes on."""
 
 
 _BY_CODE = {

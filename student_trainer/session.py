@@ -2,13 +2,18 @@
 
 Every Join makes a Session: the session group, the submit stream and three threads.
 
-- read-submit-answers: reads the teacher's answers on the submit stream. The client joins
-  with stream_refusals_only, so only refusals come, each failing its batch's future.
-- post-receives: for each streamed batch in order, waits until the teacher announces it
-  (distill_common/announcements.py), then allocates its output buffers and posts its
-  receives; the teacher's sends land in them in submit order.
+- read-submit-answers: reads what the teacher says on the submit stream
+  (distill_common/announcements.py): refusals (the client joins with
+  stream_refusals_only, so accepted batches get no answer) and failures, each failing its
+  batch's future, and announcements, each telling the post-receives thread to go on.
+- post-receives: for each streamed batch in order, waits for the teacher's word on it;
+  once announced, allocates its header and output buffers and posts its receives; the
+  teacher's sends land in them in submit order.
 - complete-receives: waits for each batch's receives with a deadline (transfer_timeout_s),
-  assembles its TeacherOutput and hands it to be resolved.
+  checks its header (the batch's wire id and the digest of what was sent under it: a
+  mismatch fails the session, whose batches are sent again to a new one, and never
+  resolves a future with another batch's outputs), assembles its TeacherOutput and hands
+  it to be resolved.
 
 A thread that fails hands its error to `on_failure`; the client decides what that leads to
 (student_trainer/connection.py). Results and refusals go to `resolve`, which delivers
@@ -21,6 +26,7 @@ holds nothing up.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from concurrent.futures import Future
@@ -30,12 +36,13 @@ from typing import Callable
 import grpc
 import torch
 
-from distill_common import tracing
-from distill_common.announcements import Announcements
+from distill_common import tracing, wire
+from distill_common.announcements import ANNOUNCED, SETTLED, Board
 from distill_common.outputs import OutputRequest, TeacherOutput
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
-from distill_common.session_group import SessionGroup, TransferError
-from student_trainer.errors import TeacherError, TeacherUnavailable, TransferFailed, from_rpc_error, from_status
+from distill_common.session_group import HEADER_LAYOUT, HeaderMismatch, SessionGroup, TransferError
+from student_trainer.errors import (BatchFailed, OutOfStep, TeacherError, TeacherUnavailable, TransferFailed,
+                                    from_rpc_error, from_status)
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -52,6 +59,12 @@ class Batch:
     request: pb.SubmitRequest  # the ids and the mask; session_id and batch_id are set per session
     future: Future
 
+    @functools.cached_property
+    def key(self) -> bytes:
+        """The batch key the teacher computes from the request (its header carries 16 bytes of it)."""
+        mask = self.request.attention_mask if self.request.HasField("attention_mask") else None
+        return wire.request_key(self.request.input_ids, mask)
+
 
 @dataclass
 class _Pending:
@@ -59,7 +72,7 @@ class _Pending:
 
     batch: Batch
     wire_id: int  # SubmitRequest.batch_id on this session: 0, 1, 2, ... from its Join
-    buffers: list[torch.Tensor] = field(default_factory=list)
+    buffers: list[torch.Tensor] = field(default_factory=list)  # the header's, then the outputs'
     works: list = field(default_factory=list)
 
     @property
@@ -74,23 +87,19 @@ class _Pending:
 class Session:
     """One Join: its group, its submit stream, and the threads that receive its batches' outputs."""
 
-    def __init__(self, joined: pb.JoinResponse, group: SessionGroup, store, waiting: Announcements,
-                 outputs: OutputRequest, address: str, *, on_failure: Callable[["Session", TeacherError], None],
-                 resolve: Callable[..., bool]):
-        """`waiting`: the session's announcements on a store connection of its own (the group's
-        own, group.announcements, ends a wait: see distill_common/announcements.py).
-        `on_failure(session, error)`: a thread of this session failed.
+    def __init__(self, joined: pb.JoinResponse, group: SessionGroup, outputs: OutputRequest, address: str, *,
+                 on_failure: Callable[["Session", TeacherError], None], resolve: Callable[..., bool]):
+        """`on_failure(session, error)`: a thread of this session failed.
         `resolve(batch, session, result=..., error=...)`: a batch's outcome."""
         self.joined = joined
         self.session_id = joined.session_id
         self.group = group
-        self.store = store  # keeps the connection the group uses alive
         self.outputs = outputs  # what each batch's receives hold, in wire order
         self.address = address
         self.threads: list[threading.Thread] = []
         # The teacher answers only refused batches (else every batch) on the submit stream.
         self.refusals_only = joined.stream_refusals_only
-        self._waiting = waiting
+        self._board = Board()  # the teacher's word on each batch, from the stream to the post-receives thread
         self._on_failure = on_failure
         self._resolve = resolve
         self._transfer_timeout_s = 0.0  # set by start
@@ -99,9 +108,8 @@ class Session:
         self._to_receive: queue.Queue = queue.Queue()  # to wait for, in order; receives not yet posted
         self._posted: queue.Queue = queue.Queue()  # receives posted, in order; None: no more
         self._lock = threading.Lock()  # the wire ids, what awaits an answer, stopping
-        self._sent: dict[int, _Pending] = {}  # by wire id: streamed, not yet answered or announced
+        self._sent: dict[int, _Pending] = {}  # by wire id: streamed, no word on it yet
         self._next_wire_id = 0
-        self._waiting_on: int | None = None  # the wire id the post-receives thread waits for
         self._stopped = False
 
     def start(self, open_stream: Callable, transfer_timeout_s: float) -> None:
@@ -131,8 +139,7 @@ class Session:
             pending = self._sent[self._next_wire_id] = _Pending(batch, self._next_wire_id)
             self._next_wire_id += 1  # used up, accepted or refused (see SubmitRequest.batch_id)
             self._requests.put(request)
-        if self.refusals_only:  # no answer comes for an accepted batch: wait for its announcement now
-            self._to_receive.put(pending)
+        self._to_receive.put(pending)  # its receives are posted once the teacher announces it
 
     def finish(self) -> None:
         """No more batches: the stream ends, and the threads end once what was posted is received."""
@@ -148,12 +155,7 @@ class Session:
         self._requests.put(None)
         self._to_receive.put(None)
         self._posted.put(None)
-        waiting_on = self._waiting_on
-        if waiting_on is not None:  # the post-receives thread waits: end it (joined with the others)
-            end = threading.Thread(target=self.group.announcements.end_wait, args=(waiting_on,),
-                                   name=f"end-announcement-wait-{self.session_id[:8]}", daemon=True)
-            end.start()  # off this thread: a store that stopped answering must not hold us up
-            self.threads.append(end)
+        self._board.close()  # the post-receives thread's wait returns
         if self._responses is not None:
             self._responses.cancel()
         self.group.abort()  # a receive blocked on the old teacher returns
@@ -174,28 +176,25 @@ class Session:
             yield request
 
     def _read_answers(self) -> None:
-        """Reads the teacher's answers to the streamed batches, in order: every batch's, or
-        only the refused ones' (refusals_only)."""
+        """Reads what the teacher says on the stream, in order: answers to the streamed batches
+        (every batch's, or only the refused ones': refusals_only) and events on earlier ones."""
         what = f"the submit stream to teacher {self.address}"
         try:
             for response in self._responses:
+                if response.HasField("events"):
+                    if not self._heard(response.events):
+                        return
+                    continue
                 with self._lock:
-                    pending = self._sent.pop(response.batch_id, None)
+                    pending = self._sent.pop(response.batch_id, None) if response.error_code else \
+                        self._sent.get(response.batch_id)
                 if pending is None:
-                    self._on_failure(self, TeacherError(
-                        f"{what} answered batch {response.batch_id}, which awaits no answer (client and teacher "
-                        "disagree on the protocol: run the same version on both sides)"))
+                    self._protocol_error(f"answered batch {response.batch_id}, which awaits no answer")
                     return
                 tracing.mark("s_ack", pending.wire_id)
                 if not response.error_code:
-                    if not self.refusals_only:
-                        self._to_receive.put(pending)
-                    continue
-                waiting_on = self._waiting_on
-                if self.refusals_only and (waiting_on is None or waiting_on <= pending.wire_id):
-                    # The post-receives thread waits for this batch, or will: the teacher marks
-                    # most refusals itself, not one whose batch id it did not take (out of order).
-                    self.group.announcements.end_wait(pending.wire_id)
+                    continue  # accepted: its announcement comes as an event
+                self._board.tell(pending.wire_id, SETTLED)
                 code = _STATUS_BY_NUMBER.get(response.error_code, grpc.StatusCode.UNKNOWN)
                 error = from_status(code, response.error_message, f"Submit to teacher {self.address}")
                 if code == grpc.StatusCode.NOT_FOUND:  # the teacher no longer knows this session
@@ -207,6 +206,32 @@ class Session:
             error = from_rpc_error(e, what)
         self._on_failure(self, error)
 
+    def _heard(self, events: pb.BatchEvents) -> bool:
+        """Passes the events on (announced: to the post-receives thread; failed: to the batch's
+        future). False when one names a batch that awaits no word: the session failed."""
+        for wire_id in events.announced:
+            with self._lock:
+                pending = self._sent.pop(wire_id, None)
+            if pending is None:
+                self._protocol_error(f"announced batch {wire_id}, which awaits no word")
+                return False
+            self._board.tell(wire_id, ANNOUNCED)
+        for failure in events.failed:
+            with self._lock:
+                pending = self._sent.pop(failure.batch_id, None)
+            if pending is None:
+                self._protocol_error(f"failed batch {failure.batch_id}, which awaits no word")
+                return False
+            self._board.tell(failure.batch_id, SETTLED)
+            self._resolve(pending.batch, self, error=BatchFailed(
+                f"teacher {self.address} could not compute batch {pending.batch_id}: {failure.reason}"))
+        return True
+
+    def _protocol_error(self, what: str) -> None:
+        self._on_failure(self, TeacherError(
+            f"the submit stream to teacher {self.address} {what} (client and teacher disagree on the protocol: run "
+            "the same version on both sides)"))
+
     # ---- receiving ---------------------------------------------------------------
 
     def _post_announced(self) -> None:
@@ -214,21 +239,14 @@ class Session:
         try:
             while True:
                 pending = self._to_receive.get()
-                if pending is None:
-                    return
-                self._waiting_on = pending.wire_id  # before the check: stop() reads it after setting _stopped
-                if self._stopped:
+                if pending is None or self._stopped:
                     return
                 try:
-                    announced = self._waiting.await_announced(pending.wire_id, self._transfer_timeout_s)
-                    self._waiting_on = None
-                    if self._stopped:
+                    word = self._board.await_word(pending.wire_id, self._transfer_timeout_s)
+                    if word is None or self._stopped:
                         return
-                    if not announced:
-                        continue  # refused: the answer reader fails its future with the teacher's reason
-                    if self.refusals_only:
-                        with self._lock:
-                            self._sent.pop(pending.wire_id, None)
+                    if word == SETTLED:
+                        continue  # refused or failed: the answer reader failed its future with the reason
                     tracing.mark("s_announced", pending.wire_id)
                     self._post_receives(pending)
                     tracing.mark("s_posted", pending.wire_id)
@@ -241,7 +259,7 @@ class Session:
 
     def _post_receives(self, pending: _Pending) -> None:
         # On a stream of the group's own (NCCL): see SessionGroup.post_receives.
-        pending.buffers, pending.works = self.group.post_receives(self.outputs.layout(*pending.shape))
+        pending.buffers, pending.works = self.group.post_receives([HEADER_LAYOUT, *self.outputs.layout(*pending.shape)])
 
     def _complete_receives(self) -> None:
         """Waits for each batch's receives, in order, with a deadline, and hands its outputs to be resolved."""
@@ -253,7 +271,12 @@ class Session:
                 for work in pending.works:
                     self.group.wait(work, self._transfer_timeout_s, what=f"receiving batch {pending.batch_id}")
                 tracing.mark("s_received", pending.wire_id)
+                # Before anything received is used: it must be this batch's.
+                self.group.check_header(pending.buffers[0], pending.wire_id, pending.batch.key)
                 result = self._assemble(pending)
+            except HeaderMismatch as e:
+                self._on_failure(self, OutOfStep(f"teacher {self.address}, session {self.session_id}: {e}"))
+                return
             except TransferError as e:
                 self._on_failure(self, TransferFailed(f"{e}; the teacher may have dropped this session (see its log)"))
                 return
@@ -261,5 +284,5 @@ class Session:
             tracing.mark("s_resolved", pending.wire_id)
 
     def _assemble(self, pending: _Pending) -> TeacherOutput:
-        tensors = self.group.delivered(pending.buffers)  # on the client's device, for the training loop's stream
+        tensors = self.group.delivered(pending.buffers[1:])  # on the client's device, for the training loop's stream
         return self.outputs.assemble(pending.batch_id, tensors)  # the client's id, not the session's wire id

@@ -1,13 +1,14 @@
 """Builds the teacher server from its config and runs it until SIGTERM/SIGINT.
 
 gRPC (grpc.aio) and HTTP (uvicorn) share one asyncio loop; the engine runs in its own
-thread; the TCPStore on which session groups form lives in this process.
+thread. The teacher listens on those two ports only: each session's group forms on a
+store of its own in this process, which its student reaches through the gRPC service
+(distill_common/rendezvous.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import datetime
 import functools
 import gc
 import logging
@@ -16,7 +17,6 @@ import socket
 import sys
 
 import grpc
-import torch.distributed as dist
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -62,17 +62,13 @@ class TeacherServer:
         self.advertise_host = advertised_host(config)
         self.runner = runner
         self.metrics = Metrics(self.runner.device)
-        self.store = dist.TCPStore("0.0.0.0", config.store_port, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=config.join_timeout_s))
-        self.store_port = self.store.port
         self.engine = Engine(
-            self.runner, self.metrics, store=self.store, advertise_host=self.advertise_host,
+            self.runner, self.metrics, advertise_host=self.advertise_host,
             max_batch_tokens=config.max_batch_tokens, max_sessions=config.max_sessions, lease_s=config.lease_s,
             join_timeout_s=config.join_timeout_s, transfer_timeout_s=config.transfer_timeout_s,
             cache_bytes=config.cache_bytes)
         self.callers = Callers(config)  # the operator's token and the job tokens: who may do what
-        self.service = TeacherService(self.engine, config, self.metrics, self.advertise_host, self.store_port,
-                                      self.callers)
+        self.service = TeacherService(self.engine, config, self.metrics, self.advertise_host, self.callers)
         self.health = health.aio.HealthServicer()
         self._shutting_down = False
         self.grpc_port = 0
@@ -136,10 +132,10 @@ class TeacherServer:
         # few hundred batches, a pause of tens of ms in the engine thread each time.
         gc.collect()
         gc.freeze()
-        log.info("teacher ready: gRPC%s %s:%d, HTTP%s :%d, store %s:%d, model %s, requests up to %d bytes "
+        log.info("teacher ready: gRPC%s %s:%d, HTTP%s :%d, data plane at %s, model %s, requests up to %d bytes "
                  "(--max-request-bytes)", " (TLS)" if c.tls else "", c.host, self.grpc_port, "S" if c.tls else "",
-                 self.http_port, self.advertise_host, self.store_port, c.model, c.request_limit_bytes)
-        print(f"READY grpc={self.grpc_port} http={self.http_port} store={self.store_port}", flush=True)
+                 self.http_port, self.advertise_host, c.model, c.request_limit_bytes)
+        print(f"READY grpc={self.grpc_port} http={self.http_port}", flush=True)
 
         await stop.wait()
         await self._shutdown(server, http, http_task)

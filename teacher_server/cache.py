@@ -18,30 +18,18 @@ Each session's tensors (its dtype, its top-k, its layers) are derived from the e
 as from a fresh forward; an entry that lacks something a session needs is a miss.
 
 Keys are a BLAKE2b digest of the token ids and the attention mask (their bytes,
-shape and dtype), never Python's `hash()` (salted per process, 64 bits) and never
-pickle: two batches share a key only when the teacher would compute the same thing.
+shape and dtype; distill_common/wire.py: batch_key, which the data plane's per-batch
+header uses too): two batches share a key only when the teacher would compute the
+same thing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-
 from distill_common.outputs import BatchOutputs, ForwardNeeds
-
-
-def batch_key(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bytes:
-    """A content digest of one batch: equal keys mean the same forward inputs."""
-    digest = hashlib.blake2b(digest_size=32)
-    for tensor in (input_ids, attention_mask):
-        tensor = tensor.detach().cpu().contiguous()
-        digest.update(f"{tensor.dtype}:{tuple(tensor.shape)};".encode())
-        digest.update(tensor.view(torch.uint8).numpy())  # the buffer itself, not a copy of it
-    return digest.digest()
 
 
 @dataclass

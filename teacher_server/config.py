@@ -31,11 +31,9 @@ class ServerConfig:
     host: str = field(default="0.0.0.0", metadata=_help("address the gRPC and HTTP servers bind to"))
     port: int = field(default=50051, metadata=_help("gRPC port (0: any free port)"))
     http_port: int = field(default=8000, metadata=_help("HTTP port: health, metrics, status (0: any free port)"))
-    store_port: int = field(default=29600, metadata=_help(
-        "TCPStore port on which session process groups form (0: any free port)"))
     advertise_host: str = field(default="", metadata=_help(
-        "address students use for the store and the gloo data plane (default: this machine's hostname, or "
-        "127.0.0.1 when --host is loopback)"))
+        "address students reach the data plane at (gloo binds the teacher's end there; default: this machine's "
+        "hostname, or 127.0.0.1 when --host is loopback)"))
     max_batch_tokens: int = field(default=16384, metadata=_help(
         "token budget of one forward (rows x padded length), and the largest batch accepted"))
     max_seq_len: int = field(default=8192, metadata=_help("longest sequence accepted"))
@@ -113,14 +111,12 @@ class ServerConfig:
             raise ConfigError(f"--log-level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ConfigError(f"--device {self.device!r}: use cpu, cuda or cuda:N")
-        for name in ("port", "http_port", "store_port"):
+        for name in ("port", "http_port"):
             value = getattr(self, name)
             if not 0 <= value <= 65535:
                 raise ConfigError(f"{flag(name)} {value} is not a TCP port (0..65535)")
-        fixed_ports = [p for p in (self.port, self.http_port, self.store_port) if p]  # 0 = any free port
-        if len(set(fixed_ports)) != len(fixed_ports):
-            raise ConfigError(f"--port, --http-port and --store-port must differ, got {self.port}, {self.http_port}, "
-                              f"{self.store_port}")
+        if self.port and self.port == self.http_port:  # 0 = any free port
+            raise ConfigError(f"--port and --http-port must differ, got {self.port} for both")
         if self.max_seq_len < 1:
             raise ConfigError("--max-seq-len must be >= 1")
         if self.max_batch_tokens < self.max_seq_len:

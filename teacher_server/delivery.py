@@ -1,15 +1,18 @@
 """Delivery: the teacher's end of every session's data plane.
 
-For each session, a thread forms its group (blocking until the student's end comes),
-then a sender thread waits, in order and with a deadline, for each batch's sends to
-complete, so a slow or dead student holds up nobody but itself. The engine hands over
-each forward's outputs (`deliver`): they are derived per session and their sends
-posted at once, and one announcer thread tells the students once the device finished
-the forward. A refused batch is marked where its student waits for the announcement.
+For each session, a thread forms its group on the session's own rendezvous store
+(blocking until the student's end comes, which reaches that store only over gRPC with
+the session's secret) and checks that the peer that formed it is the student that
+joined (`handshake`); then a sender thread waits, in order and with a deadline, for
+each batch's sends to complete, so a slow or dead student holds up nobody but itself.
+The engine hands over each forward's outputs (`deliver`): they are derived per session
+and their sends posted at once, each batch's header first, and one announcer thread
+tells the students, on their submit streams, once the device finished the forward. A
+batch that cannot be computed or sent is failed alone (`fail`).
 
 What the engine decides stays with the engine: it is told when a group formed
-(`formed`), when a batch finished sending (`sent`), and asked to end a session whose
-transfer failed (`end`).
+(`formed`), when a batch finished sending (`sent`) or failed (`failed`), and asked to
+end a session whose transfer failed (`end`).
 """
 
 from __future__ import annotations
@@ -24,10 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from distill_common import tracing
-from distill_common.announcements import Announcements
 from distill_common.outputs import BatchOutputs
-from distill_common.session_group import (TEACHER_RANK, SessionGroup, TransferError, build_group, connect_store,
-                                          handshake, prefix_token)
+from distill_common.session_group import TEACHER_RANK, SessionGroup, TransferError, build_group, handshake
 from teacher_server.metrics import Metrics
 from teacher_server.sessions import Batch, Session
 
@@ -57,22 +58,22 @@ class _Launched:
     start: float
     tokens: int
     finished: object  # a torch.cuda.Event recorded after the forward and the sends' inputs; None on CPU
-    announcements: list  # (session, group, batch_id)
+    announcements: list  # (session, batch_id)
 
 
 class Delivery:
-    def __init__(self, metrics: Metrics, *, store, advertise_host: str, device: torch.device,
+    def __init__(self, metrics: Metrics, *, advertise_host: str, device: torch.device,
                  join_timeout_s: float, transfer_timeout_s: float,
                  formed: Callable[[Session], bool], sent: Callable[[Session, Batch, int], None],
-                 end: Callable[..., None]):
+                 failed: Callable[[Session, Batch], None], end: Callable[..., None]):
         self.metrics = metrics
-        self.store = store
         self.advertise_host = advertise_host
         self.device = device
         self.join_timeout_s = join_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self._formed = formed  # (session) -> False when it ended meanwhile
         self._sent = sent  # (session, batch, bytes sent)
+        self._failed = failed  # (session, batch): accepted, never sent
         self._end = end  # (session, reason, failure)
         self._links: dict[str, _Link] = {}
         self._lock = threading.Lock()
@@ -95,15 +96,17 @@ class Delivery:
 
     def _form_group(self, session: Session) -> None:
         """Builds the teacher's end of the session group (blocks until the student's end)."""
+        group = None
         try:
-            # A store client of its own: one client serialises its operations, so a wait
-            # for a student that never comes would hold up every other session's.
-            store = connect_store("127.0.0.1", self.store.port, self.join_timeout_s)
-            group = build_group(store, session.store_prefix, backend=session.backend, rank=TEACHER_RANK,
-                                device=self.device, timeout_s=self.join_timeout_s,
-                                gloo_host=self.advertise_host)
-            handshake(group, prefix_token(session.store_prefix), self.join_timeout_s)
+            # On the session's own store, in this process: nobody but the student that got
+            # the session's secret at Join wrote the keys it forms from.
+            group = build_group(session.rendezvous.store, backend=session.backend, rank=TEACHER_RANK,
+                                device=self.device, timeout_s=self.join_timeout_s, gloo_host=self.advertise_host)
+            # And the peer that formed it proves it is that student (the teacher refuses it otherwise).
+            handshake(group, session.rendezvous.secret, self.join_timeout_s)
         except Exception as e:
+            if group is not None:
+                group.abort()
             log.warning("session %s (job %s rank %d) did not connect: %s", session.session_id, session.job_id,
                         session.job_rank, e)
             self._end(session, "join_failed", f"the session group did not form: {e}")
@@ -129,19 +132,17 @@ class Delivery:
         # Aborting never waits for the peer, which may be dead; other groups are untouched.
         link.group.abort()
 
-    def refuse(self, session: Session, batch_id: int) -> None:
-        """Marks a refused batch where the student of a stream_refusals_only session waits for it."""
-        if not session.stream_refusals_only:
-            return
-        with self._lock:
-            link = self._links.get(session.session_id)
-        try:
-            if link is not None:
-                link.group.announcements.refuse(batch_id)
-            else:  # refused while the group still forms
-                Announcements(self.store, session.store_prefix).refuse(batch_id)
-        except Exception as e:  # the student's wait then times out and it joins again
-            log.warning("session %s: could not mark batch %d refused: %s", session.session_id, batch_id, e)
+    def fail(self, session: Session, batch: Batch, reason: str) -> None:
+        """Fails one batch of the session, and nothing else: its student's future for it
+        raises BatchFailed with `reason`, and the session goes on.
+
+        For a batch the engine planned whose sends were never posted (none of them: the
+        student posts no receive for it, and the next batch's outputs must come next on
+        the group), and that was not announced.
+        """
+        log.warning("session %s: batch %d failed: %s", session.session_id, batch.batch_id, reason)
+        session.outbox.fail(batch.batch_id, reason)
+        self._failed(session, batch)
 
     # ---- sends ---------------------------------------------------------------------
 
@@ -166,8 +167,8 @@ class Delivery:
 
         `derived` holds what this forward already derived, by (outputs, request, transport):
         sessions that share a batch and ask the same are sent the same tensors.
-        Returns what the announcer needs once the forward is done: (session, group, batch id),
-        or None when the session ended meanwhile.
+        Returns what the announcer needs once the forward is done: (session, batch id), or
+        None when the session ended meanwhile.
         """
         with self._lock:
             link = self._links.get(session.session_id)
@@ -178,16 +179,18 @@ class Delivery:
         if tensors is None:
             tensors = derived[key] = link.group.to_send(session.outputs.derive(out, batch))
         try:
-            works = link.group.send_all(tensors)
+            # The header first: the student checks it names this batch before using what follows.
+            header = link.group.header(batch.batch_id, batch.key)
+            works = link.group.send_all([header, *tensors])
         except Exception as e:
             self._end(session, "transfer_failed", f"posting the send of batch {batch.batch_id} failed: {e}")
             return None
         tracing.mark("t_forward", batch.batch_id)
-        link.sends.put(_SendJob(batch, works, tensors, sum(t.numel() * t.element_size() for t in tensors)))
+        link.sends.put(_SendJob(batch, works, [header, *tensors], sum(t.numel() * t.element_size() for t in tensors)))
         # Announced by the announcer thread, not the sender thread (busy waiting for the
         # previous batch): the student posts this batch's receives as soon as the forward
         # is done, so consecutive transfers run back to back.
-        return session, link.group, batch.batch_id
+        return session, batch.batch_id
 
     def _send_loop(self, session: Session, link: _Link) -> None:
         """Waits, in order, for each batch's sends to complete; fails the session on timeout."""
@@ -234,16 +237,17 @@ class Delivery:
             except Exception as e:  # a device error: those sessions fail; the engine's next forward says more
                 if counted:
                     self.metrics.forward_failed(start, time.monotonic())
-                for session, _, _ in launched.announcements:
+                for session, _ in launched.announcements:
                     self._end(session, "forward_failed", f"the teacher's forward failed on the device: {e}")
                 continue
             if counted:
                 previous_end = time.monotonic()
                 self.metrics.record_forward(start, previous_end, launched.tokens)
-            for session, group, batch_id in launched.announcements:
-                try:
-                    group.announcements.announce(batch_id)
-                except Exception as e:
-                    self._end(session, "transfer_failed", f"announcing batch {batch_id} failed: {e}")
-                    continue
-                tracing.mark("t_announced", batch_id)
+            # One event per session for the whole forward: each costs its stream a response.
+            by_session: dict[str, tuple[Session, list[int]]] = {}
+            for session, batch_id in launched.announcements:
+                by_session.setdefault(session.session_id, (session, []))[1].append(batch_id)
+            for session, batch_ids in by_session.values():
+                session.outbox.announce(batch_ids)
+                for batch_id in batch_ids:
+                    tracing.mark("t_announced", batch_id)

@@ -281,7 +281,7 @@ class GuardedH11Protocol(H11Protocol):
       the oldest connection still waiting for a request (itself if every other one has a
       request in progress). A probe sends its request as soon as it connects, so sockets
       held open by others cannot lock it out, as a plain refusal past the cap would; the
-      cap also keeps descriptors for the gRPC port, the store and the data plane.
+      cap also keeps descriptors for the gRPC port and the data plane.
 
     The headers' size is h11's limit (16 KiB, a 400 beyond), so a connection buffers little.
     Built with functools.partial(GuardedH11Protocol, connections=HttpConnections(...)).

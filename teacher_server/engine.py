@@ -5,7 +5,7 @@ only touch queues under a lock and return. The engine thread repeats one step: t
 scheduler (teacher_server/scheduler.py) plans the next forward from the pending
 batches of all ready sessions, the model runs it, and delivery
 (teacher_server/delivery.py) posts each session's sends on its own group and
-announces them once the device is done. The engine itself holds the sessions, their
+announces them on the session's submit stream once the device is done. The engine itself holds the sessions, their
 lifecycle (admission, leases, ending) and the forward.
 
 Tensor parallelism: the engine runs on rank 0 only. Its runner broadcasts each forward
@@ -71,7 +71,7 @@ class _Forward:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, metrics: Metrics, *, store, advertise_host: str,
+    def __init__(self, runner: ModelRunner, metrics: Metrics, *, advertise_host: str,
                  max_batch_tokens: int, max_sessions: int, lease_s: float, join_timeout_s: float,
                  transfer_timeout_s: float, cache_bytes: int = 0):
         self.runner = runner
@@ -79,9 +79,9 @@ class Engine:
         self.cache = OutputCache(cache_bytes)
         metrics.watch_cache(self.cache)
         self.scheduler = Scheduler(max_batch_tokens=max_batch_tokens, max_sessions=max_sessions)
-        self.delivery = Delivery(metrics, store=store, advertise_host=advertise_host, device=runner.device,
+        self.delivery = Delivery(metrics, advertise_host=advertise_host, device=runner.device,
                                  join_timeout_s=join_timeout_s, transfer_timeout_s=transfer_timeout_s,
-                                 formed=self._formed, sent=self._sent, end=self._end)
+                                 formed=self._formed, sent=self._sent, failed=self._failed, end=self._end)
         self.lease_s = lease_s
         self.join_timeout_s = join_timeout_s  # a session still connecting after this long is ended
         self._sessions: dict[str, Session] = {}
@@ -169,9 +169,6 @@ class Engine:
         with self._cond:
             return self.scheduler.queued(session)
 
-    def refuse(self, session: Session, batch_id: int) -> None:
-        self.delivery.refuse(session, batch_id)
-
     def heartbeat(self, session: Session) -> None:
         session.last_heartbeat = time.monotonic()
 
@@ -223,8 +220,19 @@ class Engine:
         if finished:
             self._end(session, "left")
 
+    def _failed(self, session: Session, batch: Batch) -> None:
+        """One batch of the session will never be sent (Delivery.fail): it is no longer in flight."""
+        with self._cond:
+            session.batches_failed += 1
+            self.scheduler.sent(session)
+            finished = session.state == "draining" and session.inflight == 0
+            self._cond.notify_all()
+        self.metrics.inflight.labels(session.session_id, session.job_id).set(session.inflight)
+        if finished:
+            self._end(session, "left")
+
     def _end(self, session: Session, reason: str, failure: str = "") -> None:
-        """Ends a session: drops its queue, aborts its group, forgets its metrics."""
+        """Ends a session: drops its queue, aborts its group, deletes its rendezvous keys, forgets its metrics."""
         with self._cond:
             if not session.alive:
                 return
@@ -234,6 +242,8 @@ class Engine:
             self._sessions.pop(session.session_id, None)
             self._cond.notify_all()
         self.delivery.close(session)
+        session.rendezvous.close()
+        session.outbox.close()
         self.metrics.sessions_connected.dec()
         self.metrics.sessions_ended.labels(reason).inc()
         self.metrics.forget_session(session.session_id, session.job_id)

@@ -17,7 +17,7 @@ import urllib.request
 from pathlib import Path
 
 # The line the server prints once it serves gRPC and HTTP (teacher_server/app.py).
-READY = re.compile(r"READY grpc=(\d+) http=(\d+) store=(\d+)")
+READY = re.compile(r"READY grpc=(\d+) http=(\d+)")
 # The directory that holds this package: a checkout's root, or site-packages.
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,9 +68,9 @@ def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: f
 class ServerProcess:
     """`python -m teacher_server --host 127.0.0.1 ...` started in a child process; ready on return.
 
-    args: the server's other flags (`--model ...`). ports: (grpc, http, store) to listen
-    on, e.g. an earlier server's `ports` to restart it where its clients look for it;
-    default: any free ports. nproc_per_node > 0: under torchrun (`python -m
+    args: the server's other flags (`--model ...`). ports: (grpc, http) to listen on, e.g.
+    an earlier server's `ports` to restart it where its clients look for it; default: any
+    free ports. module: what to run with `-m` (a test's teacher with a hook of its own). nproc_per_node > 0: under torchrun (`python -m
     torch.distributed.run --standalone --nproc-per-node N`), a tensor-parallel teacher;
     `proc` is then torchrun's agent. env: the child's environment (default `child_env()`).
     The output is kept in `log_lines`, and written to `log_path` as it comes when given.
@@ -78,11 +78,12 @@ class ServerProcess:
     """
 
     def __init__(self, *args: str, startup_timeout_s: float = 120.0, env: dict | None = None,
-                 nproc_per_node: int = 0, ports: tuple[int, int, int] = (0, 0, 0), log_path: Path | None = None):
+                 nproc_per_node: int = 0, ports: tuple[int, int] = (0, 0), log_path: Path | None = None,
+                 module: str = "teacher_server"):
         self.log_lines: list[str] = []
         self.log_path = log_path
-        self.grpc_port = self.http_port = self.store_port = 0
-        grpc_port, http_port, store_port = map(str, ports)
+        self.grpc_port = self.http_port = 0
+        grpc_port, http_port = map(str, ports)
         torchrun = (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc_per_node)]
                     if nproc_per_node else [])
         # `-m` puts the working directory first on sys.path: PYTHONSAFEPATH leaves it out, so the
@@ -92,8 +93,8 @@ class ServerProcess:
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
-            [sys.executable, *torchrun, "-m", "teacher_server", "--host", "127.0.0.1", "--port", grpc_port,
-             "--http-port", http_port, "--store-port", store_port, *args],
+            [sys.executable, *torchrun, "-m", module, "--host", "127.0.0.1", "--port", grpc_port,
+             "--http-port", http_port, *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child)
         self._ready = threading.Event()
         # The reader both keeps the output (so the pipe never fills) and spots READY.
@@ -115,7 +116,7 @@ class ServerProcess:
                     log.flush()
                 match = READY.search(line)
                 if match and not self._ready.is_set():
-                    self.grpc_port, self.http_port, self.store_port = map(int, match.groups())
+                    self.grpc_port, self.http_port = map(int, match.groups())
                     self._ready.set()
         finally:
             if log is not None:
@@ -152,8 +153,8 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.http_port}"
 
     @property
-    def ports(self) -> tuple[int, int, int]:
-        return self.grpc_port, self.http_port, self.store_port
+    def ports(self) -> tuple[int, int]:
+        return self.grpc_port, self.http_port
 
     def rank_pids(self) -> dict[int, int]:
         """Under torchrun: the process id of each rank (the agent's children, by their RANK). Linux only."""

@@ -2,7 +2,7 @@
 
 Under `torchrun --nproc-per-node N [--nnodes M] -m teacher_server`, the default process
 group is the TP world: NCCL over cuda:LOCAL_RANK (`--device cuda`), or gloo on CPU. Rank 0
-runs the whole server (gRPC, HTTP, the store, the engine); every other rank is a
+runs the whole server (gRPC, HTTP, the sessions' rendezvous, the engine); every other rank is a
 *follower*: it loads its shard of the model and runs each forward rank 0 announces, until
 rank 0 says stop. At world size 1 none of this exists (`init_world` returns None) and the
 server is the plain one-process program.

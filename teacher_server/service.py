@@ -12,10 +12,12 @@ and metrics. Every call about a session must carry the secret its Join returned
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import secrets
 import time
+from collections import deque
 
 import grpc
 import torch
@@ -26,6 +28,7 @@ from distill_common import tracing, wire
 from distill_common.channel import SESSION_SECRET_KEY
 from distill_common.outputs import OutputRequest, OutputSpecError, TeacherFacts, VocabularyMismatch
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
+from distill_common.rendezvous import RendezvousError, SessionStore
 from distill_common.session_group import device_uuid
 from distill_common.wire import WireError
 from teacher_server.config import ServerConfig
@@ -44,14 +47,13 @@ _NO_SESSION_SECRET = secrets.token_urlsafe(32)
 
 
 class TeacherService:
-    def __init__(self, engine: Engine, config: ServerConfig, metrics: Metrics, store_host: str, store_port: int,
+    def __init__(self, engine: Engine, config: ServerConfig, metrics: Metrics, data_plane_host: str,
                  callers: Callers | None = None):
         self.engine = engine
         self.config = config
         self.callers = callers if callers is not None else Callers(config)  # who each token is (edge.py)
         self.metrics = metrics
-        self.store_host = store_host
-        self.store_port = store_port
+        self.data_plane_host = data_plane_host
         self.info = engine.runner.info
         self.teacher_uuid = device_uuid(self.info.device)
         self.facts = TeacherFacts.from_info(self.teacher_info())  # what a session's outputs are checked against
@@ -89,13 +91,14 @@ class TeacherService:
                                   "that limit")
         session = Session(job_id=job_id, job_rank=request.job_rank, outputs=outputs,
                           backend=backend, peer_device_type=request.peer.device_type, max_inflight=max_inflight,
-                          weight=weight, stream_refusals_only=request.stream_refusals_only)
+                          weight=weight, stream_refusals_only=request.stream_refusals_only,
+                          rendezvous=SessionStore(self.config.join_timeout_s))
         self.engine.admit(session, max_job_sessions=caller.max_sessions, job_limit=caller.limit("max_sessions"))
         log.info("session %s joined: job %s rank %d, %s, outputs %s", session.session_id, session.job_id,
                  session.job_rank, backend, outputs, extra={"session_id": session.session_id, "job_id": session.job_id})
         return pb.JoinResponse(
-            session_id=session.session_id, info=self.teacher_info(), store_host=self.store_host,
-            store_port=self.store_port, store_prefix=session.store_prefix, backend=backend,
+            session_id=session.session_id, info=self.teacher_info(), data_plane_host=self.data_plane_host,
+            rendezvous_secret=session.rendezvous.secret, backend=backend,
             timeout_s=self.config.transfer_timeout_s,
             heartbeat_interval_s=self.config.heartbeat_interval_s, lease_s=self.config.lease_s,
             max_inflight=max_inflight, output_dtype=wire.dtype_name(outputs.dtype),
@@ -136,52 +139,114 @@ class TeacherService:
         return session
 
     async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitResponse:
-        return self._submit(request, self._credentials(context))[1]
+        return self._submit(request, self.session_for(context, request.session_id))[1]
 
-    def _submit(self, request: pb.SubmitRequest, credentials: tuple[Caller, bytes]) -> tuple[Session, pb.SubmitResponse]:
-        session = self._checked_session(request.session_id, credentials)
+    def _submit(self, request: pb.SubmitRequest, session: Session) -> tuple[Session, pb.SubmitResponse]:
         if request.batch_id != session.next_batch_id:
             raise InvalidArgument(f"batch_id {request.batch_id} is out of order: the session expects "
                                   f"{session.next_batch_id} (batch ids count 0, 1, 2, ... per session)")
         # Used up whatever follows: a client that streams its batches has sent the next
         # ones already, numbered on the assumption that this one took its id.
         session.next_batch_id += 1
-        try:
-            # Queued batches are what a session can pile up here; batches already computed
-            # and being sent are bounded by the scheduler, which plans no more than
-            # max_inflight of a session. (Counting sends too would race the student, which
-            # sees its receive finish a moment before the teacher sees its send finish.)
-            queued = self.engine.queued(session)
-            if queued >= session.max_inflight:
-                raise ResourceExhausted(f"session already has {queued} batches queued (its "
-                                        f"max_inflight, at most the teacher's --max-inflight {self.config.max_inflight}); "
-                                        "receive outputs before submitting more")
-            batch = self._decode_batch(request)
-            inflight = self.engine.submit(session, batch)
-        except ServiceError:
-            self.engine.refuse(session, request.batch_id)  # a student waiting for its announcement wakes
-            raise
+        # Queued batches are what a session can pile up here; batches already computed
+        # and being sent are bounded by the scheduler, which plans no more than
+        # max_inflight of a session. (Counting sends too would race the student, which
+        # sees its receive finish a moment before the teacher sees its send finish.)
+        queued = self.engine.queued(session)
+        if queued >= session.max_inflight:
+            raise ResourceExhausted(f"session already has {queued} batches queued (its "
+                                    f"max_inflight, at most the teacher's --max-inflight {self.config.max_inflight}); "
+                                    "receive outputs before submitting more")
+        batch = self._decode_batch(request)
+        inflight = self.engine.submit(session, batch)
         return session, pb.SubmitResponse(batch_id=request.batch_id, inflight=inflight)
 
     async def SubmitStream(self, requests, context):
-        """Answers each streamed batch in order (or only the refused ones: JoinRequest.stream_refusals_only);
-        a refusal is an answer, not the end. The stream's metadata carries the session's secret
-        (session_for), read once."""
+        """Answers each streamed batch in order (or only the refused ones: JoinRequest.stream_refusals_only),
+        a refusal being an answer, not the end; and carries the session's events (announced, failed:
+        distill_common/announcements.py), taken from its outbox whenever the stream is free.
+
+        The stream's requests are read by a task of their own, so events go out while no
+        request comes. The stream's metadata carries the session's secret (session_for), read once. The stream ends once the student ended its requests and what is
+        pending went out.
+        """
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        answers: deque[pb.SubmitResponse] = deque()
+        outbox = None  # the events of the session this stream submits to
         credentials = None
-        async for raw in requests:
-            batch_id = 0
+        requests_ended = False
+
+        def wake_up() -> None:  # from any thread: the announcer, the engine
             try:
-                request = _parse(pb.SubmitRequest, raw)
-                batch_id = request.batch_id
-                tracing.mark("t_recv", batch_id)
-                if credentials is None:
-                    credentials = self._credentials(context)
-                session, response = self._submit(request, credentials)
-                if not session.stream_refusals_only:
-                    yield response
-            except ServiceError as e:
-                self.metrics.rpc_errors.labels("SubmitStream", e.code.name).inc()
-                yield pb.SubmitResponse(batch_id=batch_id, error_code=e.code.value[0], error_message=str(e))
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the loop closed: the server is gone, and the stream with it
+                pass
+
+        async def read() -> None:
+            nonlocal outbox, requests_ended, credentials
+            try:
+                async for raw in requests:
+                    batch_id = 0
+                    try:
+                        request = _parse(pb.SubmitRequest, raw)
+                        batch_id = request.batch_id
+                        tracing.mark("t_recv", batch_id)
+                        if credentials is None:
+                            credentials = self._credentials(context)
+                        session = self._checked_session(request.session_id, credentials)
+                        if outbox is None:
+                            if not session.outbox.attach(wake_up):
+                                raise FailedPrecondition(
+                                    f"another stream submits to session {session.session_id} and receives its events: "
+                                    "submit on that one (one stream per session)")
+                            outbox = session.outbox
+                        elif session.outbox is not outbox:
+                            raise FailedPrecondition("this stream submits to another session: open one stream per "
+                                                     "session")
+                        session, response = self._submit(request, session)
+                        if not session.stream_refusals_only:
+                            answers.append(response)
+                            wake.set()
+                    except ServiceError as e:
+                        self.metrics.rpc_errors.labels("SubmitStream", e.code.name).inc()
+                        answers.append(pb.SubmitResponse(batch_id=batch_id, error_code=e.code.value[0],
+                                                         error_message=str(e)))
+                        wake.set()
+            finally:
+                requests_ended = True
+                wake.set()
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                ended = requests_ended  # read before taking: what came before it is taken now
+                while answers:
+                    yield answers.popleft()
+                events = outbox.take() if outbox is not None else None
+                if events is not None:
+                    yield events
+                if ended:
+                    await reader  # raises what ended the reading, if anything did
+                    return
+        finally:
+            reader.cancel()
+            if outbox is not None:
+                outbox.detach(wake_up)
+
+    async def Rendezvous(self, request: pb.RendezvousRequest, context) -> pb.RendezvousResponse:
+        session = self.session_for(context, request.session_id)
+        if not session.rendezvous.admits(request.secret):
+            raise PermissionDenied(f"the rendezvous secret is not session {session.session_id}'s: use the "
+                                   "rendezvous_secret its Join answered with")
+        try:
+            return await session.rendezvous.serve(request)
+        except RendezvousError as e:
+            error = {"quota": ResourceExhausted, "invalid": InvalidArgument, "ended": NotFound}.get(e.kind,
+                                                                                                  PermissionDenied)
+            raise error(str(e)) from e
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         session = self.session_for(context, request.session_id)

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from distill_common.announcements import Outbox
 from distill_common.outputs import OutputRequest
-from teacher_server.cache import batch_key
+from distill_common.rendezvous import SessionStore
+from distill_common.wire import batch_key
 
 
 @dataclass
@@ -25,7 +27,8 @@ class Batch:
 
     @functools.cached_property
     def key(self) -> bytes:
-        """Content digest (teacher_server.cache.batch_key): identical batches share work.
+        """Content digest (distill_common.wire.batch_key): identical batches share work, and
+        its first 16 bytes go in the batch's header on the data plane.
 
         Computed when the engine first plans the batch, on its thread, not in the gRPC
         handler that queues it."""
@@ -53,18 +56,22 @@ class Session:
     peer_device_type: str
     max_inflight: int
     weight: float
+    # The session's rendezvous keys and secret (distill_common/rendezvous.py): its group
+    # forms on them, and only the student that got the secret in its Join answer reaches them.
+    rendezvous: SessionStore
     # SubmitStream answers only refused batches (JoinRequest.stream_refusals_only).
     stream_refusals_only: bool = False
     session_id: str = field(default_factory=lambda: secrets.token_hex(8))
     # The capability: every call about the session must carry it (TeacherService.session_for).
     # The id is not one: status and metrics show it. 256 bits, kept out of reprs and logs.
     secret: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
-    # Only the admitted student learns the prefix, so only it can form the group.
-    store_prefix: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    # What became of its batches, for its submit stream (distill_common/announcements.py).
+    outbox: Outbox = field(default_factory=Outbox)
     state: str = "connecting"  # connecting -> ready -> draining -> closed | failed
     next_batch_id: int = 0
     batches_submitted: int = 0
     batches_sent: int = 0
+    batches_failed: int = 0  # accepted, never sent (Delivery.fail)
     tokens_served: int = 0
     bytes_sent: int = 0
     last_heartbeat: float = field(default_factory=time.monotonic)
@@ -73,8 +80,8 @@ class Session:
 
     @property
     def inflight(self) -> int:
-        """Batches submitted whose outputs have not finished sending."""
-        return self.batches_submitted - self.batches_sent
+        """Batches submitted whose outputs have not finished sending (nor failed)."""
+        return self.batches_submitted - self.batches_sent - self.batches_failed
 
     @property
     def alive(self) -> bool:

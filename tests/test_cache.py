@@ -14,7 +14,8 @@ import torch
 
 from distill_common.outputs import BatchOutputs, ForwardNeeds
 from student_trainer import HiddenStates, Logits, TeacherClient, TopK
-from teacher_server.cache import OutputCache, batch_key
+from distill_common.wire import batch_key
+from teacher_server.cache import OutputCache
 from teacher_server.launcher import ServerProcess, metrics_samples
 from tests.helpers import build_tiny_model, finish_student, start_student, wait_for_line
 

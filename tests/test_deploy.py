@@ -198,7 +198,7 @@ def test_teacher_command_line_parses_and_matches_values(directory):
     config = settings_from(ServerConfig, settings_parser(ServerConfig).parse_args(
         [substitute(a, env) for a in c["args"]]))  # checks, too
     assert (config.model, config.device) == (values["TEACHER_MODEL"], values["TEACHER_DEVICE"])
-    assert config.advertise_host == "10.0.0.7", "students must reach the store at the pod IP, not via the Service"
+    assert config.advertise_host == "10.0.0.7", "students must reach the data plane at the pod IP, not via the Service"
 
     assert teacher["spec"]["replicas"] == int(values["TEACHER_NNODES"])
     gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
@@ -207,7 +207,8 @@ def test_teacher_command_line_parses_and_matches_values(directory):
     else:
         assert gpus == int(values["TEACHER_GPUS_PER_POD"]), "GPU limit != TEACHER_GPUS_PER_POD (components/values)"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert (ports["grpc"], ports["http"], ports["store"]) == (config.port, config.http_port, config.store_port)
+    assert (ports["grpc"], ports["http"]) == (config.port, config.http_port)
+    assert set(ports) <= {"grpc", "http", "rendezvous"}, "gRPC, HTTP and (multi-node) torchrun's rendezvous: no store port"
     if "grpc" in c["readinessProbe"]:
         assert c["readinessProbe"]["grpc"]["port"] == config.port
     service = find(docs, "Service", "teacher")
@@ -541,10 +542,10 @@ def slurm_env(tmp_path: Path, *, torchrun: bool = False, **extra: str) -> dict:
 
 def test_teacher_sbatch_publishes_address_when_ready_and_removes_it_on_stop(tmp_path):
     address_file = tmp_path / "shared" / "teacher.address"
-    grpc_port, http_port, store_port = free_port(), free_port(), free_port()
+    grpc_port, http_port = free_port(), free_port()
     env = slurm_env(tmp_path, TEACHER_MODEL="builtin:tiny", TEACHER_DEVICE="cpu",
                     TEACHER_ADDRESS_FILE=str(address_file), TEACHER_GRPC_PORT=str(grpc_port),
-                    TEACHER_HTTP_PORT=str(http_port), TEACHER_STORE_PORT=str(store_port),
+                    TEACHER_HTTP_PORT=str(http_port),
                     TEACHER_READY_TIMEOUT_S="120")
     log = tmp_path / "teacher.log"
     with log.open("w") as out:

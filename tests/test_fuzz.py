@@ -15,7 +15,7 @@ from student_trainer import Logits, TeacherClient, TopK
 from teacher_server.launcher import ServerProcess
 from tests.helpers import build_tiny_model
 
-METHODS = ("GetInfo", "Join", "Submit", "Heartbeat", "Leave", "GetStatus")
+METHODS = ("GetInfo", "Join", "Submit", "Heartbeat", "Leave", "GetStatus", "Rendezvous")
 EXAMPLES = 150
 CASES: dict[str, int] = {}
 
@@ -68,6 +68,11 @@ messages = {
     "Heartbeat": st.builds(pb.HeartbeatRequest, session_id=session_ids),
     "Leave": st.builds(pb.LeaveRequest, session_id=session_ids, drain=st.booleans()),
     "GetInfo": st.just(pb.GetInfoRequest()), "GetStatus": st.just(pb.GetStatusRequest()),
+    "Rendezvous": st.builds(pb.RendezvousRequest, session_id=session_ids, secret=st.binary(max_size=64),
+                            op=st.integers(-3, 12), keys=st.lists(st.text(max_size=300), max_size=5),
+                            value=st.binary(max_size=4096), expected=st.binary(max_size=64),
+                            amount=st.integers(-(2**63), 2**63 - 1),
+                            wait_s=st.floats(allow_nan=True, allow_infinity=True)),
 }
 fuzz = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -82,7 +87,7 @@ def test_random_bytes(channel, method, payload):
 @fuzz
 @given(data=st.data())
 def test_wrong_and_hostile_fields(channel, data):
-    method = data.draw(st.sampled_from(["Submit", "Join", "Heartbeat", "Leave"]))
+    method = data.draw(st.sampled_from(["Submit", "Join", "Heartbeat", "Leave", "Rendezvous"]))
     message = data.draw(messages[method])
     CASES[method] = CASES.get(method, 0) + 1
     _answered(channel, method, message.SerializeToString())
@@ -107,6 +112,38 @@ def test_replayed_and_foreign_ids_on_a_live_session(server, channel):
         CASES["replayed ids"] = 4
         # The session is undisturbed by the foreign submits.
         assert client.submit(torch.randint(0, 384, (2, 3))).result(timeout=60).logits.shape == (2, 3, 384)
+
+
+@fuzz
+@given(data=st.data())
+def test_hostile_rendezvous_calls_on_a_live_session(server, channel, live_session, data):
+    """With the session's id and secret (its own student gone rogue) or without the secret:
+    any operation, any keys, values and waits is answered, and touches no other session."""
+    session_id, secret = live_session
+    request = data.draw(messages["Rendezvous"])
+    request.session_id = session_id
+    if data.draw(st.booleans()):
+        request.secret = secret
+    request.wait_s = min(request.wait_s, 0.05) if request.wait_s == request.wait_s else request.wait_s
+    CASES["Rendezvous, live session"] = CASES.get("Rendezvous, live session", 0) + 1
+    code = _answered(channel, "Rendezvous", request.SerializeToString())
+    assert code != grpc.StatusCode.INTERNAL
+
+
+@pytest.fixture(scope="module")
+def live_client(server):
+    with TeacherClient(server.address, "cpu") as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def live_session(live_client):
+    """A session whose group formed: its id and rendezvous secret."""
+    return live_client.session_id, live_client._connection.session.joined.rendezvous_secret
+
+
+def test_the_rogue_calls_left_the_live_session_serving(live_client):
+    assert live_client.submit(torch.randint(0, 384, (2, 5))).result(timeout=60).logits.shape == (2, 5, 384)
 
 
 def test_a_normal_client_is_served_after_the_fuzzing(server):

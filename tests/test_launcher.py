@@ -16,7 +16,7 @@ def test_the_server_runs_this_tree_whatever_the_working_directory_holds(tmp_path
     (impostor / "__main__.py").write_text("print('the working directory\\'s teacher_server'); raise SystemExit(3)\n")
     monkeypatch.chdir(tmp_path)
     with ServerProcess("--model", "builtin:tiny", "--device", "cpu", startup_timeout_s=120) as server:
-        assert server.grpc_port and server.http_port and server.store_port
+        assert server.grpc_port and server.http_port
     assert "the working directory's teacher_server" not in server.log, server.log
 
 

@@ -47,7 +47,7 @@ def test_cuda_graphs_are_refused_on_cpu_and_under_tensor_parallelism():
     # Under torchrun every rank refuses it before loading the model, so none is left waiting
     # for another (whichever says so first ends the launch).
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-              "-m", "teacher_server", "--port", "0", "--http-port", "0", "--store-port", "0", "--cuda-graphs", "2"]
+              "-m", "teacher_server", "--port", "0", "--http-port", "0", "--cuda-graphs", "2"]
     done = subprocess.run(launch, capture_output=True, text=True, timeout=180, env=child_env(), cwd=ROOT)
     output = done.stdout + done.stderr
     assert done.returncode != 0

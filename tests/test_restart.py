@@ -43,7 +43,7 @@ class RestartableTeacher:
     def __init__(self, *args: str):
         self.args = args
         self.server: ServerProcess | None = None
-        self.ports = (0, 0, 0)  # any free ports at first, then the first server's
+        self.ports = (0, 0)  # any free ports at first, then the first server's
         self.killed_logs: list[str] = []
 
     def running(self) -> ServerProcess:

@@ -72,8 +72,8 @@ def test_tp2_model_built_from_config_equals_tp1_and_sigterm_to_rank0_exits_0(tmp
 
 def test_heads_not_divisible_by_the_world_size_are_refused():
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                           "-m", "teacher_server", "--model", "builtin:tiny", "--port", "0", "--http-port", "0",
-                           "--store-port", "0"], capture_output=True, text=True, timeout=120, env=child_env(), cwd=ROOT)
+                           "-m", "teacher_server", "--model", "builtin:tiny", "--port", "0", "--http-port", "0"],
+                          capture_output=True, text=True, timeout=120, env=child_env(), cwd=ROOT)
     assert proc.returncode != 0
     assert ("tensor parallelism over 3 ranks needs the attention heads (4) and key/value heads (2) divisible by 3: "
             "run 1 or 2 ranks") in proc.stdout + proc.stderr, proc.stdout + proc.stderr
@@ -85,7 +85,7 @@ def test_a_dead_rank_ends_the_others_instead_of_hanging(dies):
     world = dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     args = ("--model", "builtin:tiny", "--tp-timeout-s", "8")
     follower = subprocess.Popen([sys.executable, "-m", "teacher_server", "--host", "127.0.0.1", "--port", "0",
-                                 "--http-port", "0", "--store-port", "0", *args], stdout=subprocess.PIPE,
+                                 "--http-port", "0", *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                                 env=child_env(RANK="1", LOCAL_RANK="1", **world))
     try:

@@ -61,9 +61,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     HF_HOME=/cache/huggingface
 USER 10001:10001
 WORKDIR /home/teacher
-# gRPC control plane, HTTP (health, metrics, status), TCPStore of the session groups.
+# gRPC control plane (session groups form through it too), HTTP (health, metrics, status).
 # NCCL's data plane also uses ephemeral ports between teacher and student: see deploy/README.md.
-EXPOSE 50051 8000 29600
+EXPOSE 50051 8000
 # Liveness on the default --http-port. The model loads before the HTTP server starts,
 # hence the long start period.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \

@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -101,12 +102,9 @@ class JoinRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., job_rank: _Optional[int] = ..., outputs: _Optional[_Union[OutputSpec, _Mapping]] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., weight: _Optional[float] = ..., stream_refusals_only: _Optional[bool] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("session_id", "info", "store_host", "store_port", "store_prefix", "backend", "timeout_s", "heartbeat_interval_s", "lease_s", "max_inflight", "output_dtype", "stream_refusals_only", "session_secret")
+    __slots__ = ("session_id", "info", "backend", "timeout_s", "heartbeat_interval_s", "lease_s", "max_inflight", "output_dtype", "stream_refusals_only", "data_plane_host", "rendezvous_secret", "session_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
-    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
-    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
-    STORE_PREFIX_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
@@ -114,12 +112,11 @@ class JoinResponse(_message.Message):
     MAX_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     STREAM_REFUSALS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_HOST_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_SECRET_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     info: TeacherInfo
-    store_host: str
-    store_port: int
-    store_prefix: str
     backend: str
     timeout_s: float
     heartbeat_interval_s: float
@@ -127,8 +124,10 @@ class JoinResponse(_message.Message):
     max_inflight: int
     output_dtype: str
     stream_refusals_only: bool
+    data_plane_host: str
+    rendezvous_secret: bytes
     session_secret: str
-    def __init__(self, session_id: _Optional[str] = ..., info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., max_inflight: _Optional[int] = ..., output_dtype: _Optional[str] = ..., stream_refusals_only: _Optional[bool] = ..., session_secret: _Optional[str] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., max_inflight: _Optional[int] = ..., output_dtype: _Optional[str] = ..., stream_refusals_only: _Optional[bool] = ..., data_plane_host: _Optional[str] = ..., rendezvous_secret: _Optional[bytes] = ..., session_secret: _Optional[str] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("session_id", "batch_id", "input_ids", "attention_mask")
@@ -143,16 +142,84 @@ class SubmitRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
-    __slots__ = ("batch_id", "inflight", "error_code", "error_message")
+    __slots__ = ("batch_id", "inflight", "error_code", "error_message", "events")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     inflight: int
     error_code: int
     error_message: str
-    def __init__(self, batch_id: _Optional[int] = ..., inflight: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+    events: BatchEvents
+    def __init__(self, batch_id: _Optional[int] = ..., inflight: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., events: _Optional[_Union[BatchEvents, _Mapping]] = ...) -> None: ...
+
+class BatchEvents(_message.Message):
+    __slots__ = ("announced", "failed")
+    ANNOUNCED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    announced: _containers.RepeatedScalarFieldContainer[int]
+    failed: _containers.RepeatedCompositeFieldContainer[BatchFailure]
+    def __init__(self, announced: _Optional[_Iterable[int]] = ..., failed: _Optional[_Iterable[_Union[BatchFailure, _Mapping]]] = ...) -> None: ...
+
+class BatchFailure(_message.Message):
+    __slots__ = ("batch_id", "reason")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    reason: str
+    def __init__(self, batch_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RendezvousRequest(_message.Message):
+    __slots__ = ("session_id", "secret", "op", "keys", "value", "expected", "amount", "wait_s")
+    class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        OP_UNSPECIFIED: _ClassVar[RendezvousRequest.Op]
+        SET: _ClassVar[RendezvousRequest.Op]
+        GET: _ClassVar[RendezvousRequest.Op]
+        ADD: _ClassVar[RendezvousRequest.Op]
+        CHECK: _ClassVar[RendezvousRequest.Op]
+        WAIT: _ClassVar[RendezvousRequest.Op]
+        DELETE: _ClassVar[RendezvousRequest.Op]
+        COMPARE_SET: _ClassVar[RendezvousRequest.Op]
+        NUM_KEYS: _ClassVar[RendezvousRequest.Op]
+    OP_UNSPECIFIED: RendezvousRequest.Op
+    SET: RendezvousRequest.Op
+    GET: RendezvousRequest.Op
+    ADD: RendezvousRequest.Op
+    CHECK: RendezvousRequest.Op
+    WAIT: RendezvousRequest.Op
+    DELETE: RendezvousRequest.Op
+    COMPARE_SET: RendezvousRequest.Op
+    NUM_KEYS: RendezvousRequest.Op
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    secret: bytes
+    op: RendezvousRequest.Op
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    value: bytes
+    expected: bytes
+    amount: int
+    wait_s: float
+    def __init__(self, session_id: _Optional[str] = ..., secret: _Optional[bytes] = ..., op: _Optional[_Union[RendezvousRequest.Op, str]] = ..., keys: _Optional[_Iterable[str]] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class RendezvousResponse(_message.Message):
+    __slots__ = ("found", "value", "number")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    value: bytes
+    number: int
+    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., number: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -54,6 +54,11 @@ class TeacherServiceStub:
                 request_serializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitResponse.FromString,
                 _registered_method=True)
+        self.Rendezvous = channel.unary_unary(
+                '/teacher.v1.TeacherService/Rendezvous',
+                request_serializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.RendezvousRequest.SerializeToString,
+                response_deserializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.RendezvousResponse.FromString,
+                _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/teacher.v1.TeacherService/Heartbeat',
                 request_serializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.HeartbeatRequest.SerializeToString,
@@ -119,6 +124,29 @@ class TeacherServiceServicer:
         this to keep a round trip per batch off their critical path. A session joined
         with JoinRequest.stream_refusals_only is answered only for refused batches
         (see there).
+
+        The stream is also where the teacher tells the student what became of each
+        batch on the data plane: responses with `events` set (announced, failed). The
+        first stream that submits an accepted batch of a session receives that
+        session's events; another stream for the same session is refused
+        (FAILED_PRECONDITION) while the first is open. Events of batches submitted
+        before the stream attached are kept and sent once it does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rendezvous(self, request, context):
+        """The session's rendezvous store: the keys both ends of its process group
+        exchange to form it (gloo's addresses, NCCL's unique id). The store lives in
+        the teacher's process, one per session, and is deleted when the session ends;
+        a call reaches only its own session's keys, and only with the session's
+        rendezvous_secret. This is torch.distributed.Store's interface, one operation
+        per call (distill_common/rendezvous.py is the student's Store). Errors:
+        PERMISSION_DENIED    the secret is not this session's.
+        NOT_FOUND            the session is unknown or has ended.
+        RESOURCE_EXHAUSTED   over the session's quota of keys or bytes.
+        INVALID_ARGUMENT     an unknown operation, a missing key.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -169,6 +197,11 @@ def add_TeacherServiceServicer_to_server(servicer, server):
                     servicer.SubmitStream,
                     request_deserializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitRequest.FromString,
                     response_serializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitResponse.SerializeToString,
+            ),
+            'Rendezvous': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rendezvous,
+                    request_deserializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.RendezvousRequest.FromString,
+                    response_serializer=distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.RendezvousResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
@@ -294,6 +327,33 @@ class TeacherService:
             '/teacher.v1.TeacherService/SubmitStream',
             distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitRequest.SerializeToString,
             distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.SubmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rendezvous(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/teacher.v1.TeacherService/Rendezvous',
+            distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.RendezvousRequest.SerializeToString,
+            distill__common_dot_proto_dot_teacher_dot_v1_dot_teacher__pb2.RendezvousResponse.FromString,
             options,
             channel_credentials,
             insecure,

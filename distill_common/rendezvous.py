@@ -1,0 +1,239 @@
+"""A session's rendezvous: the keys both ends of its group exchange, reached only over gRPC.
+
+A process group forms on a `torch.distributed.Store`: gloo's ranks exchange their
+addresses there, NCCL's the unique id of their communicator. torch's TCPStore would do,
+but it has no authentication: anyone who reaches its port can list every key, read and
+write them. So the teacher opens no store port. Each session's keys live in the
+teacher's process, in a store of the session's own (`SessionStore`, a `dist.HashStore`
+the teacher's end of the group is built on directly), and the student reaches them only
+through the `Rendezvous` RPC: over the token-checked, TLS-able channel, with the
+session's rendezvous secret, which travels only in the student's `Join` answer. A call
+reaches its own session's keys and no other's; the keys are deleted when the session ends.
+
+The student's end is built on `RendezvousStore`, a `dist.Store` implemented in Python
+whose every operation is one `Rendezvous` call. Two facts about such a store (torch 2.11
+and 2.13): C++ keeps only a pointer to it, so the Python object must outlive every use
+(the session group holds it: a store collected early answers "Not implemented" to C++);
+and the group constructors release the interpreter lock while they wait on it, so the
+calls it makes from C++ threads can run.
+
+Bounds, each a refusal that names the limit: a session's store holds at most
+`MAX_KEYS` keys and `MAX_BYTES` bytes written by its student (a gloo or NCCL group
+needs a handful of keys and well under a KiB); a call waits at most `MAX_WAIT_S` (the
+student asks again until its own deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import hmac
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from distill_common.proto.teacher.v1 import teacher_pb2 as pb
+
+MAX_KEYS = 64
+MAX_BYTES = 64 << 10
+MAX_WAIT_S = 5.0
+SECRET_BYTES = 32
+_Op = pb.RendezvousRequest.Op
+
+
+class RendezvousError(RuntimeError):
+    """A rendezvous call refused; `kind` says why: "denied", "quota", "invalid" or "ended"."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+class SessionStore:
+    """Teacher: one session's rendezvous keys, in this process, and the `Rendezvous` calls on them.
+
+    `store` is what the teacher's end of the session group is built on. Only calls that
+    carry `secret` reach it, and only while the session lives (`close` deletes the keys).
+    """
+
+    def __init__(self, timeout_s: float, secret: bytes | None = None):
+        """`timeout_s`: how long the teacher's own waits on the store last (its join timeout)."""
+        self.secret = secret if secret is not None else new_secret()
+        self.store = dist.HashStore()
+        self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        self._written: dict[str, int] = {}  # by key: the bytes the student's calls hold there
+        self._closed = False
+        self._lock = threading.Lock()  # the quota's count; the store itself is thread-safe
+
+    def admits(self, secret: bytes) -> bool:
+        """Whether `secret` is this session's (compared in constant time)."""
+        return hmac.compare_digest(secret, self.secret)
+
+    async def serve(self, request: pb.RendezvousRequest) -> pb.RendezvousResponse:
+        """One call, whose secret was checked (`admits`). Raises RendezvousError."""
+        try:
+            return await self._serve(request)
+        except RendezvousError:
+            raise
+        except (ValueError, RuntimeError) as e:  # the store's own refusal: ADD to a value that is no number
+            raise RendezvousError("invalid", f"rendezvous {_op_name(request.op)} on {list(request.keys)}: {e}") from e
+
+    async def _serve(self, request: pb.RendezvousRequest) -> pb.RendezvousResponse:
+        op = request.op
+        if op not in _Op.values() or op == _Op.OP_UNSPECIFIED:
+            raise RendezvousError("invalid", f"unknown rendezvous operation {op}")
+        if op in (_Op.GET, _Op.WAIT):
+            keys = self._keys(request, one=op == _Op.GET)
+            found = await self._wait(keys, request.wait_s)
+            if op == _Op.WAIT or not found:
+                return pb.RendezvousResponse(found=found)
+            return pb.RendezvousResponse(found=True, value=self._store().get(keys[0]))
+        if op == _Op.CHECK:
+            return pb.RendezvousResponse(found=self._store().check(self._keys(request)))
+        if op == _Op.NUM_KEYS:
+            return pb.RendezvousResponse(number=self._store().num_keys())
+        key = self._keys(request, one=True)[0]
+        if op == _Op.SET:
+            self._account(key, request.value)
+            self._store().set(key, request.value)
+            return pb.RendezvousResponse()
+        if op == _Op.ADD:
+            self._account(key, b"-" + b"9" * 19)  # the widest an int64 in decimal can grow to
+            return pb.RendezvousResponse(number=self._store().add(key, request.amount))
+        if op == _Op.COMPARE_SET:
+            self._account(key, request.value)
+            return pb.RendezvousResponse(value=self._store().compare_set(key, request.expected, request.value))
+        if op == _Op.DELETE:
+            with self._lock:
+                self._written.pop(key, None)
+            return pb.RendezvousResponse(found=self._store().delete_key(key))
+        raise RendezvousError("invalid", f"unknown rendezvous operation {op}")  # new in the proto, not served here
+
+    def close(self) -> None:
+        """The session ended: its keys are deleted and later calls refused."""
+        with self._lock:
+            self._closed = True
+            self._written.clear()
+        for key in self.store.list_keys():
+            self.store.delete_key(key)
+
+    # ---- helpers -------------------------------------------------------------------
+
+    def _store(self) -> dist.Store:
+        if self._closed:
+            raise RendezvousError("ended", "the session has ended; its rendezvous keys are gone: join again")
+        return self.store
+
+    @staticmethod
+    def _keys(request: pb.RendezvousRequest, one: bool = False) -> list[str]:
+        keys = list(request.keys)
+        if not keys or (one and len(keys) != 1) or any(not key for key in keys):
+            raise RendezvousError("invalid", f"rendezvous {_op_name(request.op)} needs {'one key' if one else 'keys'}, "
+                                  f"got {len(keys)}")
+        return keys
+
+    def _account(self, key: str, value: bytes) -> None:
+        """Counts a write by the student against the session's quota, or refuses it."""
+        with self._lock:
+            if self._closed:
+                raise RendezvousError("ended", "the session has ended; its rendezvous keys are gone: join again")
+            keys = len(self._written) + (key not in self._written)
+            written = len(key.encode()) + len(value)
+            size = sum(self._written.values()) - self._written.get(key, 0) + written
+            if keys > MAX_KEYS or size > MAX_BYTES:
+                raise RendezvousError("quota", f"a session's rendezvous holds at most {MAX_KEYS} keys and {MAX_BYTES} "
+                                      f"bytes written by its student; this write would make {keys} keys, {size} bytes")
+            self._written[key] = written
+
+    async def _wait(self, keys: list[str], wait_s: float) -> bool:
+        """Whether `keys` are all set within `wait_s` (at most MAX_WAIT_S), polled without a thread held."""
+        deadline = time.monotonic() + (min(max(wait_s, 0.0), MAX_WAIT_S) if math.isfinite(wait_s) else 0.0)
+        pause_s = 0.001
+        while not self._store().check(keys):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(pause_s)
+            pause_s = min(2 * pause_s, 0.02)
+        return True
+
+
+class RendezvousStore(dist.Store):
+    """Student: the session's rendezvous keys, each operation one `Rendezvous` call.
+
+    `call(request, timeout_s)` makes the call (with the channel's token) and returns the
+    response or raises. Blocking operations (`get`, `wait`) wait up to the store's timeout,
+    asking again after each bounded wait on the teacher. Keep this object alive as long
+    as the group built on it (see the module's docstring).
+    """
+
+    def __init__(self, call: Callable[[pb.RendezvousRequest, float], pb.RendezvousResponse], session_id: str,
+                 secret: bytes, timeout_s: float, rpc_timeout_s: float = 30.0):
+        super().__init__()
+        self._call = call
+        self._session_id = session_id
+        self._secret = secret
+        self._rpc_timeout_s = rpc_timeout_s
+        self._clones: list[RendezvousStore] = []  # kept alive with this one (C++ holds no Python reference)
+        self.set_timeout(datetime.timedelta(seconds=timeout_s))
+
+    def _do(self, op: int, keys: list[str], **fields) -> pb.RendezvousResponse:
+        request = pb.RendezvousRequest(session_id=self._session_id, secret=self._secret, op=op, keys=keys, **fields)
+        return self._call(request, self._rpc_timeout_s + fields.get("wait_s", 0.0))
+
+    def _wait_for(self, keys: list[str], timeout: datetime.timedelta | None, *, value: bool) -> bytes | None:
+        timeout_s = (timeout or self.timeout).total_seconds()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            response = self._do(_Op.GET if value else _Op.WAIT, keys, wait_s=max(0.0, min(remaining, MAX_WAIT_S)))
+            if response.found:
+                return response.value
+            if time.monotonic() >= deadline:
+                raise dist.DistStoreError(f"rendezvous keys {keys} of session {self._session_id} were not set within "
+                                          f"{timeout_s:.0f}s: the other end of the session group did not come")
+
+    def set(self, key: str, value) -> None:
+        self._do(_Op.SET, [key], value=_bytes(value))
+
+    def get(self, key: str) -> bytes:
+        return self._wait_for([key], None, value=True)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self._wait_for(list(keys), timeout, value=False)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._do(_Op.CHECK, list(keys)).found
+
+    def add(self, key: str, amount: int) -> int:
+        return self._do(_Op.ADD, [key], amount=amount).number
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self._do(_Op.COMPARE_SET, [key], expected=_bytes(expected), value=_bytes(desired)).value
+
+    def delete_key(self, key: str) -> bool:
+        return self._do(_Op.DELETE, [key]).found
+
+    def num_keys(self) -> int:
+        return self._do(_Op.NUM_KEYS, []).number
+
+    def clone(self) -> "RendezvousStore":
+        clone = RendezvousStore(self._call, self._session_id, self._secret, self.timeout.total_seconds(),
+                                self._rpc_timeout_s)
+        self._clones.append(clone)
+        return clone
+
+
+def _op_name(op: int) -> str:
+    return _Op.Name(op) if op in _Op.values() else str(op)
+
+
+def _bytes(value) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
