@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from distill_common import rendezvous
+from distill_common.channel import SESSION_SECRET_KEY
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from student_trainer import TeacherClient
@@ -67,6 +68,11 @@ def stub(server):
 
 
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
+
+
+def as_session(joined: pb.JoinResponse) -> tuple:
+    """The metadata of a call about the session `joined`: the token and the session's secret."""
+    return AUTH + ((SESSION_SECRET_KEY, joined.session_secret),)
 
 
 def reference(local, ids: torch.Tensor) -> torch.Tensor:
@@ -151,16 +157,23 @@ def test_attack_1_no_store_no_rendezvous_or_events_without_credentials_outputs_s
         for op, keys, fields in attempts:
             assert rendezvous_code(stub, (), victim_id, mine.rendezvous_secret, op, *keys,
                                    **fields) == grpc.StatusCode.UNAUTHENTICATED, op
-            assert rendezvous_code(stub, AUTH, victim_id, mine.rendezvous_secret, op, *keys,
-                                   **fields) == grpc.StatusCode.PERMISSION_DENIED, op
+            # The attacker's own session secret names no session of the victim's: NOT_FOUND, as for
+            # a session that does not exist; with no session secret at all, PERMISSION_DENIED.
+            assert rendezvous_code(stub, as_session(mine), victim_id, mine.rendezvous_secret, op, *keys,
+                                   **fields) == grpc.StatusCode.NOT_FOUND, op
             assert rendezvous_code(stub, AUTH, victim_id, b"", op, *keys, **fields) == grpc.StatusCode.PERMISSION_DENIED
-        stub.Leave(pb.LeaveRequest(session_id=mine.session_id), timeout=10, metadata=AUTH)
+        stub.Leave(pb.LeaveRequest(session_id=mine.session_id), timeout=10, metadata=as_session(mine))
 
         # 3. The victim's events: a second stream for its session is refused before it takes
         #    anything (no batch id used up, no event diverted), and the victim goes on.
         hijack = pb.SubmitRequest(session_id=victim_id, batch_id=12,
                                   input_ids=pb.Tensor(dtype="int64", shape=[1, 1], data=bytes(8)))
+        # Without the victim's session secret it is refused before anything else is looked at.
         replies = list(stub.SubmitStream(iter([hijack]), timeout=10, metadata=AUTH))
+        assert [(r.batch_id, r.error_code) for r in replies] == [(12, grpc.StatusCode.PERMISSION_DENIED.value[0])]
+        # With it (leaked), a second stream still cannot take the session's events.
+        leaked = AUTH + ((SESSION_SECRET_KEY, victim._connection.session.joined.session_secret),)
+        replies = list(stub.SubmitStream(iter([hijack]), timeout=10, metadata=leaked))
         assert [(r.batch_id, r.error_code) for r in replies] == [(12, grpc.StatusCode.FAILED_PRECONDITION.value[0])]
         assert "another stream submits to session" in replies[0].error_message
         ids = torch.randint(0, VOCAB, (2, 8))
@@ -181,16 +194,21 @@ def test_a_sessions_rendezvous_is_confined_bounded_and_gone_when_it_ends(server,
 
     def call(op, *keys, session_id=me, **fields):
         request = pb.RendezvousRequest(session_id=session_id, secret=secret, op=op, keys=keys, **fields)
-        return stub.Rendezvous(request, timeout=10, metadata=AUTH)
+        return stub.Rendezvous(request, timeout=10, metadata=as_session(joined))
 
     call(Op.SET, "k", value=b"mine")
     assert call(Op.GET, "k", wait_s=1).value == b"mine"
     # Another session's keys are another store: the same key is not there, and its secret is not ours.
-    with pytest.raises(grpc.RpcError) as info:
+    with pytest.raises(grpc.RpcError) as info:  # our session's secret does not open the other session
         call(Op.GET, "k", session_id=other.session_id, wait_s=0.1)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as info:  # the other session's secret, our rendezvous secret
+        stub.Rendezvous(pb.RendezvousRequest(session_id=other.session_id, secret=secret, op=Op.GET, keys=["k"]),
+                        timeout=10, metadata=as_session(other))
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert not stub.Rendezvous(pb.RendezvousRequest(session_id=other.session_id, secret=other.rendezvous_secret,
-                                                    op=Op.CHECK, keys=["k"]), timeout=10, metadata=AUTH).found
+                                                    op=Op.CHECK, keys=["k"]), timeout=10,
+                               metadata=as_session(other)).found
     # A quota of bytes per session (and of keys: tests/test_rendezvous.py), refused with the limit.
     with pytest.raises(grpc.RpcError) as info:
         call(Op.SET, "big", value=b"x" * rendezvous.MAX_BYTES)
@@ -198,11 +216,11 @@ def test_a_sessions_rendezvous_is_confined_bounded_and_gone_when_it_ends(server,
     # A wait is bounded by the teacher whatever is asked.
     assert not call(Op.WAIT, "never", wait_s=0.2).found
     # The session ends: its keys with it.
-    stub.Leave(pb.LeaveRequest(session_id=me), timeout=10, metadata=AUTH)
+    stub.Leave(pb.LeaveRequest(session_id=me), timeout=10, metadata=as_session(joined))
     with pytest.raises(grpc.RpcError) as info:
         call(Op.GET, "k", wait_s=0.1)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
-    stub.Leave(pb.LeaveRequest(session_id=other.session_id), timeout=10, metadata=AUTH)
+    stub.Leave(pb.LeaveRequest(session_id=other.session_id), timeout=10, metadata=as_session(other))
 
 
 def sent_all(server, session_id: str, batches: int) -> dict | None:
