@@ -8,7 +8,9 @@ other bad input; typed errors raised below become their status code in one place
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 
 import grpc
@@ -41,7 +43,8 @@ class TeacherService:
         self.store_port = store_port
         self.info = engine.runner.info
         self.teacher_uuid = device_uuid(self.info.device)
-        self.facts = TeacherFacts.from_info(self.teacher_info())  # what a session's outputs are checked against
+        # What a session's outputs are checked against.
+        self.facts = dataclasses.replace(TeacherFacts.from_info(self.teacher_info()), max_topk=config.max_topk)
 
     # ---- RPCs ---------------------------------------------------------------------
 
@@ -53,6 +56,7 @@ class TeacherService:
             outputs = OutputRequest.resolve(request.outputs, self.facts)
         except OutputSpecError as e:
             raise InvalidArgument(str(e)) from e
+        self._check_output_bytes(outputs)
         backend = self._check_peer(request.peer)
         try:
             outputs.check_student(request.vocab_size, request.tokenizer_fingerprint)
@@ -158,6 +162,25 @@ class TeacherService:
             max_inflight=c.max_inflight, tokenizer_fingerprint=i.tokenizer_fingerprint,
             torch_version=i.torch_version, nccl_version=i.nccl_version)
 
+    def _check_output_bytes(self, outputs: OutputRequest) -> None:
+        """Refuses outputs larger than --max-output-bytes for the largest batch the session may send:
+        as many sequences of --max-seq-len as --max-batch-tokens holds.
+
+        The tensors derived for a batch are held in teacher memory until the student has them.
+        """
+        seq = self.config.max_seq_len
+        rows = self.config.max_batch_tokens // seq
+        need = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in outputs.layout(rows, seq))
+        limit = self.config.output_bytes_limit(self.facts)
+        if need > limit:
+            default = "" if self.config.max_output_bytes else (
+                ", by default what full logits, top-k and every hidden state take in float32")
+            raise FailedPrecondition(
+                f"the outputs asked ({outputs}) take {_mib(need)} for a batch of {rows} x {seq} tokens (the largest "
+                f"--max-batch-tokens and --max-seq-len allow), more than the teacher's --max-output-bytes, "
+                f"{_mib(limit)}{default}: ask for less (top-k instead of logits, fewer hidden layers, a smaller "
+                "dtype), or start the teacher with a larger --max-output-bytes")
+
     def _check_peer(self, peer: pb.PeerInfo) -> str:
         if peer.device_type not in ("cpu", "cuda"):
             raise InvalidArgument(f"peer.device_type {peer.device_type!r} must be 'cpu' or 'cuda'")
@@ -185,8 +208,10 @@ class TeacherService:
         if any(dim <= 0 for dim in shape):
             raise InvalidArgument(f"input_ids of shape {shape} is empty: send at least one token in one row")
         if shape[1] > limits.max_seq_len:
+            model = limits.position_limit
+            why = f" (the model's limit: {model})" if model is not None and model.positions == limits.max_seq_len else ""
             raise InvalidArgument(f"sequence length {shape[1]} exceeds the teacher's --max-seq-len "
-                                  f"{limits.max_seq_len}: truncate or split sequences")
+                                  f"{limits.max_seq_len}{why}: truncate or split sequences")
         if shape[0] * shape[1] > limits.max_batch_tokens:
             raise ResourceExhausted(f"batch of {shape[0]} x {shape[1]} = {shape[0] * shape[1]} tokens exceeds the "
                                     f"teacher's --max-batch-tokens {limits.max_batch_tokens}: send smaller batches")
@@ -214,6 +239,10 @@ class TeacherService:
             raise InvalidArgument("every row of attention_mask needs at least one 1 (a row of padding only)")
         ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
         return Batch(batch_id=request.batch_id, input_ids=ids, attention_mask=mask)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB ({nbytes} bytes)"
 
 
 def _parse(request_class, raw: bytes):
