@@ -8,8 +8,11 @@ posted at once, and one announcer thread tells the students once the device fini
 the forward. A refused batch is marked where its student waits for the announcement.
 
 What the engine decides stays with the engine: it is told when a group formed
-(`formed`), when a batch finished sending (`sent`), and asked to end a session whose
-transfer failed (`end`).
+(`formed`), when a batch finished sending (`sent`) or will never be sent (`failed`), and
+asked to end a session whose transfer failed (`end`).
+
+A batch that cannot be served (its forward failed, or deriving its outputs did) fails
+alone, through `fail`, with a reason for its student; nothing of it is sent.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 from distill_common import tracing
 from distill_common.announcements import Announcements
-from distill_common.outputs import BatchOutputs
+from distill_common.outputs import BatchOutputs, TensorSpec
 from distill_common.session_group import (TEACHER_RANK, SessionGroup, TransferError, build_group, connect_store,
                                           handshake, prefix_token)
 from teacher_server.metrics import Metrics
@@ -64,7 +67,7 @@ class Delivery:
     def __init__(self, metrics: Metrics, *, store, advertise_host: str, device: torch.device,
                  join_timeout_s: float, transfer_timeout_s: float,
                  formed: Callable[[Session], bool], sent: Callable[[Session, Batch, int], None],
-                 end: Callable[..., None]):
+                 failed: Callable[[Session, Batch], None], end: Callable[..., None]):
         self.metrics = metrics
         self.store = store
         self.advertise_host = advertise_host
@@ -73,6 +76,7 @@ class Delivery:
         self.transfer_timeout_s = transfer_timeout_s
         self._formed = formed  # (session) -> False when it ended meanwhile
         self._sent = sent  # (session, batch, bytes sent)
+        self._failed = failed  # (session, batch): it will never be sent
         self._end = end  # (session, reason, failure)
         self._links: dict[str, _Link] = {}
         self._lock = threading.Lock()
@@ -143,6 +147,22 @@ class Delivery:
         except Exception as e:  # the student's wait then times out and it joins again
             log.warning("session %s: could not mark batch %d refused: %s", session.session_id, batch_id, e)
 
+    def fail(self, session: Session, batch: Batch, reason: str) -> None:
+        """Fails one batch of `session`: its outputs will never be sent, for `reason`.
+
+        The student's future of that batch must fail with `reason`, and no other batch with
+        it. With the means the data plane has here (the store's announcements carry no reason,
+        the submit stream answers only while the student submits), the student is told by
+        ending the session with the reason: its next heartbeat or submit is answered
+        NOT_FOUND naming it, it joins again and sends its undelivered batches, and gives up on
+        a batch after a bounded number of sessions that ended without it
+        (student_trainer/connection.py). Other sessions are untouched.
+        """
+        log.warning("session %s (job %s): batch %d failed: %s", session.session_id, session.job_id, batch.batch_id,
+                    reason, extra={"session_id": session.session_id, "job_id": session.job_id})
+        self._failed(session, batch)
+        self._end(session, "batch_failed", f"batch {batch.batch_id} failed: {reason}")
+
     # ---- sends ---------------------------------------------------------------------
 
     def deliver(self, served: list[tuple[Session, Batch, BatchOutputs]], start: float, tokens: int) -> None:
@@ -175,8 +195,13 @@ class Delivery:
             return None  # ended meanwhile
         key = (id(out), session.outputs, session.backend)
         tensors = derived.get(key)
-        if tensors is None:
-            tensors = derived[key] = link.group.to_send(session.outputs.derive(out, batch))
+        try:
+            if tensors is None:
+                tensors = derived[key] = link.group.to_send(_derive(session, batch, out))
+        except Exception as e:  # e.g. out of memory: this batch of this session fails, nothing else
+            log.exception("deriving the outputs of batch %d of session %s failed", batch.batch_id, session.session_id)
+            self.fail(session, batch, f"deriving its outputs ({session.outputs}) failed: {type(e).__name__}: {e}")
+            return None
         try:
             works = link.group.send_all(tensors)
         except Exception as e:
@@ -247,3 +272,22 @@ class Delivery:
                     self._end(session, "transfer_failed", f"announcing batch {batch_id} failed: {e}")
                     continue
                 tracing.mark("t_announced", batch_id)
+
+
+class OutputMismatch(RuntimeError):
+    """Derived outputs differ from the layout the student received them into."""
+
+
+def _derive(session: Session, batch: Batch, out: BatchOutputs) -> list[torch.Tensor]:
+    """The session's tensors for `batch`, checked against the layout its student allocates.
+
+    A tensor of another shape or dtype would not fail on its own: the student's receive
+    would take the wrong bytes, or wait for bytes that never come, and the session group
+    would be lost; the batch fails here instead, with what differs.
+    """
+    tensors = session.outputs.derive(out, batch)
+    expected = session.outputs.layout(batch.rows, batch.seq_len)
+    got = [TensorSpec(tuple(t.shape), t.dtype) for t in tensors]
+    if got != expected:
+        raise OutputMismatch(f"the forward gave tensors {got}, the student receives {expected}")
+    return tensors

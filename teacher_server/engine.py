@@ -8,6 +8,12 @@ batches of all ready sessions, the model runs it, and delivery
 announces them once the device is done. The engine itself holds the sessions, their
 lifecycle (admission, leases, ending) and the forward.
 
+One batch never stops the engine: a forward that fails is run again batch by batch, so
+only the batches that cannot run fail; an error while keeping or deriving one batch's
+outputs fails that batch; and an error the step did not foresee fails the step's
+batches. A batch fails through `Delivery.fail`, which tells its student why; the engine
+thread goes on with the next plan, and /healthz stays 200.
+
 Tensor parallelism: the engine runs on rank 0 only. Its runner broadcasts each forward
 to the other ranks (teacher_server/parallel.py), which run the same sharded forward; the
 logits come back gathered on rank 0, which alone sends to students, so joins and leaves
@@ -19,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +63,17 @@ def pack(batches: list[tuple[torch.Tensor, torch.Tensor]], pinned: bool) -> tupl
     return input_ids, mask
 
 
+# Why a session ended, kept for this many ended sessions: a student told NOT_FOUND learns why.
+ENDED_SESSIONS_KEPT = 1024
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A batch that could not be served, and why (the student is told)."""
+
+    reason: str
+
+
 @dataclass
 class _Forward:
     """A launched forward (or none, when every batch came from the cache)."""
@@ -63,11 +81,8 @@ class _Forward:
     start: float  # monotonic, before the launch
     launched: float
     shape: tuple[int, int]  # rows x sequence length of the packed forward; (0, 0): no forward ran
-    outputs: list[BatchOutputs]  # what each planned batch is served from, in plan order
-
-    @property
-    def tokens(self) -> int:
-        return self.shape[0] * self.shape[1]
+    tokens: int  # rows x length of the forwards that ran (a failed pack runs again batch by batch); 0: none
+    outputs: list[BatchOutputs | Failed]  # what each planned batch is served from, in plan order
 
 
 class Engine:
@@ -81,9 +96,10 @@ class Engine:
         self.scheduler = Scheduler(max_batch_tokens=max_batch_tokens, max_sessions=max_sessions)
         self.delivery = Delivery(metrics, store=store, advertise_host=advertise_host, device=runner.device,
                                  join_timeout_s=join_timeout_s, transfer_timeout_s=transfer_timeout_s,
-                                 formed=self._formed, sent=self._sent, end=self._end)
+                                 formed=self._formed, sent=self._sent, failed=self._failed, end=self._end)
         self.lease_s = lease_s
         self._sessions: dict[str, Session] = {}
+        self._ended: OrderedDict[str, str] = OrderedDict()  # session id -> why it ended, the latest ones
         # Guards the sessions and the scheduler; notified when there may be work to plan.
         self._cond = threading.Condition()
         self._accepting = True
@@ -146,7 +162,10 @@ class Engine:
     def session(self, session_id: str) -> Session:
         with self._cond:
             session = self._sessions.get(session_id)
+            ended = self._ended.get(session_id)
         if session is None or not session.alive:
+            if ended is not None:  # the student learns why, e.g. that a batch of its failed
+                raise NotFound(f"session {session_id!r} has ended ({ended}); join again")
             raise NotFound(f"session {session_id!r} is unknown or has ended; join again")
         return session
 
@@ -220,6 +239,18 @@ class Engine:
         if finished:
             self._end(session, "left")
 
+    def _failed(self, session: Session, batch: Batch) -> None:
+        """One planned batch will never be sent (Delivery.fail): it no longer counts as in flight."""
+        with self._cond:
+            session.batches_failed += 1
+            self.scheduler.sent(session)
+            finished = session.state == "draining" and session.inflight == 0
+            self._cond.notify_all()
+        self.metrics.batches_failed.inc()
+        self.metrics.inflight.labels(session.session_id, session.job_id).set(session.inflight)
+        if finished:
+            self._end(session, "left")
+
     def _end(self, session: Session, reason: str, failure: str = "") -> None:
         """Ends a session: drops its queue, aborts its group, forgets its metrics."""
         with self._cond:
@@ -229,6 +260,9 @@ class Engine:
             session.failure = failure
             self.scheduler.remove(session)
             self._sessions.pop(session.session_id, None)
+            self._ended[session.session_id] = f"{reason}: {failure}" if failure else reason
+            while len(self._ended) > ENDED_SESSIONS_KEPT:
+                self._ended.popitem(last=False)
             self._cond.notify_all()
         self.delivery.close(session)
         self.metrics.sessions_connected.dec()
@@ -258,19 +292,31 @@ class Engine:
     def _loop(self) -> None:
         try:
             while (plan := self._next_plan()) is not None:
-                forward = self._forward(plan)
-                if forward is None:  # it failed: the plan's sessions ended
-                    continue
-                self.delivery.deliver([(p.session, p.batch, out) for p, out in zip(plan, forward.outputs)],
-                                      forward.start, forward.tokens)
-                if forward.tokens:
-                    log.debug("forward %d x %d (%d batches): launched in %.1f ms, sends posted in %.1f ms",
-                              *forward.shape, len(plan), (forward.launched - forward.start) * 1e3,
-                              (time.monotonic() - forward.launched) * 1e3)
+                try:
+                    self._step(plan)
+                except Exception as e:  # unforeseen, in one step: its batches fail, the engine goes on
+                    log.exception("serving %d batches failed", len(plan))
+                    for p in plan:
+                        self.delivery.fail(p.session, p.batch, f"the teacher failed serving it: {_describe(e)}")
         except BaseException as e:  # the engine is dead: /readyz turns 503 and the error is logged
             self.error = e
             log.exception("engine loop died")
             raise
+
+    def _step(self, plan: list[Planned]) -> None:
+        """Runs one plan: its forward, then each batch's sends (or its failure)."""
+        forward = self._forward(plan)
+        served = []
+        for p, out in zip(plan, forward.outputs):
+            if isinstance(out, Failed):
+                self.delivery.fail(p.session, p.batch, out.reason)
+            else:
+                served.append((p.session, p.batch, out))
+        self.delivery.deliver(served, forward.start, forward.tokens)
+        if forward.tokens:
+            log.debug("forward %d x %d (%d batches): launched in %.1f ms, sends posted in %.1f ms",
+                      *forward.shape, len(plan), (forward.launched - forward.start) * 1e3,
+                      (time.monotonic() - forward.launched) * 1e3)
 
     def _next_plan(self) -> list[Planned] | None:
         """Waits for work, then takes the batches of one forward (None: the engine stops)."""
@@ -293,40 +339,84 @@ class Engine:
     def _cached(self, session: Session, batch: Batch) -> BatchOutputs | None:
         return self.cache.get(batch.key, session.outputs.needs)
 
-    def _forward(self, plan: list[Planned]) -> _Forward | None:
-        """Launches the forward of the plan's computed batches (does not wait for the
-        device); None when it failed, and the plan's sessions ended."""
+    def _forward(self, plan: list[Planned]) -> _Forward:
+        """Launches the forward of the plan's computed batches (does not wait for the device).
+
+        When the packed forward fails, each computed batch runs alone: only the batches that
+        cannot run fail (an input the model refuses, a batch too large for memory), and the
+        others are served as if nothing happened.
+        """
         computed = [p for p in plan if p.computed]
         shared = sum(1 for p in plan if not p.computed and p.cached is None)
         if shared:
             self.cache.note_shared_in_forward(shared)
         if not computed:  # every batch came from the cache: no forward to wait for or count
             now = time.monotonic()
-            return _Forward(now, now, (0, 0), [p.cached for p in plan])
-        # `computed` is in row order (the scheduler gives each its rows in turn).
-        input_ids, mask = pack([(p.batch.input_ids, p.batch.attention_mask) for p in computed],
-                               pinned=self.runner.device.type == "cuda")
-        rows, seq = input_ids.shape
+            return _Forward(now, now, (0, 0), 0, [p.cached for p in plan])
         wanted = [p.session for p in plan]
         if self.cache.enabled:  # entries keep what any live session needs, so later ones hit
             wanted += self.sessions()
         needs = ForwardNeeds.union(session.outputs.needs for session in wanted)
         start = time.monotonic()
         tracing.mark("t_inputs", plan[0].batch.batch_id)
+        # `computed` is in row order (the scheduler gives each its rows in turn).
+        rows = sum(p.batch.rows for p in computed)
+        seq = max(p.batch.seq_len for p in computed)
         try:
-            out = self.runner.forward(input_ids, mask, hidden=needs.hidden_states)
-            tracing.mark("t_launched", plan[0].batch.batch_id)
-        except Exception as e:  # e.g. out of memory: those sessions fail, the teacher stays up
+            produced = self._compute(computed, needs)
+            tokens = rows * seq
+        except Exception as e:  # e.g. out of memory, or one batch the model refuses
             # (The busy clock is the announcer's: a launch that failed at once adds nothing to it.)
-            log.exception("forward of %d x %d failed", rows, seq)
-            for session in {id(p.session): p.session for p in plan}.values():
-                self._end(session, "forward_failed", f"the teacher's forward failed: {e}")
-            return None
+            if len(computed) == 1 or not self.runner.healthy:  # nothing to split, or no forward can run again
+                log.exception("forward of %d x %d failed", rows, seq)
+                failure = Failed(f"the teacher's forward failed: {_describe(e)}")
+                produced, tokens = {p.row: failure for p in computed}, 0
+            else:
+                log.warning("forward of %d x %d (%d batches) failed (%s): running each batch alone", rows, seq,
+                            len(computed), _describe(e))
+                produced, tokens = self._compute_each(computed, needs)
+        tracing.mark("t_launched", plan[0].batch.batch_id)
         launched = time.monotonic()
-        produced: dict[int, BatchOutputs] = {}  # by first row: what each computed batch is served from
+        return _Forward(start, launched, (rows, seq), tokens,
+                        [p.cached if p.cached is not None else produced[p.row] for p in plan])
+
+    def _compute(self, computed: list[Planned], needs: ForwardNeeds) -> dict[int, BatchOutputs | Failed]:
+        """One forward of `computed` packed; what each is served from, by its row in the plan.
+
+        Raises when the forward fails. Keeping one batch's outputs (its rows, a copy in the
+        cache) that fails fails that batch only.
+        """
+        input_ids, mask = pack([(p.batch.input_ids, p.batch.attention_mask) for p in computed],
+                               pinned=self.runner.device.type == "cuda")
+        out = self.runner.forward(input_ids, mask, hidden=needs.hidden_states)
+        produced: dict[int, BatchOutputs | Failed] = {}
+        row = 0  # in this forward; p.row is in the plan's
         for p in computed:
             b, s = p.batch.input_ids.shape
-            outputs = BatchOutputs.of_rows(out, needs, slice(p.row, p.row + b), s)
-            produced[p.row] = self.cache.put(p.batch.key, outputs)  # `outputs` itself with the cache off
-        return _Forward(start, launched, (rows, seq),
-                        [p.cached if p.cached is not None else produced[p.row] for p in plan])
+            try:
+                outputs = BatchOutputs.of_rows(out, needs, slice(row, row + b), s)
+                produced[p.row] = self.cache.put(p.batch.key, outputs)  # `outputs` itself with the cache off
+            except Exception as e:
+                log.exception("keeping the outputs of batch %d of session %s failed", p.batch.batch_id,
+                              p.session.session_id)
+                produced[p.row] = Failed(f"keeping the teacher's outputs failed: {_describe(e)}")
+            row += b
+        return produced
+
+    def _compute_each(self, computed: list[Planned], needs: ForwardNeeds) -> tuple[dict, int]:
+        """A forward per batch; those that fail fail alone. Also returns the tokens run."""
+        produced: dict[int, BatchOutputs | Failed] = {}
+        tokens = 0
+        for p in computed:
+            try:
+                produced.update(self._compute([p], needs))
+                tokens += p.batch.tokens
+            except Exception as e:
+                log.exception("forward of batch %d of session %s (%d x %d) failed", p.batch.batch_id,
+                              p.session.session_id, p.batch.rows, p.batch.seq_len)
+                produced[p.row] = Failed(f"the teacher's forward failed on this batch: {_describe(e)}")
+        return produced, tokens
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"

@@ -62,6 +62,7 @@ class Session:
     next_batch_id: int = 0
     batches_submitted: int = 0
     batches_sent: int = 0
+    batches_failed: int = 0  # planned, never to be sent (Delivery.fail)
     tokens_served: int = 0
     bytes_sent: int = 0
     last_heartbeat: float = field(default_factory=time.monotonic)
@@ -70,8 +71,8 @@ class Session:
 
     @property
     def inflight(self) -> int:
-        """Batches submitted whose outputs have not finished sending."""
-        return self.batches_submitted - self.batches_sent
+        """Batches submitted whose outputs have not finished sending (nor failed)."""
+        return self.batches_submitted - self.batches_sent - self.batches_failed
 
     @property
     def alive(self) -> bool:
