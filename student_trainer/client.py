@@ -45,7 +45,7 @@ from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from distill_common.session_group import (STUDENT_RANK, build_group, connect_store, device_uuid, handshake,
                                           local_address_towards, nccl_version, prefix_token)
 from distill_common.vocab import tokenizer_fingerprint
-from student_trainer.connection import Action, Connection, State
+from student_trainer.connection import MAX_RESUBMITS, Action, Connection, State
 from student_trainer.errors import Incompatible, TeacherError, TeacherUnavailable, from_rpc_error
 from student_trainer.session import Batch, Session
 
@@ -86,7 +86,7 @@ class TeacherClient:
                  rpc_timeout_s: float = 30.0, auth_token: str | None = None,
                  join_timeout_s: float = 120.0, transfer_timeout_s: float | None = None,
                  tls_ca: str | bool | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 reconnect_timeout_s: float = 300.0):
+                 reconnect_timeout_s: float = 300.0, max_resubmits: int = MAX_RESUBMITS):
         """`outputs`: the kinds of teacher output to receive (distill_common.outputs: Logits(),
         TopK(k), HiddenStates(layers)), in `dtype` (None: the teacher's).
 
@@ -97,7 +97,9 @@ class TeacherClient:
         `reconnect_timeout_s`: how long to keep trying to join again after the teacher went
         away (a restart, a crash, a network cut) before failing the outstanding batches
         with TeacherUnavailable; 0 fails them at once. The default, 5 minutes, covers a
-        restart that reloads a large model; a job that would rather fail fast lowers it."""
+        restart that reloads a large model; a job that would rather fail fast lowers it.
+        `max_resubmits`: how many times a batch is sent again after the session holding it
+        ended; past that it fails with BatchNotServed, naming why each session ended."""
         self.address = address
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -150,7 +152,7 @@ class TeacherClient:
             self._leave(joined.session_id)
             self._channel.close()
             raise
-        self._connection = Connection(session, address, reconnect_timeout_s)
+        self._connection = Connection(session, address, reconnect_timeout_s, max_resubmits=max_resubmits)
         self._start(session)
         self._heartbeat_thread = threading.Thread(target=self._send_heartbeats, name="send-heartbeats", daemon=True)
         self._heartbeat_thread.start()
@@ -322,7 +324,8 @@ class TeacherClient:
         """A thread of `session` hit `error`: the connection decides whether to join again or fail for good."""
         with self._cond:
             connection = self._connection
-            action = (connection.heartbeat_failed if heartbeat else connection.failed)(session, error)
+            action = (connection.heartbeat_failed if heartbeat else connection.failed)(session, error,
+                                                                                       list(self._undelivered))
             self._cond.notify_all()
         if action is Action.IGNORE:
             return
@@ -351,8 +354,12 @@ class TeacherClient:
         start = time.monotonic()
         log.warning("lost teacher %s (session %s): %s; joining again for up to %gs (reconnect_timeout_s)",
                     self.address, lost.session_id, cause, self.reconnect_timeout_s)
-        # A teacher that is still up (it dropped the session, or the network blinked) frees its slot.
-        self._leave(lost.session_id, timeout_s=min(self.rpc_timeout_s, 5.0))
+        # A teacher that is still up (it dropped the session, or the network blinked) frees its slot;
+        # one that ended the session says why.
+        answer = self._leave(lost.session_id, timeout_s=min(self.rpc_timeout_s, 5.0))
+        if answer is not None:
+            with self._cond:
+                self._connection.explained(answer)
         attempt = 0
         while True:
             with self._cond:
@@ -425,7 +432,10 @@ class TeacherClient:
             with self._cond:
                 installed = self._connection.rejoined(session)
                 if installed:
+                    hopeless = self._connection.not_to_resubmit(self._undelivered)
+                    failed = [(self._undelivered.pop(batch_id), error) for batch_id, error in hopeless.items()]
                     batches = list(self._undelivered.values())
+                    self._cond.notify_all()  # close() waits for _undelivered to empty
             if not installed:
                 session.stop()
                 self._leave(session.session_id, timeout_s=min(self.rpc_timeout_s, 5.0))
@@ -437,6 +447,9 @@ class TeacherClient:
             for batch in batches:
                 session.send(batch)
         self.reconnects += 1
+        for batch, error in failed:  # taken out of _undelivered above: resolved here, once
+            log.error("%s", error)
+            batch.future.set_exception(error)
         return len(batches)
 
     # ---- plumbing ----------------------------------------------------------------
@@ -469,10 +482,13 @@ class TeacherClient:
                 log.warning("heartbeat failed: %s", e)
                 self._session_failed(session, e, heartbeat=True)
 
-    def _leave(self, session_id: str, timeout_s: float | None = None) -> None:
+    def _leave(self, session_id: str, timeout_s: float | None = None) -> TeacherError | None:
+        """Leaves the session; the teacher's error, if any (NOT_FOUND names why it had ended it)."""
         if not session_id:
-            return
+            return None
         try:
             self._call("Leave", pb.LeaveRequest(session_id=session_id, drain=False), timeout_s)
         except TeacherError as e:
             log.debug("leave: %s", e)
+            return e
+        return None

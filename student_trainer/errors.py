@@ -47,6 +47,11 @@ class TransferFailed(TeacherError):
     """The data plane failed: a receive timed out or the session group broke."""
 
 
+class BatchNotServed(TeacherError):
+    """One batch ended every session it was sent to, up to the client's max_resubmits: the message
+    says why each ended. The client goes on with other batches."""
+
+
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.FAILED_PRECONDITION: Incompatible,
