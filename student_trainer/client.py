@@ -16,8 +16,9 @@ When the teacher goes away (UNAVAILABLE, a broken session group, NOT_FOUND for o
 session after a restart) the client joins again, with backoff, for up to
 `reconnect_timeout_s`, and sends the new session every batch whose outputs it has not
 delivered, in submit order: each future resolves exactly once, later than it would
-have. A refusal (INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED,
-UNAUTHENTICATED) is final. What a failure leads to is decided in one place, the
+have; a batch that ended every session it was sent to, `max_resubmits` times again, fails
+instead with why each ended. A refusal (INVALID_ARGUMENT, FAILED_PRECONDITION,
+RESOURCE_EXHAUSTED, UNAUTHENTICATED) is final. What a failure leads to is decided in one place, the
 connection's state machine (student_trainer/connection.py). Batch ids restart at 0 on
 every session (see SubmitRequest.batch_id); `TeacherOutput.batch_id` is the client's own
 id, which does not.

@@ -408,6 +408,9 @@ class Engine:
         produced: dict[int, BatchOutputs | Failed] = {}
         tokens = 0
         for p in computed:
+            if not self.runner.healthy:  # a tensor-parallel world broke on an earlier batch
+                produced[p.row] = Failed("the teacher's tensor-parallel world broke (see its log)")
+                continue
             try:
                 produced.update(self._compute([p], needs))
                 tokens += p.batch.tokens

@@ -258,8 +258,8 @@ def test_the_cli_trainer_fed_a_batch_the_teacher_cannot_run_exits_with_the_reaso
     try:
         done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
                               cwd=ROOT, timeout=90)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"the trainer still ran after 90 s:\n{e.output}") from None
+    except subprocess.TimeoutExpired as e:  # its output comes as bytes then
+        raise AssertionError(f"the trainer still ran after 90 s:\n{e.output.decode()}") from None
     took_s = time.monotonic() - started
     assert done.returncode != 0, done.stdout
     assert f"this model cannot run token {RAISE}" in done.stdout, done.stdout  # the teacher's reason

@@ -72,8 +72,8 @@ def test_a_longer_max_seq_len_than_the_model_can_run_is_refused_at_start_up(tmp_
     try:  # refused before the weights load: no server starts
         done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
                               timeout=120)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"the teacher started instead of refusing --max-seq-len:\n{e.output}") from None
+    except subprocess.TimeoutExpired as e:  # its output comes as bytes then
+        raise AssertionError(f"the teacher started instead of refusing --max-seq-len:\n{e.output.decode()}") from None
     assert done.returncode == 2, done.stdout
     assert f"--max-seq-len {DECLARED + 1}" in done.stdout, done.stdout
     assert f"{DECLARED} (its position table transformer.wpe" in done.stdout, done.stdout
