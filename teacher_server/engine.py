@@ -81,8 +81,11 @@ class _Forward:
     start: float  # monotonic, before the launch
     launched: float
     shape: tuple[int, int]  # rows x sequence length of the packed forward; (0, 0): no forward ran
-    tokens: int  # rows x length of the forwards that ran (a failed pack runs again batch by batch); 0: none
     outputs: list[BatchOutputs | Failed]  # what each planned batch is served from, in plan order
+
+    @property
+    def tokens(self) -> int:
+        return self.shape[0] * self.shape[1]
 
 
 class Engine:
@@ -304,8 +307,54 @@ class Engine:
             raise
 
     def _step(self, plan: list[Planned]) -> None:
-        """Runs one plan: its forward, then each batch's sends (or its failure)."""
-        forward = self._forward(plan)
+        """Runs one plan: its forward, then each batch's sends (or its failure).
+
+        When the packed forward fails, its batches run again batch by batch, each served as
+        soon as it is computed (so no more of their outputs are held at once than before):
+        only the batches that cannot run fail (an input the model refuses, a batch too large
+        for memory alone), and the others are served as if nothing happened.
+        """
+        try:
+            forward = self._forward(plan)
+        except Exception as e:  # e.g. out of memory, or one batch the model refuses
+            # (The busy clock is the announcer's: a launch that failed at once adds nothing to it.)
+            reason = _describe(e)
+            log.warning("forward of %s failed (%s)", _shape(plan), reason, exc_info=True)
+        else:
+            self._serve(plan, forward)
+            return
+        # Out of the handler: the failed forward's frames, and the tensors they hold, are freed
+        # before anything runs again.
+        self._run_each(plan, reason)
+
+    def _run_each(self, plan: list[Planned], reason: str) -> None:
+        """The forward of `plan` failed for `reason`: each computed batch (with the batches that
+        share its rows) runs alone; batches from the cache are served as they are."""
+        cached, parts = _parts(plan)
+        if cached:
+            self._serve(cached, self._forward(cached))  # no forward: served from the cache
+        if len(parts) == 1 or not self.runner.healthy:  # nothing to split, or no forward can run again
+            for p in (p for part in parts for p in part):
+                self.delivery.fail(p.session, p.batch, f"the teacher's forward failed: {reason}")
+            return
+        log.warning("running the %d batches of the failed forward each alone", len(parts))
+        for part in parts:
+            try:
+                if not self.runner.healthy:  # a tensor-parallel world broke on an earlier part
+                    raise RuntimeError("the teacher's tensor-parallel world broke (see its log)")
+                forward = self._forward(part)
+            except Exception as e:
+                batch = part[0].batch
+                log.exception("forward of batch %d of session %s (%d x %d) failed", batch.batch_id,
+                              part[0].session.session_id, batch.rows, batch.seq_len)
+                for p in part:
+                    self.delivery.fail(p.session, p.batch, f"the teacher's forward failed on this batch: "
+                                                           f"{_describe(e)}")
+                continue
+            self._serve(part, forward)
+
+    def _serve(self, plan: list[Planned], forward: _Forward) -> None:
+        """Posts the sends of the plan's batches, or fails those whose outputs could not be kept."""
         served = []
         for p, out in zip(plan, forward.outputs):
             if isinstance(out, Failed):
@@ -342,9 +391,8 @@ class Engine:
     def _forward(self, plan: list[Planned]) -> _Forward:
         """Launches the forward of the plan's computed batches (does not wait for the device).
 
-        When the packed forward fails, each computed batch runs alone: only the batches that
-        cannot run fail (an input the model refuses, a batch too large for memory), and the
-        others are served as if nothing happened.
+        Raises when the forward fails. Keeping one batch's outputs (its rows, a copy in the
+        cache) that fails fails that batch only (its `Failed` in the outputs).
         """
         computed = [p for p in plan if p.computed]
         shared = sum(1 for p in plan if not p.computed and p.cached is None)
@@ -352,45 +400,22 @@ class Engine:
             self.cache.note_shared_in_forward(shared)
         if not computed:  # every batch came from the cache: no forward to wait for or count
             now = time.monotonic()
-            return _Forward(now, now, (0, 0), 0, [p.cached for p in plan])
+            return _Forward(now, now, (0, 0), [p.cached for p in plan])
+        # `computed` is in row order (the scheduler gives each its rows in turn).
+        input_ids, mask = pack([(p.batch.input_ids, p.batch.attention_mask) for p in computed],
+                               pinned=self.runner.device.type == "cuda")
+        rows, seq = input_ids.shape
         wanted = [p.session for p in plan]
         if self.cache.enabled:  # entries keep what any live session needs, so later ones hit
             wanted += self.sessions()
         needs = ForwardNeeds.union(session.outputs.needs for session in wanted)
         start = time.monotonic()
         tracing.mark("t_inputs", plan[0].batch.batch_id)
-        # `computed` is in row order (the scheduler gives each its rows in turn).
-        rows = sum(p.batch.rows for p in computed)
-        seq = max(p.batch.seq_len for p in computed)
-        try:
-            produced = self._compute(computed, needs)
-            tokens = rows * seq
-        except Exception as e:  # e.g. out of memory, or one batch the model refuses
-            # (The busy clock is the announcer's: a launch that failed at once adds nothing to it.)
-            if len(computed) == 1 or not self.runner.healthy:  # nothing to split, or no forward can run again
-                log.exception("forward of %d x %d failed", rows, seq)
-                failure = Failed(f"the teacher's forward failed: {_describe(e)}")
-                produced, tokens = {p.row: failure for p in computed}, 0
-            else:
-                log.warning("forward of %d x %d (%d batches) failed (%s): running each batch alone", rows, seq,
-                            len(computed), _describe(e))
-                produced, tokens = self._compute_each(computed, needs)
+        out = self.runner.forward(input_ids, mask, hidden=needs.hidden_states)
         tracing.mark("t_launched", plan[0].batch.batch_id)
         launched = time.monotonic()
-        return _Forward(start, launched, (rows, seq), tokens,
-                        [p.cached if p.cached is not None else produced[p.row] for p in plan])
-
-    def _compute(self, computed: list[Planned], needs: ForwardNeeds) -> dict[int, BatchOutputs | Failed]:
-        """One forward of `computed` packed; what each is served from, by its row in the plan.
-
-        Raises when the forward fails. Keeping one batch's outputs (its rows, a copy in the
-        cache) that fails fails that batch only.
-        """
-        input_ids, mask = pack([(p.batch.input_ids, p.batch.attention_mask) for p in computed],
-                               pinned=self.runner.device.type == "cuda")
-        out = self.runner.forward(input_ids, mask, hidden=needs.hidden_states)
-        produced: dict[int, BatchOutputs | Failed] = {}
-        row = 0  # in this forward; p.row is in the plan's
+        produced: dict[int, BatchOutputs | Failed] = {}  # by the batch's row in the plan
+        row = 0  # in this forward: a part run alone has rows of its own
         for p in computed:
             b, s = p.batch.input_ids.shape
             try:
@@ -401,24 +426,26 @@ class Engine:
                               p.session.session_id)
                 produced[p.row] = Failed(f"keeping the teacher's outputs failed: {_describe(e)}")
             row += b
-        return produced
+        return _Forward(start, launched, (rows, seq),
+                        [p.cached if p.cached is not None else produced[p.row] for p in plan])
 
-    def _compute_each(self, computed: list[Planned], needs: ForwardNeeds) -> tuple[dict, int]:
-        """A forward per batch; those that fail fail alone. Also returns the tokens run."""
-        produced: dict[int, BatchOutputs | Failed] = {}
-        tokens = 0
-        for p in computed:
-            if not self.runner.healthy:  # a tensor-parallel world broke on an earlier batch
-                produced[p.row] = Failed("the teacher's tensor-parallel world broke (see its log)")
-                continue
-            try:
-                produced.update(self._compute([p], needs))
-                tokens += p.batch.tokens
-            except Exception as e:
-                log.exception("forward of batch %d of session %s (%d x %d) failed", p.batch.batch_id,
-                              p.session.session_id, p.batch.rows, p.batch.seq_len)
-                produced[p.row] = Failed(f"the teacher's forward failed on this batch: {_describe(e)}")
-        return produced, tokens
+
+def _parts(plan: list[Planned]) -> tuple[list[Planned], list[list[Planned]]]:
+    """The plan's batches served from the cache, and its computed batches each with the batches
+    that share its rows (identical ones): the parts that can run alone."""
+    cached = [p for p in plan if p.cached is not None]
+    parts = {p.row: [p] for p in plan if p.computed}
+    for p in plan:
+        if not p.computed and p.cached is None:
+            parts[p.row].append(p)
+    return cached, list(parts.values())
+
+
+def _shape(plan: list[Planned]) -> str:
+    """The plan's forward as rows x length (batches), for the log."""
+    computed = [p.batch for p in plan if p.computed]
+    seq = max((b.seq_len for b in computed), default=0)
+    return f"{sum(b.rows for b in computed)} x {seq} ({len(computed)} batches)"
 
 
 def _describe(error: BaseException) -> str:

@@ -209,7 +209,7 @@ class TeacherService:
             raise InvalidArgument(f"input_ids of shape {shape} is empty: send at least one token in one row")
         if shape[1] > limits.max_seq_len:
             model = limits.position_limit
-            why = f" (the model's limit: {model})" if model is not None and model.positions == limits.max_seq_len else ""
+            why = f" (the model's limit: {model})" if model and model.positions == limits.max_seq_len else ""
             raise InvalidArgument(f"sequence length {shape[1]} exceeds the teacher's --max-seq-len "
                                   f"{limits.max_seq_len}{why}: truncate or split sequences")
         if shape[0] * shape[1] > limits.max_batch_tokens:

@@ -110,7 +110,7 @@ def server(teacher_dir, tmp_path_factory):
                            str(MAX_OUTPUT_BYTES), "--heartbeat-interval-s", "0.5", "--lease-s", "10",
                            "--join-timeout-s", str(JOIN_TIMEOUT_S), env=env)
     # A session that never forms its group, joined now: the teacher ends it after the join
-    # timeout, while the other tests run, and then says why (test_an_ended_session_says_why).
+    # timeout, while the other tests run, and then says why (test_an_ended_session_says_why, last).
     with grpc.insecure_channel(server.address) as channel:
         server.unformed = pb_grpc.TeacherServiceStub(channel).Join(pb.JoinRequest(
             job_id="never-forms", outputs=pb.OutputSpec(logits=True),
@@ -224,23 +224,6 @@ def test_deriving_outputs_that_fails_fails_that_batch_and_only_for_the_session_t
     healthy(server)
 
 
-def test_an_ended_session_says_why(server):
-    """NOT_FOUND for a session the teacher ended names its reason (here: its group never formed)."""
-    with grpc.insecure_channel(server.address) as channel:
-        stub = pb_grpc.TeacherServiceStub(channel)
-
-        def ended():
-            try:
-                stub.Heartbeat(pb.HeartbeatRequest(session_id=server.unformed), timeout=10)
-            except grpc.RpcError as e:
-                return e
-            return None
-
-        error = wait_until(ended, JOIN_TIMEOUT_S + 30, "the teacher to end the session that never formed")
-    assert error.code() == grpc.StatusCode.NOT_FOUND
-    assert "join_failed" in error.details() and "did not form" in error.details()
-
-
 def test_the_cli_trainer_fed_a_batch_the_teacher_cannot_run_exits_with_the_reason(server, teacher_dir, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -261,8 +244,26 @@ def test_the_cli_trainer_fed_a_batch_the_teacher_cannot_run_exits_with_the_reaso
     except subprocess.TimeoutExpired as e:  # its output comes as bytes then
         raise AssertionError(f"the trainer still ran after 90 s:\n{e.output.decode()}") from None
     took_s = time.monotonic() - started
+    print(f"trainer exited {done.returncode} after {took_s:.0f} s:", *done.stdout.splitlines()[-1:], sep="\n")
     assert done.returncode != 0, done.stdout
     assert f"this model cannot run token {RAISE}" in done.stdout, done.stdout  # the teacher's reason
     assert "Traceback" not in done.stdout, done.stdout  # a message, not a crash
     assert took_s < 60, (took_s, done.stdout)
     healthy(server)
+
+
+def test_an_ended_session_says_why(server):
+    """NOT_FOUND for a session the teacher ended names its reason (here: its group never formed)."""
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.TeacherServiceStub(channel)
+
+        def ended():
+            try:
+                stub.Heartbeat(pb.HeartbeatRequest(session_id=server.unformed), timeout=10)
+            except grpc.RpcError as e:
+                return e
+            return None
+
+        error = wait_until(ended, JOIN_TIMEOUT_S + 30, "the teacher to end the session that never formed")
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert "join_failed" in error.details() and "did not form" in error.details()
