@@ -2,7 +2,7 @@
 # One call on the GPU machine: the GPU tests and benches named as arguments, each under its
 # own timeout, each output kept under $OUT:
 #   bash bench/run_gpu.sh stubs e2e tp tpforward transport
-# tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs. Benches: transport,
+# tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs, isolation. Benches: transport,
 # transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, launch (one GPU).
 # Investigations (bench/investigations/): tpsend.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
@@ -31,6 +31,8 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     # A student killed with a 1 GiB send in flight; detection and recovery times.
     faults) gpu_test test_gpu_faults 200 ;;
     graphs) gpu_test test_cuda_graphs 200 ;;
+    # The teacher's memory running out: a pack served batch by batch, top-k of the vocabulary failing alone.
+    isolation) gpu_test test_isolation_gpu 300 ;;
     # The engine's host time per forward of the bench model, eager and with CUDA graphs (one GPU).
     launch) timeout 300 python3 -m bench.forward_launch --cuda-graphs 16 --side-threads 0,3 --out "$out/launch.md" 2>&1 | quiet | tail -40 ;;
     transport) timeout 400 python3 -m bench.transport_throughput --inflight 8,16 --out "$out/transport.md" 2>&1 | quiet | tail -12 ;;
