@@ -143,6 +143,11 @@ class Delivery:
         student posts no receive for it, and the next batch's outputs must come next on
         the group), and that was not announced.
         """
+        if batch.handed:  # e.g. a step that failed after posting its sends: announced or failed already
+            log.warning("session %s: batch %d failed after it was handed over, not failed again: %s",
+                        session.session_id, batch.batch_id, reason)
+            return
+        batch.handed = True
         log.warning("session %s (job %s): batch %d failed: %s", session.session_id, session.job_id, batch.batch_id,
                     reason, extra={"session_id": session.session_id, "job_id": session.job_id})
         session.outbox.fail(batch.batch_id, reason)
@@ -187,6 +192,7 @@ class Delivery:
             log.exception("deriving the outputs of batch %d of session %s failed", batch.batch_id, session.session_id)
             self.fail(session, batch, f"deriving its outputs ({session.outputs}) failed: {type(e).__name__}: {e}")
             return None
+        batch.handed = True
         try:
             # The header first: the student checks it names this batch before using what follows.
             header = link.group.header(batch.batch_id, batch.key)

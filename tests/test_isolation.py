@@ -23,10 +23,11 @@ import pytest
 import requests
 import torch
 
+from distill_common.channel import SESSION_SECRET_KEY
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from student_trainer import HiddenStates, Logits, TeacherClient, TopK
-from student_trainer.errors import Incompatible, InvalidRequest, TeacherError
+from student_trainer.errors import BatchFailed, Incompatible, InvalidRequest
 from teacher_server.launcher import ServerProcess, child_env, metrics_samples
 from tests.helpers import ROOT, wait_until
 
@@ -39,9 +40,10 @@ MAX_BATCH_TOKENS = 256
 MAX_OUTPUT_BYTES = 180_000
 MAX_TOPK = 16
 JOIN_TIMEOUT_S = 20.0
-# How long a batch the teacher cannot serve may take to fail at the student: it is sent again
-# (max_resubmits) after each session it ended, and each loss is noticed by a heartbeat.
-FAILS_WITHIN_S = 30.0
+# How long a batch the teacher cannot serve may take to fail at the student: the teacher tells
+# it on the submit stream once the failed pack was run again batch by batch (a SLOW forward
+# first), with room for a loaded machine. No session ends and nothing is sent again.
+FAILS_WITHIN_S = 15.0
 
 FAULTY_MODEL = '''"""A GPT-2 that misbehaves on marked tokens (tests/test_isolation.py)."""
 import time
@@ -114,7 +116,7 @@ def server(teacher_dir, tmp_path_factory):
     with grpc.insecure_channel(server.address) as channel:
         server.unformed = pb_grpc.TeacherServiceStub(channel).Join(pb.JoinRequest(
             job_id="never-forms", outputs=pb.OutputSpec(logits=True),
-            peer=pb.PeerInfo(device_type="cpu", torch_version=torch.__version__)), timeout=30).session_id
+            peer=pb.PeerInfo(device_type="cpu", torch_version=torch.__version__)), timeout=30)
     yield server
     assert server.stop() == 0, server.log[-3000:]
 
@@ -186,9 +188,10 @@ def _packed_with_a_bystander(server, victim_outputs, mark: int):
         served = bystander.submit(ids(seed=3))
         output = served.result(timeout=60)
         gate.result(timeout=60)
-        with pytest.raises(TeacherError) as failed:
+        with pytest.raises(BatchFailed) as failed:
             doomed.result(timeout=FAILS_WITHIN_S)
         took_s = time.monotonic() - started
+        assert victim.reconnects == 0  # the failed batch ended no session of the victim either
         # The bystander goes on being served, on the session it had.
         again = bystander.submit(ids(seed=4)).result(timeout=60)
         assert again.logits.shape == (1, 8, VOCAB)
@@ -252,18 +255,25 @@ def test_the_cli_trainer_fed_a_batch_the_teacher_cannot_run_exits_with_the_reaso
     healthy(server)
 
 
-def test_an_ended_session_says_why(server):
-    """NOT_FOUND for a session the teacher ended names its reason (here: its group never formed)."""
+def test_an_ended_session_says_why_to_its_own_student_only(server):
+    """NOT_FOUND for a session the teacher ended names its reason (here: its group never formed)
+    to a call with the session's secret; any other call gets the NOT_FOUND of an unknown session."""
+    joined = server.unformed
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.TeacherServiceStub(channel)
 
-        def ended():
+        def heartbeat(secret: str) -> grpc.RpcError | None:
             try:
-                stub.Heartbeat(pb.HeartbeatRequest(session_id=server.unformed), timeout=10)
+                stub.Heartbeat(pb.HeartbeatRequest(session_id=joined.session_id), timeout=10,
+                               metadata=((SESSION_SECRET_KEY, secret),))
             except grpc.RpcError as e:
                 return e
             return None
 
-        error = wait_until(ended, JOIN_TIMEOUT_S + 30, "the teacher to end the session that never formed")
+        error = wait_until(lambda: heartbeat(joined.session_secret), JOIN_TIMEOUT_S + 30,
+                           "the teacher to end the session that never formed")
+        stranger = heartbeat("not-its-secret")
     assert error.code() == grpc.StatusCode.NOT_FOUND
-    assert "join_failed" in error.details() and "did not form" in error.details()
+    assert "did not form" in error.details(), error.details()
+    assert stranger.code() == grpc.StatusCode.NOT_FOUND
+    assert "did not form" not in stranger.details() and "unknown or has ended" in stranger.details()

@@ -68,7 +68,7 @@ def test_a_longer_max_seq_len_than_the_model_can_run_is_refused_at_start_up(tmp_
     transformers.GPT2LMHeadModel(_configs()["gpt2"]).save_pretrained(model_dir)
     assert json.loads((model_dir / "config.json").read_text())["n_positions"] == DECLARED
     command = [sys.executable, "-m", "teacher_server", "--model", str(model_dir), "--max-seq-len", str(DECLARED + 1),
-               "--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--store-port", "0"]
+               "--host", "127.0.0.1", "--port", "0", "--http-port", "0"]
     try:  # refused before the weights load: no server starts
         done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
                               timeout=120)
