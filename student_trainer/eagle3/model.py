@@ -179,7 +179,9 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-        self.rotary = LlamaRotaryEmbedding(config)
+        # Not a submodule: `.to(bfloat16)` would round its inverse frequencies (a float32 buffer),
+        # and the positions would rotate differently from the target's and the serving engines'.
+        object.__setattr__(self, "rotary", LlamaRotaryEmbedding(config))
         self.chunk_scores = CHUNK_SCORES
         std = getattr(config, "initializer_range", 0.02)
         for module in (self.fc, self.lm_head, *self.midlayer.modules()):
@@ -305,7 +307,7 @@ class Eagle3Draft(nn.Module):
         if missing or unexpected:
             raise DraftFormatError(f"{path}/{WEIGHTS_FILE}: missing {missing}, unexpected {unexpected}")
         draft.load_state_dict(state, assign=True)
-        draft.rotary = draft.rotary.__class__(config)  # its buffers were on the meta device
+        object.__setattr__(draft, "rotary", type(draft.rotary)(config))  # it was built on the meta device
         draft.embed_tokens.requires_grad_(False)
         log.debug("loaded the draft in %s from %s", dtype or saved_dtype, path)
         return draft.to(device)
