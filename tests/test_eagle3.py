@@ -289,6 +289,35 @@ def test_the_command_line_refuses_bad_settings_by_flag(capsys):
 # ---- the draft on its own ----------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("q_offset, chunk_scores", [(0, 1 << 26), (0, 2 * 3 * 2 * 9), (7, 1 << 26)])
+def test_the_unroll_attention_in_chunks_equals_one_softmax_over_all_keys(q_offset, chunk_scores):
+    """Values and gradients of ttt_attention (chunks of queries, recomputed in the backward)
+    against one masked softmax over step 0's keys and each later step's diagonal key."""
+    from student_trainer.eagle3.attention import ttt_attention
+
+    torch.manual_seed(0)
+    batch, heads, keys, dim, later_steps = 2, 3, 9, 4, 2
+    queries = keys - q_offset
+    leaf = lambda *shape: torch.randn(*shape, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    q, k0, v0 = leaf(batch, heads, queries, dim), leaf(batch, heads, keys, dim), leaf(batch, heads, keys, dim)
+    kd = [leaf(batch, heads, queries, dim) for _ in range(later_steps)]
+    vd = [leaf(batch, heads, queries, dim) for _ in range(later_steps)]
+    valid = torch.ones(batch, keys, dtype=torch.bool)
+    valid[1, -3:] = False  # right padding
+    columns = torch.arange(q_offset, keys)
+    allowed = (torch.arange(keys)[None, :] <= columns[:, None])[None, None] & valid[:, None, None, :]
+    step0 = (q @ k0.transpose(-1, -2) / dim ** 0.5).masked_fill(~allowed, float("-inf"))
+    weights = torch.cat([step0, *[(q * k).sum(-1, keepdim=True) / dim ** 0.5 for k in kd]], -1).softmax(-1)
+    want = weights[..., :keys] @ v0 + sum(weights[..., keys + i, None] * v for i, v in enumerate(vd))
+    got = ttt_attention(q, k0, v0, kd, vd, valid, q_offset, chunk_scores)
+    upstream = torch.randn_like(want)
+    inputs = [q, k0, v0, *kd, *vd]
+    for got_grad, want_grad in zip(torch.autograd.grad((got * upstream).sum(), inputs),
+                                   torch.autograd.grad((want * upstream).sum(), inputs)):
+        assert (got_grad - want_grad).abs().max() <= 1e-5  # float32 inside
+    assert (got - want).abs().max() <= 1e-5
+
+
 @pytest.fixture(scope="module")
 def draft(local_teacher):
     torch.manual_seed(5)

@@ -44,15 +44,15 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, kd: list[
 
 
 def _scores(q, k0, kd, valid, q_offset: int, start: int, stop: int, scale: float):
-    """The chunk of queries start..stop: its step-0 scores [B, h, C, keys] (masked: -inf) and
-    diagonal scores [n, B, h, C], float32; `keys` stops at the chunk's last column."""
+    """The chunk of queries start..stop (all float32): its step-0 scores [B, h, C, keys] (masked:
+    -inf) and diagonal scores [n, B, h, C]; `keys` stops at the chunk's last column."""
     keys = min(k0.shape[2], q_offset + stop)
-    q_chunk = q[:, :, start:stop].float()
-    step0 = q_chunk @ k0[:, :, :keys].float().transpose(-1, -2) * scale
+    q_chunk = q[:, :, start:stop]
+    step0 = q_chunk @ k0[:, :, :keys].transpose(-1, -2) * scale
     columns = torch.arange(q_offset + start, q_offset + stop, device=q.device)
     allowed = (torch.arange(keys, device=q.device)[None, :] <= columns[:, None])[None, None] & valid[:, None, None, :keys]
     step0 = step0.masked_fill(~allowed, float("-inf"))
-    diagonal = (q_chunk[None] * kd[:, :, :, start:stop].float()).sum(-1) * scale
+    diagonal = (q_chunk[None] * kd[:, :, :, start:stop]).sum(-1) * scale
     return step0, diagonal, keys
 
 
@@ -60,15 +60,16 @@ class _TTTAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k0, v0, kd, vd, valid, q_offset: int, chunk: int):
         scale = q.shape[-1] ** -0.5
+        qf, k0f, v0f, kdf, vdf = (t.float() for t in (q, k0, v0, kd, vd))  # cast once, not per chunk
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         for start in range(0, q.shape[2], chunk):
             stop = min(start + chunk, q.shape[2])
-            step0, diagonal, keys = _scores(q, k0, kd, valid, q_offset, start, stop, scale)
+            step0, diagonal, keys = _scores(qf, k0f, kdf, valid, q_offset, start, stop, scale)
             chunk_lse = torch.logsumexp(torch.cat([step0, diagonal.permute(1, 2, 3, 0)], dim=-1), dim=-1)
             p0 = torch.exp(step0 - chunk_lse[..., None])
             pd = torch.exp(diagonal - chunk_lse[None])
-            out[:, :, start:stop] = p0 @ v0[:, :, :keys].float() + (pd[..., None] * vd[:, :, :, start:stop].float()).sum(0)
+            out[:, :, start:stop] = p0 @ v0f[:, :, :keys] + (pd[..., None] * vdf[:, :, :, start:stop]).sum(0)
             lse[:, :, start:stop] = chunk_lse
         ctx.save_for_backward(q, k0, v0, kd, vd, valid, out, lse)
         ctx.q_offset, ctx.chunk, ctx.scale = q_offset, chunk, scale
@@ -76,7 +77,8 @@ class _TTTAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k0, v0, kd, vd, valid, out, lse = ctx.saved_tensors
+        q_saved, k0_saved, v0_saved, kd_saved, vd_saved, valid, out, lse = ctx.saved_tensors
+        q, k0, v0, kd, vd = (t.float() for t in (q_saved, k0_saved, v0_saved, kd_saved, vd_saved))
         scale = ctx.scale
         grad_out = grad_out.float()
         # Softmax backward: dS = P * (dP - rowsum(dO * O)).
@@ -90,17 +92,17 @@ class _TTTAttention(torch.autograd.Function):
             stop = min(start + ctx.chunk, q.shape[2])
             step0, diagonal, keys = _scores(q, k0, kd, valid, ctx.q_offset, start, stop, scale)
             chunk_lse, d_out, dot = lse[:, :, start:stop], grad_out[:, :, start:stop], row_dot[:, :, start:stop]
-            q_chunk = q[:, :, start:stop].float()
+            q_chunk = q[:, :, start:stop]
             p0 = torch.exp(step0 - chunk_lse[..., None])
             dv0[:, :, :keys] += p0.transpose(-1, -2) @ d_out
-            ds0 = p0 * (d_out @ v0[:, :, :keys].float().transpose(-1, -2) - dot[..., None])
-            dq[:, :, start:stop] += ds0 @ k0[:, :, :keys].float() * scale
+            ds0 = p0 * (d_out @ v0[:, :, :keys].transpose(-1, -2) - dot[..., None])
+            dq[:, :, start:stop] += ds0 @ k0[:, :, :keys] * scale
             dk0[:, :, :keys] += ds0.transpose(-1, -2) @ q_chunk * scale
             pd = torch.exp(diagonal - chunk_lse[None])
-            vd_chunk, kd_chunk = vd[:, :, :, start:stop].float(), kd[:, :, :, start:stop].float()
+            vd_chunk, kd_chunk = vd[:, :, :, start:stop], kd[:, :, :, start:stop]
             dvd[:, :, :, start:stop] = pd[..., None] * d_out[None]
             dsd = pd * ((d_out[None] * vd_chunk).sum(-1) - dot[None])
             dq[:, :, start:stop] += (dsd[..., None] * kd_chunk).sum(0) * scale
             dkd[:, :, :, start:stop] = dsd[..., None] * q_chunk[None] * scale
-        return (dq.to(q.dtype), dk0.to(k0.dtype), dv0.to(v0.dtype), dkd.to(kd.dtype), dvd.to(vd.dtype),
-                None, None, None)
+        return (dq.to(q_saved.dtype), dk0.to(k0_saved.dtype), dv0.to(v0_saved.dtype), dkd.to(kd_saved.dtype),
+                dvd.to(vd_saved.dtype), None, None, None)
