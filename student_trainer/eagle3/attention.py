@@ -9,8 +9,8 @@ At unroll step k the query of column t (rotated at position t + k) attends to
 
 This is the attention of SpecForge's `LlamaAttention` with `cache_hidden` and of the EAGLE-3
 reference (traineagle3/cnets.py): one softmax over the causal step-0 scores and the k
-diagonal scores. Written there, the scores are a [B, heads, S, S] tensor per step kept for
-the backward pass (7 steps of 32 heads at 8k tokens: 240 GB in float32). Here the forward
+diagonal scores. Written there, the softmax is a [B, heads, S, S] tensor per step kept for
+the backward pass (32 heads at 8k tokens: 8.6 GB in float32, for each of the 7 steps). Here the forward
 computes the output and each row's log-sum-exp chunk by chunk of queries, and the backward
 recomputes each chunk's scores from the saved inputs (FlashAttention's recomputation, as
 SpecForge's `_FlashCachedMergeFunc` does around flash-attn kernels): memory grows with the
