@@ -335,11 +335,13 @@ def test_the_inference_chain_is_the_training_unroll_at_the_last_column(draft):
     length, count = 11, 4
     ids = torch.randint(0, VOCAB, (2, length))
     aux = torch.randn(2, length + count, 3 * HIDDEN)  # columns past length - 2 do not reach column length - 2
-    proposals = draft.propose(aux[:, :length - 1], ids, count)
+    proposals, chain_logits = draft.propose_with_logits(aux[:, :length - 1], ids, count)
+    assert torch.equal(proposals, draft.propose(aux[:, :length - 1], ids, count))
     extended = torch.cat([ids, proposals], dim=1)
     with torch.no_grad():
         unrolled = list(draft.unroll(aux, extended, None, count))  # column t, step k reads token t + 1 + k
     for k, logits in enumerate(unrolled):
+        torch.testing.assert_close(chain_logits[:, k], logits[:, length - 2], rtol=0, atol=1e-5)
         chosen = logits[:, length - 2].argmax(-1)
         assert torch.equal(chosen + draft.d2t[chosen], proposals[:, k]), k
 
