@@ -127,7 +127,8 @@ def run_eagle3_demo(cfg: Eagle3DemoConfig) -> Eagle3DemoResult:
     say(f"  {'decoding':<26}{'tokens per teacher forward':>28}")
     say(f"  {'teacher alone':<26}{1.0:>28.2f}")
     say(f"  {'teacher + EAGLE-3 draft':<26}{acceptance.mean_acceptance_length:>28.2f}")
-    say("  acceptance rate by position: " + "  ".join(f"{i + 1}: {rate:.3f}" for i, rate in enumerate(acceptance.rates)))
+    say("  acceptance rate by position: "
+        + "  ".join(f"{i + 1}: {rate:.3f}" for i, rate in enumerate(acceptance.rates)))
     result = Eagle3DemoResult(acceptance.mean_acceptance_length, acceptance.rates, accuracies)
     (out / "results.json").write_text(json.dumps({
         "settings": non_defaults(cfg), "teacher": str(teacher.model_dir), "acceptance_length": result.acceptance_length,

@@ -109,7 +109,8 @@ def test_subset_logits_aux_states_and_argmax_equal_the_local_models(server, loca
                 ref = local_teacher(input_ids=ids, attention_mask=mask, output_hidden_states=True)
             real = mask.bool()
             want_aux = torch.cat([ref.hidden_states[layer] for layer in DEFAULT_AUX], dim=-1)
-            assert out.subset_logits.shape == (*ids.shape, len(subset)) and out.aux_hidden_states.shape == want_aux.shape
+            assert out.subset_logits.shape == (*ids.shape, len(subset))
+            assert out.aux_hidden_states.shape == want_aux.shape
             assert (out.subset_logits - ref.logits[..., list(subset)])[real].abs().max() <= 1e-4
             assert (out.aux_hidden_states - want_aux)[real].abs().max() <= 1e-4
             assert torch.equal(out.argmax.long()[real], ref.logits.argmax(-1)[real])
@@ -158,7 +159,8 @@ def reference_unroll(draft: Eagle3Draft, aux, ids, attention_mask, loss_mask, te
         keys.append(key.repeat_interleave(heads // kv_heads, dim=1))
         values.append(value.repeat_interleave(heads // kv_heads, dim=1))
         allowed = torch.zeros(batch, length, length * (k + 1), dtype=torch.bool)
-        allowed[:, :, :length] = torch.tril(torch.ones(length, length, dtype=torch.bool)) & attention_mask.bool()[:, None]
+        causal = torch.tril(torch.ones(length, length, dtype=torch.bool))
+        allowed[:, :, :length] = causal & attention_mask.bool()[:, None]
         for step in range(1, k + 1):
             allowed[:, torch.arange(length), step * length + torch.arange(length)] = True
         scores = q @ torch.cat(keys, dim=2).transpose(-1, -2) / dim ** 0.5

@@ -21,7 +21,8 @@ import torch
 from student_trainer.eagle3.model import Eagle3Draft
 from teacher_server.launcher import child_env
 from tests.helpers import ROOT, free_port
-from tests.test_eagle3 import DRAFT_VOCAB, SEQ_LEN, corpus, server, teacher_dir  # noqa: F401 (fixtures)
+from tests.test_eagle3 import DRAFT_VOCAB, SEQ_LEN
+from tests.test_eagle3 import corpus, server, teacher_dir  # noqa: F401  (fixtures of this module too)
 
 pytestmark = pytest.mark.slow
 

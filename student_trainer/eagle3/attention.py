@@ -50,7 +50,8 @@ def _scores(q, k0, kd, valid, q_offset: int, start: int, stop: int, scale: float
     q_chunk = q[:, :, start:stop]
     step0 = q_chunk @ k0[:, :, :keys].transpose(-1, -2) * scale
     columns = torch.arange(q_offset + start, q_offset + stop, device=q.device)
-    allowed = (torch.arange(keys, device=q.device)[None, :] <= columns[:, None])[None, None] & valid[:, None, None, :keys]
+    causal = torch.arange(keys, device=q.device)[None, :] <= columns[:, None]
+    allowed = causal[None, None] & valid[:, None, None, :keys]
     step0 = step0.masked_fill(~allowed, float("-inf"))
     diagonal = (q_chunk[None] * kd[:, :, :, start:stop]).sum(-1) * scale
     return step0, diagonal, keys

@@ -176,7 +176,9 @@ def _train(cfg: Eagle3Config, draft: Eagle3Draft, teacher, tokenizer, batches: B
             trained, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext()
     aux_dtype = None if cfg.bf16 else draft.fc.weight.dtype
-    prefetcher = TeacherPrefetcher(teacher, batches, cfg.prefetch, cfg.teacher_timeout_s + cfg.teacher_reconnect_timeout_s)
+    # A batch may wait out a reconnect as well as its transfer (see student_trainer/train.py).
+    outputs_timeout_s = cfg.teacher_timeout_s + cfg.teacher_reconnect_timeout_s
+    prefetcher = TeacherPrefetcher(teacher, batches, cfg.prefetch, outputs_timeout_s)
     metrics = MetricsWriter(output_dir, enabled=rank == 0)
 
     def checkpoint_now() -> Path:
