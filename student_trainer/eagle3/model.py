@@ -239,9 +239,14 @@ class Eagle3Draft(nn.Module):
             hidden = self._step(shift_left(input_ids, 1 + k), hidden, columns + k, kv)
             yield self.logits(hidden)
 
-    @torch.no_grad()
     def propose(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, count: int) -> torch.Tensor:
-        """A chain of `count` greedy proposals (target ids [B, count]) after `input_ids` [B, n].
+        """A chain of `count` greedy proposals (target ids [B, count]) after `input_ids` [B, n]."""
+        return self.propose_with_logits(aux_hidden, input_ids, count)[0]
+
+    @torch.no_grad()
+    def propose_with_logits(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor,
+                            count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`propose`, and the logits [B, count, N] each proposal was chosen from.
 
         `aux_hidden` [B, n - 1, 3H] holds the target's states for every token but the last (the
         target chose the last one from the states before it); step 0 runs over all n - 1
@@ -253,13 +258,14 @@ class Eagle3Draft(nn.Module):
         hidden = self._step(input_ids[:, 1:], self.fc(aux_hidden), columns, kv)[:, -1:]
         kv.q_offset = length - 2
         last = columns[:, -1:]
-        proposals = []
+        proposals, logits = [], []
         for k in range(count):
-            draft_ids = self.logits(hidden).argmax(-1)
+            logits.append(self.logits(hidden))
+            draft_ids = logits[-1].argmax(-1)
             proposals.append(draft_ids + self.d2t[draft_ids])
             if k + 1 < count:
                 hidden = self._step(proposals[-1], hidden, last + k + 1, kv)
-        return torch.cat(proposals, dim=1)
+        return torch.cat(proposals, dim=1), torch.cat(logits, dim=1)
 
     # ---- the directory -----------------------------------------------------------------------
 
