@@ -211,12 +211,9 @@ class Eagle3Draft(nn.Module):
 
     # ---- the forward -----------------------------------------------------------------------
 
-    def _rotation(self, like: torch.Tensor, positions: torch.Tensor):
-        return self.rotary(like, positions)
-
     def _step(self, tokens, hidden, positions, steps: KeyValueSteps):
         embeds = self.embed_tokens(tokens).to(hidden.dtype)
-        cos, sin = self._rotation(hidden, positions)
+        cos, sin = self.rotary(hidden, positions)
         return self.midlayer(embeds, hidden, cos, sin, steps, self.chunk_scores)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
