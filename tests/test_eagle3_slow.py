@@ -49,7 +49,7 @@ def test_two_ddp_ranks_train_the_draft_one_process_trains(server, teacher_dir, c
     run([sys.executable, *eagle3(single, 2)], 300)
     run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
          "--master-port", str(free_port()), *eagle3(ddp, 1)], 300)
-    joined = re.findall(r"job ddp rank (\d)", server.log)
+    joined = re.findall(r"joined: job ddp rank (\d)", server.log)
     assert sorted(joined) == ["0", "1"], server.log
 
     metrics = {run_dir: [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
