@@ -140,6 +140,7 @@ def train_eagle3(cfg: Eagle3Config) -> dict:
                 torch.manual_seed(cfg.seed)
                 draft = Eagle3Draft.for_target(target_config(cfg.target_model), embedding, vocab.d2t, vocab.t2d,
                                                aux_layers, cfg.intermediate_size).to(device)
+        del embedding  # the draft holds its copy
         if rank == 0:
             log.info("draft: %d trainable parameters, reading teacher layers %s, %d-token vocabulary, %d steps",
                      sum(p.numel() for p in draft.parameters() if p.requires_grad), aux_layers,
