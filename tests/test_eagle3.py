@@ -291,6 +291,21 @@ def test_the_command_line_refuses_bad_settings_by_flag(capsys):
 # ---- the draft on its own ----------------------------------------------------------------------
 
 
+def test_the_draft_vocabulary_is_the_most_trained_ids_then_the_lowest_unseen_ones():
+    from student_trainer.eagle3.vocab import draft_vocabulary
+
+    ids = torch.tensor([[5, 5, 5, 9, 9, 2, 7, 7, 7, 7]])
+    trained = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0, 0, 0]])  # 7 is frequent but never a target
+    two = draft_vocabulary(ids, trained, 12, 2)
+    assert two.target_ids.tolist() == [5, 9] and two.coverage == pytest.approx(5 / 6)
+    five = draft_vocabulary(ids, trained, 12, 5)
+    assert five.target_ids.tolist() == [0, 1, 2, 5, 9] and five.coverage == 1.0
+    assert five.d2t.tolist() == [0, 0, 0, 2, 5]  # draft id i is target id i + d2t[i]
+    assert five.t2d.nonzero().flatten().tolist() == [0, 1, 2, 5, 9] and len(five.t2d) == 12
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        draft_vocabulary(ids, trained, 8, 2)
+
+
 @pytest.mark.parametrize("q_offset, chunk_scores", [(0, 1 << 26), (0, 2 * 3 * 2 * 9), (7, 1 << 26)])
 def test_the_unroll_attention_in_chunks_equals_one_softmax_over_all_keys(q_offset, chunk_scores):
     """Values and gradients of ttt_attention (chunks of queries, recomputed in the backward)
