@@ -4,7 +4,9 @@
         fut = teacher.submit(input_ids, attention_mask)   # returns at once
         out = fut.result(timeout=60)                       # TeacherOutput
 
-Join tells the client every shape it will receive. `submit` puts a batch on the
+Join tells the client every shape it will receive; what the kinds asked send once (the
+teacher's output head, for FinalHidden) arrives right after the session group forms, in
+`joined`. `submit` puts a batch on the
 session's submit stream and returns its future. Once the teacher announces the batch
 (its outputs exist and its sends are posted), the client allocates the output buffers
 and posts the receives, which the teacher's sends fill in submit order; each batch's
@@ -39,7 +41,7 @@ import torch
 from distill_common import tracing, wire
 from distill_common.announcements import Announcements
 from distill_common.channel import TeacherUnreachable, channel_credentials, open_channel, wait_until_reachable
-from distill_common.outputs import Logits, Output, OutputRequest, output_spec
+from distill_common.outputs import JoinData, Logits, Output, OutputRequest, output_spec
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from distill_common.session_group import (STUDENT_RANK, build_group, connect_store, device_uuid, handshake,
@@ -150,6 +152,8 @@ class TeacherClient:
             self._leave(joined.session_id)
             self._channel.close()
             raise
+        # What the kinds asked sent once at join (TeacherOutput's companions: the output head).
+        self.joined: JoinData = session.joined_data
         self._connection = Connection(session, address, reconnect_timeout_s)
         self._start(session)
         self._heartbeat_thread = threading.Thread(target=self._send_heartbeats, name="send-heartbeats", daemon=True)
@@ -301,14 +305,27 @@ class TeacherClient:
                             device=self.device, timeout_s=timeout_s, gloo_host=local_host)
         try:
             handshake(group, prefix_token(joined.store_prefix), timeout_s)
+            joined_data = self._receive_join_data(group, timeout_s)
             # Announcements are waited for on a connection of their own (distill_common/announcements.py).
             waiting = Announcements(connect_store(joined.store_host, joined.store_port, timeout_s),
                                     joined.store_prefix)
         except BaseException:
             group.abort()
             raise
-        return Session(joined, group, store, waiting, self.outputs, self.address,
-                       on_failure=self._session_failed, resolve=self._resolve)
+        session = Session(joined, group, store, waiting, self.outputs, self.address,
+                          on_failure=self._session_failed, resolve=self._resolve)
+        session.joined_data = joined_data
+        return session
+
+    def _receive_join_data(self, group, timeout_s: float) -> JoinData:
+        """What the kinds asked send once, right after the handshake (the output head), or nothing."""
+        layout = self.outputs.join_layout()
+        if not layout:
+            return JoinData()
+        buffers, works = group.post_receives(layout)
+        for work in works:
+            group.wait(work, timeout_s, what="receiving the join-time outputs (the teacher's output head)")
+        return self.outputs.join_assemble(group.delivered(buffers))
 
     def _start(self, session: Session) -> None:
         """Opens the submit stream of `session` (already made current) and starts its threads."""
@@ -395,10 +412,26 @@ class TeacherClient:
         try:
             self._check_same_teacher(joined)
             # The group forms in about a second; a last attempt gets that much even past the deadline.
-            return self._connect(joined, min(self.join_timeout_s, max(1.0, deadline - time.monotonic())))
+            session = self._connect(joined, min(self.join_timeout_s, max(1.0, deadline - time.monotonic())))
+            try:
+                self._check_same_join_data(session.joined_data)
+            except BaseException:
+                session.stop()
+                raise
+            return session
         except BaseException:
             self._leave(joined.session_id, timeout_s=min(self.rpc_timeout_s, 5.0))
             raise
+
+    def _check_same_join_data(self, joined_data: JoinData) -> None:
+        """A teacher that came back with another output head would change the loss mid-run."""
+        head, before = joined_data.head, self.joined.head
+        if before is not None and (head is None or not torch.equal(head.weight, before.weight)
+                                   or (head.bias is None) != (before.bias is None)
+                                   or (head.bias is not None and not torch.equal(head.bias, before.bias))
+                                   or head.facts != before.facts):
+            raise Incompatible("the teacher came back with another output head: its outputs would not continue "
+                               "this run; restart the job against it", grpc.StatusCode.FAILED_PRECONDITION)
 
     def _check_same_teacher(self, joined: pb.JoinResponse) -> None:
         info = TeacherInfo.from_proto(joined.info)

@@ -32,7 +32,7 @@ import torch
 
 from distill_common import tracing
 from distill_common.announcements import Announcements
-from distill_common.outputs import OutputRequest, TeacherOutput
+from distill_common.outputs import JoinData, OutputRequest, TeacherOutput
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.session_group import SessionGroup, TransferError
 from student_trainer.errors import TeacherError, TeacherUnavailable, TransferFailed, from_rpc_error, from_status
@@ -86,6 +86,7 @@ class Session:
         self.group = group
         self.store = store  # keeps the connection the group uses alive
         self.outputs = outputs  # what each batch's receives hold, in wire order
+        self.joined_data = JoinData()  # what the kinds sent once, right after the handshake
         self.address = address
         self.threads: list[threading.Thread] = []
         # The teacher answers only refused batches (else every batch) on the submit stream.

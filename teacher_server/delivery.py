@@ -1,7 +1,7 @@
 """Delivery: the teacher's end of every session's data plane.
 
-For each session, a thread forms its group (blocking until the student's end comes),
-then a sender thread waits, in order and with a deadline, for each batch's sends to
+For each session, a thread forms its group (blocking until the student's end comes)
+and sends what the session's kinds send once at join (the output head), then a sender thread waits, in order and with a deadline, for each batch's sends to
 complete, so a slow or dead student holds up nobody but itself. The engine hands over
 each forward's outputs (`deliver`): they are derived per session and their sends
 posted at once, and one announcer thread tells the students once the device finished
@@ -25,7 +25,7 @@ import torch
 
 from distill_common import tracing
 from distill_common.announcements import Announcements
-from distill_common.outputs import BatchOutputs
+from distill_common.outputs import BatchOutputs, JoinData
 from distill_common.session_group import (TEACHER_RANK, SessionGroup, TransferError, build_group, connect_store,
                                           handshake, prefix_token)
 from teacher_server.metrics import Metrics
@@ -62,7 +62,7 @@ class _Launched:
 
 class Delivery:
     def __init__(self, metrics: Metrics, *, store, advertise_host: str, device: torch.device,
-                 join_timeout_s: float, transfer_timeout_s: float,
+                 join_timeout_s: float, transfer_timeout_s: float, join_data: JoinData,
                  formed: Callable[[Session], bool], sent: Callable[[Session, Batch, int], None],
                  end: Callable[..., None]):
         self.metrics = metrics
@@ -71,6 +71,7 @@ class Delivery:
         self.device = device
         self.join_timeout_s = join_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
+        self.join_data = join_data  # what the model offers a session once, at join
         self._formed = formed  # (session) -> False when it ended meanwhile
         self._sent = sent  # (session, batch, bytes sent)
         self._end = end  # (session, reason, failure)
@@ -103,6 +104,7 @@ class Delivery:
                                 device=self.device, timeout_s=self.join_timeout_s,
                                 gloo_host=self.advertise_host)
             handshake(group, prefix_token(session.store_prefix), self.join_timeout_s)
+            self._send_join_data(session, group)
         except Exception as e:
             log.warning("session %s (job %s rank %d) did not connect: %s", session.session_id, session.job_id,
                         session.job_rank, e)
@@ -118,6 +120,21 @@ class Delivery:
             return
         threading.Thread(target=self._send_loop, args=(session, link), name=f"send-to-{session.session_id}",
                          daemon=True).start()
+
+    def _send_join_data(self, session: Session, group: SessionGroup) -> None:
+        """Sends what the session's kinds send once (the output head), before any batch."""
+        tensors = session.outputs.join_derive(self.join_data)
+        if not tensors:
+            return
+        try:
+            tensors = group.to_send(tensors)
+            for work in group.send_all(tensors):
+                group.wait(work, self.join_timeout_s, what="sending the join-time outputs (the output head)")
+        except BaseException:
+            group.abort()
+            raise
+        log.info("session %s: sent %.1f MiB of join-time outputs", session.session_id,
+                 sum(t.numel() * t.element_size() for t in tensors) / 2**20)
 
     def close(self, session: Session) -> None:
         """Stops the session's sender and aborts its group."""

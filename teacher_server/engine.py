@@ -81,7 +81,7 @@ class Engine:
         self.scheduler = Scheduler(max_batch_tokens=max_batch_tokens, max_sessions=max_sessions)
         self.delivery = Delivery(metrics, store=store, advertise_host=advertise_host, device=runner.device,
                                  join_timeout_s=join_timeout_s, transfer_timeout_s=transfer_timeout_s,
-                                 formed=self._formed, sent=self._sent, end=self._end)
+                                 join_data=runner.join_data, formed=self._formed, sent=self._sent, end=self._end)
         self.lease_s = lease_s
         self._sessions: dict[str, Session] = {}
         # Guards the sessions and the scheduler; notified when there may be work to plan.
@@ -314,7 +314,7 @@ class Engine:
         start = time.monotonic()
         tracing.mark("t_inputs", plan[0].batch.batch_id)
         try:
-            out = self.runner.forward(input_ids, mask, hidden=needs.hidden_states)
+            out = self.runner.forward(input_ids, mask, needs)
             tracing.mark("t_launched", plan[0].batch.batch_id)
         except Exception as e:  # e.g. out of memory: those sessions fail, the teacher stays up
             # (The busy clock is the announcer's: a launch that failed at once adds nothing to it.)
