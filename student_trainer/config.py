@@ -74,7 +74,8 @@ class TrainConfig:
     lora_target_modules: str = field(default="all-linear", metadata=_help(
         "comma-separated module names LoRA adapts, or all-linear"))
     compile: bool = field(default=False, metadata=_help("torch.compile the student"))
-    bf16: bool = field(default=False, metadata=_help("bf16 autocast for the student's forward"))
+    bf16: bool = field(default=False, metadata=_help(
+        "bf16 autocast for the student's forward (with --lora-r, the frozen base weights are held in bf16 too)"))
     grad_checkpointing: bool = field(default=False, metadata=_help("gradient checkpointing in the student"))
     prefetch: int = field(default=2, metadata=_help(
         "micro-batches submitted to the teacher ahead of the one training"))

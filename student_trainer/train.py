@@ -108,6 +108,24 @@ class StudentMaps:
         self.head = head  # the teacher's output head, for --head-on-student
 
 
+def build_maps(cfg: TrainConfig, model, teacher_layers: int, teacher_hidden: int, head: OutputHead | None,
+               device: torch.device) -> tuple[StudentMaps, AttentionCapture | None]:
+    """What the loss terms need besides the student: the hidden-state projections and layer map,
+    the attention layer map and the capture of the student's attention inputs, the teacher's head."""
+    maps, capture = StudentMaps(), None
+    student_layers = model.config.num_hidden_layers
+    if cfg.hidden_layers:
+        maps.projections = torch.nn.ModuleDict({
+            str(t): HiddenProjection(model.config.hidden_size, teacher_hidden, device=device) for t in cfg.hidden_layers})
+        maps.hidden = {t: student_layer_for(t, teacher_layers, student_layers) for t in cfg.hidden_layers}
+    if cfg.attention_layers:
+        maps.attention = {t: attention_layer_for(t, teacher_layers, student_layers) for t in cfg.attention_layers}
+        capture = AttentionCapture(model, set(maps.attention.values()))
+    if cfg.head_on_student:
+        maps.head = head
+    return maps, capture
+
+
 def distill_losses(cfg: TrainConfig, logits: torch.Tensor, student_hidden, batch: dict, out: TeacherOutput | None,
                    maps: StudentMaps, student_attention: dict | None = None) -> dict[str, torch.Tensor]:
     """kd_weight * KD + ce_weight * CE (+ hidden_weight * hidden + attention_weight * attention).
@@ -193,7 +211,9 @@ def build_student(cfg: TrainConfig, device: torch.device, checkpoint: Path | Non
             from peft import LoraConfig, PeftModel, get_peft_model
         except ImportError as e:
             raise ConfigError("--lora-r needs peft: pip install 'teacher-service[lora]'") from e
-        base = load_causal_lm(cfg.model, device=device, dtype=torch.float32)
+        # The frozen base in bf16 under --bf16 (half the memory of its weights; autocast computes in
+        # bf16 anyway); PEFT keeps the adapter's own weights in float32.
+        base = load_causal_lm(cfg.model, device=device, dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
         if checkpoint is not None:
             return PeftModel.from_pretrained(base, checkpoint / "model", is_trainable=True)
         targets = cfg.lora_target_modules
@@ -315,20 +335,9 @@ def train(cfg: TrainConfig) -> dict:
             job_id=cfg.job_id or output_dir.name, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s,
             reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, weight=cfg.teacher_weight,
             tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
-    projections, maps, capture = None, StudentMaps(), None
-    student_layers = model.config.num_hidden_layers
-    if cfg.hidden_layers:
-        student_hidden = model.config.hidden_size
-        projections = torch.nn.ModuleDict({str(t): HiddenProjection(student_hidden, teacher.info.hidden_size,
-                                                                    device=device) for t in cfg.hidden_layers})
-        maps.projections = projections
-        maps.hidden = {t: student_layer_for(t, teacher.info.num_layers, student_layers) for t in cfg.hidden_layers}
-    if cfg.attention_layers:
-        maps.attention = {t: attention_layer_for(t, teacher.info.num_layers, student_layers)
-                          for t in cfg.attention_layers}
-        capture = AttentionCapture(model, set(maps.attention.values()))
-    if cfg.head_on_student:
-        maps.head = teacher.joined.head
+    maps, capture = (build_maps(cfg, model, teacher.info.num_layers, teacher.info.hidden_size, teacher.joined.head,
+                                device) if teacher is not None else (StudentMaps(), None))
+    projections = maps.projections
 
     params = [p for p in model.parameters() if p.requires_grad]
     params += list(projections.parameters()) if projections is not None else []
