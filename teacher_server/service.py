@@ -17,7 +17,7 @@ from google.protobuf import message as pb_message
 from google.protobuf import message_factory
 
 from distill_common import tracing, wire
-from distill_common.outputs import OutputRequest, OutputSpecError, TeacherFacts, VocabularyMismatch
+from distill_common.outputs import BatchDataError, OutputRequest, OutputSpecError, TeacherFacts, VocabularyMismatch
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.session_group import device_uuid
 from distill_common.wire import WireError
@@ -104,6 +104,10 @@ class TeacherService:
                                         f"max_inflight, at most the teacher's --max-inflight {self.config.max_inflight}); "
                                         "receive outputs before submitting more")
             batch = self._decode_batch(request)
+            try:
+                batch.data = session.outputs.read_batch(request, batch.rows, batch.seq_len)
+            except BatchDataError as e:
+                raise InvalidArgument(str(e)) from e
             inflight = self.engine.submit(session, batch)
         except ServiceError:
             self.engine.refuse(session, request.batch_id)  # a student waiting for its announcement wakes
@@ -156,7 +160,7 @@ class TeacherService:
             num_layers=i.num_layers, dtype=wire.dtype_name(i.dtype), device_type=i.device.type, tp_size=i.tp_size,
             max_batch_tokens=c.max_batch_tokens, max_seq_len=c.max_seq_len, max_sessions=c.max_sessions,
             max_inflight=c.max_inflight, tokenizer_fingerprint=i.tokenizer_fingerprint,
-            torch_version=i.torch_version, nccl_version=i.nccl_version)
+            torch_version=i.torch_version, nccl_version=i.nccl_version, max_score_ids=c.max_score_ids)
 
     def _check_peer(self, peer: pb.PeerInfo) -> str:
         if peer.device_type not in ("cpu", "cuda"):

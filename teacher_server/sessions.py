@@ -22,10 +22,15 @@ class Batch:
     batch_id: int
     input_ids: torch.Tensor  # [B, S] int64, CPU
     attention_mask: torch.Tensor  # [B, S] int64, CPU
+    # What the session's output kinds read with the batch, by SubmitRequest field (score_ids: [B, S, k]).
+    data: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @functools.cached_property
     def key(self) -> bytes:
         """Content digest (teacher_server.cache.batch_key): identical batches share work.
+
+        Of the forward's inputs only: batches that differ in `data` alone share their forward
+        (delivery derives each one's outputs for itself).
 
         Computed when the engine first plans the batch, on its thread, not in the gRPC
         handler that queues it."""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-distill_common/proto/teacher/v1/teacher.proto\x12\nteacher.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x10\n\x0eGetInfoRequest\"\xd0\x02\n\x0bTeacherInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x03\x12\x12\n\nnum_layers\x18\x05 \x01(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x07 \x01(\t\x12\x0f\n\x07tp_size\x18\x08 \x01(\x05\x12\x18\n\x10max_batch_tokens\x18\t \x01(\x03\x12\x13\n\x0bmax_seq_len\x18\n \x01(\x03\x12\x14\n\x0cmax_sessions\x18\x0b \x01(\x05\x12\x14\n\x0cmax_inflight\x18\x0c \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\r \x01(\t\x12\x15\n\rtorch_version\x18\x0e \x01(\t\x12\x14\n\x0cnccl_version\x18\x0f \x01(\t\"P\n\nOutputSpec\x12\x0e\n\x06logits\x18\x01 \x01(\x08\x12\x0c\n\x04topk\x18\x02 \x01(\x05\x12\x15\n\rhidden_layers\x18\x03 \x03(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\"m\n\x08PeerInfo\x12\x13\n\x0b\x64\x65vice_type\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x15\n\rtorch_version\x18\x03 \x01(\t\x12\x14\n\x0cnccl_version\x18\x04 \x01(\tJ\x04\x08\x05\x10\x06R\x04host\"\xf3\x01\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08job_rank\x18\x02 \x01(\x05\x12\'\n\x07outputs\x18\x03 \x01(\x0b\x32\x16.teacher.v1.OutputSpec\x12\"\n\x04peer\x18\x04 \x01(\x0b\x32\x14.teacher.v1.PeerInfo\x12\x14\n\x0cmax_inflight\x18\x05 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\x03\x12\x0e\n\x06weight\x18\x08 \x01(\x01\x12\x1c\n\x14stream_refusals_only\x18\t \x01(\x08\"\xd2\x02\n\x0cJoinResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x04info\x18\x02 \x01(\x0b\x32\x17.teacher.v1.TeacherInfo\x12\x12\n\nstore_host\x18\x03 \x01(\t\x12\x12\n\nstore_port\x18\x04 \x01(\x05\x12\x14\n\x0cstore_prefix\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\n \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x0b \x01(\x01\x12\x0f\n\x07lease_s\x18\x0c \x01(\x01\x12\x14\n\x0cmax_inflight\x18\r \x01(\x05\x12\x14\n\x0coutput_dtype\x18\x0e \x01(\t\x12\x1c\n\x14stream_refusals_only\x18\x0f \x01(\x08J\x04\x08\x07\x10\nR\x0cteacher_rankR\x0cstudent_rankR\ngroup_size\"\x88\x01\n\rSubmitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x04\x12%\n\tinput_ids\x18\x03 \x01(\x0b\x32\x12.teacher.v1.Tensor\x12*\n\x0e\x61ttention_mask\x18\x04 \x01(\x0b\x32\x12.teacher.v1.Tensor\"_\n\x0eSubmitResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x10\n\x08inflight\x18\x02 \x01(\x05\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"&\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\";\n\x11HeartbeatResponse\x12\x14\n\x0c\x62\x61tches_sent\x18\x01 \x01(\x04\x12\x10\n\x08inflight\x18\x02 \x01(\x05\"1\n\x0cLeaveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"%\n\rLeaveResponse\x12\x14\n\x0c\x62\x61tches_sent\x18\x01 \x01(\x04\"\x12\n\x10GetStatusRequest\"\x81\x02\n\rSessionStatus\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x10\n\x08job_rank\x18\x03 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x19\n\x11\x62\x61tches_submitted\x18\x06 \x01(\x04\x12\x14\n\x0c\x62\x61tches_sent\x18\x07 \x01(\x04\x12\x15\n\rtokens_served\x18\x08 \x01(\x04\x12\x12\n\nbytes_sent\x18\t \x01(\x04\x12\x10\n\x08inflight\x18\n \x01(\x05\x12\x1c\n\x14last_heartbeat_age_s\x18\x0b \x01(\x01\x12\x0e\n\x06weight\x18\x0c \x01(\x01\"\x90\x01\n\x0eStatusResponse\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.teacher.v1.TeacherInfo\x12+\n\x08sessions\x18\x02 \x03(\x0b\x32\x19.teacher.v1.SessionStatus\x12\x15\n\rbusy_fraction\x18\x03 \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\x05\x32\xe6\x03\n\x0eTeacherService\x12>\n\x07GetInfo\x12\x1a.teacher.v1.GetInfoRequest\x1a\x17.teacher.v1.TeacherInfo\x12\x39\n\x04Join\x12\x17.teacher.v1.JoinRequest\x1a\x18.teacher.v1.JoinResponse\x12?\n\x06Submit\x12\x19.teacher.v1.SubmitRequest\x1a\x1a.teacher.v1.SubmitResponse\x12I\n\x0cSubmitStream\x12\x19.teacher.v1.SubmitRequest\x1a\x1a.teacher.v1.SubmitResponse(\x01\x30\x01\x12H\n\tHeartbeat\x12\x1c.teacher.v1.HeartbeatRequest\x1a\x1d.teacher.v1.HeartbeatResponse\x12<\n\x05Leave\x12\x18.teacher.v1.LeaveRequest\x1a\x19.teacher.v1.LeaveResponse\x12\x45\n\tGetStatus\x12\x1c.teacher.v1.GetStatusRequest\x1a\x1a.teacher.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-distill_common/proto/teacher/v1/teacher.proto\x12\nteacher.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x10\n\x0eGetInfoRequest\"\xe7\x02\n\x0bTeacherInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x13\n\x0bhidden_size\x18\x04 \x01(\x03\x12\x12\n\nnum_layers\x18\x05 \x01(\x03\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x07 \x01(\t\x12\x0f\n\x07tp_size\x18\x08 \x01(\x05\x12\x18\n\x10max_batch_tokens\x18\t \x01(\x03\x12\x13\n\x0bmax_seq_len\x18\n \x01(\x03\x12\x14\n\x0cmax_sessions\x18\x0b \x01(\x05\x12\x14\n\x0cmax_inflight\x18\x0c \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\r \x01(\t\x12\x15\n\rtorch_version\x18\x0e \x01(\t\x12\x14\n\x0cnccl_version\x18\x0f \x01(\t\x12\x15\n\rmax_score_ids\x18< \x01(\x05\"\x9d\x01\n\nOutputSpec\x12\x0e\n\x06logits\x18\x01 \x01(\x08\x12\x0c\n\x04topk\x18\x02 \x01(\x05\x12\x15\n\rhidden_layers\x18\x03 \x03(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x1b\n\x13next_token_logprobs\x18< \x01(\x08\x12\x11\n\tscore_ids\x18= \x01(\x05\x12\x1b\n\x13logprob_temperature\x18> \x01(\x01\"m\n\x08PeerInfo\x12\x13\n\x0b\x64\x65vice_type\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x15\n\rtorch_version\x18\x03 \x01(\t\x12\x14\n\x0cnccl_version\x18\x04 \x01(\tJ\x04\x08\x05\x10\x06R\x04host\"\xf3\x01\n\x0bJoinRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08job_rank\x18\x02 \x01(\x05\x12\'\n\x07outputs\x18\x03 \x01(\x0b\x32\x16.teacher.v1.OutputSpec\x12\"\n\x04peer\x18\x04 \x01(\x0b\x32\x14.teacher.v1.PeerInfo\x12\x14\n\x0cmax_inflight\x18\x05 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x06 \x01(\t\x12\x12\n\nvocab_size\x18\x07 \x01(\x03\x12\x0e\n\x06weight\x18\x08 \x01(\x01\x12\x1c\n\x14stream_refusals_only\x18\t \x01(\x08\"\xd2\x02\n\x0cJoinResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x04info\x18\x02 \x01(\x0b\x32\x17.teacher.v1.TeacherInfo\x12\x12\n\nstore_host\x18\x03 \x01(\t\x12\x12\n\nstore_port\x18\x04 \x01(\x05\x12\x14\n\x0cstore_prefix\x18\x05 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12\x11\n\ttimeout_s\x18\n \x01(\x01\x12\x1c\n\x14heartbeat_interval_s\x18\x0b \x01(\x01\x12\x0f\n\x07lease_s\x18\x0c \x01(\x01\x12\x14\n\x0cmax_inflight\x18\r \x01(\x05\x12\x14\n\x0coutput_dtype\x18\x0e \x01(\t\x12\x1c\n\x14stream_refusals_only\x18\x0f \x01(\x08J\x04\x08\x07\x10\nR\x0cteacher_rankR\x0cstudent_rankR\ngroup_size\"\xaf\x01\n\rSubmitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61tch_id\x18\x02 \x01(\x04\x12%\n\tinput_ids\x18\x03 \x01(\x0b\x32\x12.teacher.v1.Tensor\x12*\n\x0e\x61ttention_mask\x18\x04 \x01(\x0b\x32\x12.teacher.v1.Tensor\x12%\n\tscore_ids\x18< \x01(\x0b\x32\x12.teacher.v1.Tensor\"_\n\x0eSubmitResponse\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x10\n\x08inflight\x18\x02 \x01(\x05\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"&\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\";\n\x11HeartbeatResponse\x12\x14\n\x0c\x62\x61tches_sent\x18\x01 \x01(\x04\x12\x10\n\x08inflight\x18\x02 \x01(\x05\"1\n\x0cLeaveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\"%\n\rLeaveResponse\x12\x14\n\x0c\x62\x61tches_sent\x18\x01 \x01(\x04\"\x12\n\x10GetStatusRequest\"\x81\x02\n\rSessionStatus\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x10\n\x08job_rank\x18\x03 \x01(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x19\n\x11\x62\x61tches_submitted\x18\x06 \x01(\x04\x12\x14\n\x0c\x62\x61tches_sent\x18\x07 \x01(\x04\x12\x15\n\rtokens_served\x18\x08 \x01(\x04\x12\x12\n\nbytes_sent\x18\t \x01(\x04\x12\x10\n\x08inflight\x18\n \x01(\x05\x12\x1c\n\x14last_heartbeat_age_s\x18\x0b \x01(\x01\x12\x0e\n\x06weight\x18\x0c \x01(\x01\"\x90\x01\n\x0eStatusResponse\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.teacher.v1.TeacherInfo\x12+\n\x08sessions\x18\x02 \x03(\x0b\x32\x19.teacher.v1.SessionStatus\x12\x15\n\rbusy_fraction\x18\x03 \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x04 \x01(\x05\x32\xe6\x03\n\x0eTeacherService\x12>\n\x07GetInfo\x12\x1a.teacher.v1.GetInfoRequest\x1a\x17.teacher.v1.TeacherInfo\x12\x39\n\x04Join\x12\x17.teacher.v1.JoinRequest\x1a\x18.teacher.v1.JoinResponse\x12?\n\x06Submit\x12\x19.teacher.v1.SubmitRequest\x1a\x1a.teacher.v1.SubmitResponse\x12I\n\x0cSubmitStream\x12\x19.teacher.v1.SubmitRequest\x1a\x1a.teacher.v1.SubmitResponse(\x01\x30\x01\x12H\n\tHeartbeat\x12\x1c.teacher.v1.HeartbeatRequest\x1a\x1d.teacher.v1.HeartbeatResponse\x12<\n\x05Leave\x12\x18.teacher.v1.LeaveRequest\x1a\x19.teacher.v1.LeaveResponse\x12\x45\n\tGetStatus\x12\x1c.teacher.v1.GetStatusRequest\x1a\x1a.teacher.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,33 +36,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETINFOREQUEST']._serialized_start=115
   _globals['_GETINFOREQUEST']._serialized_end=131
   _globals['_TEACHERINFO']._serialized_start=134
-  _globals['_TEACHERINFO']._serialized_end=470
-  _globals['_OUTPUTSPEC']._serialized_start=472
-  _globals['_OUTPUTSPEC']._serialized_end=552
-  _globals['_PEERINFO']._serialized_start=554
-  _globals['_PEERINFO']._serialized_end=663
-  _globals['_JOINREQUEST']._serialized_start=666
-  _globals['_JOINREQUEST']._serialized_end=909
-  _globals['_JOINRESPONSE']._serialized_start=912
-  _globals['_JOINRESPONSE']._serialized_end=1250
-  _globals['_SUBMITREQUEST']._serialized_start=1253
-  _globals['_SUBMITREQUEST']._serialized_end=1389
-  _globals['_SUBMITRESPONSE']._serialized_start=1391
-  _globals['_SUBMITRESPONSE']._serialized_end=1486
-  _globals['_HEARTBEATREQUEST']._serialized_start=1488
-  _globals['_HEARTBEATREQUEST']._serialized_end=1526
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1528
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1587
-  _globals['_LEAVEREQUEST']._serialized_start=1589
-  _globals['_LEAVEREQUEST']._serialized_end=1638
-  _globals['_LEAVERESPONSE']._serialized_start=1640
-  _globals['_LEAVERESPONSE']._serialized_end=1677
-  _globals['_GETSTATUSREQUEST']._serialized_start=1679
-  _globals['_GETSTATUSREQUEST']._serialized_end=1697
-  _globals['_SESSIONSTATUS']._serialized_start=1700
-  _globals['_SESSIONSTATUS']._serialized_end=1957
-  _globals['_STATUSRESPONSE']._serialized_start=1960
-  _globals['_STATUSRESPONSE']._serialized_end=2104
-  _globals['_TEACHERSERVICE']._serialized_start=2107
-  _globals['_TEACHERSERVICE']._serialized_end=2593
+  _globals['_TEACHERINFO']._serialized_end=493
+  _globals['_OUTPUTSPEC']._serialized_start=496
+  _globals['_OUTPUTSPEC']._serialized_end=653
+  _globals['_PEERINFO']._serialized_start=655
+  _globals['_PEERINFO']._serialized_end=764
+  _globals['_JOINREQUEST']._serialized_start=767
+  _globals['_JOINREQUEST']._serialized_end=1010
+  _globals['_JOINRESPONSE']._serialized_start=1013
+  _globals['_JOINRESPONSE']._serialized_end=1351
+  _globals['_SUBMITREQUEST']._serialized_start=1354
+  _globals['_SUBMITREQUEST']._serialized_end=1529
+  _globals['_SUBMITRESPONSE']._serialized_start=1531
+  _globals['_SUBMITRESPONSE']._serialized_end=1626
+  _globals['_HEARTBEATREQUEST']._serialized_start=1628
+  _globals['_HEARTBEATREQUEST']._serialized_end=1666
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1668
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1727
+  _globals['_LEAVEREQUEST']._serialized_start=1729
+  _globals['_LEAVEREQUEST']._serialized_end=1778
+  _globals['_LEAVERESPONSE']._serialized_start=1780
+  _globals['_LEAVERESPONSE']._serialized_end=1817
+  _globals['_GETSTATUSREQUEST']._serialized_start=1819
+  _globals['_GETSTATUSREQUEST']._serialized_end=1837
+  _globals['_SESSIONSTATUS']._serialized_start=1840
+  _globals['_SESSIONSTATUS']._serialized_end=2097
+  _globals['_STATUSRESPONSE']._serialized_start=2100
+  _globals['_STATUSRESPONSE']._serialized_end=2244
+  _globals['_TEACHERSERVICE']._serialized_start=2247
+  _globals['_TEACHERSERVICE']._serialized_end=2733
 # @@protoc_insertion_point(module_scope)

@@ -21,7 +21,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TeacherInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "device_type", "tp_size", "max_batch_tokens", "max_seq_len", "max_sessions", "max_inflight", "tokenizer_fingerprint", "torch_version", "nccl_version")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "device_type", "tp_size", "max_batch_tokens", "max_seq_len", "max_sessions", "max_inflight", "tokenizer_fingerprint", "torch_version", "nccl_version", "max_score_ids")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class TeacherInfo(_message.Message):
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
     NCCL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -52,19 +53,26 @@ class TeacherInfo(_message.Message):
     tokenizer_fingerprint: str
     torch_version: str
     nccl_version: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ...) -> None: ...
+    max_score_ids: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., max_score_ids: _Optional[int] = ...) -> None: ...
 
 class OutputSpec(_message.Message):
-    __slots__ = ("logits", "topk", "hidden_layers", "dtype")
+    __slots__ = ("logits", "topk", "hidden_layers", "dtype", "next_token_logprobs", "score_ids", "logprob_temperature")
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     logits: bool
     topk: int
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
-    def __init__(self, logits: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+    next_token_logprobs: bool
+    score_ids: int
+    logprob_temperature: float
+    def __init__(self, logits: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., next_token_logprobs: _Optional[bool] = ..., score_ids: _Optional[int] = ..., logprob_temperature: _Optional[float] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("device_type", "device_uuid", "torch_version", "nccl_version")
@@ -129,16 +137,18 @@ class JoinResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., store_prefix: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., max_inflight: _Optional[int] = ..., output_dtype: _Optional[str] = ..., stream_refusals_only: _Optional[bool] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("session_id", "batch_id", "input_ids", "attention_mask")
+    __slots__ = ("session_id", "batch_id", "input_ids", "attention_mask", "score_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     batch_id: int
     input_ids: Tensor
     attention_mask: Tensor
-    def __init__(self, session_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    score_ids: Tensor
+    def __init__(self, session_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., score_ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("batch_id", "inflight", "error_code", "error_message")
