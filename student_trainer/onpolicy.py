@@ -24,6 +24,7 @@ a checkpoint are saved with it and submitted again first.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 
 import torch
@@ -126,6 +127,13 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator: tor
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+def _cache_argument(model) -> str:
+    """The name under which this model's forward takes its KV cache: transformers renamed
+    `past_key_values` to `cache` (a name an older forward would silently swallow in **kwargs)."""
+    forward = getattr(model, "get_base_model", lambda: model)().forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def sample(model, prompts: list[torch.Tensor], *, max_new_tokens: int, temperature: float, top_p: float,
            stop_ids: list[int], pad_id: int, generator: torch.Generator | None = None,
@@ -146,10 +154,13 @@ def sample(model, prompts: list[torch.Tensor], *, max_new_tokens: int, temperatu
         mask[row, longest - len(prompt):] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     stops = torch.tensor(stop_ids, device=device)
+    from transformers import DynamicCache
+
+    cache = {_cache_argument(model): DynamicCache()}  # filled in place by each forward
     was_training = model.training
     model.eval()
     try:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **cache)
         tokens, ranked = [], []
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         lengths = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -165,8 +176,8 @@ def sample(model, prompts: list[torch.Tensor], *, max_new_tokens: int, temperatu
                 break
             mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype, device=device)], dim=1)
             positions = positions[:, -1:] + 1
-            out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
-                        past_key_values=out.past_key_values, use_cache=True)
+            out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
+                        **cache)
     finally:
         model.train(was_training)
     generated = torch.stack(tokens, dim=1).cpu()

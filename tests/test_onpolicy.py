@@ -1,10 +1,12 @@
-"""Log-probabilities at given tokens: the sequence's own next tokens, and ids the student
-sends with each batch (distill_common/outputs.py: NextTokenLogprobs, ScoredLogprobs).
+"""On-policy distillation: the teacher's log-probabilities at given tokens, and the trainer's mode.
 
-First the kinds alone against values computed position by position; then a real server
-process and real clients over gloo: served values against log_softmax of the same model run
-here, with padding; bad ids refused with the field to change; two sessions whose batches share
-a forward but not their ids to score; a KD job and an on-policy job on one teacher at once.
+The output kinds (distill_common/outputs.py: NextTokenLogprobs, ScoredLogprobs) alone against
+values computed position by position; sampling (student_trainer/onpolicy.py) against decoding
+without the cache, and its batches. Then one real server process and real clients over gloo:
+served values against log_softmax of the same model run here, with padding; bad ids refused
+with the field to change; two sessions whose batches share a forward but not their ids to
+score; a KD job and an on-policy job on one teacher at once; the trainer's on-policy runs,
+which a resume repeats. (The losses: tests/test_onpolicy_losses.py.)
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ import requests
 import torch
 
 from distill_common import outputs
+from distill_demo.arithmetic import make_tokenizer, problems, write_jsonl
 from distill_common.outputs import (BatchDataError, BatchOutputs, HiddenStates, Logits, NextTokenLogprobs,
                                     OutputRequest, OutputSpecError, ScoredLogprobs, TeacherFacts, TopK, output_spec)
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
-from student_trainer import TeacherClient
+from student_trainer import TeacherClient, onpolicy
+from student_trainer.config import TrainConfig
+from student_trainer.data import BatchIterator, DataError, PromptDataset, split_prompt
 from student_trainer.errors import InvalidRequest
 from teacher_server.launcher import ServerProcess
 from teacher_server.sessions import Batch
@@ -187,6 +192,126 @@ def test_the_student_encodes_what_the_teacher_reads():
     assert torch.equal(request.read_batch(message, 2, 3)["score_ids"], ids)
 
 
+# ---- sampling and on-policy batches ---------------------------------------------------------------
+
+ARITHMETIC = make_tokenizer()
+
+
+def _tiny_student(vocab: int = len(ARITHMETIC), seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(config).double().eval()
+
+
+def _greedy_without_cache(model, prompt: torch.Tensor, max_new_tokens: int, stops: set[int], topk: int):
+    """Token by token, the whole sequence each time, one prompt alone."""
+    ids, ranked = prompt.clone(), []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=ids[None]).logits[0, -1]
+        ranked.append(logits.topk(topk).indices)
+        ids = torch.cat([ids, logits.argmax()[None]])
+        if int(ids[-1]) in stops:
+            break
+    return ids[len(prompt):], torch.stack(ranked)
+
+
+def test_batched_sampling_with_the_cache_equals_decoding_each_prompt_without_it():
+    model = _tiny_student()
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, len(ARITHMETIC), (length,), generator=generator) for length in (3, 7, 5)]
+    first = int(_greedy_without_cache(model, prompts[1], 1, set(), 1)[0][0])
+    for stops in ({1}, {1, first}):  # the second stops prompt 1 at its first token, the others later or never
+        completions, ranked = onpolicy.sample(model, prompts, max_new_tokens=6, temperature=0.0, top_p=1.0,
+                                              stop_ids=sorted(stops), pad_id=0, topk=3)
+        for prompt, completion, ranks in zip(prompts, completions, ranked):
+            want, want_ranks = _greedy_without_cache(model, prompt, 6, stops, 3)
+            assert torch.equal(completion, want) and torch.equal(ranks, want_ranks)
+        assert len(completions[1]) == (1 if first in stops else len(completions[1]))
+    assert model.training is False
+
+
+def test_top_p_samples_only_the_smallest_set_holding_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4000, 4)
+    generator = torch.Generator().manual_seed(1)
+    for top_p, allowed in ((0.7, {0, 1}), (0.85, {0, 1, 2}), (0.4, {0}), (1.0, {0, 1, 2, 3})):
+        picked = onpolicy._pick(logits, 1.0, top_p, generator)
+        assert set(picked.tolist()) == allowed, top_p
+    # Renormalised over the set: 0.5 / 0.8 of the picks are token 0 at top_p 0.7.
+    share = (onpolicy._pick(logits, 1.0, 0.7, generator) == 0).float().mean()
+    assert abs(share - 0.625) < 0.03
+
+
+def _prompts(tmp_path, count: int = 16, shape: str = "prompt_completion"):
+    return write_jsonl(tmp_path / f"{shape}.jsonl", problems(count, seed=0, digits=2), shape=shape)
+
+
+def _source(tmp_path, model, rank: int = 0, **settings) -> onpolicy.OnPolicyBatches:
+    cfg = TrainConfig(model="student", data="data", teacher="host:1", seq_len=16, batch_size=4, seed=0,
+                      **{"on_policy_fraction": 1.0, "max_new_tokens": 4, "student_topk": 3, **settings})
+    prompts = BatchIterator(PromptDataset(_prompts(tmp_path), ARITHMETIC, 16, min_new_tokens=4), 4, seed=0)
+    return onpolicy.OnPolicyBatches(prompts, model, cfg, stop_ids=[1], pad_id=0, rank=rank)
+
+
+def test_a_sampled_batch_is_prompt_then_completion_with_the_students_top_k(tmp_path):
+    model = _tiny_student()
+    batch = next(_source(tmp_path, model))
+    assert batch["on_policy"] is True
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    records = problems(16, seed=0, digits=2)
+    order = BatchIterator(PromptDataset(_prompts(tmp_path), ARITHMETIC, 16, min_new_tokens=4), 4, seed=0)
+    for row, index in enumerate(order.batch_indices(0, 0).tolist()):
+        prompt = ARITHMETIC(records[index][0])["input_ids"]
+        start, end = len(prompt), int(batch["attention_mask"][row].sum())
+        assert batch["input_ids"][row, :start].tolist() == prompt
+        width = batch["input_ids"].shape[1]
+        assert batch["loss_mask"][row].tolist() == [0] * start + [1] * (end - start) + [0] * (width - end)
+        completion = batch["input_ids"][row, start:end].tolist()
+        assert (completion[-1] == 1 or len(completion) == 4) and 1 not in completion[:-1]  # ends at eos or at 4
+        positions = range(start - 1, end - 1)  # each ranks the candidates for the next token
+        assert torch.equal(batch["score_ids"][row, positions], logits[row, positions].topk(3).indices)
+
+
+def test_ranks_sample_independently_and_a_resume_samples_the_same(tmp_path):
+    model = _tiny_student()
+    rank0, rank1 = _source(tmp_path, model, rank=0), _source(tmp_path, model, rank=1)
+    a0, a1 = next(rank0), next(rank1)
+    assert torch.equal(a0["input_ids"][:, :6], a1["input_ids"][:, :6])  # the same prompts (world size 1 here)
+    assert not torch.equal(a0["input_ids"], a1["input_ids"])  # sampled differently
+    state = rank0.state_dict()
+    b = next(rank0)
+    resumed = _source(tmp_path, model, rank=0)
+    resumed.load_state_dict(state)
+    again = next(resumed)
+    assert all(torch.equal(b[key], again[key]) for key in ("input_ids", "attention_mask", "loss_mask", "score_ids"))
+
+
+def test_reference_batches_keep_the_datas_completions(tmp_path):
+    model = _tiny_student()
+    batch = next(_source(tmp_path, model, on_policy_fraction=0.0))
+    assert batch["on_policy"] is False and batch["input_ids"].shape[1] == int(batch["attention_mask"].sum(1).max())
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.equal(batch["score_ids"], logits.topk(3).indices)
+
+
+def test_prompts_from_both_record_shapes_are_the_same_problem(tmp_path):
+    ids, mask, start = split_prompt({"prompt": "57+68=", "completion": "125"}, ARITHMETIC)
+    chat_ids, chat_mask, chat_start = split_prompt(
+        {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+                      {"role": "user", "content": "57+68="}, {"role": "assistant", "content": "125"}]}, ARITHMETIC)
+    assert ids[start:] == chat_ids[chat_start:] == ARITHMETIC("125")["input_ids"] + [1]
+    assert mask[start:] == chat_mask[chat_start:] == [1, 1, 1, 1] and not any(chat_mask[:chat_start])
+    assert ARITHMETIC.decode(chat_ids[:chat_start]) == "<user>1+1=<assistant>2<eos><user>57+68=<assistant>"
+    with pytest.raises(DataError, match="have no prompt"):
+        split_prompt({"text": "1+1=2"}, ARITHMETIC)
+    with pytest.raises(DataError, match="no assistant message"):
+        split_prompt({"messages": [{"role": "user", "content": "1+1="}]}, ARITHMETIC)
+    with pytest.raises(DataError, match=r"leaves fewer than 4 of --seq-len 8 to generate: raise --seq-len"):
+        PromptDataset(_prompts(tmp_path), ARITHMETIC, 8, min_new_tokens=4)
+
+
 # ---- a real server and real clients -------------------------------------------------------------
 
 SERVED_VOCAB = 384
@@ -319,3 +444,79 @@ def test_sessions_sharing_a_forward_get_the_values_of_their_own_ids(server, loca
     assert not errors, errors
     shared = requests.get(f"{server.http}/v1/status", timeout=10).json()["cache"]["shared_in_forward"]
     assert shared > shared_before, "no two batches shared a forward: the test did not exercise sharing"
+
+
+def test_a_kd_job_and_an_on_policy_job_share_the_teacher_at_once(server, local):
+    """A KD job (full logits, top k) and an on-policy one (next-token and scored log-probabilities),
+    submitting at the same time: each receives its own outputs, exact."""
+    errors: list[str] = []
+    go = threading.Barrier(2, timeout=60)
+
+    def job(name: str, kinds, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        with TeacherClient(server.address, "cpu", outputs=kinds, max_inflight=3, job_id=name) as teacher:
+            go.wait()
+            sent = []
+            for _ in range(5):
+                ids, mask = _padded(2, int(torch.randint(6, 20, (1,), generator=generator)), seed=seed + len(sent),
+                                    vocab=SERVED_VOCAB)
+                score = torch.randint(0, SERVED_VOCAB, (*ids.shape, 4), generator=generator)
+                extra = {"score_ids": score} if name == "on-policy" else {}
+                sent.append((ids, mask, score, teacher.submit(ids, mask, **extra)))
+            for ids, mask, score, future in sent:
+                out = future.result(timeout=120)
+                logits = _local_logits(local, ids, mask)
+                real = mask.bool()
+                if name == "kd":
+                    diffs = [(out.logits - logits)[real].abs().max(),
+                             (out.topk_values - logits.topk(5).values)[real].abs().max()]
+                else:
+                    log_p = torch.log_softmax(logits, -1)
+                    keep = real[:, :-1] & real[:, 1:]
+                    nxt = log_p[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+                    diffs = [(out.next_token_logprobs[:, :-1] - nxt)[keep].abs().max(),
+                             (out.scored_logprobs - log_p.gather(-1, score))[real].abs().max()]
+                if max(diffs) > 1e-5:
+                    errors.append(f"{name}: off by {max(diffs):.3g}")
+
+    threads = [threading.Thread(target=job, args=("kd", (Logits(), TopK(5)), 1)),
+               threading.Thread(target=job, args=("on-policy", (NextTokenLogprobs(), ScoredLogprobs(4)), 2))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+
+
+# ---- the trainer's on-policy mode --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def student_dir(tmp_path_factory):
+    """A student of the teacher's vocabulary width that reads arithmetic with one token per character."""
+    path = build_tiny_model(tmp_path_factory.mktemp("student") / "model", vocab_size=SERVED_VOCAB, layers=1,
+                            hidden_size=16, seed=3)
+    make_tokenizer(path)
+    return path
+
+
+def _train(server, student_dir, data, output_dir, **settings) -> list[dict]:
+    from student_trainer.train import train
+
+    cfg = TrainConfig(model=str(student_dir), data=str(data), teacher=server.address, output_dir=str(output_dir),
+                      seq_len=16, batch_size=4, max_new_tokens=4, lr=5e-2, seed=3, prefetch=1, sample_temperature=2.0,
+                      **{"on_policy_fraction": 0.5, "student_topk": 3, "max_steps": 6, "save_every": 3, **settings})
+    return train(cfg)["history"]
+
+
+def test_an_on_policy_run_resumed_repeats_the_uninterrupted_one(server, student_dir, tmp_path):
+    data = write_jsonl(tmp_path / "train.jsonl", problems(40, seed=1, digits=2))
+    whole = _train(server, student_dir, data, tmp_path / "a")
+    assert {record["on_policy"] for record in whole} == {0.0, 1.0}  # sampled and reference batches both ran
+    assert all(np.isfinite(record["loss"]) for record in whole)
+    first = _train(server, student_dir, data, tmp_path / "b", stop_after_steps=3)
+    second = _train(server, student_dir, data, tmp_path / "b", resume=True)
+    assert [record["step"] for record in first + second] == list(range(1, 7))
+    for want, got in zip(whole, first + second):
+        for key in ("loss", "kd", "on_policy"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5), (key, want, got)
