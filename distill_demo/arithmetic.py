@@ -53,6 +53,19 @@ def problem(rng: random.Random, digits: int) -> tuple[str, str]:
     return f"{a}+{b}=", str(a + b)
 
 
+def slipped_answer(prompt: str, rng: random.Random, slip: float) -> str:
+    """The sum in `prompt` as a careless solver writes it: each carry is forgotten with
+    probability `slip` (0: the right answer)."""
+    a, b = (int(x) for x in prompt.rstrip("=").split("+"))
+    digits, carry = [], 0
+    while a or b or carry:
+        total = a % 10 + b % 10 + carry
+        digits.append(total % 10)
+        carry = total // 10 if rng.random() >= slip else 0
+        a, b = a // 10, b // 10
+    return "".join(map(str, reversed(digits))) or "0"
+
+
 def problems(count: int, seed: int, digits: int, exclude: set[str] = frozenset()) -> list[tuple[str, str]]:
     """`count` distinct problems (none of whose prompts is in `exclude`), the same for the same seed."""
     rng, seen, found = random.Random(seed), set(exclude), []

@@ -326,14 +326,20 @@ def sampled_reverse_kl_loss(
     mask: torch.Tensor | None = None,
     *,
     temperature: float = 1.0,
+    baseline: bool = True,
 ) -> torch.Tensor:
     """The per-token reverse KL on tokens the student sampled (see the module docstring).
 
-    student_logits [B, S, V] predict tokens [B, S] (the sampled ones), whose log-probabilities
-    under the teacher are teacher_logprobs [B, S]. ``temperature`` is the one the tokens were
-    sampled at: the student's log-probabilities are taken at it, so that the estimate is of the
-    divergence from the distribution sampled. Returns the mean over masked tokens of
-    log q - log p (float32), whose gradient is the mean of (log q - log p) * grad log q.
+    student_logits [B, S, V] predict tokens [B, S] (the sampled ones; each row a sequence
+    sampled independently), whose log-probabilities under the teacher are teacher_logprobs
+    [B, S]. ``temperature`` is the one the tokens were sampled at: the student's
+    log-probabilities are taken at it, so that the estimate is of the divergence from the
+    distribution sampled. Returns the mean over masked tokens of log q - log p (float32), whose
+    gradient is the mean of (log q - log p - b) * grad log q. With ``baseline``, b is the mean
+    log ratio of the *other* rows' tokens: independent of the row's own samples, so the
+    expectation stays the same, while the many tokens a student samples with log q > log p no
+    longer all push their own probability down (the variance that otherwise makes the student
+    drift away from the teacher); without, b = 0.
     """
     _check_logits("student_logits", student_logits)
     batch, seq, vocab = student_logits.shape
@@ -353,8 +359,17 @@ def sampled_reverse_kl_loss(
     rows = student_logits.reshape(batch * seq, vocab)[token_index].to(compute_dtype) / temperature
     log_q = -F.cross_entropy(rows, tokens.reshape(-1)[token_index].long(), reduction="none")
     log_ratio = (log_q - teacher_logprobs.reshape(-1)[token_index].to(compute_dtype)).detach()
-    # Value: the estimate; gradient: log_ratio * grad log q (the second term is 0 but for its gradient).
-    return log_ratio.mean() + (log_ratio * (log_q - log_q.detach())).mean()
+    weight = log_ratio - _other_rows_mean(log_ratio, token_index // seq, batch) if baseline else log_ratio
+    # Value: the estimate; gradient: weight * grad log q (the second term is 0 but for its gradient).
+    return log_ratio.mean() + (weight * (log_q - log_q.detach())).mean()
+
+
+def _other_rows_mean(values: torch.Tensor, rows: torch.Tensor, batch: int) -> torch.Tensor:
+    """For each value, the mean of the values of the other rows (0 where no other row has one)."""
+    sums = torch.zeros(batch, dtype=values.dtype, device=values.device).index_add_(0, rows, values)
+    counts = torch.zeros(batch, dtype=values.dtype, device=values.device).index_add_(0, rows, torch.ones_like(values))
+    others = counts.sum() - counts[rows]
+    return torch.where(others > 0, (sums.sum() - sums[rows]) / others.clamp_min(1), 0.0)
 
 
 def scored_kd_loss(

@@ -31,22 +31,29 @@ def _inputs(seed: int, batch: int = 2, seq: int = 5, vocab: int = V):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_sampled_reverse_kl_value_and_gradient_match_the_reference(temperature):
-    student, teacher, mask, generator = _inputs(1)
-    tokens = torch.randint(0, V, (2, 5), generator=generator)
+@pytest.mark.parametrize("baseline", [True, False])
+def test_sampled_reverse_kl_value_and_gradient_match_the_reference(temperature, baseline):
+    student, teacher, mask, generator = _inputs(1, batch=3)
+    tokens = torch.randint(0, V, (3, 5), generator=generator)
     teacher_logprobs = torch.log_softmax(teacher, -1).gather(-1, tokens[..., None])[..., 0]
-    loss = sampled_reverse_kl_loss(student, tokens, teacher_logprobs, mask, temperature=temperature)
+    loss = sampled_reverse_kl_loss(student, tokens, teacher_logprobs, mask, temperature=temperature,
+                                   baseline=baseline)
     (grad,) = torch.autograd.grad(loss, student)
 
-    # Reference: position by position, log q of the sampled token, the ratio as a constant weight.
-    values, surrogate = [], []
+    # Reference: position by position, log q of the sampled token, the ratio as a constant weight,
+    # less the mean ratio of the other rows' tokens.
+    log_q, ratio, row_of = [], [], []
     for b, t in zip(*torch.nonzero(mask, as_tuple=True)):
-        log_q = torch.log_softmax(student[b, t] / temperature, -1)[tokens[b, t]]
-        ratio = (log_q - teacher_logprobs[b, t]).detach()
-        values.append(ratio)
-        surrogate.append(ratio * log_q)
+        log_q.append(torch.log_softmax(student[b, t] / temperature, -1)[tokens[b, t]])
+        ratio.append((log_q[-1] - teacher_logprobs[b, t]).detach())
+        row_of.append(int(b))
+    surrogate = []
+    for i in range(len(ratio)):
+        others = [ratio[j] for j in range(len(ratio)) if row_of[j] != row_of[i]]
+        weight = ratio[i] - (sum(others) / len(others) if baseline and others else 0.0)
+        surrogate.append(weight * log_q[i])
     (want_grad,) = torch.autograd.grad(torch.stack(surrogate).mean(), student)
-    torch.testing.assert_close(loss, torch.stack(values).mean())
+    torch.testing.assert_close(loss, torch.stack(ratio).mean())
     torch.testing.assert_close(grad, want_grad)
     assert grad[~mask].abs().max() == 0
 
@@ -96,6 +103,44 @@ def test_the_sampled_estimator_is_unbiased_on_an_exact_case():
     # ... which is not the whole sequence KL's: the first token's effect on the second is left out.
     full = torch.autograd.grad(sequence_kl, student)
     assert not torch.allclose(estimated_grad[0], full[0], atol=1e-3)
+
+
+def test_the_baseline_keeps_the_gradient_unbiased_and_lowers_its_variance():
+    """Batches of two sequences, every pair enumerated: with the other row's mean log ratio as the
+    baseline the expected gradient is still the token-level one, and it scatters less."""
+    v = 3
+    generator = torch.Generator().manual_seed(9)
+    student = [torch.randn(v, generator=generator, dtype=torch.float64).requires_grad_(),
+               torch.randn(v, v, generator=generator, dtype=torch.float64).requires_grad_()]
+    teacher = [torch.randn(v, generator=generator, dtype=torch.float64) * 3,
+               torch.randn(v, v, generator=generator, dtype=torch.float64) * 3]
+    log_q1, log_p1 = torch.log_softmax(student[0], -1), torch.log_softmax(teacher[0], -1)
+    log_q2, log_p2 = torch.log_softmax(student[1], -1), torch.log_softmax(teacher[1], -1)
+    sequences = list(itertools.product(range(v), repeat=2))
+    moments = {}
+    for baseline in (False, True):
+        mean, square = torch.zeros(v + v * v, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        for (a1, a2), (b1, b2) in itertools.product(sequences, repeat=2):
+            weight = (log_q1[a1] + log_q2[a1, a2] + log_q1[b1] + log_q2[b1, b2]).exp().detach()
+            logits = torch.stack([_sequence_logits(student, a1)[0], _sequence_logits(student, b1)[0]])
+            tokens = torch.tensor([[a1, a2], [b1, b2]])
+            teacher_logprobs = torch.stack([torch.stack([log_p1[a1], log_p2[a1, a2]]),
+                                            torch.stack([log_p1[b1], log_p2[b1, b2]])])
+            # Summed over the batch's four tokens, per sequence: the estimate of one sequence's gradient.
+            loss = 2 * sampled_reverse_kl_loss(logits, tokens, teacher_logprobs, baseline=baseline)
+            grad = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, student, retain_graph=True)])
+            mean += weight * grad
+            square += weight * grad.square().sum()
+        moments[baseline] = (mean, square - mean.square().sum())
+
+    def token_kl(log_q, log_p):
+        return (log_q.exp() * (log_q - log_p)).sum(-1)
+
+    token_level = token_kl(log_q1, log_p1) + (log_q1.exp().detach() * token_kl(log_q2, log_p2)).sum()
+    want = torch.cat([g.reshape(-1) for g in torch.autograd.grad(token_level, student)])
+    for baseline, (mean, _) in moments.items():
+        torch.testing.assert_close(mean, want, msg=f"baseline={baseline}")
+    assert moments[True][1] < moments[False][1], moments
 
 
 def test_sampled_estimates_average_to_the_reverse_kl():
