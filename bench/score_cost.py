@@ -1,7 +1,8 @@
 """The teacher's cost per scored token: log-probabilities at given tokens against full logits.
 
 On one teacher model (default builtin:wide, a Llama-3-sized vocabulary of 128,256 on a one-layer
-body: its outputs weigh what a real teacher's do, its forward costs little), on CPU:
+body: its outputs weigh what a real teacher's do, its forward costs little), on CPU (or with
+--device cuda:0 --student-device cuda:1, on two GPUs over NCCL):
 
   derive  what the teacher computes for a batch beyond its forward, in this process: the full
           logits in the output dtype (Logits), log_softmax gathered at the next tokens
@@ -13,6 +14,7 @@ Prints a table (and writes it to --out): output, bytes sent per token, derive µ
 served ms per token, and served time against full logits'.
 
     python -m bench.score_cost [--rows 1 --seq 256] [--batches 6] [--k 8,32] [--out score_cost.md]
+    python -m bench.score_cost --device cuda:0 --student-device cuda:1 --rows 4 --seq 2048 --batches 20
 """
 
 from __future__ import annotations
@@ -41,27 +43,34 @@ def batch(rows: int, seq: int, vocab: int, k: int, generator: torch.Generator) -
     return ids, score_ids
 
 
-def time_derive(request: OutputRequest, rows: int, seq: int, vocab: int, repeats: int) -> float:
-    """Seconds per token of the request's derive on a forward of random logits."""
+def time_derive(request: OutputRequest, rows: int, seq: int, vocab: int, repeats: int, device: torch.device) -> float:
+    """Seconds per token of the request's derive on a forward of random logits on `device`."""
     generator = torch.Generator().manual_seed(0)
-    forward = BatchOutputs(torch.randn(rows, seq, vocab, generator=generator))
+    forward = BatchOutputs(torch.randn(rows, seq, vocab, generator=generator).to(device, request.teacher.dtype))
     k = next((kind.k for kind in request if isinstance(kind, ScoredLogprobs)), 0)
     ids, score_ids = batch(rows, seq, vocab, k, generator)
     submitted = Batch(0, ids, torch.ones_like(ids), {"score_ids": score_ids} if k else {})
     request.derive(forward, submitted)  # warm-up
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(repeats):
         request.derive(forward, submitted)
+    synchronize(device)
     return (time.perf_counter() - start) / (repeats * rows * seq)
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_served(address: str, outputs: tuple, rows: int, seq: int, vocab: int, batches: int,
-                inflight: int) -> float:
+                inflight: int, device: str) -> float:
     """Seconds per token through the server, with `inflight` batches in flight (after a warm-up)."""
     k = next((kind.k for kind in outputs if isinstance(kind, ScoredLogprobs)), 0)
     generator = torch.Generator().manual_seed(1)
     work = [batch(rows, seq, vocab, k, generator) for _ in range(batches)]
-    with TeacherClient(address, "cpu", outputs=outputs, max_inflight=inflight, job_id="score-cost") as teacher:
+    with TeacherClient(address, device, outputs=outputs, max_inflight=inflight, job_id="score-cost") as teacher:
         ids, score_ids = work[0]
         teacher.submit(ids, score_ids=score_ids).result(timeout=600)  # warm-up
         start = time.perf_counter()
@@ -74,6 +83,9 @@ def time_served(address: str, outputs: tuple, rows: int, seq: int, vocab: int, b
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="builtin:wide", help="the teacher (default: builtin:wide)")
+    parser.add_argument("--device", default="cpu", help="the teacher's device")
+    parser.add_argument("--dtype", default="", help="the teacher's dtype (default: its own, float32 for builtin)")
+    parser.add_argument("--student-device", default="cpu", help="the client's device (another GPU: NCCL)")
     parser.add_argument("--rows", type=int, default=1, help="sequences per batch")
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--batches", type=int, default=6, help="batches timed per output through the server")
@@ -85,10 +97,12 @@ def main() -> None:
     ks = [int(k) for k in args.k.split(",") if k]
     tokens = args.rows * args.seq
 
-    server = ServerProcess("--model", args.model, "--max-batch-tokens", str(max(tokens, 1024)), "--max-score-ids",
-                           str(max(ks, default=1)), "--max-seq-len", str(max(args.seq, 1024)))
+    dtype_flag = ("--dtype", args.dtype) if args.dtype else ()
+    server = ServerProcess("--model", args.model, "--device", args.device, *dtype_flag, "--max-batch-tokens",
+                           str(max(tokens, 1024)), "--max-score-ids", str(max(ks, default=1)), "--max-seq-len",
+                           str(max(args.seq, 1024)))
     try:
-        with TeacherClient(server.address, "cpu", outputs=(NextTokenLogprobs(),)) as probe:
+        with TeacherClient(server.address, args.student_device, outputs=(NextTokenLogprobs(),)) as probe:
             info = probe.info
         facts = TeacherFacts(vocab_size=info.vocab_size, hidden_size=info.hidden_size, num_layers=info.num_layers,
                              dtype=getattr(torch, info.dtype), max_score_ids=max(ks, default=1))
@@ -97,17 +111,18 @@ def main() -> None:
             request = OutputRequest.resolve(output_spec(outputs), facts)
             sent = sum(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
                        for shape, dtype in request.layout(args.rows, args.seq)) / tokens
-            derive_s = time_derive(request, args.rows, args.seq, info.vocab_size, args.repeats)
+            derive_s = time_derive(request, args.rows, args.seq, info.vocab_size, args.repeats,
+                                   torch.device(args.device))
             served_s = time_served(server.address, outputs, args.rows, args.seq, info.vocab_size, args.batches,
-                                   args.inflight)
+                                   args.inflight, args.student_device)
             baseline = baseline or served_s
             rows_out.append((name, sent, derive_s, served_s))
             print(f"  {name}: {served_s * 1e3:.3f} ms/token served", flush=True)
     finally:
         server.stop()
 
-    lines = [f"teacher {args.model} (vocabulary {info.vocab_size}, {info.dtype}) on CPU, batches of "
-             f"{args.rows} x {args.seq} tokens, {args.inflight} in flight",
+    lines = [f"teacher {args.model} (vocabulary {info.vocab_size}, {info.dtype}) on {args.device}, student on "
+             f"{args.student_device}, batches of {args.rows} x {args.seq} tokens, {args.inflight} in flight",
              "", "| output | bytes/token sent | derive µs/token | served ms/token | served vs full logits |",
              "|---|---:|---:|---:|---:|"]
     for name, sent, derive_s, served_s in rows_out:

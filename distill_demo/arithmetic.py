@@ -53,16 +53,16 @@ def problem(rng: random.Random, digits: int) -> tuple[str, str]:
     return f"{a}+{b}=", str(a + b)
 
 
-def slipped_answer(prompt: str, rng: random.Random, slip: float) -> str:
-    """The sum in `prompt` as a careless solver writes it: each carry is forgotten with
-    probability `slip` (0: the right answer)."""
+def careless_answer(prompt: str, rng: random.Random, slip: float) -> str:
+    """The sum in `prompt` as a careless solver writes it: it drops the carry out of the units
+    digit with probability `slip` (1: always, a systematic mistake; 0: the right answer)."""
     a, b = (int(x) for x in prompt.rstrip("=").split("+"))
-    digits, carry = [], 0
+    digits, carry, position = [], 0, 0
     while a or b or carry:
         total = a % 10 + b % 10 + carry
         digits.append(total % 10)
-        carry = total // 10 if rng.random() >= slip else 0
-        a, b = a // 10, b // 10
+        carry = 0 if position == 0 and rng.random() < slip else total // 10
+        a, b, position = a // 10, b // 10, position + 1
     return "".join(map(str, reversed(digits))) or "0"
 
 

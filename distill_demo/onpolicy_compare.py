@@ -3,9 +3,11 @@
     python -m distill_demo.onpolicy_compare [--quick] [--seeds 0,1,2] [--output-dir runs/onpolicy]
 
 The task (distill_demo/arithmetic.py): sums of two numbers, scored by exact match. The student's
-dataset is what a careless solver wrote: it forgets a carry with probability --slip, so many of
-its answers are wrong, while the teacher, trained on its own right answers, solves better. That
-is the situation distillation is for: the data alone teaches the student less than the teacher can.
+dataset is what a careless solver wrote: it drops the carry out of the units digit (with
+probability --slip; 1, the default, makes it a systematic mistake, which a student learns as
+readily as the right rule), so the answers of nearly half its problems are wrong, while the
+teacher, trained on its own right answers, solves better. That is the situation distillation is
+for: the data alone teaches the student less than the teacher can.
 
 1. data      three disjoint sets of problems: the teacher's (right answers), the students'
              dataset (the careless answers), held-out (right answers)
@@ -56,13 +58,13 @@ ARMS = (
 )
 TOPK_ARMS = ("onpolicy", "mixture")  # also given --student-topk
 
-TEACHER = ModelShape(hidden_size=128, num_layers=2, intermediate_size=512, num_heads=4)
-STUDENT = ModelShape(hidden_size=48, num_layers=2, intermediate_size=192, num_heads=4)
+TEACHER = ModelShape(hidden_size=96, num_layers=2, intermediate_size=384, num_heads=4)
+STUDENT = ModelShape(hidden_size=64, num_layers=2, intermediate_size=256, num_heads=4)
 QUICK_TEACHER = ModelShape(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=2)
 QUICK_STUDENT = ModelShape(hidden_size=16, num_layers=1, intermediate_size=32, num_heads=2)
 # --quick: tiny everything; checks that the pipeline runs, not which arm wins.
 QUICK = dict(teacher_problems=400, student_problems=200, heldout_problems=40, teacher_steps=30, warmup_steps=10,
-             steps=6, eval_every=3, seeds=(0, 1), batch_size=8)
+             steps=6, eval_every=3, seeds=(0, 1), batch_size=8, teacher_batch_size=8, parallel=3)
 
 
 def _help(text: str) -> dict:
@@ -79,13 +81,14 @@ class CompareConfig:
     teacher_problems: int = field(default=5000, metadata=_help("problems the teacher is trained on"))
     student_problems: int = field(default=3000, metadata=_help("problems in the students' dataset"))
     heldout_problems: int = field(default=500, metadata=_help("held-out problems"))
-    slip: float = field(default=0.3, metadata=_help(
-        "the dataset's solver forgets each carry with this probability"))
-    teacher_steps: int = field(default=2000, metadata=_help("teacher training steps"))
+    slip: float = field(default=1.0, metadata=_help(
+        "the dataset's solver drops the carry out of the units digit with this probability"))
+    teacher_steps: int = field(default=1500, metadata=_help("teacher training steps"))
     teacher_lr: float = field(default=3e-3, metadata=_help("teacher learning rate"))
-    warmup_steps: int = field(default=600, metadata=_help("steps of CE that warm each student up"))
+    teacher_batch_size: int = field(default=64, metadata=_help("teacher training batch size"))
+    warmup_steps: int = field(default=1500, metadata=_help("steps of CE that warm each student up"))
     warmup_lr: float = field(default=3e-3, metadata=_help("the warm-up's learning rate"))
-    steps: int = field(default=400, metadata=_help("steps of every arm"))
+    steps: int = field(default=300, metadata=_help("steps of every arm"))
     lr: float = field(default=1e-3, metadata=_help("the arms' learning rate (constant)"))
     batch_size: int = field(default=32, metadata=_help("sequences per step, warm-up and arms alike"))
     student_topk: int = field(default=4, metadata=_help("ids of the student the teacher scores (on-policy, mixture)"))
@@ -104,6 +107,7 @@ class CompareConfig:
         if len(self.seeds) < 2 or len(set(self.seeds)) != len(self.seeds):
             raise ConfigError("--seeds: give at least two different seeds (the spread over seeds is the yardstick)")
         for name in ("digits", "teacher_problems", "student_problems", "heldout_problems", "teacher_steps",
+                     "teacher_batch_size",
                      "warmup_steps", "steps", "batch_size", "student_topk", "eval_every", "parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag(name)} must be >= 1")
@@ -123,8 +127,10 @@ class CompareConfig:
                                                      "heldout_problems", "slip")}
 
     def teacher_settings(self) -> dict:
-        return {"data": self.data_settings(), "shape": dataclasses.asdict(self.teacher), "steps": self.teacher_steps,
-                "lr": self.teacher_lr, "batch_size": self.batch_size}
+        """What the teacher depends on: its problems and the held-out ones it is scored on (not --slip)."""
+        problems = {key: value for key, value in self.data_settings().items() if key != "slip"}
+        return {"problems": problems, "shape": dataclasses.asdict(self.teacher), "steps": self.teacher_steps,
+                "lr": self.teacher_lr, "batch_size": self.teacher_batch_size}
 
     def warmup_settings(self, seed: int) -> dict:
         return {"data": self.data_settings(), "shape": dataclasses.asdict(self.student), "steps": self.warmup_steps,
@@ -148,7 +154,7 @@ class Data:
 
 
 def prepare_data(cfg: CompareConfig, cache: Path) -> Data:
-    from distill_demo.arithmetic import make_tokenizer, problems, slipped_answer, write_jsonl
+    from distill_demo.arithmetic import careless_answer, make_tokenizer, problems, write_jsonl
 
     directory = cache / f"data-{settings_key(cfg.data_settings())}"
     directory.mkdir(parents=True, exist_ok=True)
@@ -157,13 +163,13 @@ def prepare_data(cfg: CompareConfig, cache: Path) -> Data:
     students = pairs[cfg.teacher_problems:cfg.teacher_problems + cfg.student_problems]
     heldout = pairs[cfg.teacher_problems + cfg.student_problems:]
     rng = random.Random(1)
-    careless = [(prompt, slipped_answer(prompt, rng, cfg.slip)) for prompt, _ in students]
+    careless = [(prompt, careless_answer(prompt, rng, cfg.slip)) for prompt, _ in students]
     data = Data(directory, write_jsonl(directory / "teacher.jsonl", teacher),
                 write_jsonl(directory / "students.jsonl", careless), write_jsonl(directory / "heldout.jsonl", heldout),
                 statistics.fmean(given == right for (_, given), (_, right) in zip(careless, students)))
     make_tokenizer(directory / "tokenizer")
     say(f"[1/{STEPS}] data in {directory}: {len(teacher)} teacher problems, {len(careless)} in the students' "
-        f"dataset ({data.dataset_right:.0%} of its answers right: carries forgotten with p={cfg.slip}), "
+        f"dataset ({data.dataset_right:.0%} of its answers right: the units' carry dropped with p={cfg.slip}), "
         f"{len(heldout)} held out")
     return data
 
@@ -189,39 +195,67 @@ def save_llama(path: Path, shape: ModelShape, data: Data, seed: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def common_args(cfg: CompareConfig, data: Data, model: Path, seed: int) -> list[str]:
-    return ["--model", str(model), "--eval-data", str(data.heldout), "--batch-size", str(cfg.batch_size),
+def common_args(cfg: CompareConfig, data: Data, model: Path, seed: int, batch_size: int = 0) -> list[str]:
+    return ["--model", str(model), "--eval-data", str(data.heldout), "--batch-size", str(batch_size or cfg.batch_size),
             "--seq-len", str(cfg.seq_len), "--max-new-tokens", str(cfg.digits + 2), "--seed", str(seed),
             "--schedule", "constant", "--log-every", "1"]
 
 
-def trained(cfg: CompareConfig, name: str, settings: dict, cache: Path, out: Path, shape: ModelShape,
-            data: Data, init_seed: int, args: list[str], steps: int) -> tuple[Path, float, int]:
-    """A model trained with CE (cached by `settings`): its directory, held-out exact match, parameters."""
+@dataclass
+class Trained:
+    """A model trained with CE, cached by its settings."""
+
+    name: str
+    settings: dict
+    shape: ModelShape
+    init_seed: int
+    args: list[str]  # trainer flags besides the shared ones
+    steps: int
+    batch_size: int
+    model_dir: Path | None = None
+    exact_match: float = float("nan")  # held-out, at the last step
+    params: int = 0
+
+
+def ensure_trained(cfg: CompareConfig, jobs: list[Trained], data: Data, cache: Path, out: Path) -> None:
+    """Fills each job's model_dir, exact_match and params: from the cache, or trained now
+    (--parallel at a time) and cached."""
     from distill_demo.processes import DemoError, TrainerRun, wait_all
 
-    directory = cache / f"{name}-{settings_key(settings)}"
-    marker = directory / "trained.json"
-    if marker.is_file():
-        info = json.loads(marker.read_text())
-        return directory / "model", info["exact_match"], info["params"]
-    staging = directory.parent / f".{directory.name}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    params = save_llama(staging / "init", shape, data, init_seed)
-    run = TrainerRun(name, staging / "run", [*common_args(cfg, data, staging / "init", init_seed), *args,
-                                             "--max-steps", str(steps), "--eval-every", str(steps)],
-                     threads=cfg.parallel, log_path=out / f"{name}.log")
-    wait_all([run], timeout_s=cfg.run_timeout_s)
-    evals = [m for m in run.metrics() if "eval_exact_match" in m]
-    if not evals:
-        raise DemoError(f"{name} wrote no held-out evaluation; see {run.log_path}")
-    shutil.move(str(run.run_dir / "model"), str(staging / "model"))
-    shutil.rmtree(run.run_dir)
-    (staging / "trained.json").write_text(json.dumps({"exact_match": evals[-1]["eval_exact_match"],
-                                                      "params": params, "settings": settings}) + "\n")
-    shutil.rmtree(directory, ignore_errors=True)
-    staging.rename(directory)
-    return directory / "model", evals[-1]["eval_exact_match"], params
+    missing = []
+    for job in jobs:
+        directory = cache / f"{job.name}-{settings_key(job.settings)}"
+        if (directory / "trained.json").is_file():
+            info = json.loads((directory / "trained.json").read_text())
+            job.model_dir, job.exact_match, job.params = directory / "model", info["exact_match"], info["params"]
+        else:
+            missing.append((job, directory))
+    for start in range(0, len(missing), cfg.parallel):
+        wave = missing[start:start + cfg.parallel]
+        runs = []
+        for job, directory in wave:
+            staging = directory.parent / f".{directory.name}.tmp"
+            shutil.rmtree(staging, ignore_errors=True)
+            job.params = save_llama(staging / "init", job.shape, data, job.init_seed)
+            runs.append(TrainerRun(job.name, staging / "run", [
+                *common_args(cfg, data, staging / "init", job.init_seed, job.batch_size), *job.args,
+                "--max-steps", str(job.steps), "--eval-every", str(job.steps)],
+                threads=1, log_path=out / f"{job.name}.log"))
+        wait_all(runs, timeout_s=cfg.run_timeout_s)
+        for (job, directory), run in zip(wave, runs):
+            evals = [m for m in run.metrics() if "eval_exact_match" in m]
+            if not evals:
+                raise DemoError(f"{job.name} wrote no held-out evaluation; see {run.log_path}")
+            staging = run.run_dir.parent
+            shutil.move(str(run.run_dir / "model"), str(staging / "model"))
+            shutil.rmtree(run.run_dir)
+            shutil.rmtree(staging / "init")
+            job.exact_match = evals[-1]["eval_exact_match"]
+            (staging / "trained.json").write_text(json.dumps({"exact_match": job.exact_match, "params": job.params,
+                                                              "settings": job.settings, "wall_s": run.wall_s}) + "\n")
+            shutil.rmtree(directory, ignore_errors=True)
+            staging.rename(directory)
+            job.model_dir = directory / "model"
 
 
 # ---- 4. arms ------------------------------------------------------------------------------------------
@@ -371,7 +405,7 @@ def plot(cfg: CompareConfig, results: list[ArmResult], teacher_match: float, pat
     bars.set_ylabel("teacher log-likelihood per token")
     bars.set_title("of the students' samples (T=1)")
     figure.suptitle(f"{cfg.student.hidden_size}-wide student, {cfg.teacher.hidden_size}-wide teacher: "
-                    f"{cfg.digits}-digit sums, the dataset's carries forgotten with p={cfg.slip}")
+                    f"{cfg.digits}-digit sums, the dataset's units carry dropped with p={cfg.slip}")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -394,22 +428,23 @@ def run(cfg: CompareConfig) -> dict:
     data = prepare_data(cfg, cache)
 
     say(f"[2/{STEPS}] teacher: a {cfg.teacher.hidden_size}-wide {cfg.teacher.num_layers}-layer Llama, "
-        f"{cfg.teacher_steps} steps of CE on its problems (cached)")
-    teacher_dir, teacher_match, teacher_params = trained(
-        cfg, "teacher", cfg.teacher_settings(), cache, out, cfg.teacher, data, 0,
-        ["--data", str(data.teacher), "--kd-weight", "0", "--on-policy-fraction", "0", "--lr", str(cfg.teacher_lr),
-         "--schedule", "cosine", "--warmup-steps", str(cfg.teacher_steps // 10)], cfg.teacher_steps)
-    say(f"  {teacher_params / 1e3:.0f}k parameters; held-out exact match {teacher_match:.3f}")
-
-    say(f"[3/{STEPS}] students: {cfg.student.hidden_size}-wide {cfg.student.num_layers}-layer Llamas warmed up "
-        f"with {cfg.warmup_steps} steps of CE on the dataset, one per seed (cached)")
-    warm, warm_match = {}, {}
-    for seed in cfg.seeds:
-        warm[seed], warm_match[seed], student_params = trained(
-            cfg, f"student-seed{seed}", cfg.warmup_settings(seed), cache, out, cfg.student, data, 100 + seed,
-            ["--data", str(data.students), "--kd-weight", "0", "--on-policy-fraction", "0", "--lr",
-             str(cfg.warmup_lr)], cfg.warmup_steps)
-        say(f"  seed {seed}: {student_params / 1e3:.0f}k parameters; held-out exact match {warm_match[seed]:.3f}")
+        f"{cfg.teacher_steps} steps of CE on its problems; students: {cfg.student.hidden_size}-wide "
+        f"{cfg.student.num_layers}-layer Llamas warmed up with {cfg.warmup_steps} steps of CE on the dataset, one per "
+        "seed (all cached)")
+    teacher = Trained("teacher", cfg.teacher_settings(), cfg.teacher, 0, [
+        "--data", str(data.teacher), "--kd-weight", "0", "--on-policy-fraction", "0", "--lr", str(cfg.teacher_lr),
+        "--schedule", "cosine", "--warmup-steps", str(cfg.teacher_steps // 10)], cfg.teacher_steps,
+        cfg.teacher_batch_size)
+    students = [Trained(f"student-seed{seed}", cfg.warmup_settings(seed), cfg.student, 100 + seed, [
+        "--data", str(data.students), "--kd-weight", "0", "--on-policy-fraction", "0", "--lr", str(cfg.warmup_lr)],
+        cfg.warmup_steps, cfg.batch_size) for seed in cfg.seeds]
+    ensure_trained(cfg, [teacher, *students], data, cache, out)
+    teacher_dir, teacher_match = teacher.model_dir, teacher.exact_match
+    say(f"  teacher: {teacher.params / 1e3:.0f}k parameters; held-out exact match {teacher_match:.3f}")
+    warm = {seed: job.model_dir for seed, job in zip(cfg.seeds, students)}
+    warm_match = {seed: job.exact_match for seed, job in zip(cfg.seeds, students)}
+    for seed, job in zip(cfg.seeds, students):
+        say(f"  student seed {seed}: {job.params / 1e3:.0f}k parameters; held-out exact match {job.exact_match:.3f}")
 
     say(f"[4/{STEPS}] arms: {cfg.steps} steps each from the warm students, {cfg.parallel} at a time against one "
         "teacher server")
