@@ -2,8 +2,8 @@
 # One call on the GPU machine: the GPU tests and benches named as arguments, each under its
 # own timeout, each output kept under $OUT:
 #   bash bench/run_gpu.sh stubs e2e tp tpforward transport
-# tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs, dataplane. Benches: transport,
-# transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, launch (one GPU), connect.
+# tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs, dataplane, isolation. Benches:
+# transport, transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, launch (one GPU), connect.
 # Investigations (bench/investigations/): tpsend.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
@@ -33,6 +33,8 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     graphs) gpu_test test_cuda_graphs 200 ;;
     # The per-batch header on the device, NCCL on the rendezvous store, a tampering teacher.
     dataplane) gpu_test test_nccl_data_plane 200 ;;
+    # The teacher's memory running out: a pack served batch by batch, top-k of the vocabulary failing alone.
+    isolation) gpu_test test_isolation_gpu 300 ;;
     # The engine's host time per forward of the bench model, eager and with CUDA graphs (one GPU).
     launch) timeout 300 python3 -m bench.forward_launch --cuda-graphs 16 --side-threads 0,3 --out "$out/launch.md" 2>&1 | quiet | tail -40 ;;
     transport) timeout 400 python3 -m bench.transport_throughput --inflight 8,16 --out "$out/transport.md" 2>&1 | quiet | tail -12 ;;

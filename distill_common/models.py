@@ -10,6 +10,8 @@ model, or random weights in the shape of a real model's config.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 BUILTIN_PREFIX = "builtin:"
@@ -68,8 +70,9 @@ def load_causal_lm(spec: str, *, device: torch.device, dtype: torch.dtype | None
     from transformers import AutoModelForCausalLM
 
     if spec.startswith(BUILTIN_PREFIX):
-        with torch.device(device):
-            return builtin_model(spec[len(BUILTIN_PREFIX):], dtype or torch.float32)
+        # Built on the CPU and moved: the same weights on every device (a CUDA generator would
+        # draw others), so a built-in teacher on a GPU matches the same model built anywhere.
+        return builtin_model(spec[len(BUILTIN_PREFIX):], dtype or torch.float32).to(device)
     if spec.startswith(RANDOM_PREFIX):
         config = model_config(spec, trust_remote_code)
         # Built directly on the device, in the target dtype: an 8B model never touches host memory.
@@ -89,3 +92,69 @@ def load_causal_lm(spec: str, *, device: torch.device, dtype: torch.dtype | None
         raise ValueError(f"model {spec!r} could not be loaded: {e}. Give a local model directory, a hub id this "
                          f"machine can download, or {BUILTIN_PREFIX}NAME / {RANDOM_PREFIX}CONFIG_DIR") from e
     return model.to(device)
+
+
+# Config attributes that declare how many positions an architecture was built for.
+_DECLARED_POSITIONS = ("n_positions", "max_position_embeddings", "n_ctx")
+# A learned table may hold a few rows more than it serves: OPT and BioGPT offset positions by 2.
+_TABLE_OFFSET_MAX = 2
+
+
+@dataclass(frozen=True)
+class PositionLimit:
+    """The longest sequence an architecture can run at all, and what sets it."""
+
+    positions: int
+    table: str  # the module or buffer that has one row per position
+
+    def __str__(self) -> str:
+        return f"{self.positions} (its position table {self.table} has no row for a later position)"
+
+
+def position_limit(config, trust_remote_code: bool = False) -> PositionLimit | None:
+    """The hard limit on sequence length of the architecture `config` describes, or None.
+
+    Per architecture, by the model's structure rather than a list of names (so models loaded
+    with trust_remote_code are judged the same way): an architecture that looks positions
+    up in a table built for the positions its config declares (`n_positions`,
+    `max_position_embeddings`, `n_ctx`) cannot run a longer sequence. Its forward then fails
+    (IndexError on CPU; on CUDA a device-side assert, which leaves the CUDA context unusable
+    for every later forward, so the teacher must refuse such a batch before it runs). Such
+    tables are learned position embeddings (GPT-2's `wpe`, OPT's and BioGPT's, offset by 2
+    rows) and precomputed ones kept as buffers (GPT-J's and CodeGen's rotary sin/cos of
+    `n_positions` rows, CTRL's sinusoids).
+
+    Rotary positions computed on the fly (Llama, Qwen, Mistral, Gemma, GPT-NeoX, Phi) and
+    ALiBi (BLOOM) have no such table: their `max_position_embeddings` is the length they
+    were trained on, not a bound. A longer sequence runs, if less well, and the operator
+    may allow it; there is no limit to enforce. One architecture is judged too strictly:
+    XGLM keeps its sinusoids in a buffer of the declared length but rebuilds it longer when
+    needed; its declared length is taken as its limit.
+
+    The structure is read from the model built on the meta device: no weights, no memory,
+    a few seconds for a 70B-shaped model. A model that cannot be built there is taken to
+    have no limit (logged).
+    """
+    import logging
+
+    from transformers import AutoModelForCausalLM
+
+    declared = {int(value) for name in _DECLARED_POSITIONS
+                if isinstance(value := getattr(config, name, None), int) and value > 0}
+    if not declared:
+        return None
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        logging.getLogger(__name__).warning(
+            "could not build %s on the meta device to look for a position table (%s): no sequence length "
+            "limit is known for it", type(config).__name__, e)
+        return None
+    tokens = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+    tables = [(name, module.num_embeddings) for name, module in model.named_modules()
+              if isinstance(module, torch.nn.Embedding) and id(module) not in tokens]
+    tables += [(name, buffer.shape[0]) for name, buffer in model.named_buffers() if buffer.dim() >= 1]
+    limits = [PositionLimit(positions, name) for name, rows in tables for positions in sorted(declared)
+              if positions <= rows <= positions + _TABLE_OFFSET_MAX]
+    return min(limits, key=lambda limit: limit.positions, default=None)

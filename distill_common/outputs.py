@@ -61,6 +61,7 @@ class TeacherFacts:
     num_layers: int
     dtype: torch.dtype  # the model's: outputs come in it unless the session asks another
     tokenizer_fingerprint: str = ""
+    max_topk: int = 0  # the teacher's --max-topk (0: up to the vocabulary size)
 
     @classmethod
     def from_info(cls, info: pb.TeacherInfo) -> "TeacherFacts":
@@ -218,6 +219,9 @@ class TopK(Output):
     def check(self, teacher: TeacherFacts) -> None:
         if not 0 < self.k <= teacher.vocab_size:
             raise OutputSpecError(f"topk {self.k} must be between 0 and the vocabulary size {teacher.vocab_size}")
+        if teacher.max_topk and self.k > teacher.max_topk:
+            raise OutputSpecError(f"topk {self.k} exceeds the teacher's --max-topk {teacher.max_topk}: ask for at "
+                                  "most that many, or start the teacher with a larger --max-topk")
 
     def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
         return [TensorSpec((batch, seq, self.k), dtype), TensorSpec((batch, seq, self.k), torch.int32)]

@@ -19,11 +19,12 @@ When the teacher goes away (UNAVAILABLE, a broken session group, NOT_FOUND for o
 session after a restart) the client joins again, with backoff, for up to
 `reconnect_timeout_s`, and sends the new session every batch whose outputs it has not
 delivered, in submit order: each future resolves exactly once, later than it would
-have. A refusal (INVALID_ARGUMENT, FAILED_PRECONDITION, RESOURCE_EXHAUSTED,
-UNAUTHENTICATED, PERMISSION_DENIED) is final, but for a first Join refused because the
-teacher is full (RESOURCE_EXHAUSTED), asked again until `join_timeout_s`. What a failure
-leads to is decided in one place, the connection's state machine
-(student_trainer/connection.py). Batch ids restart at 0 on every session (see
+have; a batch that ended every session it was sent to, `max_resubmits` times again, fails
+instead with why each ended. A refusal (INVALID_ARGUMENT, FAILED_PRECONDITION,
+RESOURCE_EXHAUSTED, UNAUTHENTICATED, PERMISSION_DENIED) is final, but for a first Join
+refused because the teacher is full (RESOURCE_EXHAUSTED), asked again until
+`join_timeout_s`. What a failure leads to is decided in one place, the connection's state
+machine (student_trainer/connection.py). Batch ids restart at 0 on every session (see
 SubmitRequest.batch_id); `TeacherOutput.batch_id` is the client's own id, which does not.
 
 Every call about a session carries the secret its Join returned (the gRPC metadata key
@@ -53,7 +54,7 @@ from distill_common.rendezvous import RendezvousStore
 from distill_common.session_group import (STUDENT_RANK, build_group, device_uuid, handshake, local_address_towards,
                                           nccl_version)
 from distill_common.vocab import tokenizer_fingerprint
-from student_trainer.connection import Action, Connection, FirstJoin, State
+from student_trainer.connection import MAX_RESUBMITS, Action, Connection, FirstJoin, State
 from student_trainer.errors import Incompatible, TeacherError, TeacherUnavailable, from_rpc_error
 from student_trainer.session import Batch, Session
 
@@ -94,7 +95,7 @@ class TeacherClient:
                  rpc_timeout_s: float = 30.0, auth_token: str | None = None,
                  join_timeout_s: float = 120.0, transfer_timeout_s: float | None = None,
                  tls_ca: str | bool | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 reconnect_timeout_s: float = 300.0):
+                 reconnect_timeout_s: float = 300.0, max_resubmits: int = MAX_RESUBMITS):
         """`outputs`: the kinds of teacher output to receive (distill_common.outputs: Logits(),
         TopK(k), HiddenStates(layers)), in `dtype` (None: the teacher's).
 
@@ -105,7 +106,9 @@ class TeacherClient:
         `reconnect_timeout_s`: how long to keep trying to join again after the teacher went
         away (a restart, a crash, a network cut) before failing the outstanding batches
         with TeacherUnavailable; 0 fails them at once. The default, 5 minutes, covers a
-        restart that reloads a large model; a job that would rather fail fast lowers it."""
+        restart that reloads a large model; a job that would rather fail fast lowers it.
+        `max_resubmits`: how many times a batch is sent again after the session holding it
+        ended; past that it fails with BatchNotServed, naming why each session ended."""
         self.address = address
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -159,7 +162,7 @@ class TeacherClient:
             self._leave(joined)
             self._channel.close()
             raise
-        self._connection = Connection(session, address, reconnect_timeout_s)
+        self._connection = Connection(session, address, reconnect_timeout_s, max_resubmits=max_resubmits)
         self._start(session)
         self._heartbeat_thread = threading.Thread(target=self._send_heartbeats, name="send-heartbeats", daemon=True)
         self._heartbeat_thread.start()
@@ -344,7 +347,8 @@ class TeacherClient:
         """A thread of `session` hit `error`: the connection decides whether to join again or fail for good."""
         with self._cond:
             connection = self._connection
-            action = (connection.heartbeat_failed if heartbeat else connection.failed)(session, error)
+            action = (connection.heartbeat_failed if heartbeat else connection.failed)(session, error,
+                                                                                       list(self._undelivered))
             self._cond.notify_all()
         if action is Action.IGNORE:
             return
@@ -373,8 +377,12 @@ class TeacherClient:
         start = time.monotonic()
         log.warning("lost teacher %s (session %s): %s; joining again for up to %gs (reconnect_timeout_s)",
                     self.address, lost.session_id, cause, self.reconnect_timeout_s)
-        # A teacher that is still up (it dropped the session, or the network blinked) frees its slot.
-        self._leave(lost.joined, timeout_s=min(self.rpc_timeout_s, 5.0))
+        # A teacher that is still up (it dropped the session, or the network blinked) frees its slot;
+        # one that ended the session says why.
+        answer = self._leave(lost.joined, timeout_s=min(self.rpc_timeout_s, 5.0))
+        if answer is not None:
+            with self._cond:
+                self._connection.explained(answer)
         attempt = 0
         while True:
             with self._cond:
@@ -447,7 +455,10 @@ class TeacherClient:
             with self._cond:
                 installed = self._connection.rejoined(session)
                 if installed:
+                    hopeless = self._connection.not_to_resubmit(self._undelivered)
+                    failed = [(self._undelivered.pop(batch_id), error) for batch_id, error in hopeless.items()]
                     batches = list(self._undelivered.values())
+                    self._cond.notify_all()  # close() waits for _undelivered to empty
             if not installed:
                 session.stop()
                 self._leave(session.joined, timeout_s=min(self.rpc_timeout_s, 5.0))
@@ -459,6 +470,9 @@ class TeacherClient:
             for batch in batches:
                 session.send(batch)
         self.reconnects += 1
+        for batch, error in failed:  # taken out of _undelivered above: resolved here, once
+            log.error("%s", error)
+            batch.future.set_exception(error)
         return len(batches)
 
     # ---- plumbing ----------------------------------------------------------------
@@ -498,10 +512,13 @@ class TeacherClient:
                 log.warning("heartbeat failed: %s", e)
                 self._session_failed(session, e, heartbeat=True)
 
-    def _leave(self, joined: pb.JoinResponse, timeout_s: float | None = None) -> None:
+    def _leave(self, joined: pb.JoinResponse, timeout_s: float | None = None) -> TeacherError | None:
+        """Leaves the session; the teacher's error, if any (NOT_FOUND names why it had ended it)."""
         if not joined.session_id:
-            return
+            return None
         try:
             self._call("Leave", pb.LeaveRequest(session_id=joined.session_id, drain=False), timeout_s, joined=joined)
         except TeacherError as e:
             log.debug("leave: %s", e)
+            return e
+        return None

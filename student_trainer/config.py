@@ -79,6 +79,10 @@ class TrainConfig:
     teacher_reconnect_timeout_s: float = field(default=300.0, metadata=_help(
         "when the teacher goes away (restart, crash), keep trying to join it again this long, then fail; batches "
         "not yet received are submitted again (0: fail at once)"))
+    # TeacherClient's own default (student_trainer/connection.py: MAX_RESUBMITS).
+    teacher_max_resubmits: int = field(default=3, metadata=_help(
+        "when the teacher ended the session holding a batch, send the batch again this many times at most; then "
+        "the run stops with BatchNotServed, which says why each session ended"))
     teacher_weight: float = field(default=1.0, metadata=_help(
         "this job's share of a busy teacher relative to other jobs (every rank gives the same)"))
     job_id: str = field(default="", metadata=_help("shown in the teacher's status (default: the run directory)"))
@@ -121,6 +125,8 @@ class TrainConfig:
         if self.teacher_reconnect_timeout_s < 0:
             raise ConfigError("--teacher-reconnect-timeout-s must be >= 0 (0: fail at once when the teacher goes "
                               "away)")
+        if self.teacher_max_resubmits < 0:
+            raise ConfigError("--teacher-max-resubmits must be >= 0 (0: a batch whose session ended fails at once)")
         if self.lora_r < 0:
             raise ConfigError("--lora-r must be >= 0 (0: full fine-tuning)")
         if self.log_level.upper() not in LOG_LEVELS:

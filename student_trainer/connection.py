@@ -18,6 +18,11 @@ acted on once. Nothing leaves BROKEN but close(); nothing leaves CLOSED.
 
 Before all that, the first Join (`FirstJoin`): a teacher that is full for now is asked
 again, with the same backoff, until the client's join timeout.
+Rejoining is bounded by progress as well as by time: every join may succeed while one
+batch keeps ending the sessions it is sent to (a batch the teacher cannot run). Each
+undelivered batch keeps why each session that held it ended; a batch that was sent again
+`max_resubmits` times, and whose last session ended too, is not sent again but fails with
+that history (`BatchNotServed`), and the client goes on with the others.
 
 No threads, no sockets, no lock: TeacherClient calls it under its own lock, and the
 transitions are tested alone (tests/test_connection.py). The clock and the jitter of
@@ -29,11 +34,14 @@ from __future__ import annotations
 import enum
 import random
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Callable
 
 import grpc
 
-from student_trainer.errors import LimitExceeded, TeacherError, TeacherUnavailable, teacher_gone
+from student_trainer.errors import (BatchNotServed, LimitExceeded, SessionNotFound, TeacherError, TeacherUnavailable,
+                                    teacher_gone)
 
 # Reconnecting: the first pause, doubled after each failed attempt up to the cap, each
 # drawn down by up to half (jitter: the jobs of one teacher do not come back in lockstep).
@@ -42,6 +50,9 @@ RECONNECT_MAX_DELAY_S = 5.0
 # Besides a teacher that is gone (errors.teacher_gone): one too slow to answer, or full
 # (--max-sessions), may take the session a little later.
 _REJOIN_ALSO_ON = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED})
+# How many times a batch is sent again to a new session after the one holding it ended, before
+# it fails: a teacher restart costs one, a batch the teacher cannot run ends every session.
+MAX_RESUBMITS = 3
 
 
 def worth_retrying(error: Exception) -> bool:
@@ -125,14 +136,28 @@ class Action(enum.Enum):
     BREAK = "break"  # tear the session down and fail every outstanding batch with `error`
 
 
+@dataclass
+class _Loss:
+    """A session that ended while it held batches, and why."""
+
+    session_id: str
+    error: TeacherError
+    teacher_says: str = ""  # the teacher's own account, when the error was not it (explained)
+
+    def __str__(self) -> str:
+        said = f"; the teacher says: {self.teacher_says}" if self.teacher_says else ""
+        return f"session {self.session_id}: {self.error}{said}"
+
+
 class Connection:
     """Which session is current and what happens to the client when something fails.
 
-    `session` is opaque here: whatever the client calls a session.
+    `session` is opaque here: whatever the client calls a session (read: its `session_id`).
+    Batches are the client's ids.
     """
 
     def __init__(self, session, address: str, reconnect_timeout_s: float, *,
-                 clock: Callable[[], float] = time.monotonic,
+                 max_resubmits: int = MAX_RESUBMITS, clock: Callable[[], float] = time.monotonic,
                  jitter: Callable[[float, float], float] = random.uniform):
         self.state = State.CONNECTED
         self.session = session
@@ -146,6 +171,9 @@ class Connection:
         self._delay_s = RECONNECT_FIRST_DELAY_S
         self._clock = clock
         self._jitter = jitter
+        self.max_resubmits = max_resubmits
+        self._losses: dict[int, list[_Loss]] = {}  # by batch: the sessions that ended while holding it
+        self._last_loss: _Loss | None = None
 
     # ---- reading -----------------------------------------------------------------
 
@@ -176,20 +204,37 @@ class Connection:
 
     # ---- failures while connected ------------------------------------------------
 
-    def failed(self, session, error: TeacherError) -> Action:
-        """A thread of `session` hit `error`: join again if the teacher went away, else break."""
+    def failed(self, session, error: TeacherError, outstanding: Iterable[int] = ()) -> Action:
+        """A thread of `session` hit `error`: join again if the teacher went away, else break.
+
+        `outstanding`: the batches `session` held, undelivered; each remembers the loss.
+        """
         if session is not self.session or self.state is not State.CONNECTED:
             return Action.IGNORE
         if self.reconnect_timeout_s > 0 and teacher_gone(error):
             self.state, self.cause = State.LOST, error
+            self._last_loss = _Loss(getattr(session, "session_id", "?"), error)
+            for batch_id in outstanding:
+                self._losses.setdefault(batch_id, []).append(self._last_loss)
             return Action.REJOIN
         self._break(error)
         return Action.BREAK
 
-    def heartbeat_failed(self, session, error: TeacherError) -> Action:
+    def heartbeat_failed(self, session, error: TeacherError, outstanding: Iterable[int] = ()) -> Action:
         if not counts_as_gone(error, self.reconnect_timeout_s):
             return Action.IGNORE
-        return self.failed(session, error)
+        return self.failed(session, error, outstanding)
+
+    def explained(self, answer: TeacherError) -> None:
+        """The teacher's answer about the lost session (to Leave): NOT_FOUND names why it ended it.
+
+        Kept with the loss when its error was something else (a receive that broke when the
+        teacher aborted the group), so the history says what the teacher saw.
+        """
+        loss = self._last_loss
+        if (loss is not None and isinstance(answer, SessionNotFound) and not isinstance(loss.error, SessionNotFound)
+                and self.state in (State.LOST, State.REJOINING)):
+            loss.teacher_says = str(answer)
 
     # ---- rejoining ---------------------------------------------------------------
 
@@ -247,6 +292,26 @@ class Connection:
             return False
         self.state, self.session, self.cause, self.deadline = State.CONNECTED, session, None, None
         return True
+
+    def not_to_resubmit(self, undelivered: Iterable[int]) -> dict[int, BatchNotServed]:
+        """Of the `undelivered` batches a new session is about to get, those that fail instead.
+
+        A batch fails once the sessions that ended while holding it number more than
+        max_resubmits: sending it again would most likely end the next one too. The history of
+        every other batch is kept; that of a batch no longer undelivered is dropped.
+        """
+        undelivered = set(undelivered)
+        self._losses = {batch_id: losses for batch_id, losses in self._losses.items() if batch_id in undelivered}
+        hopeless = {batch_id: losses for batch_id, losses in self._losses.items()
+                    if len(losses) > self.max_resubmits}
+        for batch_id in hopeless:
+            del self._losses[batch_id]
+        return {batch_id: BatchNotServed(
+            f"batch {batch_id} was sent to teacher {self.address} {len(losses)} times (max_resubmits="
+            f"{self.max_resubmits}, the trainer's --teacher-max-resubmits) and every session it was sent to ended "
+            "before its outputs came, so the teacher most likely cannot serve this batch (see its log). Why each "
+            "ended: " + "; ".join(f"({i}) {loss}" for i, loss in enumerate(losses, 1)))
+            for batch_id, losses in hopeless.items()}
 
     # ---- the end -----------------------------------------------------------------
 

@@ -63,6 +63,11 @@ class BatchFailed(TeacherError):
     message). Final for that batch alone: it is not sent again, and the session goes on."""
 
 
+class BatchNotServed(TeacherError):
+    """One batch ended every session it was sent to, up to the client's max_resubmits: the message
+    says why each ended. The client goes on with other batches."""
+
+
 _BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.FAILED_PRECONDITION: Incompatible,

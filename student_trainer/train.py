@@ -16,8 +16,11 @@ import math
 import os
 import time
 from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
+import grpc
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -29,6 +32,7 @@ from student_trainer.checkpoint import latest_checkpoint, load_trainer_state, sa
 from student_trainer.client import TeacherClient
 from student_trainer.config import TrainConfig
 from student_trainer.data import BatchIterator, PackedDataset
+from student_trainer.errors import TeacherUnavailable
 from student_trainer.losses import HiddenProjection, hidden_state_loss, kd_loss, topk_kd_loss
 
 log = logging.getLogger(__name__)
@@ -46,6 +50,7 @@ class TeacherPrefetcher:
     """
 
     def __init__(self, teacher: TeacherClient | None, batches: BatchIterator, depth: int, timeout_s: float):
+        """`timeout_s`: the longest wait for one batch's outputs (then TeacherUnavailable)."""
         self.teacher, self.batches, self.depth, self.timeout_s = teacher, batches, depth, timeout_s
         self._queue: deque = deque()
 
@@ -61,11 +66,27 @@ class TeacherPrefetcher:
         self._fill(self.depth + 1)
         _, batch, future = self._queue.popleft()
         start = time.perf_counter()
-        out = future.result(timeout=self.timeout_s) if future is not None else None
+        out = teacher_result(self.teacher, future, self.timeout_s) if future is not None else None
         return batch, out, time.perf_counter() - start
 
     def data_state(self) -> dict:
         return self._queue[0][0] if self._queue else self.batches.state_dict()
+
+
+def teacher_result(teacher: TeacherClient, future: Future, timeout_s: float) -> TeacherOutput:
+    """A batch's outputs; the teacher's error (a TeacherError that says why) when it failed, and
+    TeacherUnavailable when none came within `timeout_s`.
+
+    The client resolves or fails every batch within its own timeouts (a transfer, a reconnect,
+    a bounded number of resubmits): this wait is only the backstop.
+    """
+    try:
+        return future.result(timeout=timeout_s)
+    except FutureTimeout:
+        raise TeacherUnavailable(
+            f"the teacher at {teacher.address} sent no outputs for a batch within {timeout_s:.0f}s "
+            "(--teacher-timeout-s plus --teacher-reconnect-timeout-s): it is overloaded or stuck (see its log and "
+            "/v1/status), or raise --teacher-timeout-s", grpc.StatusCode.DEADLINE_EXCEEDED) from None
 
 
 def student_layer_for(teacher_layer: int, teacher_layers: int, student_layers: int) -> int:
@@ -218,7 +239,7 @@ def evaluate(model, dataset: PackedDataset, cfg: TrainConfig, device: torch.devi
         tokens = int(mask.sum())
         ce_sum += F.cross_entropy(student[mask].float(), targets[mask], reduction="sum").item()
         if future is not None:
-            kd_sum += logit_kd(cfg, student, future.result(timeout=timeout_s), mask).item() * tokens
+            kd_sum += logit_kd(cfg, student, teacher_result(teacher, future, timeout_s), mask).item() * tokens
         count += tokens
     model.train()
     scores = {"eval_ce": ce_sum / max(count, 1)}
@@ -271,7 +292,8 @@ def train(cfg: TrainConfig) -> dict:
             cfg.teacher, device, outputs=teacher_outputs(cfg), tokenizer=tokenizer if cfg.uses_logits else None,
             vocab_size=student_vocab if cfg.uses_logits else 0, max_inflight=cfg.prefetch + 1,
             job_id=cfg.job_id or output_dir.name, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s,
-            reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, weight=cfg.teacher_weight,
+            reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, max_resubmits=cfg.teacher_max_resubmits,
+            weight=cfg.teacher_weight,
             tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
     projections, layer_map = None, {}
     if cfg.hidden_layers:

@@ -39,16 +39,27 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(config.log_level, config.log_format)
     log.info("teacher server settings (non-default): %s", non_defaults(config) or "none")
 
-    from distill_common.models import model_config  # heavy imports after argument errors
+    from distill_common.models import model_config, position_limit  # heavy imports after argument errors
     from teacher_server import parallel
     from teacher_server.model_runner import ModelRunner
+
+    # Settings the model cannot run are refused before its weights load (on every rank alike).
+    try:
+        model = model_config(config.model, config.trust_remote_code)
+        config.fit_model(position_limit(model, config.trust_remote_code))
+    except ConfigError as e:
+        parser.error(f"--model {config.model}: {e}")
+    except ValueError as e:
+        parser.error(f"--model: {e}")
+    if not args.max_seq_len:
+        log.info("--max-seq-len %d; the model's limit: %s", config.max_seq_len,
+                 config.position_limit or "none (its positions have no table)")
 
     # Under torchrun with several ranks: rank 0 serves, the others follow (teacher_server/parallel.py).
     world = None
     if parallel.world_size_from_env() > 1:
         try:  # a bad size is refused before any rank joins the world: each rank says why and exits
-            parallel.check_heads(model_config(config.model, config.trust_remote_code),
-                                 parallel.world_size_from_env())
+            parallel.check_heads(model, parallel.world_size_from_env())
             world = parallel.init_world(config.device, config.tp_timeout_s)
         except ValueError as e:
             parser.error(f"--model {config.model}: {e}")

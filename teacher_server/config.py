@@ -11,10 +11,18 @@ import math
 import os
 import ssl
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from distill_common.channel import read_pem
 from distill_common.settings import LOG_LEVELS, ByteCount, ConfigError, check_choices, flag
+
+if TYPE_CHECKING:  # torch is imported after the flags are checked
+    from distill_common.models import PositionLimit
+    from distill_common.outputs import TeacherFacts
+
+
+# --max-seq-len for a model whose positions have no hard limit (rotary, ALiBi).
+DEFAULT_MAX_SEQ_LEN = 8192
 
 
 def _help(text: str) -> dict:
@@ -36,7 +44,10 @@ class ServerConfig:
         "hostname, or 127.0.0.1 when --host is loopback)"))
     max_batch_tokens: int = field(default=16384, metadata=_help(
         "token budget of one forward (rows x padded length), and the largest batch accepted"))
-    max_seq_len: int = field(default=8192, metadata=_help("longest sequence accepted"))
+    max_seq_len: int = field(default=0, metadata=_help(
+        "longest sequence accepted (0: the model's position limit where it has one, e.g. GPT-2's learned "
+        f"n_positions, else {DEFAULT_MAX_SEQ_LEN}; never more than --max-batch-tokens). A longer value than the "
+        "model's limit is refused"))
     max_sessions: int = field(default=64, metadata=_help("sessions served at once"))
     max_inflight: int = field(default=8, metadata=_help("batches a session may have queued or in transfer"))
     # Held in teacher memory, on the teacher's device: see docs/scaling.md.
@@ -104,6 +115,18 @@ class ServerConfig:
         "the operator's)")})
     # Read from --job-tokens at start-up; not a flag.
     job_token_entries: tuple = field(default=(), init=False, repr=False)
+    # Bounds on what one session's outputs may cost the teacher per batch, checked at join: the
+    # tensors derived for a batch live in teacher memory until the student has them.
+    max_topk: int = field(default=1024, metadata=_help(
+        "largest top-k a session may ask for (0: the vocabulary size); top-k of the whole vocabulary costs "
+        "more than the logits themselves"))
+    max_output_bytes: ByteCount = field(default=0, metadata={"metavar": "BYTES", "help": (
+        "largest size of the outputs one session asks for its largest batch, e.g. 2GiB (0: what full logits, "
+        "top-k of --max-topk and every hidden state of --max-batch-tokens tokens take in float32)")})
+
+    # The model's hard limit on sequence length (a distill_common.models.PositionLimit), set by
+    # fit_model; None: it has none. Not annotated: not a setting.
+    position_limit = None
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -117,9 +140,9 @@ class ServerConfig:
                 raise ConfigError(f"{flag(name)} {value} is not a TCP port (0..65535)")
         if self.port and self.port == self.http_port:  # 0 = any free port
             raise ConfigError(f"--port and --http-port must differ, got {self.port} for both")
-        if self.max_seq_len < 1:
-            raise ConfigError("--max-seq-len must be >= 1")
-        if self.max_batch_tokens < self.max_seq_len:
+        if self.max_seq_len < 0:
+            raise ConfigError(f"--max-seq-len {self.max_seq_len} must be >= 1 (or 0: the model's limit)")
+        if self.max_seq_len and self.max_batch_tokens < self.max_seq_len:
             raise ConfigError(f"--max-batch-tokens ({self.max_batch_tokens}) must be >= --max-seq-len "
                               f"({self.max_seq_len}): otherwise a single full-length sequence could never be served")
         if self.max_sessions < 1 or self.max_inflight < 1:
@@ -145,6 +168,10 @@ class ServerConfig:
             raise ConfigError(f"--http-max-connections {self.http_max_connections} must be >= 1")
         if not self.http_header_timeout_s > 0:
             raise ConfigError(f"--http-header-timeout-s {self.http_header_timeout_s} must be > 0")
+        if self.max_topk < 0:
+            raise ConfigError(f"--max-topk {self.max_topk} must be >= 0 (0: up to the vocabulary size)")
+        if self.max_output_bytes < 0:
+            raise ConfigError(f"--max-output-bytes {self.max_output_bytes} must be >= 0 (0: derived from the model)")
         if not 1 <= self.max_weight < float("inf"):
             raise ConfigError(f"--max-weight {self.max_weight} must be a finite number >= 1 (the default job weight)")
         if self.max_sessions_per_job < 0:
@@ -172,6 +199,32 @@ class ServerConfig:
             except ssl.SSLError as e:
                 raise ConfigError(f"--tls-cert {self.tls_cert} and --tls-key {self.tls_key} do not form a usable "
                                   f"certificate and key pair: {e}") from e
+
+    def fit_model(self, limit: PositionLimit | None) -> None:
+        """Fits --max-seq-len to the model's hard limit on sequence length (None: it has none).
+
+        Called at start-up, before the weights load: a longer --max-seq-len is refused, and 0
+        becomes the limit (or DEFAULT_MAX_SEQ_LEN), at most --max-batch-tokens. `position_limit`
+        keeps the limit for the messages that refuse a batch.
+        """
+        self.position_limit = limit
+        if limit is not None and self.max_seq_len > limit.positions:
+            raise ConfigError(f"--max-seq-len {self.max_seq_len} is longer than the model can run: {limit}. Use "
+                              f"--max-seq-len {limit.positions} or less, or leave it out")
+        if not self.max_seq_len:
+            self.max_seq_len = min(limit.positions if limit is not None else DEFAULT_MAX_SEQ_LEN,
+                                   self.max_batch_tokens)
+
+    def output_bytes_limit(self, teacher: TeacherFacts) -> int:
+        """--max-output-bytes, or by default the most the per-token kinds can ask of a batch of
+        --max-batch-tokens tokens: full logits, top-k of --max-topk (values and int32 indices)
+        and every hidden state, all in float32. Kinds that grow faster than the tokens (per
+        pair of positions, say) are bounded by it too."""
+        if self.max_output_bytes:
+            return self.max_output_bytes
+        topk = min(self.max_topk or teacher.vocab_size, teacher.vocab_size)
+        per_token = teacher.vocab_size + 2 * topk + (teacher.num_layers + 1) * teacher.hidden_size
+        return self.max_batch_tokens * per_token * 4
 
     @property
     def tls(self) -> bool:

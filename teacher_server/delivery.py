@@ -7,12 +7,15 @@ joined (`handshake`); then a sender thread waits, in order and with a deadline, 
 each batch's sends to complete, so a slow or dead student holds up nobody but itself.
 The engine hands over each forward's outputs (`deliver`): they are derived per session
 and their sends posted at once, each batch's header first, and one announcer thread
-tells the students, on their submit streams, once the device finished the forward. A
-batch that cannot be computed or sent is failed alone (`fail`).
+tells the students, on their submit streams, once the device finished the forward.
 
 What the engine decides stays with the engine: it is told when a group formed
-(`formed`), when a batch finished sending (`sent`) or failed (`failed`), and asked to
-end a session whose transfer failed (`end`).
+(`formed`), when a batch finished sending (`sent`) or will never be sent (`failed`), and
+asked to end a session whose transfer failed (`end`).
+
+A batch that cannot be served (its forward failed, or deriving its outputs did) fails
+alone, through `fail`: its student is told the reason on the submit stream, nothing of
+it is sent, and the session goes on.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from distill_common import tracing
-from distill_common.outputs import BatchOutputs
+from distill_common.outputs import BatchOutputs, TensorSpec
 from distill_common.session_group import TEACHER_RANK, SessionGroup, TransferError, build_group, handshake
 from teacher_server.metrics import Metrics
 from teacher_server.sessions import Batch, Session
@@ -140,7 +143,13 @@ class Delivery:
         student posts no receive for it, and the next batch's outputs must come next on
         the group), and that was not announced.
         """
-        log.warning("session %s: batch %d failed: %s", session.session_id, batch.batch_id, reason)
+        if batch.handed:  # e.g. a step that failed after posting its sends: announced or failed already
+            log.warning("session %s: batch %d failed after it was handed over, not failed again: %s",
+                        session.session_id, batch.batch_id, reason)
+            return
+        batch.handed = True
+        log.warning("session %s (job %s): batch %d failed: %s", session.session_id, session.job_id, batch.batch_id,
+                    reason, extra={"session_id": session.session_id, "job_id": session.job_id})
         session.outbox.fail(batch.batch_id, reason)
         self._failed(session, batch)
 
@@ -176,8 +185,14 @@ class Delivery:
             return None  # ended meanwhile
         key = (id(out), session.outputs, session.backend)
         tensors = derived.get(key)
-        if tensors is None:
-            tensors = derived[key] = link.group.to_send(session.outputs.derive(out, batch))
+        try:
+            if tensors is None:
+                tensors = derived[key] = link.group.to_send(_derive(session, batch, out))
+        except Exception as e:  # e.g. out of memory: this batch of this session fails, nothing else
+            log.exception("deriving the outputs of batch %d of session %s failed", batch.batch_id, session.session_id)
+            self.fail(session, batch, f"deriving its outputs ({session.outputs}) failed: {type(e).__name__}: {e}")
+            return None
+        batch.handed = True
         try:
             # The header first: the student checks it names this batch before using what follows.
             header = link.group.header(batch.batch_id, batch.key)
@@ -251,3 +266,22 @@ class Delivery:
                 session.outbox.announce(batch_ids)
                 for batch_id in batch_ids:
                     tracing.mark("t_announced", batch_id)
+
+
+class OutputMismatch(RuntimeError):
+    """Derived outputs differ from the layout the student received them into."""
+
+
+def _derive(session: Session, batch: Batch, out: BatchOutputs) -> list[torch.Tensor]:
+    """The session's tensors for `batch`, checked against the layout its student allocates.
+
+    A tensor of another shape or dtype would not fail on its own: the student's receive
+    would take the wrong bytes, or wait for bytes that never come, and the session group
+    would be lost; the batch fails here instead, with what differs.
+    """
+    tensors = session.outputs.derive(out, batch)
+    expected = session.outputs.layout(batch.rows, batch.seq_len)
+    got = [TensorSpec(tuple(t.shape), t.dtype) for t in tensors]
+    if got != expected:
+        raise OutputMismatch(f"the forward gave tensors {got}, the student receives {expected}")
+    return tensors

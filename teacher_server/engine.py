@@ -8,6 +8,12 @@ batches of all ready sessions, the model runs it, and delivery
 announces them on the session's submit stream once the device is done. The engine itself holds the sessions, their
 lifecycle (admission, leases, ending) and the forward.
 
+One batch never stops the engine: a forward that fails is run again batch by batch, so
+only the batches that cannot run fail; an error while keeping or deriving one batch's
+outputs fails that batch; and an error the step did not foresee fails the step's
+batches. A batch fails through `Delivery.fail`, which tells its student why; the engine
+thread goes on with the next plan, and /healthz stays 200.
+
 Tensor parallelism: the engine runs on rank 0 only. Its runner broadcasts each forward
 to the other ranks (teacher_server/parallel.py), which run the same sharded forward; the
 logits come back gathered on rank 0, which alone sends to students, so joins and leaves
@@ -19,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +63,17 @@ def pack(batches: list[tuple[torch.Tensor, torch.Tensor]], pinned: bool) -> tupl
     return input_ids, mask
 
 
+# Why a session ended, kept for this many ended sessions: a student told NOT_FOUND learns why.
+ENDED_SESSIONS_KEPT = 1024
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A batch that could not be served, and why (the student is told)."""
+
+    reason: str
+
+
 @dataclass
 class _Forward:
     """A launched forward (or none, when every batch came from the cache)."""
@@ -63,7 +81,7 @@ class _Forward:
     start: float  # monotonic, before the launch
     launched: float
     shape: tuple[int, int]  # rows x sequence length of the packed forward; (0, 0): no forward ran
-    outputs: list[BatchOutputs]  # what each planned batch is served from, in plan order
+    outputs: list[BatchOutputs | Failed]  # what each planned batch is served from, in plan order
 
     @property
     def tokens(self) -> int:
@@ -85,6 +103,9 @@ class Engine:
         self.lease_s = lease_s
         self.join_timeout_s = join_timeout_s  # a session still connecting after this long is ended
         self._sessions: dict[str, Session] = {}
+        # Session id -> (its secret, its job, why it ended), the latest ones: only a caller that
+        # could have acted on the session is told why it ended (TeacherService.session_for).
+        self._ended: OrderedDict[str, tuple[str, str, str]] = OrderedDict()
         # Guards the sessions and the scheduler; notified when there may be work to plan.
         self._cond = threading.Condition()
         self._accepting = True
@@ -151,6 +172,11 @@ class Engine:
         if session is None or not session.alive:
             raise NotFound(f"session {session_id!r} is unknown or has ended; join again")
         return session
+
+    def ended(self, session_id: str) -> tuple[str, str, str] | None:
+        """(secret, job id, why it ended) of a recently ended session; None if unknown or live."""
+        with self._cond:
+            return self._ended.get(session_id)
 
     def submit(self, session: Session, batch: Batch) -> int:
         with self._cond:
@@ -227,6 +253,7 @@ class Engine:
             self.scheduler.sent(session)
             finished = session.state == "draining" and session.inflight == 0
             self._cond.notify_all()
+        self.metrics.batches_failed.inc()
         self.metrics.inflight.labels(session.session_id, session.job_id).set(session.inflight)
         if finished:
             self._end(session, "left")
@@ -240,6 +267,10 @@ class Engine:
             session.failure = failure
             self.scheduler.remove(session)
             self._sessions.pop(session.session_id, None)
+            self._ended[session.session_id] = (session.secret, session.job_id,
+                                               f"{reason}: {failure}" if failure else reason)
+            while len(self._ended) > ENDED_SESSIONS_KEPT:
+                self._ended.popitem(last=False)
             self._cond.notify_all()
         self.delivery.close(session)
         session.rendezvous.close()
@@ -283,19 +314,77 @@ class Engine:
     def _loop(self) -> None:
         try:
             while (plan := self._next_plan()) is not None:
-                forward = self._forward(plan)
-                if forward is None:  # it failed: the plan's sessions ended
-                    continue
-                self.delivery.deliver([(p.session, p.batch, out) for p, out in zip(plan, forward.outputs)],
-                                      forward.start, forward.tokens)
-                if forward.tokens:
-                    log.debug("forward %d x %d (%d batches): launched in %.1f ms, sends posted in %.1f ms",
-                              *forward.shape, len(plan), (forward.launched - forward.start) * 1e3,
-                              (time.monotonic() - forward.launched) * 1e3)
+                try:
+                    self._step(plan)
+                except Exception as e:  # unforeseen, in one step: its batches fail, the engine goes on
+                    log.exception("serving %d batches failed", len(plan))
+                    for p in plan:
+                        self.delivery.fail(p.session, p.batch, f"the teacher failed serving it: {_describe(e)}")
         except BaseException as e:  # the engine is dead: /readyz turns 503 and the error is logged
             self.error = e
             log.exception("engine loop died")
             raise
+
+    def _step(self, plan: list[Planned]) -> None:
+        """Runs one plan: its forward, then each batch's sends (or its failure).
+
+        When the packed forward fails, its batches run again batch by batch, each served as
+        soon as it is computed (so no more of their outputs are held at once than before):
+        only the batches that cannot run fail (an input the model refuses, a batch too large
+        for memory alone), and the others are served as if nothing happened.
+        """
+        try:
+            forward = self._forward(plan)
+        except Exception as e:  # e.g. out of memory, or one batch the model refuses
+            # (The busy clock is the announcer's: a launch that failed at once adds nothing to it.)
+            reason = _describe(e)
+            log.warning("forward of %s failed (%s)", _shape(plan), reason, exc_info=True)
+        else:
+            self._serve(plan, forward)
+            return
+        # Out of the handler: the failed forward's frames, and the tensors they hold, are freed
+        # before anything runs again.
+        self._run_each(plan, reason)
+
+    def _run_each(self, plan: list[Planned], reason: str) -> None:
+        """The forward of `plan` failed for `reason`: each computed batch (with the batches that
+        share its rows) runs alone; batches from the cache are served as they are."""
+        cached, parts = _parts(plan)
+        if cached:
+            self._serve(cached, self._forward(cached))  # no forward: served from the cache
+        if len(parts) == 1 or not self.runner.healthy:  # nothing to split, or no forward can run again
+            for p in (p for part in parts for p in part):
+                self.delivery.fail(p.session, p.batch, f"the teacher's forward failed: {reason}")
+            return
+        log.warning("running the %d batches of the failed forward each alone", len(parts))
+        for part in parts:
+            try:
+                if not self.runner.healthy:  # a tensor-parallel world broke on an earlier part
+                    raise RuntimeError("the teacher's tensor-parallel world broke (see its log)")
+                forward = self._forward(part)
+            except Exception as e:
+                batch = part[0].batch
+                log.exception("forward of batch %d of session %s (%d x %d) failed", batch.batch_id,
+                              part[0].session.session_id, batch.rows, batch.seq_len)
+                for p in part:
+                    self.delivery.fail(p.session, p.batch, f"the teacher's forward failed on this batch: "
+                                                           f"{_describe(e)}")
+                continue
+            self._serve(part, forward)
+
+    def _serve(self, plan: list[Planned], forward: _Forward) -> None:
+        """Posts the sends of the plan's batches, or fails those whose outputs could not be kept."""
+        served = []
+        for p, out in zip(plan, forward.outputs):
+            if isinstance(out, Failed):
+                self.delivery.fail(p.session, p.batch, out.reason)
+            else:
+                served.append((p.session, p.batch, out))
+        self.delivery.deliver(served, forward.start, forward.tokens)
+        if forward.tokens:
+            log.debug("forward %d x %d (%d batches): launched in %.1f ms, sends posted in %.1f ms",
+                      *forward.shape, len(plan), (forward.launched - forward.start) * 1e3,
+                      (time.monotonic() - forward.launched) * 1e3)
 
     def _next_plan(self) -> list[Planned] | None:
         """Waits for work, then takes the batches of one forward (None: the engine stops)."""
@@ -318,9 +407,12 @@ class Engine:
     def _cached(self, session: Session, batch: Batch) -> BatchOutputs | None:
         return self.cache.get(batch.key, session.outputs.needs)
 
-    def _forward(self, plan: list[Planned]) -> _Forward | None:
-        """Launches the forward of the plan's computed batches (does not wait for the
-        device); None when it failed, and the plan's sessions ended."""
+    def _forward(self, plan: list[Planned]) -> _Forward:
+        """Launches the forward of the plan's computed batches (does not wait for the device).
+
+        Raises when the forward fails. Keeping one batch's outputs (its rows, a copy in the
+        cache) that fails fails that batch only (its `Failed` in the outputs).
+        """
         computed = [p for p in plan if p.computed]
         shared = sum(1 for p in plan if not p.computed and p.cached is None)
         if shared:
@@ -338,20 +430,42 @@ class Engine:
         needs = ForwardNeeds.union(session.outputs.needs for session in wanted)
         start = time.monotonic()
         tracing.mark("t_inputs", plan[0].batch.batch_id)
-        try:
-            out = self.runner.forward(input_ids, mask, hidden=needs.hidden_states)
-            tracing.mark("t_launched", plan[0].batch.batch_id)
-        except Exception as e:  # e.g. out of memory: those sessions fail, the teacher stays up
-            # (The busy clock is the announcer's: a launch that failed at once adds nothing to it.)
-            log.exception("forward of %d x %d failed", rows, seq)
-            for session in {id(p.session): p.session for p in plan}.values():
-                self._end(session, "forward_failed", f"the teacher's forward failed: {e}")
-            return None
+        out = self.runner.forward(input_ids, mask, hidden=needs.hidden_states)
+        tracing.mark("t_launched", plan[0].batch.batch_id)
         launched = time.monotonic()
-        produced: dict[int, BatchOutputs] = {}  # by first row: what each computed batch is served from
+        produced: dict[int, BatchOutputs | Failed] = {}  # by the batch's row in the plan
+        row = 0  # in this forward: a part run alone has rows of its own
         for p in computed:
             b, s = p.batch.input_ids.shape
-            outputs = BatchOutputs.of_rows(out, needs, slice(p.row, p.row + b), s)
-            produced[p.row] = self.cache.put(p.batch.key, outputs)  # `outputs` itself with the cache off
+            try:
+                outputs = BatchOutputs.of_rows(out, needs, slice(row, row + b), s)
+                produced[p.row] = self.cache.put(p.batch.key, outputs)  # `outputs` itself with the cache off
+            except Exception as e:
+                log.exception("keeping the outputs of batch %d of session %s failed", p.batch.batch_id,
+                              p.session.session_id)
+                produced[p.row] = Failed(f"keeping the teacher's outputs failed: {_describe(e)}")
+            row += b
         return _Forward(start, launched, (rows, seq),
                         [p.cached if p.cached is not None else produced[p.row] for p in plan])
+
+
+def _parts(plan: list[Planned]) -> tuple[list[Planned], list[list[Planned]]]:
+    """The plan's batches served from the cache, and its computed batches each with the batches
+    that share its rows (identical ones): the parts that can run alone."""
+    cached = [p for p in plan if p.cached is not None]
+    parts = {p.row: [p] for p in plan if p.computed}
+    for p in plan:
+        if not p.computed and p.cached is None:
+            parts[p.row].append(p)
+    return cached, list(parts.values())
+
+
+def _shape(plan: list[Planned]) -> str:
+    """The plan's forward as rows x length (batches), for the log."""
+    computed = [p.batch for p in plan if p.computed]
+    seq = max((b.seq_len for b in computed), default=0)
+    return f"{sum(b.rows for b in computed)} x {seq} ({len(computed)} batches)"
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"

@@ -84,6 +84,9 @@ class Metrics:
         self.sessions_joined = Counter("teacher_sessions_joined_total", "Sessions admitted at Join", registry=r)
         self.sessions_ended = Counter("teacher_sessions_ended_total", "Sessions ended, by reason", ["reason"], registry=r)
         self.batches = Counter("teacher_batches_total", "Batches whose outputs were sent", SESSION_LABELS, registry=r)
+        self.batches_failed = Counter("teacher_batches_failed_total", "Batches the teacher could not serve (a "
+                                      "forward, deriving or keeping their outputs failed; the log says why)",
+                                      registry=r)
         self.tokens = Counter("teacher_tokens_total", "Tokens (rows x length) served", SESSION_LABELS, registry=r)
         self.bytes_sent = Counter("teacher_bytes_sent_total", "Bytes of outputs sent", SESSION_LABELS, registry=r)
         self.inflight = Gauge("teacher_inflight_batches", "Batches submitted and not yet sent", SESSION_LABELS,

@@ -13,8 +13,10 @@ and metrics. Every call about a session must carry the secret its Join returned
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
+import math
 import secrets
 import time
 from collections import deque
@@ -56,7 +58,8 @@ class TeacherService:
         self.data_plane_host = data_plane_host
         self.info = engine.runner.info
         self.teacher_uuid = device_uuid(self.info.device)
-        self.facts = TeacherFacts.from_info(self.teacher_info())  # what a session's outputs are checked against
+        # What a session's outputs are checked against.
+        self.facts = dataclasses.replace(TeacherFacts.from_info(self.teacher_info()), max_topk=config.max_topk)
 
     # ---- RPCs ---------------------------------------------------------------------
 
@@ -74,6 +77,7 @@ class TeacherService:
             outputs = OutputRequest.resolve(request.outputs, self.facts)
         except OutputSpecError as e:
             raise InvalidArgument(str(e)) from e
+        self._check_output_bytes(outputs)
         backend = self._check_peer(request.peer)
         try:
             outputs.check_student(request.vocab_size, request.tokenizer_fingerprint)
@@ -134,6 +138,10 @@ class TeacherService:
             session = None
         matches = hmac.compare_digest(secret, (session.secret if session is not None else _NO_SESSION_SECRET).encode())
         if session is None or not matches or caller.job_id not in (None, session.job_id):
+            ended = self.engine.ended(session_id) if session is None else None
+            if (ended is not None and hmac.compare_digest(secret, ended[0].encode())
+                    and caller.job_id in (None, ended[1])):  # its own student learns why, e.g. a failed batch
+                raise NotFound(f"session {session_id[:64]!r} has ended ({ended[2]}); join again")
             raise NotFound(f"session {session_id[:64]!r} is unknown or has ended, or this call lacks its secret: "
                            "join again")
         return session
@@ -282,6 +290,25 @@ class TeacherService:
             max_inflight=c.max_inflight, tokenizer_fingerprint=i.tokenizer_fingerprint,
             torch_version=i.torch_version, nccl_version=i.nccl_version)
 
+    def _check_output_bytes(self, outputs: OutputRequest) -> None:
+        """Refuses outputs larger than --max-output-bytes for the largest batch the session may send:
+        as many sequences of --max-seq-len as --max-batch-tokens holds.
+
+        The tensors derived for a batch are held in teacher memory until the student has them.
+        """
+        seq = self.config.max_seq_len
+        rows = self.config.max_batch_tokens // seq
+        need = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in outputs.layout(rows, seq))
+        limit = self.config.output_bytes_limit(self.facts)
+        if need > limit:
+            default = "" if self.config.max_output_bytes else (
+                ", by default what full logits, top-k and every hidden state take in float32")
+            raise FailedPrecondition(
+                f"the outputs asked ({outputs}) take {_mib(need)} for a batch of {rows} x {seq} tokens (the largest "
+                f"--max-batch-tokens and --max-seq-len allow), more than the teacher's --max-output-bytes, "
+                f"{_mib(limit)}{default}: ask for less (top-k instead of logits, fewer hidden layers, a smaller "
+                "dtype), or start the teacher with a larger --max-output-bytes")
+
     def _check_peer(self, peer: pb.PeerInfo) -> str:
         if peer.device_type not in ("cpu", "cuda"):
             raise InvalidArgument(f"peer.device_type {peer.device_type!r} must be 'cpu' or 'cuda'")
@@ -309,8 +336,10 @@ class TeacherService:
         if any(dim <= 0 for dim in shape):
             raise InvalidArgument(f"input_ids of shape {shape} is empty: send at least one token in one row")
         if shape[1] > limits.max_seq_len:
+            model = limits.position_limit
+            why = f" (the model's limit: {model})" if model and model.positions == limits.max_seq_len else ""
             raise InvalidArgument(f"sequence length {shape[1]} exceeds the teacher's --max-seq-len "
-                                  f"{limits.max_seq_len}: truncate or split sequences")
+                                  f"{limits.max_seq_len}{why}: truncate or split sequences")
         if shape[0] * shape[1] > limits.max_batch_tokens:
             raise ResourceExhausted(f"batch of {shape[0]} x {shape[1]} = {shape[0] * shape[1]} tokens exceeds the "
                                     f"teacher's --max-batch-tokens {limits.max_batch_tokens}: send smaller batches")
@@ -338,6 +367,10 @@ class TeacherService:
             raise InvalidArgument("every row of attention_mask needs at least one 1 (a row of padding only)")
         ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
         return Batch(batch_id=request.batch_id, input_ids=ids, attention_mask=mask)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB ({nbytes} bytes)"
 
 
 def _parse(request_class, raw: bytes):

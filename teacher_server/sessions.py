@@ -24,6 +24,8 @@ class Batch:
     batch_id: int
     input_ids: torch.Tensor  # [B, S] int64, CPU
     attention_mask: torch.Tensor  # [B, S] int64, CPU
+    # Handed to delivery (its sends posted, or failed): its student hears of it once.
+    handed: bool = field(default=False, compare=False)
 
     @functools.cached_property
     def key(self) -> bytes:

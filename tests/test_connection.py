@@ -9,7 +9,7 @@ import pytest
 
 from student_trainer.connection import (RECONNECT_FIRST_DELAY_S, RECONNECT_MAX_DELAY_S, Action, Connection, FirstJoin,
                                         State, worth_retrying)
-from student_trainer.errors import (AuthenticationFailed, Incompatible, InvalidRequest, LimitExceeded,
+from student_trainer.errors import (AuthenticationFailed, BatchNotServed, Incompatible, InvalidRequest, LimitExceeded,
                                     PermissionRefused, SessionNotFound, TeacherError, TeacherUnavailable,
                                     TransferFailed)
 
@@ -307,3 +307,63 @@ def test_a_capacity_refusal_at_the_deadline_is_final_and_a_single_attempt_keeps_
     error = full()
     assert first.refused(error) is None
     assert first.final(error) is error
+
+# ---- progress: a batch that keeps ending sessions ---------------------------------------------
+
+
+class Named:
+    """A session as the connection sees it: only its id is read."""
+
+    def __init__(self, session_id: str):
+        self.session_id = session_id
+
+
+def ended_by_teacher(why: str) -> SessionNotFound:
+    return SessionNotFound(f"Heartbeat to teacher: session has ended ({why}); join again [NOT_FOUND]",
+                           grpc.StatusCode.NOT_FOUND)
+
+
+def rejoin(conn: Connection, session, error: TeacherError, outstanding: list[int], new) -> None:
+    assert conn.failed(session, error, outstanding) is Action.REJOIN
+    assert conn.start_rejoining() and conn.may_attempt()
+    assert conn.rejoined(new)
+
+
+def test_a_batch_that_ended_every_session_it_was_sent_to_fails_with_why_each_ended_after_max_resubmits():
+    clock = Clock()
+    sessions = [Named(f"s{i}") for i in range(4)]
+    conn = Connection(sessions[0], ADDRESS, 10.0, max_resubmits=2, clock=clock, jitter=lambda a, b: b)
+    first = ended_by_teacher("batch_failed: batch 0 failed: the teacher's forward failed: RuntimeError: marked")
+    rejoin(conn, sessions[0], first, [7, 8], sessions[1])
+    assert conn.not_to_resubmit([7, 8]) == {}  # sent once, resubmitted to s1
+    # s1 ends while it holds 7 (8 was delivered); the receive broke first, the teacher says why at Leave.
+    broken = TransferFailed("receiving batch 7: connection closed by peer")
+    assert conn.failed(sessions[1], broken, [7]) is Action.REJOIN
+    assert conn.start_rejoining()
+    conn.explained(ended_by_teacher("batch_failed: batch 0 failed: again"))
+    assert conn.rejoined(sessions[2])
+    assert conn.not_to_resubmit([7]) == {}  # resubmitted a second time: max_resubmits
+    rejoin(conn, sessions[2], ended_by_teacher("batch_failed: third"), [7, 9], sessions[3])
+    # The bound is progress, not time: every join succeeded at once.
+    assert clock.now == 100.0
+    hopeless = conn.not_to_resubmit([7, 9])
+    assert list(hopeless) == [7]  # 9 was held by one lost session only: sent again
+    error = hopeless[7]
+    assert isinstance(error, BatchNotServed) and isinstance(error, TeacherError)
+    message = str(error)
+    assert "batch 7" in message and "3 times" in message and "--teacher-max-resubmits" in message
+    history = [message.index(f"({i}) session s{i - 1}: ") for i in (1, 2, 3)]
+    assert history == sorted(history)  # in the order the sessions ended
+    for text in (str(first), str(broken), "the teacher says: ", "again", "third"):
+        assert text in message, text
+    # The client goes on: connected, not broken, and batch 7's history is gone with it.
+    assert conn.state is State.CONNECTED and conn.error is None and conn.current() is sessions[3]
+    assert conn.not_to_resubmit([9]) == {}
+
+
+def test_with_no_resubmits_a_batch_whose_session_ended_fails_at_the_first_rejoin():
+    a, b = Named("a"), Named("b")
+    conn = Connection(a, ADDRESS, 10.0, max_resubmits=0, clock=Clock(), jitter=lambda lo, hi: hi)
+    rejoin(conn, a, gone(), [3], b)
+    assert list(conn.not_to_resubmit([3, 4])) == [3]  # 4 was submitted while rejoining: never lost
+

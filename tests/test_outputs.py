@@ -8,6 +8,7 @@ sends them over a real group).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -114,6 +115,13 @@ def test_requests_the_teacher_cannot_serve_are_refused_saying_what_to_change(spe
     with pytest.raises(OutputSpecError) as refused:
         OutputRequest.resolve(spec, FACTS)
     assert words in str(refused.value)
+
+
+def test_top_k_is_bounded_by_the_teachers_max_topk():
+    bounded = dataclasses.replace(FACTS, max_topk=8)
+    assert OutputRequest.resolve(pb.OutputSpec(topk=8), bounded).kinds == (TopK(8),)
+    with pytest.raises(OutputSpecError, match="topk 9 exceeds the teacher's --max-topk 8"):
+        OutputRequest.resolve(pb.OutputSpec(topk=9), bounded)
 
 
 def test_the_edges_of_the_ranges_are_served():
