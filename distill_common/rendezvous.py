@@ -7,8 +7,9 @@ write them. So the teacher opens no store port. Each session's keys live in the
 teacher's process, in a store of the session's own (`SessionStore`, a `dist.HashStore`
 the teacher's end of the group is built on directly), and the student reaches them only
 through the `Rendezvous` RPC: over the token-checked, TLS-able channel, with the
-session's rendezvous secret, which travels only in the student's `Join` answer. A call
-reaches its own session's keys and no other's; the keys are deleted when the session ends.
+session's secret (checked by the service like every call about a session), which travels
+only in the student's `Join` answer. A call reaches its own session's keys and no other's;
+the keys are deleted when the session ends.
 
 The student's end is built on `RendezvousStore`, a `dist.Store` implemented in Python
 whose every operation is one `Rendezvous` call. Two facts about such a store (torch 2.11
@@ -27,9 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import hmac
 import math
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -41,44 +40,35 @@ from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 MAX_KEYS = 64
 MAX_BYTES = 64 << 10
 MAX_WAIT_S = 5.0
-SECRET_BYTES = 32
 _Op = pb.RendezvousRequest.Op
 
 
 class RendezvousError(RuntimeError):
-    """A rendezvous call refused; `kind` says why: "denied", "quota", "invalid" or "ended"."""
+    """A rendezvous call refused; `kind` says why: "quota", "invalid" or "ended"."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
         self.kind = kind
 
 
-def new_secret() -> bytes:
-    return secrets.token_bytes(SECRET_BYTES)
-
-
 class SessionStore:
     """Teacher: one session's rendezvous keys, in this process, and the `Rendezvous` calls on them.
 
-    `store` is what the teacher's end of the session group is built on. Only calls that
-    carry `secret` reach it, and only while the session lives (`close` deletes the keys).
+    `store` is what the teacher's end of the session group is built on. The service lets a
+    call reach it only with the session's secret, and only while the session lives (`close`
+    deletes the keys).
     """
 
-    def __init__(self, timeout_s: float, secret: bytes | None = None):
+    def __init__(self, timeout_s: float):
         """`timeout_s`: how long the teacher's own waits on the store last (its join timeout)."""
-        self.secret = secret if secret is not None else new_secret()
         self.store = dist.HashStore()
         self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
         self._written: dict[str, int] = {}  # by key: the bytes the student's calls hold there
         self._closed = False
         self._lock = threading.Lock()  # the quota's count; the store itself is thread-safe
 
-    def admits(self, secret: bytes) -> bool:
-        """Whether `secret` is this session's (compared in constant time)."""
-        return hmac.compare_digest(secret, self.secret)
-
     async def serve(self, request: pb.RendezvousRequest) -> pb.RendezvousResponse:
-        """One call, whose secret was checked (`admits`). Raises RendezvousError."""
+        """One call, whose session secret the service checked. Raises RendezvousError."""
         try:
             return await self._serve(request)
         except RendezvousError:
@@ -175,17 +165,16 @@ class RendezvousStore(dist.Store):
     """
 
     def __init__(self, call: Callable[[pb.RendezvousRequest, float], pb.RendezvousResponse], session_id: str,
-                 secret: bytes, timeout_s: float, rpc_timeout_s: float = 30.0):
+                 timeout_s: float, rpc_timeout_s: float = 30.0):
         super().__init__()
         self._call = call
         self._session_id = session_id
-        self._secret = secret
         self._rpc_timeout_s = rpc_timeout_s
         self._clones: list[RendezvousStore] = []  # kept alive with this one (C++ holds no Python reference)
         self.set_timeout(datetime.timedelta(seconds=timeout_s))
 
     def _do(self, op: int, keys: list[str], **fields) -> pb.RendezvousResponse:
-        request = pb.RendezvousRequest(session_id=self._session_id, secret=self._secret, op=op, keys=keys, **fields)
+        request = pb.RendezvousRequest(session_id=self._session_id, op=op, keys=keys, **fields)
         return self._call(request, self._rpc_timeout_s + fields.get("wait_s", 0.0))
 
     def _wait_for(self, keys: list[str], timeout: datetime.timedelta | None, *, value: bool) -> bytes | None:
@@ -225,7 +214,7 @@ class RendezvousStore(dist.Store):
         return self._do(_Op.NUM_KEYS, []).number
 
     def clone(self) -> "RendezvousStore":
-        clone = RendezvousStore(self._call, self._session_id, self._secret, self.timeout.total_seconds(),
+        clone = RendezvousStore(self._call, self._session_id, self.timeout.total_seconds(),
                                 self._rpc_timeout_s)
         self._clones.append(clone)
         return clone

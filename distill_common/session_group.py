@@ -342,7 +342,7 @@ def proof(secret: bytes, rank: int) -> list[int]:
 
 
 def handshake(group: SessionGroup, secret: bytes, timeout_s: float) -> None:
-    """Each end proves over the formed group that it knows the session's rendezvous secret.
+    """Each end proves over the formed group that it knows the session's secret.
 
     Teacher → student first: it also makes NCCL create its communicator now, off the
     engine's critical path, and the student learns that the group reached the teacher.
@@ -362,4 +362,4 @@ def handshake(group: SessionGroup, secret: bytes, timeout_s: float) -> None:
     if theirs.tolist() != peer_proof:
         who = "student" if group.rank == TEACHER_RANK else "teacher"
         raise TransferError(f"the peer that formed the session group did not prove it is the {who} of this session "
-                            "(its handshake does not match the session's rendezvous secret): group refused")
+                            "(its handshake does not match the session's secret): group refused")

@@ -322,13 +322,13 @@ class TeacherClient:
     def _connect(self, joined: pb.JoinResponse, timeout_s: float) -> Session:
         # The session's rendezvous keys, over this channel: the token and the session's secret.
         store = RendezvousStore(lambda request, call_timeout_s: self._call("Rendezvous", request, call_timeout_s, joined),
-                                joined.session_id, joined.rendezvous_secret, timeout_s, self.rpc_timeout_s)
+                                joined.session_id, timeout_s, self.rpc_timeout_s)
         # The address the teacher reaches this process at, where gloo listens (NCCL finds its own).
         local_host = local_address_towards(joined.data_plane_host)
         group = build_group(store, backend=joined.backend, rank=STUDENT_RANK, device=self.device,
                             timeout_s=timeout_s, gloo_host=local_host)
         try:
-            handshake(group, joined.rendezvous_secret, timeout_s)  # each end proves it knows the secret
+            handshake(group, joined.session_secret.encode(), timeout_s)  # each end proves it knows the secret
         except BaseException:
             group.abort()
             raise

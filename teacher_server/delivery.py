@@ -106,7 +106,7 @@ class Delivery:
             group = build_group(session.rendezvous.store, backend=session.backend, rank=TEACHER_RANK,
                                 device=self.device, timeout_s=self.join_timeout_s, gloo_host=self.advertise_host)
             # And the peer that formed it proves it is that student (the teacher refuses it otherwise).
-            handshake(group, session.rendezvous.secret, self.join_timeout_s)
+            handshake(group, session.secret.encode(), self.join_timeout_s)
         except Exception as e:
             if group is not None:
                 group.abort()

@@ -102,7 +102,7 @@ class TeacherService:
                  session.job_rank, backend, outputs, extra={"session_id": session.session_id, "job_id": session.job_id})
         return pb.JoinResponse(
             session_id=session.session_id, info=self.teacher_info(), data_plane_host=self.data_plane_host,
-            rendezvous_secret=session.rendezvous.secret, backend=backend,
+            backend=backend,
             timeout_s=self.config.transfer_timeout_s,
             heartbeat_interval_s=self.config.heartbeat_interval_s, lease_s=self.config.lease_s,
             max_inflight=max_inflight, output_dtype=wire.dtype_name(outputs.dtype),
@@ -246,9 +246,6 @@ class TeacherService:
 
     async def Rendezvous(self, request: pb.RendezvousRequest, context) -> pb.RendezvousResponse:
         session = self.session_for(context, request.session_id)
-        if not session.rendezvous.admits(request.secret):
-            raise PermissionDenied(f"the rendezvous secret is not session {session.session_id}'s: use the "
-                                   "rendezvous_secret its Join answered with")
         try:
             return await session.rendezvous.serve(request)
         except RendezvousError as e:

@@ -58,14 +58,15 @@ class Session:
     peer_device_type: str
     max_inflight: int
     weight: float
-    # The session's rendezvous keys and secret (distill_common/rendezvous.py): its group
-    # forms on them, and only the student that got the secret in its Join answer reaches them.
+    # The session's rendezvous keys (distill_common/rendezvous.py): its group forms on them,
+    # and only calls with the session's secret (the student's Join answer) reach them.
     rendezvous: SessionStore
     # SubmitStream answers only refused batches (JoinRequest.stream_refusals_only).
     stream_refusals_only: bool = False
     session_id: str = field(default_factory=lambda: secrets.token_hex(8))
-    # The capability: every call about the session must carry it (TeacherService.session_for).
-    # The id is not one: status and metrics show it. 256 bits, kept out of reprs and logs.
+    # The capability: every call about the session must carry it (TeacherService.session_for),
+    # and the student proves it over the formed group (session_group.handshake). The id is not
+    # one: status and metrics show it. 256 bits, kept out of reprs and logs.
     secret: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
     # What became of its batches, for its submit stream (distill_common/announcements.py).
     outbox: Outbox = field(default_factory=Outbox)

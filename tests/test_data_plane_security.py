@@ -118,8 +118,8 @@ def pre_write_refusals(port: int, wire_ids: range) -> int:
     return len(prefixes) * len(wire_ids)
 
 
-def rendezvous_code(stub, metadata, session_id: str, secret: bytes, op, *keys: str, **fields) -> grpc.StatusCode:
-    request = pb.RendezvousRequest(session_id=session_id, secret=secret, op=op, keys=keys, **fields)
+def rendezvous_code(stub, metadata, session_id: str, op, *keys: str, **fields) -> grpc.StatusCode:
+    request = pb.RendezvousRequest(session_id=session_id, op=op, keys=keys, **fields)
     try:
         stub.Rendezvous(request, timeout=10, metadata=metadata)
     except grpc.RpcError as e:
@@ -155,13 +155,13 @@ def test_attack_1_no_store_no_rendezvous_or_events_without_credentials_outputs_s
                     (Op.DELETE, ("0/0",), {}), (Op.ADD, ("n",), {"amount": 1}),
                     (Op.COMPARE_SET, ("0/1",), {"expected": b"", "value": b"x"})]
         for op, keys, fields in attempts:
-            assert rendezvous_code(stub, (), victim_id, mine.rendezvous_secret, op, *keys,
+            assert rendezvous_code(stub, as_session(mine)[1:], victim_id, op, *keys,
                                    **fields) == grpc.StatusCode.UNAUTHENTICATED, op
             # The attacker's own session secret names no session of the victim's: NOT_FOUND, as for
             # a session that does not exist; with no session secret at all, PERMISSION_DENIED.
-            assert rendezvous_code(stub, as_session(mine), victim_id, mine.rendezvous_secret, op, *keys,
+            assert rendezvous_code(stub, as_session(mine), victim_id, op, *keys,
                                    **fields) == grpc.StatusCode.NOT_FOUND, op
-            assert rendezvous_code(stub, AUTH, victim_id, b"", op, *keys, **fields) == grpc.StatusCode.PERMISSION_DENIED
+            assert rendezvous_code(stub, AUTH, victim_id, op, *keys, **fields) == grpc.StatusCode.PERMISSION_DENIED
         stub.Leave(pb.LeaveRequest(session_id=mine.session_id), timeout=10, metadata=as_session(mine))
 
         # 3. The victim's events: a second stream for its session is refused before it takes
@@ -188,12 +188,12 @@ def test_a_sessions_rendezvous_is_confined_bounded_and_gone_when_it_ends(server,
                        timeout=10, metadata=AUTH)
     other = stub.Join(pb.JoinRequest(job_id="rendezvous", outputs=pb.OutputSpec(logits=True), peer=peer),
                       timeout=10, metadata=AUTH)
-    me, secret = joined.session_id, joined.rendezvous_secret
-    assert len(secret) == rendezvous.SECRET_BYTES and secret != other.rendezvous_secret
+    me = joined.session_id
+    assert joined.session_secret != other.session_secret
     assert joined.data_plane_host == "127.0.0.1"
 
     def call(op, *keys, session_id=me, **fields):
-        request = pb.RendezvousRequest(session_id=session_id, secret=secret, op=op, keys=keys, **fields)
+        request = pb.RendezvousRequest(session_id=session_id, op=op, keys=keys, **fields)
         return stub.Rendezvous(request, timeout=10, metadata=as_session(joined))
 
     call(Op.SET, "k", value=b"mine")
@@ -202,13 +202,8 @@ def test_a_sessions_rendezvous_is_confined_bounded_and_gone_when_it_ends(server,
     with pytest.raises(grpc.RpcError) as info:  # our session's secret does not open the other session
         call(Op.GET, "k", session_id=other.session_id, wait_s=0.1)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
-    with pytest.raises(grpc.RpcError) as info:  # the other session's secret, our rendezvous secret
-        stub.Rendezvous(pb.RendezvousRequest(session_id=other.session_id, secret=secret, op=Op.GET, keys=["k"]),
-                        timeout=10, metadata=as_session(other))
-    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert not stub.Rendezvous(pb.RendezvousRequest(session_id=other.session_id, secret=other.rendezvous_secret,
-                                                    op=Op.CHECK, keys=["k"]), timeout=10,
-                               metadata=as_session(other)).found
+    assert not stub.Rendezvous(pb.RendezvousRequest(session_id=other.session_id, op=Op.CHECK, keys=["k"]),
+                               timeout=10, metadata=as_session(other)).found
     # A quota of bytes per session (and of keys: tests/test_rendezvous.py), refused with the limit.
     with pytest.raises(grpc.RpcError) as info:
         call(Op.SET, "big", value=b"x" * rendezvous.MAX_BYTES)

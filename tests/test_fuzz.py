@@ -68,7 +68,7 @@ messages = {
     "Heartbeat": st.builds(pb.HeartbeatRequest, session_id=session_ids),
     "Leave": st.builds(pb.LeaveRequest, session_id=session_ids, drain=st.booleans()),
     "GetInfo": st.just(pb.GetInfoRequest()), "GetStatus": st.just(pb.GetStatusRequest()),
-    "Rendezvous": st.builds(pb.RendezvousRequest, session_id=session_ids, secret=st.binary(max_size=64),
+    "Rendezvous": st.builds(pb.RendezvousRequest, session_id=session_ids,
                             op=st.integers(-3, 12), keys=st.lists(st.text(max_size=300), max_size=5),
                             value=st.binary(max_size=4096), expected=st.binary(max_size=64),
                             amount=st.integers(-(2**63), 2**63 - 1),
@@ -122,11 +122,10 @@ def test_hostile_rendezvous_calls_on_a_live_session(server, channel, live_sessio
     session_id, secret = live_session
     request = data.draw(messages["Rendezvous"])
     request.session_id = session_id
-    if data.draw(st.booleans()):
-        request.secret = secret
+    metadata = ((SESSION_SECRET_KEY, secret),) if data.draw(st.booleans()) else ()
     request.wait_s = min(request.wait_s, 0.05) if request.wait_s == request.wait_s else request.wait_s
     CASES["Rendezvous, live session"] = CASES.get("Rendezvous, live session", 0) + 1
-    code = _answered(channel, "Rendezvous", request.SerializeToString())
+    code = _answered(channel, "Rendezvous", request.SerializeToString(), metadata)
     assert code != grpc.StatusCode.INTERNAL
 
 
@@ -138,8 +137,8 @@ def live_client(server):
 
 @pytest.fixture(scope="module")
 def live_session(live_client):
-    """A session whose group formed: its id and rendezvous secret."""
-    return live_client.session_id, live_client._connection.session.joined.rendezvous_secret
+    """A session whose group formed: its id and secret."""
+    return live_client.session_id, live_client._connection.session.joined.session_secret
 
 
 def test_the_rogue_calls_left_the_live_session_serving(live_client):

@@ -102,7 +102,7 @@ class JoinRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., job_rank: _Optional[int] = ..., outputs: _Optional[_Union[OutputSpec, _Mapping]] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., weight: _Optional[float] = ..., stream_refusals_only: _Optional[bool] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("session_id", "info", "backend", "timeout_s", "heartbeat_interval_s", "lease_s", "max_inflight", "output_dtype", "stream_refusals_only", "data_plane_host", "rendezvous_secret", "session_secret")
+    __slots__ = ("session_id", "info", "backend", "timeout_s", "heartbeat_interval_s", "lease_s", "max_inflight", "output_dtype", "stream_refusals_only", "data_plane_host", "session_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -113,7 +113,6 @@ class JoinResponse(_message.Message):
     OUTPUT_DTYPE_FIELD_NUMBER: _ClassVar[int]
     STREAM_REFUSALS_ONLY_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_HOST_FIELD_NUMBER: _ClassVar[int]
-    RENDEZVOUS_SECRET_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     info: TeacherInfo
@@ -125,9 +124,8 @@ class JoinResponse(_message.Message):
     output_dtype: str
     stream_refusals_only: bool
     data_plane_host: str
-    rendezvous_secret: bytes
     session_secret: str
-    def __init__(self, session_id: _Optional[str] = ..., info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., max_inflight: _Optional[int] = ..., output_dtype: _Optional[str] = ..., stream_refusals_only: _Optional[bool] = ..., data_plane_host: _Optional[str] = ..., rendezvous_secret: _Optional[bytes] = ..., session_secret: _Optional[str] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., max_inflight: _Optional[int] = ..., output_dtype: _Optional[str] = ..., stream_refusals_only: _Optional[bool] = ..., data_plane_host: _Optional[str] = ..., session_secret: _Optional[str] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
     __slots__ = ("session_id", "batch_id", "input_ids", "attention_mask")
@@ -172,7 +170,7 @@ class BatchFailure(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
-    __slots__ = ("session_id", "secret", "op", "keys", "value", "expected", "amount", "wait_s")
+    __slots__ = ("session_id", "op", "keys", "value", "expected", "amount", "wait_s")
     class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         OP_UNSPECIFIED: _ClassVar[RendezvousRequest.Op]
@@ -194,7 +192,6 @@ class RendezvousRequest(_message.Message):
     COMPARE_SET: RendezvousRequest.Op
     NUM_KEYS: RendezvousRequest.Op
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    SECRET_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -202,14 +199,13 @@ class RendezvousRequest(_message.Message):
     AMOUNT_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    secret: bytes
     op: RendezvousRequest.Op
     keys: _containers.RepeatedScalarFieldContainer[str]
     value: bytes
     expected: bytes
     amount: int
     wait_s: float
-    def __init__(self, session_id: _Optional[str] = ..., secret: _Optional[bytes] = ..., op: _Optional[_Union[RendezvousRequest.Op, str]] = ..., keys: _Optional[_Iterable[str]] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., op: _Optional[_Union[RendezvousRequest.Op, str]] = ..., keys: _Optional[_Iterable[str]] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
     __slots__ = ("found", "value", "number")

@@ -141,10 +141,12 @@ class TeacherServiceServicer:
         exchange to form it (gloo's addresses, NCCL's unique id). The store lives in
         the teacher's process, one per session, and is deleted when the session ends;
         a call reaches only its own session's keys, and only with the session's
-        rendezvous_secret. This is torch.distributed.Store's interface, one operation
-        per call (distill_common/rendezvous.py is the student's Store). Errors:
-        PERMISSION_DENIED    the secret is not this session's.
-        NOT_FOUND            the session is unknown or has ended.
+        secret in its metadata (see Credentials). This is torch.distributed.Store's
+        interface, one operation per call (distill_common/rendezvous.py is the
+        student's Store). Errors:
+        PERMISSION_DENIED    the call carries no session secret.
+        NOT_FOUND            the session is unknown or has ended, or the secret is
+        not its own.
         RESOURCE_EXHAUSTED   over the session's quota of keys or bytes.
         INVALID_ARGUMENT     an unknown operation, a missing key.
         """
