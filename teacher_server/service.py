@@ -288,7 +288,8 @@ class TeacherService:
             num_layers=i.num_layers, dtype=wire.dtype_name(i.dtype), device_type=i.device.type, tp_size=i.tp_size,
             max_batch_tokens=c.max_batch_tokens, max_seq_len=c.max_seq_len, max_sessions=c.max_sessions,
             max_inflight=c.max_inflight, tokenizer_fingerprint=i.tokenizer_fingerprint,
-            torch_version=i.torch_version, nccl_version=i.nccl_version)
+            torch_version=i.torch_version, nccl_version=i.nccl_version, head=i.head.to_info(),
+            attention=i.attention.to_info())
 
     def _check_output_bytes(self, outputs: OutputRequest) -> None:
         """Refuses outputs larger than --max-output-bytes for the largest batch the session may send:
