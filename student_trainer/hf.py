@@ -138,6 +138,12 @@ class DistillationTrainer(Trainer):
         if self.label_smoother is not None or self.compute_loss_func is not None:
             raise ValueError("DistillationTrainer computes the loss itself: it cannot be combined with "
                              "label_smoothing_factor or compute_loss_func. Drop them, or set kd_weight=0")
+        checkpointing = self.args.gradient_checkpointing_kwargs or {}
+        if attention_layers and self.args.gradient_checkpointing and checkpointing.get("use_reentrant", False):
+            # Reentrant checkpointing runs the first forward without autograd: the queries, keys
+            # and values captured there carry no gradient, and the attention term would teach nothing.
+            raise ValueError("attention_layers needs non-reentrant gradient checkpointing: set "
+                             "gradient_checkpointing_kwargs={'use_reentrant': False} in the TrainingArguments")
         # Read now, before the Trainer wraps the model: a sharded FSDP weight no longer has its shape.
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         if head is None:

@@ -297,6 +297,10 @@ def test_settings_are_checked_before_anything_runs(setup, tmp_path):
     with pytest.raises(ValueError, match="head_on_student .* needs kd_weight > 0"):
         distillation_trainer(setup, "student", args, Rows(setup["rows"]), teacher_address="x:1", kd_weight=0.0,
                              head_on_student=True, attention_layers=(1,), attention_weight=1.0)
+    with pytest.raises(ValueError, match="non-reentrant gradient checkpointing"):
+        distillation_trainer(setup, "student", training_args(tmp_path, gradient_checkpointing=True,
+                                                             gradient_checkpointing_kwargs={"use_reentrant": True}),
+                             Rows(setup["rows"]), teacher_address="x:1", attention_layers=(1,), attention_weight=1.0)
     with pytest.raises(ValueError, match=r"may not set \['outputs'\]"):
         distillation_trainer(setup, "student", args, Rows(setup["rows"]), teacher_address="x:1",
                              teacher_client_options={"outputs": (TopK(3),), "weight": 2.0})
