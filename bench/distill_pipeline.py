@@ -81,7 +81,7 @@ def main() -> int:
     from distill_common.models import load_causal_lm
     from student_trainer import TeacherClient, TeacherOutput
     from student_trainer.config import TrainConfig
-    from student_trainer.train import TeacherPrefetcher, train_micro_batch
+    from student_trainer.train import StudentMaps, TeacherPrefetcher, train_micro_batch
     from teacher_server.launcher import ServerProcess
 
     tmp = Path(tempfile.mkdtemp())
@@ -133,7 +133,7 @@ def main() -> int:
                     torch.cuda.synchronize(device)
                     start = time.perf_counter()
                 batch, out = next_batch()
-                train_micro_batch(cfg, model, batch, out, autocast, device, None, {})
+                train_micro_batch(cfg, model, batch, out, autocast, device, StudentMaps(), None)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -4,7 +4,7 @@
 #   bash bench/run_gpu.sh stubs e2e tp tpforward transport
 # tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs, dataplane, isolation. Benches:
 # transport, transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, launch (one GPU), connect.
-# Investigations (bench/investigations/): tpsend.
+# Investigations (bench/investigations/): tpsend. The recipe's student side (one GPU): recipe.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
 # shellcheck source=bench/gpu_env.sh
@@ -50,6 +50,8 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     tracegraphs) timeout 200 python3 -m bench.transport_trace --size-mib 256 --batches 128 --inflight 16 --cuda-graphs 64 2>&1 | quiet | head -45 ;;
     profile) export PATH=/tmp/site/bin:$PATH
              timeout 200 python3 -m bench.transport_trace --size-mib 256 --batches 1000 --inflight 16 --profile "$out/profile" 2>&1 | quiet | head -20 ;;
+    # The seed recipe's student (deepseek-coder-6.7b-shaped, LoRA, bf16, grad ckpt): full logits vs head on student.
+    recipe) timeout 580 python3 -m bench.recipe_student --out "$out/recipe.md" 2>&1 | quiet | tail -12 ;;
     # Tensor parallelism: the TP=2 forward against TP=1.
     tpforward) timeout 200 "${torchrun2[@]}" -m bench.tp_forward --profile "$out/tpprof" --out "$out/tp_forward.md" 2>&1 | quiet | tail -8 ;;
     # Gathered logits from rank 0 or a vocabulary shard from each rank (docs/performance.md).

@@ -9,7 +9,8 @@ A kind (`Output`) says, in one place:
 - what the forward must produce for it (`needs`, a `ForwardNeeds`);
 - its tensors for one `[batch, seq]` input (`layout`), which the student preallocates;
 - how the teacher derives them from the forward of one batch (`derive`);
-- how the student turns them into fields of a `TeacherOutput` (`assemble`).
+- how the student turns them into fields of a `TeacherOutput` (`assemble`);
+- what it sends once, at join (`join_layout`, `join_derive`, `join_assemble`; most kinds nothing).
 
 Its place in the wire order is its place in `KINDS`. A session's `OutputRequest` is the kinds
 it asked for, resolved against one teacher: frozen and hashable, so sessions that ask the same
@@ -18,10 +19,14 @@ neither names a kind.
 
 Join-time data. What a kind needs from the student once (a token subset, say) is a field of
 its `OutputSpec`, read in `from_spec` and checked in `check` like `TopK.k`. What it needs from
-the teacher once (the weights of its head, say) is too large for the control plane: it crosses
-the session group once, right after the handshake, laid out, derived and assembled by the kind
-as its per-batch tensors are (the first such kind adds that one exchange where both sides call
-`handshake`, as methods of the request).
+the teacher once (the weights of its output head, say) is too large for the control plane: it
+crosses the session group once, right after the handshake and before any batch. The kind says
+what (`join_layout`: the student preallocates it), takes it from the teacher's `JoinData`
+(`join_derive`: `JoinData` holds what the teacher's model offers once, gathered whole under
+tensor parallelism) and turns the received tensors into fields of the student's `JoinData`
+(`join_assemble`: `TeacherClient.joined`). Both ends call the request's `join_*` methods right
+after `handshake` (teacher_server/delivery.py, student_trainer/client.py); a kind with nothing
+to send at join keeps the defaults, which send nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from distill_common import wire
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
@@ -52,6 +58,50 @@ class TensorSpec(NamedTuple):
     dtype: torch.dtype
 
 
+# Why a teacher that says nothing about a capability (an older one) cannot give it.
+_NOT_REPORTED = "this teacher does not report it (an older teacher_server?)"
+
+
+@dataclass(frozen=True)
+class HeadFacts:
+    """The teacher's output head as TeacherInfo.head describes it: logits =
+    softcap(logit_scale * (h W^T + b)); `unavailable` says why the student cannot apply it."""
+
+    bias: bool = False
+    final_logit_softcapping: float = 0.0
+    logit_scale: float = 1.0
+    unavailable: str = _NOT_REPORTED
+
+    @classmethod
+    def from_info(cls, head: pb.OutputHeadInfo) -> "HeadFacts":
+        return cls(bias=head.bias, final_logit_softcapping=head.final_logit_softcapping,
+                   logit_scale=head.logit_scale, unavailable=head.unavailable)
+
+    def to_info(self) -> pb.OutputHeadInfo:
+        return pb.OutputHeadInfo(bias=self.bias, final_logit_softcapping=self.final_logit_softcapping,
+                                 logit_scale=self.logit_scale, unavailable=self.unavailable)
+
+
+@dataclass(frozen=True)
+class AttentionFacts:
+    """The widths of one layer's attention inputs (TeacherInfo.attention); `unavailable` says
+    why the teacher cannot send them."""
+
+    query_width: int = 0
+    key_width: int = 0
+    value_width: int = 0
+    unavailable: str = _NOT_REPORTED
+
+    @classmethod
+    def from_info(cls, attention: pb.AttentionInputsInfo) -> "AttentionFacts":
+        return cls(query_width=attention.query_width, key_width=attention.key_width,
+                   value_width=attention.value_width, unavailable=attention.unavailable)
+
+    def to_info(self) -> pb.AttentionInputsInfo:
+        return pb.AttentionInputsInfo(query_width=self.query_width, key_width=self.key_width,
+                                      value_width=self.value_width, unavailable=self.unavailable)
+
+
 @dataclass(frozen=True)
 class TeacherFacts:
     """What a session's outputs depend on, as the join answer (TeacherInfo) tells it."""
@@ -62,25 +112,79 @@ class TeacherFacts:
     dtype: torch.dtype  # the model's: outputs come in it unless the session asks another
     tokenizer_fingerprint: str = ""
     max_topk: int = 0  # the teacher's --max-topk (0: up to the vocabulary size)
+    head: HeadFacts = HeadFacts()
+    attention: AttentionFacts = AttentionFacts()
 
     @classmethod
     def from_info(cls, info: pb.TeacherInfo) -> "TeacherFacts":
         return cls(vocab_size=info.vocab_size, hidden_size=info.hidden_size, num_layers=info.num_layers,
-                   dtype=wire.parse_output_dtype(info.dtype), tokenizer_fingerprint=info.tokenizer_fingerprint)
+                   dtype=wire.parse_output_dtype(info.dtype), tokenizer_fingerprint=info.tokenizer_fingerprint,
+                   head=HeadFacts.from_info(info.head) if info.HasField("head") else HeadFacts(),
+                   attention=(AttentionFacts.from_info(info.attention) if info.HasField("attention")
+                              else AttentionFacts()))
+
+
+@dataclass
+class OutputHead:
+    """A model's output head, applied outside the model: logits = softcap(logit_scale * (h W^T + b)),
+    softcap(x) = c * tanh(x / c) when c = final_logit_softcapping > 0.
+
+    The teacher's `JoinData.head` (its own weights, gathered whole under tensor parallelism)
+    and, once received, the student's (`TeacherClient.joined.head`).
+    """
+
+    weight: torch.Tensor  # [vocab, hidden]
+    bias: torch.Tensor | None = None  # [vocab]
+    final_logit_softcapping: float = 0.0
+    logit_scale: float = 1.0
+
+    def logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The logits of `hidden` [..., H]: the matrix product in the weight's dtype (as the
+        teacher computes it), the scale and the cap in `dtype` (default: the weight's)."""
+        logits = F.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+        if dtype is not None:
+            logits = logits.to(dtype)
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
+        if self.final_logit_softcapping:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @property
+    def facts(self) -> HeadFacts:
+        return HeadFacts(bias=self.bias is not None, final_logit_softcapping=float(self.final_logit_softcapping),
+                         logit_scale=float(self.logit_scale), unavailable="")
+
+
+@dataclass
+class JoinData:
+    """What crosses a session group once, at join: on the teacher, what its model offers (each
+    field None where it has none to give); on the student, what its kinds received."""
+
+    head: OutputHead | None = None
 
 
 @dataclass(frozen=True)
 class ForwardNeeds:
-    """What a forward must produce besides its logits (always produced).
+    """What a forward must produce.
 
-    A kind that needs more of the forward (the attention inputs of some layers) adds a field
-    here, merges it in `__or__`, and has `BatchOutputs` keep it.
+    A kind that needs more of the forward adds a field here, merges it in `__or__`, and has
+    `BatchOutputs` keep it. Logits are a need like the others: a forward that no session
+    needs them for runs the decoder without the output head, so a teacher serving final
+    hidden states never holds [B, S, V] logits.
     """
 
     hidden_layers: frozenset[int] = frozenset()
+    logits: bool = False
+    attention_layers: frozenset[int] = frozenset()  # decoder layers (0-based) whose q, k, v are kept
+    final_hidden: bool = False  # the output head's input [B, S, H]
 
     def __or__(self, other: "ForwardNeeds") -> "ForwardNeeds":
-        return ForwardNeeds(hidden_layers=self.hidden_layers | other.hidden_layers)
+        return ForwardNeeds(hidden_layers=self.hidden_layers | other.hidden_layers,
+                            logits=self.logits or other.logits,
+                            attention_layers=self.attention_layers | other.attention_layers,
+                            final_hidden=self.final_hidden or other.final_hidden)
 
     @classmethod
     def union(cls, needs: Iterable["ForwardNeeds"]) -> "ForwardNeeds":
@@ -94,29 +198,46 @@ class ForwardNeeds:
 
 @dataclass
 class BatchOutputs:
-    """What the forward produced for one batch: logits [B, S, V] in the teacher's dtype and
-    hidden states [B, S, H] by layer (only the layers kept)."""
+    """What the forward produced for one batch, in the teacher's dtype: logits [B, S, V] (None
+    when no session needed them), hidden states [B, S, H] by layer, attention inputs (q, k, v),
+    each [B, S, width], by decoder layer (only the layers kept), and the output head's input
+    [B, S, H] (None when not needed)."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    attention: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    final_hidden: torch.Tensor | None = None
 
     @classmethod
     def of_rows(cls, forward, needs: ForwardNeeds, rows: slice, seq: int) -> "BatchOutputs":
-        """One batch's rows of a packed forward (`logits`, `hidden_states` by layer), keeping what `needs` asks."""
-        return cls(forward.logits[rows, :seq],
-                   {layer: forward.hidden_states[layer][rows, :seq] for layer in sorted(needs.hidden_layers)})
+        """One batch's rows of a packed forward (`logits`, `hidden_states` by layer, `attention`
+        by layer, `final_hidden`), keeping what `needs` asks."""
+        return cls(forward.logits[rows, :seq] if needs.logits else None,
+                   {layer: forward.hidden_states[layer][rows, :seq] for layer in sorted(needs.hidden_layers)},
+                   {layer: tuple(t[rows, :seq] for t in forward.attention[layer])
+                    for layer in sorted(needs.attention_layers)},
+                   forward.final_hidden[rows, :seq] if needs.final_hidden else None)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        tensors = [t for t in (self.logits, self.final_hidden) if t is not None]
+        return tensors + list(self.hidden.values()) + [t for qkv in self.attention.values() for t in qkv]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.logits, *self.hidden.values()))
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
     def covers(self, needs: ForwardNeeds) -> bool:
-        return needs.hidden_layers <= self.hidden.keys()
+        return ((not needs.logits or self.logits is not None) and needs.hidden_layers <= self.hidden.keys()
+                and needs.attention_layers <= self.attention.keys()
+                and (not needs.final_hidden or self.final_hidden is not None))
 
     def detached(self) -> "BatchOutputs":
         """A copy that owns its memory: a slice of the packed forward's outputs would
         keep the whole packed tensor alive, and the cache's byte count would lie."""
-        return BatchOutputs(self.logits.clone(), {layer: h.clone() for layer, h in self.hidden.items()})
+        return BatchOutputs(None if self.logits is None else self.logits.clone(),
+                            {layer: h.clone() for layer, h in self.hidden.items()},
+                            {layer: tuple(t.clone() for t in qkv) for layer, qkv in self.attention.items()},
+                            None if self.final_hidden is None else self.final_hidden.clone())
 
 
 @dataclass
@@ -128,6 +249,9 @@ class TeacherOutput:
     topk_values: torch.Tensor | None = None  # [B, S, k]
     topk_indices: torch.Tensor | None = None  # [B, S, k] int32
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, S, H]
+    final_hidden: torch.Tensor | None = None  # [B, S, H]: apply TeacherClient.joined.head for logits
+    # decoder layer -> (q [B, S, query_width], k [B, S, key_width], v [B, S, value_width])
+    attention_inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 class Output(abc.ABC):
@@ -172,6 +296,18 @@ class Output(abc.ABC):
     def assemble(self, tensors: list[torch.Tensor]) -> dict:
         """The TeacherOutput fields this kind fills from its received tensors."""
 
+    def join_layout(self, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
+        """The tensors this kind sends once, right after the handshake (none by default)."""
+        return []
+
+    def join_derive(self, source: JoinData, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Those tensors, from what the teacher's model offers (contiguous, as `join_layout` says)."""
+        return []
+
+    def join_assemble(self, tensors: list[torch.Tensor], teacher: TeacherFacts) -> dict:
+        """The student's JoinData fields this kind fills from the tensors received at join."""
+        return {}
+
 
 @dataclass(frozen=True)
 class Logits(Output):
@@ -186,6 +322,10 @@ class Logits(Output):
 
     def to_spec(self, spec: pb.OutputSpec) -> None:
         spec.logits = True
+
+    @property
+    def needs(self) -> ForwardNeeds:
+        return ForwardNeeds(logits=True)
 
     def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
         return [TensorSpec((batch, seq, teacher.vocab_size), dtype)]
@@ -222,6 +362,10 @@ class TopK(Output):
         if teacher.max_topk and self.k > teacher.max_topk:
             raise OutputSpecError(f"topk {self.k} exceeds the teacher's --max-topk {teacher.max_topk}: ask for at "
                                   "most that many, or start the teacher with a larger --max-topk")
+
+    @property
+    def needs(self) -> ForwardNeeds:
+        return ForwardNeeds(logits=True)
 
     def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
         return [TensorSpec((batch, seq, self.k), dtype), TensorSpec((batch, seq, self.k), torch.int32)]
@@ -282,8 +426,112 @@ class HiddenStates(Output):
         return f"hidden_layers={self.layers}"
 
 
+@dataclass(frozen=True)
+class FinalHidden(Output):
+    """The output head's input [B, S, H] (the final normed hidden state), and the head itself
+    once at join, so that the student computes the teacher's logits (student_trainer/losses.py:
+    `kd_loss_from_hidden`): vocab / hidden times fewer bytes per token than the logits, and no
+    [B, S, V] teacher tensor on either side. The student finds the head in `TeacherClient.joined.head`."""
+
+    asked_as: ClassVar[str] = "final_hidden"
+    same_vocabulary: ClassVar[bool] = True
+
+    @classmethod
+    def from_spec(cls, spec: pb.OutputSpec) -> "FinalHidden | None":
+        return cls() if spec.final_hidden else None
+
+    def to_spec(self, spec: pb.OutputSpec) -> None:
+        spec.final_hidden = True
+
+    def check(self, teacher: TeacherFacts) -> None:
+        if teacher.head.unavailable:
+            raise OutputSpecError(f"the teacher cannot send its output head to apply on the student: "
+                                  f"{teacher.head.unavailable}; distil from its logits or top-k instead")
+
+    @property
+    def needs(self) -> ForwardNeeds:
+        return ForwardNeeds(final_hidden=True)
+
+    def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
+        return [TensorSpec((batch, seq, teacher.hidden_size), dtype)]
+
+    def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
+        return [forward.final_hidden.to(dtype).contiguous()]
+
+    def assemble(self, tensors: list[torch.Tensor]) -> dict:
+        (final_hidden,) = tensors
+        return {"final_hidden": final_hidden}
+
+    def join_layout(self, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
+        weight = TensorSpec((teacher.vocab_size, teacher.hidden_size), dtype)
+        return [weight, TensorSpec((teacher.vocab_size,), dtype)] if teacher.head.bias else [weight]
+
+    def join_derive(self, source: JoinData, dtype: torch.dtype) -> list[torch.Tensor]:
+        head = source.head
+        return [t.to(dtype).contiguous() for t in (head.weight, head.bias) if t is not None]
+
+    def join_assemble(self, tensors: list[torch.Tensor], teacher: TeacherFacts) -> dict:
+        weight, *bias = tensors
+        return {"head": OutputHead(weight, bias[0] if bias else None,
+                                   final_logit_softcapping=teacher.head.final_logit_softcapping,
+                                   logit_scale=teacher.head.logit_scale)}
+
+    def __str__(self) -> str:
+        return "final_hidden"
+
+
+@dataclass(frozen=True)
+class AttentionInputs(Output):
+    """Queries, keys and values of some decoder layers (0-based), as each layer hands them to its
+    attention function: after the rotary embedding, key/value heads grouped as the model has
+    them (distill_common/attention_inputs.py). Sent as three stacks in the order asked:
+    q [len(layers), B, S, query_width], k [..., key_width], v [..., value_width]."""
+
+    layers: tuple[int, ...]
+    asked_as: ClassVar[str] = "attention layers"
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(self.layers))
+
+    @classmethod
+    def from_spec(cls, spec: pb.OutputSpec) -> "AttentionInputs | None":
+        return cls(tuple(spec.attention_layers)) if spec.attention_layers else None
+
+    def to_spec(self, spec: pb.OutputSpec) -> None:
+        spec.attention_layers.extend(self.layers)
+
+    def check(self, teacher: TeacherFacts) -> None:
+        if teacher.attention.unavailable:
+            raise OutputSpecError(f"the teacher cannot send attention inputs: {teacher.attention.unavailable}")
+        bad = [layer for layer in self.layers if not 0 <= layer < teacher.num_layers]
+        if bad:
+            raise OutputSpecError(f"attention layers {bad} are out of range: the teacher has {teacher.num_layers} "
+                                  f"decoder layers, so use 0 .. {teacher.num_layers - 1}")
+        if len(set(self.layers)) != len(self.layers):
+            raise OutputSpecError(f"attention layers {list(self.layers)} repeat a layer")
+
+    @property
+    def needs(self) -> ForwardNeeds:
+        return ForwardNeeds(attention_layers=frozenset(self.layers))
+
+    def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
+        widths = (teacher.attention.query_width, teacher.attention.key_width, teacher.attention.value_width)
+        return [TensorSpec((len(self.layers), batch, seq, width), dtype) for width in widths]
+
+    def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
+        return [torch.stack([forward.attention[layer][part] for layer in self.layers]).to(dtype).contiguous()
+                for part in range(3)]
+
+    def assemble(self, tensors: list[torch.Tensor]) -> dict:
+        queries, keys, values = tensors
+        return {"attention_inputs": {layer: (queries[i], keys[i], values[i]) for i, layer in enumerate(self.layers)}}
+
+    def __str__(self) -> str:
+        return f"attention_layers={self.layers}"
+
+
 # Every kind, in wire order: a session's tensors are sent kind by kind in this order.
-KINDS: tuple[type[Output], ...] = (Logits, TopK, HiddenStates)
+KINDS: tuple[type[Output], ...] = (Logits, TopK, HiddenStates, FinalHidden, AttentionInputs)
 
 
 def output_spec(kinds: Iterable[Output], dtype: str | None = None) -> pb.OutputSpec:
@@ -375,3 +623,22 @@ class OutputRequest:
             fields.update(kind.assemble(tensors[start:start + count]))
             start += count
         return TeacherOutput(batch_id=batch_id, **fields)
+
+    # ---- once, at join: sent right after the handshake, before any batch -----------------
+
+    def join_layout(self) -> list[TensorSpec]:
+        """The tensors the teacher sends once at join, in send order (empty: nothing)."""
+        return [spec for kind in self for spec in kind.join_layout(self.teacher, self.dtype)]
+
+    def join_derive(self, source: JoinData) -> list[torch.Tensor]:
+        """The teacher's join-time tensors from what its model offers, in send order."""
+        return [tensor for kind in self for tensor in kind.join_derive(source, self.dtype)]
+
+    def join_assemble(self, tensors: list[torch.Tensor]) -> JoinData:
+        """The student's JoinData from the tensors received at join, in send order."""
+        fields, start = {}, 0
+        for kind in self:
+            count = len(kind.join_layout(self.teacher, self.dtype))
+            fields.update(kind.join_assemble(tensors[start:start + count], self.teacher))
+            start += count
+        return JoinData(**fields)

@@ -4,7 +4,9 @@
         fut = teacher.submit(input_ids, attention_mask)   # returns at once
         out = fut.result(timeout=60)                       # TeacherOutput
 
-Join tells the client every shape it will receive. The session's group forms on the
+Join tells the client every shape it will receive; what the kinds asked send once (the
+teacher's output head, for FinalHidden) arrives on the session's group right after the
+handshake, in `joined`. The session's group forms on the
 session's rendezvous keys, which the client reads and writes over this same gRPC channel
 (distill_common/rendezvous.py: the teacher opens no store port). `submit` puts a batch on
 the session's submit stream and returns its future. Once the teacher announces the batch
@@ -47,7 +49,7 @@ import torch
 from distill_common import tracing, wire
 from distill_common.channel import (SESSION_SECRET_KEY, TeacherUnreachable, channel_credentials, open_channel,
                                     wait_until_reachable)
-from distill_common.outputs import Logits, Output, OutputRequest, output_spec
+from distill_common.outputs import JoinData, Logits, Output, OutputRequest, output_spec
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from distill_common.rendezvous import RendezvousStore
@@ -162,6 +164,8 @@ class TeacherClient:
             self._leave(joined)
             self._channel.close()
             raise
+        # What the kinds asked sent once at join (TeacherOutput's companions: the output head).
+        self.joined: JoinData = session.joined_data
         self._connection = Connection(session, address, reconnect_timeout_s, max_resubmits=max_resubmits)
         self._start(session)
         self._heartbeat_thread = threading.Thread(target=self._send_heartbeats, name="send-heartbeats", daemon=True)
@@ -329,11 +333,24 @@ class TeacherClient:
                             timeout_s=timeout_s, gloo_host=local_host)
         try:
             handshake(group, joined.session_secret.encode(), timeout_s)  # each end proves it knows the secret
+            joined_data = self._receive_join_data(group, timeout_s)
         except BaseException:
             group.abort()
             raise
-        return Session(joined, group, self.outputs, self.address, on_failure=self._session_failed,
-                       resolve=self._resolve)
+        session = Session(joined, group, self.outputs, self.address, on_failure=self._session_failed,
+                          resolve=self._resolve)
+        session.joined_data = joined_data
+        return session
+
+    def _receive_join_data(self, group, timeout_s: float) -> JoinData:
+        """What the kinds asked send once, right after the handshake (the output head), or nothing."""
+        layout = self.outputs.join_layout()
+        if not layout:
+            return JoinData()
+        buffers, works = group.post_receives(layout)
+        for work in works:
+            group.wait(work, timeout_s, what="receiving the join-time outputs (the teacher's output head)")
+        return self.outputs.join_assemble(group.delivered(buffers))
 
     def _start(self, session: Session) -> None:
         """Opens the submit stream of `session` (already made current) and starts its threads."""
@@ -425,10 +442,26 @@ class TeacherClient:
         try:
             self._check_same_teacher(joined)
             # The group forms in about a second; a last attempt gets that much even past the deadline.
-            return self._connect(joined, min(self.join_timeout_s, max(1.0, deadline - time.monotonic())))
+            session = self._connect(joined, min(self.join_timeout_s, max(1.0, deadline - time.monotonic())))
+            try:
+                self._check_same_join_data(session.joined_data)
+            except BaseException:
+                session.stop()
+                raise
+            return session
         except BaseException:
             self._leave(joined, timeout_s=min(self.rpc_timeout_s, 5.0))
             raise
+
+    def _check_same_join_data(self, joined_data: JoinData) -> None:
+        """A teacher that came back with another output head would change the loss mid-run."""
+        head, before = joined_data.head, self.joined.head
+        if before is not None and (head is None or not torch.equal(head.weight, before.weight)
+                                   or (head.bias is None) != (before.bias is None)
+                                   or (head.bias is not None and not torch.equal(head.bias, before.bias))
+                                   or head.facts != before.facts):
+            raise Incompatible("the teacher came back with another output head: its outputs would not continue "
+                               "this run; restart the job against it", grpc.StatusCode.FAILED_PRECONDITION)
 
     def _check_same_teacher(self, joined: pb.JoinResponse) -> None:
         info = TeacherInfo.from_proto(joined.info)

@@ -11,7 +11,7 @@ from typing import Literal
 
 from distill_common.settings import LOG_LEVELS, ConfigError, IntTuple, check_choices, flag
 from student_trainer.data import PackMode
-from student_trainer.losses import HiddenLossKind, LossKind, check_options
+from student_trainer.losses import HiddenLossKind, LossKind, check_options, check_relation_options
 
 
 def _help(text: str) -> dict:
@@ -46,11 +46,26 @@ class TrainConfig:
     jsd_beta: float = field(default=0.5, metadata=_help("teacher weight in generalized JSD (--loss jsd)"))
     temperature: float = field(default=1.0, metadata=_help("softmax temperature of the KD loss"))
     kd_weight: float = field(default=0.5, metadata=_help("alpha in alpha*KD + (1-alpha)*CE"))
+    ce_weight: float | None = field(default=None, metadata=_help(
+        "weight of the cross-entropy term (default: 1 - --kd-weight); 0 skips it"))
     topk: int = field(default=0, metadata=_help("distil from the teacher's top-k logits (0: full logits)"))
+    head_on_student: bool = field(default=False, metadata=_help(
+        "receive the teacher's final hidden state, and its output head once at join, instead of its logits: the KD "
+        "loss computes the teacher's logits chunk by chunk (vocab/hidden times fewer bytes per token; with --topk, "
+        "compared on the top k of those)"))
     hidden_layers: IntTuple = field(default=(), metadata=_help(
         "comma-separated teacher layers whose hidden states the student matches"))
     hidden_weight: float = field(default=0.0, metadata=_help("weight of the hidden-state loss"))
     hidden_loss: HiddenLossKind = field(default="mse", metadata=_help("the hidden-state loss"))
+    attention_layers: IntTuple = field(default=(), metadata=_help(
+        "comma-separated teacher decoder layers (0-based) whose attention inputs (queries, keys, values) the "
+        "student's layer at the same relative depth matches through MiniLMv2 relations"))
+    attention_weight: float = field(default=0.0, metadata=_help("weight of the attention-relation loss"))
+    attention_relation_heads: int = field(default=8, metadata=_help(
+        "heads the q, k and v of both models are split into for their relations; must divide every q, k and v "
+        "width of both"))
+    attention_block_rows: int = field(default=256, metadata=_help(
+        "query rows per block of the attention loss (memory: ~4 x 4 B x batch x heads x block x seq)"))
     kd_chunk_tokens: int = field(default=1024, metadata=_help(
         "tokens per chunk of the KD loss (memory: ~5 x 4 B x chunk x vocab)"))
     lora_r: int = field(default=0, metadata=_help("LoRA rank (needs peft; 0: full fine-tuning)"))
@@ -59,7 +74,8 @@ class TrainConfig:
     lora_target_modules: str = field(default="all-linear", metadata=_help(
         "comma-separated module names LoRA adapts, or all-linear"))
     compile: bool = field(default=False, metadata=_help("torch.compile the student"))
-    bf16: bool = field(default=False, metadata=_help("bf16 autocast for the student's forward"))
+    bf16: bool = field(default=False, metadata=_help(
+        "bf16 autocast for the student's forward (with --lora-r, the frozen base weights are held in bf16 too)"))
     grad_checkpointing: bool = field(default=False, metadata=_help("gradient checkpointing in the student"))
     prefetch: int = field(default=2, metadata=_help(
         "micro-batches submitted to the teacher ahead of the one training"))
@@ -102,8 +118,8 @@ class TrainConfig:
             if not getattr(self, name):
                 raise ConfigError(f"{flag(name)} is required")
         if not self.teacher and self.needs_teacher:
-            raise ConfigError("--teacher HOST:PORT is required (only --kd-weight 0 without --hidden-layers, "
-                              "plain cross-entropy, runs without one)")
+            raise ConfigError("--teacher HOST:PORT is required (only --kd-weight 0 without --hidden-layers and "
+                              "--attention-layers, plain cross-entropy, runs without one)")
         if self.max_steps < 0 or (self.max_steps == 0 and self.epochs < 1):
             raise ConfigError("give --max-steps N (> 0) or --epochs N (>= 1)")
         for name in ("batch_size", "grad_accum", "seq_len"):
@@ -118,6 +134,17 @@ class TrainConfig:
             raise ConfigError("--hidden-weight > 0 needs --hidden-layers (teacher layers to match)")
         if self.hidden_layers and self.hidden_weight == 0:
             raise ConfigError("--hidden-layers needs --hidden-weight > 0")
+        self.attention_layers = IntTuple(self.attention_layers)
+        if self.attention_weight < 0 or (self.attention_weight > 0 and not self.attention_layers):
+            raise ConfigError("--attention-weight > 0 needs --attention-layers (teacher layers to match)")
+        if self.attention_layers and self.attention_weight == 0:
+            raise ConfigError("--attention-layers needs --attention-weight > 0")
+        check_relation_options(self.attention_relation_heads, self.attention_block_rows)
+        if self.ce_weight is not None and self.ce_weight < 0:
+            raise ConfigError(f"--ce-weight {self.ce_weight} must be >= 0")
+        if self.head_on_student and not self.uses_logits:
+            raise ConfigError("--head-on-student applies the teacher's output head for the KD loss: it needs "
+                              "--kd-weight > 0")
         if self.prefetch < 0:
             raise ConfigError("--prefetch must be >= 0")
         if not self.teacher_weight > 0:
@@ -153,4 +180,9 @@ class TrainConfig:
 
     @property
     def needs_teacher(self) -> bool:
-        return self.uses_logits or bool(self.hidden_layers)
+        return self.uses_logits or bool(self.hidden_layers) or bool(self.attention_layers)
+
+    @property
+    def ce_factor(self) -> float:
+        """The CE term's weight: --ce-weight, else 1 - --kd-weight."""
+        return 1.0 - self.kd_weight if self.ce_weight is None else self.ce_weight

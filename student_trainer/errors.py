@@ -44,8 +44,7 @@ class AuthenticationFailed(TeacherError):
 
 
 class PermissionRefused(TeacherError):
-    """PERMISSION_DENIED: a job token used for another job, a call without its session's secret,
-    or a rendezvous with another session's rendezvous secret."""
+    """PERMISSION_DENIED: a job token used for another job, or a call without its session's secret."""
 
 
 class TransferFailed(TeacherError):

@@ -5,10 +5,15 @@
                                   kd_weight=0.5)
     trainer.train()
 
-The loss of a micro-batch is ``kd_weight * KD + (1 - kd_weight) * CE``: CE is the model's own
-loss from ``labels``; KD compares the student's next-token distributions with the teacher's
-(``student_trainer.losses``) at the positions whose next-token label is not -100, the same
-positions CE counts. Position t predicts token t + 1, so logits[:, :-1] meet labels[:, 1:].
+The loss of a micro-batch is ``kd_weight * KD + (1 - kd_weight) * CE (+ attention_weight *
+attention)``: CE is the model's own loss from ``labels``; KD compares the student's next-token
+distributions with the teacher's (``student_trainer.losses``) at the positions whose next-token
+label is not -100, the same positions CE counts. Position t predicts token t + 1, so
+logits[:, :-1] meet labels[:, 1:]. ``head_on_student`` asks the teacher for its final hidden
+state and applies its output head (received once, at join) chunk by chunk inside the KD loss.
+The attention term (``attention_layers``) compares MiniLMv2 relations of the student's
+queries, keys and values with the teacher's layers at the same relative depth, over the real
+tokens (``attention_mask``).
 
 One teacher session per process. Each process (rank) joins the teacher the first time it
 needs it, as rank ``args.process_index`` of job ``args.run_name`` (else the output folder's
@@ -32,6 +37,7 @@ submitted before the student's forward and awaited after it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import deque
@@ -42,7 +48,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer
 
-from distill_common.outputs import Logits, TeacherOutput, TopK
+from distill_common.attention_inputs import AttentionCapture
+from distill_common.outputs import AttentionInputs, FinalHidden, Logits, TeacherOutput, TopK
 from student_trainer import losses
 from student_trainer.client import TeacherClient
 from student_trainer.errors import TeacherUnavailable
@@ -67,12 +74,20 @@ class DistillationTrainer(Trainer):
     teacher_auth_token: the teacher's --auth-token; None reads TEACHER_AUTH_TOKEN.
     teacher_client_options: more keyword arguments of `TeacherClient`, e.g. tls_ca, tls_cert,
         tls_key (a teacher with TLS), reconnect_timeout_s, weight (this job's share).
+    head_on_student: receive the teacher's final hidden state and its output head instead of
+        its logits (see `student_trainer.losses.kd_loss_from_hidden`; with topk, compared on
+        the top k of the logits the head gives).
+    attention_layers, attention_weight: teacher decoder layers (0-based) whose attention inputs
+        the student's layer at the same relative depth matches, and the weight of that term.
+    attention_relation_heads, attention_block_rows: see `student_trainer.losses.relation_kl`.
     """
 
     def __init__(self, *args, teacher_address: str, kd_weight: float = 0.5, kd_loss: str = "forward_kl",
                  temperature: float = 1.0, jsd_beta: float = 0.5, topk: int = 0, teacher_timeout_s: float = 600.0,
                  kd_chunk_tokens: int = 1024, teacher_auth_token: str | None = None,
-                 teacher_client_options: dict | None = None, **kwargs):
+                 teacher_client_options: dict | None = None, head_on_student: bool = False,
+                 attention_layers: tuple[int, ...] = (), attention_weight: float = 0.0,
+                 attention_relation_heads: int = 8, attention_block_rows: int = 256, **kwargs):
         if not isinstance(teacher_address, str) or not teacher_address:
             raise ValueError(f"teacher_address must be 'host:port' of a running teacher, got {teacher_address!r}")
         if not 0.0 <= kd_weight <= 1.0:
@@ -83,6 +98,13 @@ class DistillationTrainer(Trainer):
         if not teacher_timeout_s > 0:
             raise ValueError(f"teacher_timeout_s must be > 0, got {teacher_timeout_s!r}")
         losses.check_options(kd_loss, temperature, jsd_beta, kd_chunk_tokens)  # the losses' own checks, once
+        losses.check_relation_options(attention_relation_heads, attention_block_rows)
+        attention_layers = tuple(attention_layers)
+        if not attention_weight >= 0 or bool(attention_layers) != (attention_weight > 0):
+            raise ValueError(f"attention_layers {list(attention_layers)} and attention_weight {attention_weight!r} go "
+                             "together: give both (layers to match and a weight > 0) or neither")
+        if head_on_student and kd_weight == 0:
+            raise ValueError("head_on_student applies the teacher's output head for the KD term: it needs kd_weight > 0")
         options = dict(teacher_client_options or {})
         taken = {"address", "device", "outputs", "tokenizer", "vocab_size", "max_inflight", "job_id",
                  "job_rank", "auth_token", "join_timeout_s", "transfer_timeout_s"} & options.keys()
@@ -100,15 +122,28 @@ class DistillationTrainer(Trainer):
         self.kd_chunk_tokens = kd_chunk_tokens
         self.teacher_auth_token = teacher_auth_token
         self.teacher_client_options = options
+        self.head_on_student = bool(head_on_student)
+        self.attention_layers = attention_layers
+        self.attention_weight = float(attention_weight)
+        self.attention_relation_heads = attention_relation_heads
+        self.attention_block_rows = attention_block_rows
+        self._capture: AttentionCapture | None = None  # the student's attention inputs, once the teacher joined
+        self._attention_map: dict[int, int] = {}  # teacher decoder layer -> the student's
         self._teacher: TeacherClient | None = None
         self._upcoming: deque[dict] = deque()  # this step's micro-batches, not yet submitted
         self._inflight: deque[tuple[torch.Tensor, Future]] = deque()  # submitted: (input_ids, future)
         self._since_log: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (sum, count) of micro-batch means
-        if self.kd_weight == 0:
+        if not self.distils:
             return
         if self.label_smoother is not None or self.compute_loss_func is not None:
             raise ValueError("DistillationTrainer computes the loss itself: it cannot be combined with "
                              "label_smoothing_factor or compute_loss_func. Drop them, or set kd_weight=0")
+        checkpointing = self.args.gradient_checkpointing_kwargs or {}
+        if attention_layers and self.args.gradient_checkpointing and checkpointing.get("use_reentrant", False):
+            # Reentrant checkpointing runs the first forward without autograd: the queries, keys
+            # and values captured there carry no gradient, and the attention term would teach nothing.
+            raise ValueError("attention_layers needs non-reentrant gradient checkpointing: set "
+                             "gradient_checkpointing_kwargs={'use_reentrant': False} in the TrainingArguments")
         # Read now, before the Trainer wraps the model: a sharded FSDP weight no longer has its shape.
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         if head is None:
@@ -118,8 +153,13 @@ class DistillationTrainer(Trainer):
 
     # ---- the loss ------------------------------------------------------------------------
 
+    @property
+    def distils(self) -> bool:
+        """Whether the teacher is used at all (else this is the plain Trainer)."""
+        return self.kd_weight > 0 or self.attention_weight > 0
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.kd_weight == 0:
+        if not self.distils:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         labels = inputs.get("labels")
@@ -142,14 +182,26 @@ class DistillationTrainer(Trainer):
             del model_inputs["labels"]  # no CE to compute: spares the model's float32 copy of the logits
         elif scaled:
             model_inputs["num_items_in_batch"] = num_items_in_batch
-        outputs = model(**model_inputs)
+        capture = self._student_capture()
+        with capture if capture is not None else contextlib.nullcontext():
+            outputs = model(**model_inputs)
         logits = outputs.logits
         mask = labels[:, 1:] != -100
         n_tokens = mask.sum()
         token_share = n_tokens / num_items_in_batch if scaled else 1.0
 
-        kd = self._kd(logits[:, :-1], self._wait(future), mask)  # mean over this micro-batch's targets
-        loss = self.kd_weight * kd * token_share
+        teacher_out = self._wait(future)
+        loss = logits.new_zeros((), dtype=torch.float32)
+        if self.kd_weight > 0:
+            kd = self._kd(logits[:, :-1], teacher_out, mask)  # mean over this micro-batch's targets
+            loss = loss + self.kd_weight * kd * token_share
+            if model.training:
+                self._record("kd_loss", kd)
+        if self.attention_weight > 0:
+            attention = self._attention(capture.take(), teacher_out, inputs.get("attention_mask"), logits.device)
+            loss = loss + self.attention_weight * attention * token_share
+            if model.training:
+                self._record("attention_loss", attention)
         if self.kd_weight < 1:
             ce = outputs.loss
             if ce is None:  # a model that takes labels but returns no loss
@@ -158,8 +210,6 @@ class DistillationTrainer(Trainer):
             loss = loss + (1 - self.kd_weight) * ce
             if model.training:
                 self._record("ce_loss", ce * (num_items_in_batch / n_tokens.clamp(min=1)) if scaled else ce)
-        if model.training:
-            self._record("kd_loss", kd)
         if scaled and self.args.average_tokens_across_devices:
             # As Trainer.compute_loss: the count covers every rank's tokens, while DDP and FSDP
             # average the ranks' gradients.
@@ -171,16 +221,45 @@ class DistillationTrainer(Trainer):
         options = dict(kind=self.kd_loss_kind, temperature=self.temperature, jsd_beta=self.jsd_beta,
                        chunk_tokens=self.kd_chunk_tokens)
         device = student.device  # the client's device, unless the model is split over several
+        if self.head_on_student:
+            head = self._teacher.joined.head
+            return losses.kd_loss_from_hidden(student, out.final_hidden[:, :-1].to(device), head, mask,
+                                              topk=self.topk, **options)
         if self.topk:
             return losses.topk_kd_loss(student, out.topk_values[:, :-1].to(device),
                                        out.topk_indices[:, :-1].to(device), mask, **options)
         return losses.kd_loss(student, out.logits[:, :-1].to(device), mask, **options)
 
+    def _attention(self, student: dict, out: TeacherOutput, attention_mask, device) -> torch.Tensor:
+        """Mean over the layers asked of the MiniLMv2 relation loss, over the real tokens."""
+        mask = attention_mask.to(device) if attention_mask is not None else None
+        per_layer = [losses.attention_relation_loss(student[self._attention_map[t]],
+                                                    tuple(x.to(device) for x in out.attention_inputs[t]), mask,
+                                                    relation_heads=self.attention_relation_heads,
+                                                    block_rows=self.attention_block_rows)
+                     for t in self.attention_layers]
+        return torch.stack(per_layer).mean()
+
+    def _student_capture(self) -> AttentionCapture | None:
+        """The capture of the student's attention inputs at the layers matched to the teacher's
+        (their depth needs the teacher's layer count: known once it joined)."""
+        if not self.attention_layers:
+            return None
+        if self._capture is None:
+            from student_trainer.train import attention_layer_for
+
+            teacher_layers = self._teacher_client().info.num_layers
+            student_layers = self.model.config.num_hidden_layers
+            self._attention_map = {t: attention_layer_for(t, teacher_layers, student_layers)
+                                   for t in self.attention_layers}
+            self._capture = AttentionCapture(self.model, set(self._attention_map.values()))
+        return self._capture
+
     # ---- the teacher ---------------------------------------------------------------------
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        if self.kd_weight > 0:
+        if self.distils:
             # The Trainer trains these next, in this order, one training_step each; the previous
             # step's micro-batches have all been consumed by now.
             self._inflight.clear()
@@ -233,16 +312,27 @@ class DistillationTrainer(Trainer):
             tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
             job_id = self.args.run_name or os.path.basename(os.path.normpath(self.args.output_dir))
             self._teacher = TeacherClient(
-                self.teacher_address, self.args.device, outputs=(TopK(self.topk) if self.topk else Logits(),),
+                self.teacher_address, self.args.device, outputs=self._teacher_outputs(),
                 tokenizer=tokenizer if hasattr(tokenizer, "get_vocab") else None,
                 vocab_size=self._student_vocab_size, max_inflight=PREFETCH_MICRO_BATCHES + 1, job_id=job_id,
                 job_rank=self.args.process_index, auth_token=self.teacher_auth_token,
                 join_timeout_s=self.teacher_timeout_s, transfer_timeout_s=self.teacher_timeout_s,
                 **self.teacher_client_options)
-            log.info("rank %d distils from %s (%s): kd_weight %g, %s, temperature %g%s", self.args.process_index,
+            log.info("rank %d distils from %s (%s): kd_weight %g, %s, temperature %g%s%s%s", self.args.process_index,
                      self.teacher_address, self._teacher.info.model_name, self.kd_weight, self.kd_loss_kind,
-                     self.temperature, f", top-{self.topk}" if self.topk else "")
+                     self.temperature, f", top-{self.topk}" if self.topk else "",
+                     ", the teacher's head on the student" if self.head_on_student else "",
+                     f", attention layers {list(self.attention_layers)} weight {self.attention_weight:g}"
+                     if self.attention_layers else "")
         return self._teacher
+
+    def _teacher_outputs(self) -> tuple:
+        kinds = []
+        if self.kd_weight > 0:
+            kinds.append(FinalHidden() if self.head_on_student else TopK(self.topk) if self.topk else Logits())
+        if self.attention_layers:
+            kinds.append(AttentionInputs(self.attention_layers))
+        return tuple(kinds)
 
     def close_teacher(self) -> None:
         """Leaves the teacher session, if one is open (the next loss computation joins again)."""

@@ -1,4 +1,5 @@
-"""Distillation losses: the student's logits against the teacher's (full or top-k), and hidden states.
+"""Distillation losses: the student's logits against the teacher's (full, top-k, or computed on the
+student from the teacher's final hidden state and output head), hidden states, and attention relations.
 
 Conventions shared by every loss here:
 
@@ -55,6 +56,27 @@ cross-entropy on the labels (usually mixed in) does that. The alternative, an ex
 bucket, needs the teacher's tail mass, which these inputs do not carry (it would need the
 teacher's full-vocabulary logsumexp); approximating it as 0 makes KL(p || q) reward the student
 for any mass it puts on the support regardless of the teacher's actual confidence.
+
+The teacher's head on the student (``kd_loss_from_hidden``). The teacher sends its final hidden
+state [B, S, H] and, once at join, its output head (distill_common/outputs.py: ``OutputHead``);
+each chunk of ``chunk_tokens`` rows computes that chunk's teacher logits from the head, in the
+head's dtype as the teacher does, then upcast, scaled and soft-capped, and meets the student's
+chunk in the same closed-form divergence: no [B, S, V] teacher tensor exists, on either side. With
+``topk`` > 0 each chunk keeps the teacher's k largest logits and compares on that support, as
+``topk_kd_loss`` does with the k the teacher sends. One more [chunk_tokens, V] temporary than the
+full-logit path (the product in the head's dtype, before its upcast).
+
+Attention relations (``attention_relation_loss``), after MiniLMv2 (Wang et al., 2021). For each
+of a layer's queries, keys and values, the vectors of all heads side by side ([B, S, width]) are
+split again into ``relation_heads`` heads of width / relation_heads; per head, the relation of
+token i to token j is softmax_j(a_i . a_j / sqrt(d)) over the tokens j <= i that are not padding
+(causal), and the loss is KL(teacher relation || student relation) averaged over relation heads
+and real tokens, summed over the three (q-q, k-k, v-v). Teacher and student may have different
+head counts and widths: only ``relation_heads`` must divide both widths. The [S, S] relation of a
+head is never built at once: ``_BlockedRelationKL`` walks over ``block_rows`` query rows at a time
+(columns up to the block's last row) and computes the gradient in closed form per block, so
+memory is O(B * relation_heads * block_rows * S) whatever S, plus the float32 copies of the
+[B, S, width] inputs and their gradient.
 
 Hidden states (``hidden_state_loss``). Per-token MSE (mean over features) or 1 - cosine
 similarity, averaged over masked tokens, in float32. A ``HiddenProjection`` maps the student's
@@ -117,12 +139,61 @@ def kd_loss(
     token_index = _selected_tokens(mask, batch, seq)
 
     student_rows = student_logits.reshape(batch * seq, vocab)
-    teacher_rows = teacher_logits.detach().reshape(batch * seq, vocab)
+    teacher_rows = _LogitRows(teacher_logits.detach().reshape(batch * seq, vocab))
     if token_index is not None and token_index.numel() == 0:
         return _connected_zero(student_logits)
     return _ChunkedDivergence.apply(
         student_rows, teacher_rows, token_index, kind, float(temperature), float(jsd_beta), int(chunk_tokens),
-        torch.is_grad_enabled() and student_logits.requires_grad,
+        torch.is_grad_enabled() and student_logits.requires_grad, 0,
+    )
+
+
+def kd_loss_from_hidden(
+    student_logits: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    head,
+    mask: torch.Tensor | None = None,
+    *,
+    kind: str = "forward_kl",
+    temperature: float = 1.0,
+    jsd_beta: float = 0.5,
+    chunk_tokens: int = 4096,
+    topk: int = 0,
+) -> torch.Tensor:
+    """``kd_loss`` (``topk`` = 0) or ``topk_kd_loss`` against the logits the teacher's output head
+    gives its final hidden state, computed chunk by chunk (module docstring).
+
+    student_logits [B, S, V]; teacher_hidden [B, S, H] (``TeacherOutput.final_hidden``); head an
+    ``OutputHead`` (``TeacherClient.joined.head``: weight [V, H], bias, soft cap, scale) on the
+    student's device.
+    """
+    check_options(kind, temperature, jsd_beta, chunk_tokens)
+    _check_logits("student_logits", student_logits)
+    if teacher_hidden.dim() != 3 or not teacher_hidden.is_floating_point():
+        raise ValueError(f"teacher_hidden must be a float tensor [batch, seq, hidden], got {teacher_hidden.dtype} "
+                         f"{tuple(teacher_hidden.shape)}")
+    batch, seq, vocab = student_logits.shape
+    if head.weight.dim() != 2 or head.weight.shape[1] != teacher_hidden.shape[-1]:
+        raise ValueError(f"the head's weight {tuple(head.weight.shape)} does not take hidden states of width "
+                         f"{teacher_hidden.shape[-1]}: it must be [vocab, hidden] of the teacher that sent them")
+    if head.weight.shape[0] != vocab:
+        raise ValueError(f"student vocab {vocab} != teacher vocab {head.weight.shape[0]}: logit distillation needs the "
+                         "same tokenizer on both sides")
+    if teacher_hidden.shape[:2] != (batch, seq):
+        raise ValueError(f"teacher_hidden {tuple(teacher_hidden.shape)} and student_logits "
+                         f"{tuple(student_logits.shape)} differ in [batch, seq]: the teacher's outputs must be for "
+                         "the same batch the student ran on")
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 0 <= topk <= vocab:
+        raise ValueError(f"topk must be an int in [0, {vocab}] (0: the full distribution), got {topk!r}")
+    _check_same_device(student_logits, teacher_hidden=teacher_hidden, head_weight=head.weight, mask=mask)
+    token_index = _selected_tokens(mask, batch, seq)
+    if token_index is not None and token_index.numel() == 0:
+        return _connected_zero(student_logits)
+    student_rows = student_logits.reshape(batch * seq, vocab)
+    teacher_rows = _HeadRows(teacher_hidden.detach().reshape(batch * seq, teacher_hidden.shape[-1]), head)
+    return _ChunkedDivergence.apply(
+        student_rows, teacher_rows, token_index, kind, float(temperature), float(jsd_beta), int(chunk_tokens),
+        torch.is_grad_enabled() and student_logits.requires_grad, int(topk),
     )
 
 
@@ -178,21 +249,45 @@ def topk_kd_loss(
     _check_topk_indices(indices, vocab)
     student_support = student_logits.reshape(batch * seq, vocab)[token_index.unsqueeze(1), indices]
     return _ChunkedDivergence.apply(
-        student_support, values, None, kind, float(temperature), float(jsd_beta), int(chunk_tokens),
-        torch.is_grad_enabled() and student_logits.requires_grad,
+        student_support, _LogitRows(values), None, kind, float(temperature), float(jsd_beta), int(chunk_tokens),
+        torch.is_grad_enabled() and student_logits.requires_grad, 0,
     )
+
+
+class _LogitRows:
+    """The teacher's logits as rows [rows, V] that a chunk selects."""
+
+    def __init__(self, rows_2d: torch.Tensor):
+        self.rows_2d = rows_2d
+        self.dtype = rows_2d.dtype
+
+    def chunk(self, rows: slice | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return _take_rows(self.rows_2d, rows).to(dtype)
+
+
+class _HeadRows:
+    """The teacher's logits computed per chunk from its final hidden states [rows, H] and its head."""
+
+    def __init__(self, hidden_2d: torch.Tensor, head):
+        self.hidden_2d, self.head = hidden_2d, head
+        self.dtype = head.weight.dtype
+
+    def chunk(self, rows: slice | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.head.logits(_take_rows(self.hidden_2d, rows), dtype)
 
 
 class _ChunkedDivergence(torch.autograd.Function):
     """mean over selected rows of divergence(softmax(teacher/T), softmax(student/T)) * T².
 
-    Inputs are 2-D: student_rows and teacher_rows [rows, V]; token_index (long [N]) selects
-    the rows that count, or None for all of them. The gradient w.r.t. student_rows is computed
-    chunk by chunk in forward; see the module docstring.
+    student_rows [rows, V]; teacher_rows a `_LogitRows` or `_HeadRows` giving the teacher's
+    logits of any chunk of rows; token_index (long [N]) selects the rows that count, or None for
+    all of them; topk > 0 compares each row on the teacher's k largest logits only. The gradient
+    w.r.t. student_rows is computed chunk by chunk in forward; see the module docstring.
     """
 
     @staticmethod
-    def forward(ctx, student_rows, teacher_rows, token_index, kind, temperature, jsd_beta, chunk_tokens, need_grad):
+    def forward(ctx, student_rows, teacher_rows, token_index, kind, temperature, jsd_beta, chunk_tokens, need_grad,
+                topk):
         n_tokens = student_rows.shape[0] if token_index is None else token_index.numel()
         compute_dtype = torch.promote_types(torch.promote_types(student_rows.dtype, teacher_rows.dtype), torch.float32)
         # Rows the mask drops get a zero gradient, hence zeros rather than empty.
@@ -203,9 +298,13 @@ class _ChunkedDivergence(torch.autograd.Function):
         for start in range(0, n_tokens, chunk_tokens):
             end = min(start + chunk_tokens, n_tokens)
             rows = slice(start, end) if token_index is None else token_index[start:end]
-            chunk_loss, chunk_grad = _divergence_and_grad(
-                student_rows, teacher_rows, rows, kind, temperature, jsd_beta, need_grad, compute_dtype
-            )
+            if topk:
+                chunk_loss, chunk_grad = _topk_chunk(student_rows, teacher_rows, rows, topk, kind, temperature,
+                                                     jsd_beta, need_grad, compute_dtype)
+            else:
+                chunk_loss, chunk_grad = _divergence_and_grad(
+                    lambda: _take_rows(student_rows, rows).to(compute_dtype),
+                    lambda: teacher_rows.chunk(rows, compute_dtype), kind, temperature, jsd_beta, need_grad)
             loss_sum += chunk_loss
             if need_grad:
                 grad_buffer[rows] = chunk_grad.mul_(grad_scale).to(grad_buffer.dtype)
@@ -224,21 +323,33 @@ class _ChunkedDivergence(torch.autograd.Function):
             grad_student = grad_buffer
         else:
             grad_student = grad_buffer * grad_output  # a 0-dim grad_output keeps the buffer's dtype
-        return grad_student, None, None, None, None, None, None, None
+        return grad_student, None, None, None, None, None, None, None, None
+
+
+def _topk_chunk(student_rows, teacher_rows, rows, topk: int, kind: str, temperature: float, jsd_beta: float,
+                need_grad: bool, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk compared on the teacher's top-k support: its loss, and its gradient w.r.t. the
+    chunk's student rows / T as a [rows, V] tensor (zero off the support)."""
+    values, indices = teacher_rows.chunk(rows, compute_dtype).topk(topk, dim=-1)
+    chunk = student_rows[rows] if isinstance(rows, slice) else student_rows.index_select(0, rows)
+    support = chunk.gather(1, indices).to(compute_dtype)
+    loss, grad = _divergence_and_grad(lambda: support, lambda: values, kind, temperature, jsd_beta, need_grad)
+    if not need_grad:
+        return loss, None
+    return loss, torch.zeros(chunk.shape, dtype=compute_dtype, device=chunk.device).scatter_(1, indices, grad)
 
 
 def _divergence_and_grad(
-    student_rows: torch.Tensor,
-    teacher_rows: torch.Tensor,
-    rows: slice | torch.Tensor,
+    student_chunk,
+    teacher_chunk,
     kind: str,
     temperature: float,
     jsd_beta: float,
     need_grad: bool,
-    compute_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """For the chunk ``rows`` (a slice, or a tensor of row indices): (sum over its rows of the
-    divergence, the gradient of that sum w.r.t. student_rows[rows] / T), in ``compute_dtype``.
+    """For one chunk of rows, given as callables that return its student and teacher logits
+    [rows, V] (fresh tensors in the compute dtype): (sum over its rows of the divergence, the
+    gradient of that sum w.r.t. the student logits / T).
 
     With s = student / T, q = softmax(s), p = softmax(teacher / T), per row:
       forward_kl  KL(p||q)              d/ds = q - p
@@ -248,12 +359,12 @@ def _divergence_and_grad(
     (JSD: the two terms' derivatives through m cancel, leaving dL/dq_i = (1-b) log(q_i/m_i);
     the softmax Jacobian then gives q * (g - <q, g>)).
 
-    The chunk's rows are selected, upcast and scaled inside one expression so that those
-    copies die at once, and later steps work in place on tensors this function owns: at most
-    five float32 [rows, V] tensors are alive at a time (JSD; three for forward KL, four for reverse KL).
+    The chunk's rows are made, upcast and scaled inside one expression so that those copies die
+    at once, and later steps work in place on tensors this function owns: at most five float32
+    [rows, V] tensors are alive at a time (JSD; three for forward KL, four for reverse KL).
     """
-    log_q = torch.log_softmax(_take_rows(student_rows, rows).to(compute_dtype) / temperature, dim=-1)
-    log_p = torch.log_softmax(_take_rows(teacher_rows, rows).to(compute_dtype) / temperature, dim=-1)
+    log_q = torch.log_softmax(student_chunk() / temperature, dim=-1)
+    log_p = torch.log_softmax(teacher_chunk() / temperature, dim=-1)
     if kind == "forward_kl":
         p = log_p.exp()
         loss = _xlog_ratio_(p, log_p.sub_(log_q)).sum()
@@ -290,6 +401,147 @@ def _xlog_ratio_(prob: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
     """prob * log_ratio, in place in log_ratio, and 0 where prob == 0: 0 * log 0 = 0, whereas
     a log ratio of -inf - (-inf) would make it NaN."""
     return log_ratio.mul_(prob).masked_fill_(prob == 0, 0.0)
+
+
+# --------------------------------------------------------------------------- attention relations
+
+
+def attention_relation_loss(
+    student: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    teacher: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    mask: torch.Tensor | None = None,
+    *,
+    relation_heads: int,
+    block_rows: int = 256,
+) -> torch.Tensor:
+    """MiniLMv2's attention-relation loss of one layer: the sum over queries, keys and values of
+    ``relation_kl`` (module docstring).
+
+    student, teacher: (q, k, v), each [B, S, width] (``TeacherOutput.attention_inputs[layer]``,
+    distill_common.attention_inputs.AttentionCapture on the student); mask [B, S] (1: a real
+    token) or None.
+    """
+    if len(student) != 3 or len(teacher) != 3:
+        raise ValueError("attention inputs are (queries, keys, values) on both sides")
+    return sum(relation_kl(s, t, mask, relation_heads=relation_heads, block_rows=block_rows, what=what)
+               for s, t, what in zip(student, teacher, ("queries", "keys", "values")))
+
+
+def relation_kl(
+    student_states: torch.Tensor,
+    teacher_states: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    relation_heads: int,
+    block_rows: int = 256,
+    what: str = "states",
+) -> torch.Tensor:
+    """KL(teacher relation || student relation) of one kind of vectors [B, S, width], averaged
+    over relation heads and real tokens (module docstring), float32 (float64 for float64 inputs).
+
+    The relation of token i is a softmax over the tokens j <= i whose mask is 1. Rows of padding
+    do not count. Computed ``block_rows`` query rows at a time, with the gradient w.r.t.
+    ``student_states`` in closed form.
+    """
+    check_relation_options(relation_heads, block_rows)
+    for name, tensor in (("student", student_states), ("teacher", teacher_states)):
+        if tensor.dim() != 3 or not tensor.is_floating_point():
+            raise ValueError(f"the {name}'s {what} must be a float tensor [batch, seq, width], got {tensor.dtype} "
+                             f"{tuple(tensor.shape)}")
+        if tensor.shape[-1] % relation_heads:
+            raise ValueError(f"the {name}'s {what} are {tensor.shape[-1]} wide, which {relation_heads} relation heads "
+                             "do not divide: choose --attention-relation-heads dividing the query, key and value "
+                             "widths of both models")
+    batch, seq, _ = student_states.shape
+    if teacher_states.shape[:2] != (batch, seq):
+        raise ValueError(f"the teacher's {what} {tuple(teacher_states.shape)} and the student's "
+                         f"{tuple(student_states.shape)} differ in [batch, seq]: the teacher's outputs must be for the "
+                         "same batch the student ran on")
+    _check_same_device(student_states, teacher_states=teacher_states, mask=mask)
+    valid = None
+    if mask is not None:
+        if tuple(mask.shape) != (batch, seq):
+            raise ValueError(f"mask {tuple(mask.shape)} must be [batch, seq] = {(batch, seq)}")
+        if mask.is_floating_point() or mask.is_complex():
+            raise ValueError(f"mask must be bool or integer (1 = a real token), got {mask.dtype}")
+        valid = mask.bool()
+        if not bool(valid.any()):
+            return _connected_zero(student_states)
+    return _BlockedRelationKL.apply(student_states, teacher_states.detach(), valid, int(relation_heads),
+                                    int(block_rows), torch.is_grad_enabled() and student_states.requires_grad)
+
+
+def check_relation_options(relation_heads: int, block_rows: int) -> None:
+    """The attention loss's settings, checked once for the trainer's flags and DistillationTrainer's arguments."""
+    if isinstance(relation_heads, bool) or not isinstance(relation_heads, int) or relation_heads < 1:
+        raise ConfigError(f"--attention-relation-heads must be an int >= 1, got {relation_heads!r}")
+    if isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1:
+        raise ConfigError(f"--attention-block-rows must be an int >= 1, got {block_rows!r}")
+
+
+class _BlockedRelationKL(torch.autograd.Function):
+    """relation_kl's value, and its gradient computed in forward, block of query rows by block.
+
+    Per relation head, with a the student's vectors (width d), s_ij = a_i . a_j / sqrt(d),
+    q_i = softmax(s_i) and p_i the teacher's: d KL(p_i || q_i) / d s_ij = q_ij - p_ij, and s_ij
+    reaches both a_i and a_j, so a block of rows I adds G[I] a / sqrt(d) to its own rows' gradient
+    and G[I]^T a[I] / sqrt(d) to its columns'.
+    """
+
+    @staticmethod
+    def forward(ctx, student, teacher, valid, heads, block_rows, need_grad):
+        batch, seq, _ = student.shape
+        compute_dtype = torch.promote_types(torch.promote_types(student.dtype, teacher.dtype), torch.float32)
+        device = student.device
+        a = _relation_heads(student.detach(), heads, compute_dtype)  # [B, R, S, ds]
+        t = _relation_heads(teacher, heads, compute_dtype)  # [B, R, S, dt]
+        scale_s, scale_t = a.shape[-1] ** -0.5, t.shape[-1] ** -0.5
+        if valid is None:
+            valid = torch.ones(batch, seq, dtype=torch.bool, device=device)
+        rows_counted = valid.sum()
+        weight = 1.0 / (heads * rows_counted.to(compute_dtype))  # each counted row and head: 1 / (R N)
+        grad_a = torch.zeros_like(a) if need_grad else None
+        loss = torch.zeros((), dtype=compute_dtype, device=device)
+        positions = torch.arange(seq, device=device)
+        for start in range(0, seq, block_rows):
+            end = min(start + block_rows, seq)  # the block's rows see the columns before `end` (causal)
+            rows = positions[start:end]
+            # Causal and not padding; a row always sees itself, so padding rows (weighted 0) stay finite.
+            allowed = ((positions[None, :end] <= rows[:, None])[None] & valid[:, None, :end]) \
+                | (positions[None, :end] == rows[:, None])[None]  # [B, block, end]
+            allowed = allowed[:, None]  # [B, 1, block, end]
+            log_p = torch.log_softmax((t[:, :, start:end] @ t[:, :, :end].transpose(-1, -2))
+                                      .mul_(scale_t).masked_fill_(~allowed, -math.inf), dim=-1)
+            log_q = torch.log_softmax((a[:, :, start:end] @ a[:, :, :end].transpose(-1, -2))
+                                      .mul_(scale_s).masked_fill_(~allowed, -math.inf), dim=-1)
+            p = log_p.exp()
+            row_kl = _xlog_ratio_(p, log_p.sub_(log_q)).sum(dim=-1)  # [B, R, block]
+            del log_p
+            counted = valid[:, None, start:end]
+            loss += (row_kl * counted).sum()
+            if need_grad:
+                # (q - p) on counted rows, / (R N), through s = a a^T / sqrt(d).
+                grad_s = log_q.exp_().sub_(p).mul_(counted[..., None] * (weight * scale_s))
+                grad_a[:, :, start:end] += grad_s @ a[:, :, :end]
+                grad_a[:, :, :end] += grad_s.transpose(-1, -2) @ a[:, :, start:end]
+                del grad_s
+            del log_q, p
+        grad_student = None
+        if need_grad:
+            grad_student = grad_a.transpose(1, 2).reshape(student.shape).to(student.dtype)
+        ctx.save_for_backward(grad_student)
+        return loss * weight
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad_student,) = ctx.saved_tensors
+        return grad_student * grad_output, None, None, None, None, None
+
+
+def _relation_heads(states: torch.Tensor, heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, S, width] -> [B, heads, S, width / heads] in `dtype`."""
+    batch, seq, width = states.shape
+    return states.to(dtype).reshape(batch, seq, heads, width // heads).transpose(1, 2).contiguous()
 
 
 # --------------------------------------------------------------------------- hidden states

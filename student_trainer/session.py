@@ -38,7 +38,7 @@ import torch
 
 from distill_common import tracing, wire
 from distill_common.announcements import ANNOUNCED, SETTLED, Board
-from distill_common.outputs import OutputRequest, TeacherOutput
+from distill_common.outputs import JoinData, OutputRequest, TeacherOutput
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.session_group import HEADER_LAYOUT, HeaderMismatch, SessionGroup, TransferError
 from student_trainer.errors import (BatchFailed, OutOfStep, TeacherError, TeacherUnavailable, TransferFailed,
@@ -95,6 +95,7 @@ class Session:
         self.session_id = joined.session_id
         self.group = group
         self.outputs = outputs  # what each batch's receives hold, in wire order
+        self.joined_data = JoinData()  # what the kinds sent once, right after the handshake
         self.address = address
         self.threads: list[threading.Thread] = []
         # The teacher answers only refused batches (else every batch) on the submit stream.

@@ -26,14 +26,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from distill_common.outputs import HiddenStates, Logits, Output, TeacherOutput, TopK
+from distill_common.attention_inputs import AttentionCapture
+from distill_common.outputs import AttentionInputs, FinalHidden, HiddenStates, Logits, Output, OutputHead, TeacherOutput, TopK
 from distill_common.settings import ConfigError, non_defaults
 from student_trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
 from student_trainer.client import TeacherClient
 from student_trainer.config import TrainConfig
 from student_trainer.data import BatchIterator, PackedDataset
 from student_trainer.errors import TeacherUnavailable
-from student_trainer.losses import HiddenProjection, hidden_state_loss, kd_loss, topk_kd_loss
+from student_trainer.losses import (HiddenProjection, attention_relation_loss, hidden_state_loss, kd_loss,
+                                    kd_loss_from_hidden, topk_kd_loss)
 
 log = logging.getLogger(__name__)
 
@@ -96,61 +98,115 @@ def student_layer_for(teacher_layer: int, teacher_layers: int, student_layers: i
     return math.floor(teacher_layer * student_layers / teacher_layers + 0.5)
 
 
+def attention_layer_for(teacher_layer: int, teacher_layers: int, student_layers: int) -> int:
+    """Teacher decoder layer (0-based) -> the student's at the same relative depth: layer i is
+    hidden state i + 1's, mapped as `student_layer_for` maps hidden states (the last to the last)."""
+    return max(0, student_layer_for(teacher_layer + 1, teacher_layers, student_layers) - 1)
+
+
 def teacher_outputs(cfg: TrainConfig) -> tuple[Output, ...]:
-    """What `distill_losses` reads of the teacher: its full or top-k logits for KD, the hidden
-    states of the layers asked."""
+    """What `distill_losses` reads of the teacher: its full or top-k logits, or its final hidden
+    state for its head on the student, for KD; the hidden states and attention inputs of the
+    layers asked."""
     kinds = []
     if cfg.uses_logits:
-        kinds.append(TopK(cfg.topk) if cfg.topk else Logits())
+        kinds.append(FinalHidden() if cfg.head_on_student else TopK(cfg.topk) if cfg.topk else Logits())
     if cfg.hidden_layers:
         kinds.append(HiddenStates(cfg.hidden_layers))
+    if cfg.attention_layers:
+        kinds.append(AttentionInputs(cfg.attention_layers))
     return tuple(kinds)
 
 
+class StudentMaps:
+    """Which student layer meets which teacher layer, and what the loss terms learn besides the student."""
+
+    def __init__(self, projections: torch.nn.ModuleDict | None = None, hidden: dict[int, int] | None = None,
+                 attention: dict[int, int] | None = None, head: OutputHead | None = None):
+        self.projections = projections  # teacher hidden layer (as str) -> HiddenProjection
+        self.hidden = hidden or {}  # teacher hidden-state index -> the student's
+        self.attention = attention or {}  # teacher decoder layer -> the student's
+        self.head = head  # the teacher's output head, for --head-on-student
+
+
+def build_maps(cfg: TrainConfig, model, teacher_layers: int, teacher_hidden: int, head: OutputHead | None,
+               device: torch.device) -> tuple[StudentMaps, AttentionCapture | None]:
+    """What the loss terms need besides the student: the hidden-state projections and layer map,
+    the attention layer map and the capture of the student's attention inputs, the teacher's head."""
+    maps, capture = StudentMaps(), None
+    student_layers = model.config.num_hidden_layers
+    if cfg.hidden_layers:
+        maps.projections = torch.nn.ModuleDict({
+            str(t): HiddenProjection(model.config.hidden_size, teacher_hidden, device=device) for t in cfg.hidden_layers})
+        maps.hidden = {t: student_layer_for(t, teacher_layers, student_layers) for t in cfg.hidden_layers}
+    if cfg.attention_layers:
+        maps.attention = {t: attention_layer_for(t, teacher_layers, student_layers) for t in cfg.attention_layers}
+        capture = AttentionCapture(model, set(maps.attention.values()))
+    if cfg.head_on_student:
+        maps.head = head
+    return maps, capture
+
+
 def distill_losses(cfg: TrainConfig, logits: torch.Tensor, student_hidden, batch: dict, out: TeacherOutput | None,
-                   projections: torch.nn.ModuleDict | None, layer_map: dict[int, int]) -> dict[str, torch.Tensor]:
-    """alpha * KD + (1 - alpha) * CE (+ hidden_weight * hidden), over the target tokens.
+                   maps: StudentMaps, student_attention: dict | None = None) -> dict[str, torch.Tensor]:
+    """kd_weight * KD + ce_weight * CE (+ hidden_weight * hidden + attention_weight * attention).
 
     Position t predicts token t + 1; a target counts where loss_mask and attention_mask
-    are 1 (completion / assistant tokens only, for those data shapes).
+    are 1 (completion / assistant tokens only, for those data shapes). The hidden-state and
+    attention terms count every real token.
     """
     device = logits.device
     targets = batch["input_ids"][:, 1:].to(device)
     mask = (batch["loss_mask"][:, 1:] * batch["attention_mask"][:, 1:]).to(device).bool()
     student = logits[:, :-1]
-    losses = {"ce": F.cross_entropy(student[mask].float(), targets[mask]) if mask.any()
-              else student.sum() * 0.0}
-    total = (1 - cfg.kd_weight) * losses["ce"]
+    losses = {}
+    total = logits.new_zeros((), dtype=torch.float32)
+    if cfg.ce_factor > 0:
+        losses["ce"] = (F.cross_entropy(student[mask].float(), targets[mask]) if mask.any()
+                        else student.sum() * 0.0)
+        total = total + cfg.ce_factor * losses["ce"]
     if cfg.uses_logits:
-        losses["kd"] = logit_kd(cfg, student, out, mask)
+        losses["kd"] = logit_kd(cfg, student, out, mask, maps.head)
         total = total + cfg.kd_weight * losses["kd"]
+    real = batch["attention_mask"].to(device).bool()
     if cfg.hidden_layers:
-        attention = batch["attention_mask"].to(device).bool()
-        per_layer = [hidden_state_loss(student_hidden[layer_map[t]], out.hidden_states[t], attention,
-                                       kind=cfg.hidden_loss, projection=projections[str(t)])
+        per_layer = [hidden_state_loss(student_hidden[maps.hidden[t]], out.hidden_states[t], real,
+                                       kind=cfg.hidden_loss, projection=maps.projections[str(t)])
                      for t in cfg.hidden_layers]
         losses["hidden"] = torch.stack(per_layer).mean()
         total = total + cfg.hidden_weight * losses["hidden"]
+    if cfg.attention_layers:
+        per_layer = [attention_relation_loss(student_attention[maps.attention[t]], out.attention_inputs[t], real,
+                                             relation_heads=cfg.attention_relation_heads,
+                                             block_rows=cfg.attention_block_rows)
+                     for t in cfg.attention_layers]
+        losses["attention"] = torch.stack(per_layer).mean()
+        total = total + cfg.attention_weight * losses["attention"]
     losses["loss"] = total
     return losses
 
 
-def logit_kd(cfg: TrainConfig, student: torch.Tensor, out: TeacherOutput, mask: torch.Tensor) -> torch.Tensor:
+def logit_kd(cfg: TrainConfig, student: torch.Tensor, out: TeacherOutput, mask: torch.Tensor,
+             head: OutputHead | None = None) -> torch.Tensor:
     """The KD loss of the student's logits [B, S - 1, V] against the teacher's for the same
-    positions, with the run's loss settings (full or top-k logits, divergence, temperature)."""
+    positions, with the run's loss settings (full or top-k logits, or the teacher's head applied
+    to its final hidden state; divergence, temperature)."""
     options = dict(kind=cfg.loss, temperature=cfg.temperature, jsd_beta=cfg.jsd_beta, chunk_tokens=cfg.kd_chunk_tokens)
+    if cfg.head_on_student:
+        return kd_loss_from_hidden(student, out.final_hidden[:, :-1], head, mask, topk=cfg.topk, **options)
     if cfg.topk:
         return topk_kd_loss(student, out.topk_values[:, :-1], out.topk_indices[:, :-1], mask, **options)
     return kd_loss(student, out.logits[:, :-1], mask, **options)
 
 
 def train_micro_batch(cfg: TrainConfig, model, batch: dict, out: TeacherOutput | None, autocast,
-                      device: torch.device, projections, layer_map: dict[int, int]) -> dict[str, float]:
+                      device: torch.device, maps: StudentMaps, capture: AttentionCapture | None) -> dict[str, float]:
     """Forward, losses and backward of one micro-batch (gradients scaled for accumulation)."""
-    with autocast:
+    with autocast, (capture if capture is not None else contextlib.nullcontext()):
         student_out = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
                             output_hidden_states=bool(cfg.hidden_layers))
-    losses = distill_losses(cfg, student_out.logits, student_out.hidden_states, batch, out, projections, layer_map)
+    losses = distill_losses(cfg, student_out.logits, student_out.hidden_states, batch, out, maps,
+                            capture.take() if capture is not None else None)
     (losses["loss"] / cfg.grad_accum).backward()
     return {key: value.item() for key, value in losses.items()}
 
@@ -176,7 +232,9 @@ def build_student(cfg: TrainConfig, device: torch.device, checkpoint: Path | Non
             from peft import LoraConfig, PeftModel, get_peft_model
         except ImportError as e:
             raise ConfigError("--lora-r needs peft: pip install 'teacher-service[lora]'") from e
-        base = load_causal_lm(cfg.model, device=device, dtype=torch.float32)
+        # The frozen base in bf16 under --bf16 (half the memory of its weights; autocast computes in
+        # bf16 anyway); PEFT keeps the adapter's own weights in float32.
+        base = load_causal_lm(cfg.model, device=device, dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
         if checkpoint is not None:
             return PeftModel.from_pretrained(base, checkpoint / "model", is_trainable=True)
         targets = cfg.lora_target_modules
@@ -230,7 +288,8 @@ def evaluate(model, dataset: PackedDataset, cfg: TrainConfig, device: torch.devi
         batch = {k: v[start:start + cfg.batch_size] for k, v in
                  (("input_ids", dataset.input_ids), ("attention_mask", dataset.attention_mask),
                   ("loss_mask", dataset.loss_mask))}
-        # Submitted first: the teacher computes while the student's forward runs.
+        # Submitted first: the teacher computes while the student's forward runs. (A session that
+        # asks for hidden states or attention inputs is sent those too; they go unused here.)
         future = teacher.submit(batch["input_ids"], batch["attention_mask"]) if cfg.uses_logits else None
         student = model(input_ids=batch["input_ids"].to(device),
                         attention_mask=batch["attention_mask"].to(device)).logits[:, :-1]
@@ -239,7 +298,8 @@ def evaluate(model, dataset: PackedDataset, cfg: TrainConfig, device: torch.devi
         tokens = int(mask.sum())
         ce_sum += F.cross_entropy(student[mask].float(), targets[mask], reduction="sum").item()
         if future is not None:
-            kd_sum += logit_kd(cfg, student, teacher_result(teacher, future, timeout_s), mask).item() * tokens
+            head = teacher.joined.head if cfg.head_on_student else None
+            kd_sum += logit_kd(cfg, student, teacher_result(teacher, future, timeout_s), mask, head).item() * tokens
         count += tokens
     model.train()
     scores = {"eval_ce": ce_sum / max(count, 1)}
@@ -276,7 +336,9 @@ def train(cfg: TrainConfig) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
     model = build_student(cfg, device, checkpoint)
     if cfg.grad_checkpointing:
-        model.gradient_checkpointing_enable()
+        # Non-reentrant: a reentrant checkpoint runs each layer without a graph, so the attention
+        # inputs captured in it would carry no gradient.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     model.train()
 
@@ -295,12 +357,9 @@ def train(cfg: TrainConfig) -> dict:
             reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, max_resubmits=cfg.teacher_max_resubmits,
             weight=cfg.teacher_weight,
             tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
-    projections, layer_map = None, {}
-    if cfg.hidden_layers:
-        student_layers, student_hidden = model.config.num_hidden_layers, model.config.hidden_size
-        layer_map = {t: student_layer_for(t, teacher.info.num_layers, student_layers) for t in cfg.hidden_layers}
-        projections = torch.nn.ModuleDict({str(t): HiddenProjection(student_hidden, teacher.info.hidden_size,
-                                                                    device=device) for t in cfg.hidden_layers})
+    maps, capture = (build_maps(cfg, model, teacher.info.num_layers, teacher.info.hidden_size, teacher.joined.head,
+                                device) if teacher is not None else (StudentMaps(), None))
+    projections = maps.projections
 
     params = [p for p in model.parameters() if p.requires_grad]
     params += list(projections.parameters()) if projections is not None else []
@@ -356,7 +415,7 @@ def train(cfg: TrainConfig) -> dict:
                 # DDP all-reduces gradients on the last micro-batch only.
                 sync = micro == cfg.grad_accum - 1 or world_size == 1
                 with (contextlib.nullcontext() if sync else trained.no_sync()):
-                    losses = train_micro_batch(cfg, trained, batch, out, autocast, device, projections, layer_map)
+                    losses = train_micro_batch(cfg, trained, batch, out, autocast, device, maps, capture)
                 for key, value in losses.items():
                     sums[key] = sums.get(key, 0.0) + value / cfg.grad_accum
                 del out

@@ -121,8 +121,9 @@ class ServerConfig:
         "largest top-k a session may ask for (0: the vocabulary size); top-k of the whole vocabulary costs "
         "more than the logits themselves"))
     max_output_bytes: ByteCount = field(default=0, metadata={"metavar": "BYTES", "help": (
-        "largest size of the outputs one session asks for its largest batch, e.g. 2GiB (0: what full logits, "
-        "top-k of --max-topk and every hidden state of --max-batch-tokens tokens take in float32)")})
+        "largest size of the outputs one session asks for its largest batch, plus what it is sent once at join "
+        "(the output head), e.g. 2GiB (0: what full logits, top-k of --max-topk and every hidden state of "
+        "--max-batch-tokens tokens take in float32)")})
 
     # The model's hard limit on sequence length (a distill_common.models.PositionLimit), set by
     # fit_model; None: it has none. Not annotated: not a setting.

@@ -3,7 +3,8 @@
 For each session, a thread forms its group on the session's own rendezvous store
 (blocking until the student's end comes, which reaches that store only over gRPC with
 the session's secret) and checks that the peer that formed it is the student that
-joined (`handshake`); then a sender thread waits, in order and with a deadline, for
+joined (`handshake`), and sends what the session's kinds send once at join (the
+output head); then a sender thread waits, in order and with a deadline, for
 each batch's sends to complete, so a slow or dead student holds up nobody but itself.
 The engine hands over each forward's outputs (`deliver`): they are derived per session
 and their sends posted at once, each batch's header first, and one announcer thread
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from distill_common import tracing
-from distill_common.outputs import BatchOutputs, TensorSpec
+from distill_common.outputs import BatchOutputs, JoinData, TensorSpec
 from distill_common.session_group import TEACHER_RANK, SessionGroup, TransferError, build_group, handshake
 from teacher_server.metrics import Metrics
 from teacher_server.sessions import Batch, Session
@@ -66,7 +67,7 @@ class _Launched:
 
 class Delivery:
     def __init__(self, metrics: Metrics, *, advertise_host: str, device: torch.device,
-                 join_timeout_s: float, transfer_timeout_s: float,
+                 join_timeout_s: float, transfer_timeout_s: float, join_data: JoinData,
                  formed: Callable[[Session], bool], sent: Callable[[Session, Batch, int], None],
                  failed: Callable[[Session, Batch], None], end: Callable[..., None]):
         self.metrics = metrics
@@ -74,6 +75,7 @@ class Delivery:
         self.device = device
         self.join_timeout_s = join_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
+        self.join_data = join_data  # what the model offers a session once, at join
         self._formed = formed  # (session) -> False when it ended meanwhile
         self._sent = sent  # (session, batch, bytes sent)
         self._failed = failed  # (session, batch): accepted, never sent
@@ -107,6 +109,7 @@ class Delivery:
                                 device=self.device, timeout_s=self.join_timeout_s, gloo_host=self.advertise_host)
             # And the peer that formed it proves it is that student (the teacher refuses it otherwise).
             handshake(group, session.secret.encode(), self.join_timeout_s)
+            self._send_join_data(session, group)
         except Exception as e:
             if group is not None:
                 group.abort()
@@ -124,6 +127,23 @@ class Delivery:
             return
         threading.Thread(target=self._send_loop, args=(session, link), name=f"send-to-{session.session_id}",
                          daemon=True).start()
+
+    def _send_join_data(self, session: Session, group: SessionGroup) -> None:
+        """Sends what the session's kinds send once (the output head), before any batch."""
+        tensors = session.outputs.join_derive(self.join_data)
+        if not tensors:
+            return
+        try:
+            tensors = group.to_send(tensors)
+            for work in group.send_all(tensors):
+                group.wait(work, self.join_timeout_s, what="sending the join-time outputs (the output head)")
+        except BaseException:
+            group.abort()
+            raise
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        session.bytes_sent += nbytes  # no batch is sent before the group is linked: no race with `sent`
+        self.metrics.bytes_sent.labels(session.session_id, session.job_id).inc(nbytes)
+        log.info("session %s: sent %.1f MiB of join-time outputs", session.session_id, nbytes / 2**20)
 
     def close(self, session: Session) -> None:
         """Stops the session's sender and aborts its group."""

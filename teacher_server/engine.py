@@ -99,7 +99,8 @@ class Engine:
         self.scheduler = Scheduler(max_batch_tokens=max_batch_tokens, max_sessions=max_sessions)
         self.delivery = Delivery(metrics, advertise_host=advertise_host, device=runner.device,
                                  join_timeout_s=join_timeout_s, transfer_timeout_s=transfer_timeout_s,
-                                 formed=self._formed, sent=self._sent, failed=self._failed, end=self._end)
+                                 join_data=runner.join_data, formed=self._formed, sent=self._sent,
+                                 failed=self._failed, end=self._end)
         self.lease_s = lease_s
         self.join_timeout_s = join_timeout_s  # a session still connecting after this long is ended
         self._sessions: dict[str, Session] = {}
@@ -430,7 +431,7 @@ class Engine:
         needs = ForwardNeeds.union(session.outputs.needs for session in wanted)
         start = time.monotonic()
         tracing.mark("t_inputs", plan[0].batch.batch_id)
-        out = self.runner.forward(input_ids, mask, hidden=needs.hidden_states)
+        out = self.runner.forward(input_ids, mask, needs)
         tracing.mark("t_launched", plan[0].batch.batch_id)
         launched = time.monotonic()
         produced: dict[int, BatchOutputs | Failed] = {}  # by the batch's row in the plan

@@ -71,6 +71,9 @@ def create_app(engine: Engine, metrics: Metrics, ready: Callable[[], bool], auth
             "vocab_size": info.vocab_size,
             "hidden_size": info.hidden_size,
             "num_layers": info.num_layers,
+            # What sessions that apply the head themselves, or ask for attention inputs, get; or why not.
+            "output_head": dataclasses.asdict(info.head),
+            "attention_inputs": dataclasses.asdict(info.attention),
             "ready": ready(),
             "queue_depth": engine.queue_depth(),
             "busy_fraction": metrics.busy_clock.fraction(),

@@ -1,7 +1,16 @@
 """Loads the teacher model and runs one forward over a packed batch.
 
 The runner knows nothing of sessions or the network: it takes token ids and a mask
-and returns the tensors the engine asked for.
+and returns the tensors the engine asked for (`ForwardNeeds`): logits, hidden states,
+the attention inputs of some layers (distill_common/attention_inputs.py), the output
+head's input. A forward that needs no logits runs the decoder alone, without the output
+head: no [B, S, V] tensor exists on the teacher for sessions that apply the head themselves.
+
+At start-up a probe forward of a few tokens finds what the model can give besides logits:
+whether its logits are its output head (weight, bias, soft cap, scale: what a student
+is sent to apply it) of the decoder's last hidden state, and the widths of its attention
+inputs. What it cannot give is refused at join with the reason (TeacherInfo.head,
+TeacherInfo.attention).
 
 Under tensor parallelism (teacher_server/parallel.py) the TP world stays inside the
 runner: on rank 0, `forward` first broadcasts the ids and mask to the other ranks, then
@@ -12,14 +21,17 @@ sees a runner like any other.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from distill_common.attention_inputs import AttentionCapture, AttentionCaptureError
 from distill_common.models import load_causal_lm
+from distill_common.outputs import AttentionFacts, ForwardNeeds, HeadFacts, JoinData, OutputHead
 from distill_common.session_group import nccl_version
 from distill_common.vocab import tokenizer_fingerprint
 from distill_common.wire import dtype_name, parse_output_dtype
@@ -71,12 +83,24 @@ class ModelInfo:
     tp_size: int = 1  # ranks the model is sharded over (tensor parallelism)
     torch_version: str = torch.__version__
     nccl_version: str = ""
+    head: HeadFacts = HeadFacts()  # what a student needs to apply the output head (probed at start-up)
+    attention: AttentionFacts = AttentionFacts()  # the attention inputs' widths (probed at start-up)
 
 
 @dataclass
 class ForwardOutputs:
-    logits: torch.Tensor  # [N, S, V]
+    logits: torch.Tensor | None  # [N, S, V]; None when not needed
     hidden_states: tuple[torch.Tensor, ...] | None  # num_layers + 1 of [N, S, H], or None
+    attention: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    final_hidden: torch.Tensor | None = None  # [N, S, H]: the output head's input
+
+
+# The probe's tolerance between the model's logits and its head applied outside it, relative
+# to the largest logit: float32 agrees to rounding; bf16/fp16 differ by a rounding of the
+# logits (2^-8 relative) and of the product's order.
+_PROBE_RTOL = {torch.float32: 1e-4, torch.float64: 1e-6}
+_PROBE_RTOL_HALF = 2e-2
+_PROBE_TOKENS = 8
 
 
 def output_width(model) -> int:
@@ -121,6 +145,13 @@ class ModelRunner:
         log.info("loaded %s (%s) on %s in %s: vocab %d, hidden %d, %d layers%s", model_name, self.info.architecture,
                  self.device, dtype_name(self.info.dtype), self.info.vocab_size, self.info.hidden_size,
                  self.info.num_layers, f", tensor parallel rank {world.rank} of {world.size}" if world else "")
+        self.graphs = None
+        self._captures: dict[frozenset[int], AttentionCapture] = {}
+        # Every rank takes part (the head's gather and the probe forward are collective under TP).
+        self.join_data = JoinData(head=self._output_head())
+        self.info.head, self.info.attention = self._probe()
+        if world is not None and not world.leader:
+            self.join_data = JoinData()  # only rank 0 sends
         if world is not None and world.leader:
             world.start_keepalive()
         self.graphs = ForwardGraphs(self.model, self.device, cuda_graphs) if cuda_graphs else None
@@ -153,12 +184,20 @@ class ModelRunner:
             log.warning("no tokenizer in %s (%s): students' vocabularies cannot be checked", model_name, e)
             return ""
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, hidden: bool) -> ForwardOutputs:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, needs: ForwardNeeds | None = None, *,
+                hidden: bool = False) -> ForwardOutputs:
+        """The forward of a pack, producing what `needs` asks; without `needs`, the logits and
+        (`hidden`) every hidden state."""
+        if needs is None:
+            needs = ForwardNeeds(logits=True, hidden_layers=frozenset(range(self.info.num_layers + 1)) if hidden
+                                 else frozenset())
         if self.world is None:
-            return self._forward(input_ids, attention_mask, hidden)
-        self.world.broadcast_forward(input_ids, attention_mask, hidden)  # the followers start the same forward
+            return self._forward(input_ids, attention_mask, needs)
+        # The followers start the same forward: with or without the hidden states and the
+        # output head (its gather is a collective), the rest is rank 0's alone.
+        self.world.broadcast_forward(input_ids, attention_mask, needs.hidden_states, logits=needs.logits)
         try:
-            return self._forward(input_ids, attention_mask, hidden)
+            return self._forward(input_ids, attention_mask, needs)
         except Exception as e:
             # One rank out of a forward leaves the others waiting in its collectives: the
             # world cannot be trusted again (an out-of-memory included).
@@ -168,8 +207,10 @@ class ModelRunner:
         """Ranks other than 0: run every forward rank 0 broadcasts, until it says stop."""
         assert self.world is not None and not self.world.leader
         for request in self.world.requests():
+            needs = ForwardNeeds(logits=request.logits,
+                                 hidden_layers=frozenset((0,)) if request.hidden else frozenset())
             try:
-                self._forward(request.input_ids, request.attention_mask, request.hidden)
+                self._forward(request.input_ids, request.attention_mask, needs)
             except Exception as e:
                 raise TensorParallelError(f"rank {self.world.rank}: forward of {tuple(request.input_ids.shape)} "
                                           f"failed: {e}") from e
@@ -187,19 +228,144 @@ class ModelRunner:
         self.world.close()
 
     @torch.inference_mode()
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, hidden: bool) -> ForwardOutputs:
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, needs: ForwardNeeds) -> ForwardOutputs:
         # Without padding, no mask: transformers then takes the causal-only path. Given a
         # mask on the device, it checks it for padding with a device-to-host sync, which
         # would stall this thread until the device finished everything queued before.
         mask = None if attention_mask.all() else attention_mask.to(self.device, non_blocking=True)
+        hidden = needs.hidden_states
         _ONE_SEQUENCE_PER_ROW.active = mask is None
         try:
-            if self.graphs is not None and mask is None and not hidden:
+            if self.graphs is not None and mask is None and needs == ForwardNeeds(logits=True):
                 logits = self.graphs.logits(input_ids)  # None: this one runs eagerly
                 if logits is not None:
                     return ForwardOutputs(logits=logits, hidden_states=None)
-            out = self.model(input_ids=input_ids.to(self.device, non_blocking=True), attention_mask=mask,
-                             output_hidden_states=hidden, use_cache=False, return_dict=True)
+            ids = input_ids.to(self.device, non_blocking=True)
+            capture = self._capture(needs.attention_layers)
+            head_input: list[torch.Tensor] = []
+            with capture if capture is not None else contextlib.nullcontext():
+                if needs.logits:
+                    with self._head_input(head_input) if needs.final_hidden else contextlib.nullcontext():
+                        out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=hidden,
+                                         use_cache=False, return_dict=True)
+                    logits, final_hidden = out.logits, (head_input[0] if head_input else None)
+                else:  # the decoder alone: no output head, no logits
+                    out = self.model.get_decoder()(input_ids=ids, attention_mask=mask, output_hidden_states=hidden,
+                                                   use_cache=False, return_dict=True)
+                    logits, final_hidden = None, out.last_hidden_state if needs.final_hidden else None
         finally:
             _ONE_SEQUENCE_PER_ROW.active = False
-        return ForwardOutputs(logits=out.logits, hidden_states=out.hidden_states if hidden else None)
+        return ForwardOutputs(logits=logits, hidden_states=out.hidden_states if hidden else None,
+                              attention=capture.take() if capture is not None else {}, final_hidden=final_hidden)
+
+    def _capture(self, layers: frozenset[int]) -> AttentionCapture | None:
+        if not layers:
+            return None
+        if layers not in self._captures:
+            self._captures[layers] = AttentionCapture(self.model, layers)
+        return self._captures[layers]
+
+    @contextlib.contextmanager
+    def _head_input(self, into: list):
+        """Records the output head's input while the model runs (its final hidden state)."""
+        def record(module, args):
+            (hidden,) = args[:1]
+            into.append(hidden.full_tensor() if hasattr(hidden, "full_tensor") else hidden)
+
+        handle = self.model.get_output_embeddings().register_forward_pre_hook(record)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    # ---- what the model offers besides logits: found at start-up --------------------------
+
+    def _output_head(self) -> OutputHead | None:
+        """The output head, whole (gathered from the ranks' shards under tensor parallelism: a
+        collective), with the soft cap and scale its config declares; None when there is none."""
+        head = self.model.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        if weight is None:
+            return None
+        bias = getattr(head, "bias", None)
+        if self.world is not None:
+            weight, bias = parallel.gather_rows(weight, self.info.vocab_size), (
+                None if bias is None else parallel.gather_rows(bias, self.info.vocab_size))
+            # Kept on the host: it is sent only at join, and the device holds the model.
+            weight, bias = weight.cpu(), (None if bias is None else bias.cpu())
+        config = self.model.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        scale = float(getattr(text, "logit_scale", None) or 1.0)  # Cohere multiplies the logits
+        if getattr(text, "logits_scaling", None):  # Granite divides them
+            scale /= float(text.logits_scaling)
+        return OutputHead(weight.detach(), None if bias is None else bias.detach(),
+                          final_logit_softcapping=float(getattr(text, "final_logit_softcapping", None) or 0.0),
+                          logit_scale=scale)
+
+    def _probe(self) -> tuple[HeadFacts, AttentionFacts]:
+        """One forward of a few tokens: whether the logits are `_output_head()` of the decoder's
+        last hidden state, and the attention inputs' widths. Every rank runs it (the forward is
+        collective under tensor parallelism); rank 0's answer is the one served."""
+        ids = (torch.arange(_PROBE_TOKENS) % self.info.vocab_size).unsqueeze(0)
+        mask = torch.ones_like(ids)
+        layers = frozenset(range(self.info.num_layers))
+        attention = AttentionFacts(unavailable="")
+        if self.world is not None:
+            layers = frozenset()
+            attention = AttentionFacts(unavailable=(
+                f"the teacher runs tensor parallel over {self.world.size} ranks, and attention inputs are captured "
+                "on one process (each rank holds only its heads): serve it on one GPU, or distil without "
+                "--attention-layers"))
+        try:
+            self._capture(layers)
+        except AttentionCaptureError as e:
+            layers, attention = frozenset(), AttentionFacts(unavailable=str(e))
+        try:
+            full = self._forward(ids, mask, ForwardNeeds(logits=True, final_hidden=True, attention_layers=layers))
+            decoder = self._forward(ids, mask, ForwardNeeds(final_hidden=True))
+        except AttentionCaptureError as e:
+            layers, attention = frozenset(), AttentionFacts(unavailable=str(e))
+            self._captures.clear()
+            full = self._forward(ids, mask, ForwardNeeds(logits=True, final_hidden=True))
+            decoder = self._forward(ids, mask, ForwardNeeds(final_hidden=True))
+        if layers:
+            widths = {tuple(t.shape[-1] for t in qkv) for qkv in full.attention.values()}
+            if len(widths) == 1:
+                (query, key, value), = widths
+                attention = AttentionFacts(query, key, value, unavailable="")
+            else:
+                attention = AttentionFacts(unavailable=f"its layers' attention inputs differ in width ({sorted(widths)}); "
+                                                       "the wire format needs one width per part")
+        self._captures.clear()  # made again on demand; the probe's need not stay
+        return self._check_head(full, decoder), attention
+
+    def _check_head(self, full: ForwardOutputs, decoder: ForwardOutputs) -> HeadFacts:
+        head = self.join_data.head
+        if head is None:
+            return HeadFacts(unavailable=f"{self.info.architecture} has no output embedding with a weight")
+        if full.final_hidden is None or full.final_hidden.shape[-1] != self.info.hidden_size:
+            return HeadFacts(unavailable=f"the input of {self.info.architecture}'s output head is not a "
+                                         f"[batch, seq, {self.info.hidden_size}] hidden state")
+        if head.weight.shape != (self.info.vocab_size, self.info.hidden_size):
+            return HeadFacts(unavailable=f"its output head's weight is {tuple(head.weight.shape)}, not "
+                                         f"[vocab {self.info.vocab_size}, hidden {self.info.hidden_size}]")
+        logits = full.logits.float()
+        tolerance = _PROBE_RTOL.get(self.info.dtype, _PROBE_RTOL_HALF) * max(1.0, logits.abs().max().item())
+        device_head = OutputHead(head.weight.to(self.device), None if head.bias is None else head.bias.to(self.device),
+                                 head.final_logit_softcapping, head.logit_scale)
+        with torch.inference_mode():
+            applied = device_head.logits(full.final_hidden, torch.float32)
+        off = (applied - logits).abs().max().item()
+        if off > tolerance:
+            return HeadFacts(unavailable=(
+                f"{self.info.architecture}'s logits are not its output head (weight, bias, final_logit_softcapping "
+                f"{head.final_logit_softcapping:g}, logit scale {head.logit_scale:g}) applied to its final hidden "
+                f"state: they differ by up to {off:.3g} on a probe; the model does something after its head that "
+                "this project does not reproduce"))
+        # The decoder alone must give the head's input: it is what a session without logits is sent.
+        apart = (decoder.final_hidden.float() - full.final_hidden.float()).abs().max().item()
+        if apart > tolerance:
+            return HeadFacts(unavailable=(
+                f"{self.info.architecture}'s decoder output is not its output head's input (they differ by up to "
+                f"{apart:.3g}): the model transforms the hidden state between them"))
+        return head.facts

@@ -194,6 +194,20 @@ def apply_plan(model, mesh, *, gather_logits: bool = True) -> None:
     parallelize_module(model, mesh, {"lm_head": ColwiseShard(gather=gather_logits)})
 
 
+def gather_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """The whole of a tensor split by rows across the TP world (an output head's weight or bias),
+    on every rank: a DTensor's full tensor, or the ranks' equal, zero-padded shards joined and
+    cut to `rows` (ColwiseShard). Collective: every rank calls it."""
+    if hasattr(tensor, "full_tensor"):  # transformers' own plan keeps DTensors of the global shape
+        return tensor.full_tensor()
+    if tensor.shape[0] == rows:  # not sharded (a replicated head)
+        return tensor
+    shard = tensor.contiguous()
+    gathered = shard.new_empty((dist.get_world_size() * shard.shape[0], *shard.shape[1:]))
+    dist.all_gather_into_tensor(gathered, shard)
+    return gathered[:rows]
+
+
 def _has(module, dotted: str) -> bool:
     for part in dotted.split("."):
         module = getattr(module, part, None)
@@ -241,6 +255,11 @@ class ForwardRequest:
     input_ids: torch.Tensor  # [rows, seq] int64, CPU
     attention_mask: torch.Tensor  # [rows, seq] int64, CPU
     hidden: bool
+    logits: bool = True  # False: the decoder alone (the output head and its gather are skipped)
+
+
+# The header's flags: what the forward returns, where it changes the collectives every rank runs.
+_HIDDEN, _NO_LOGITS = 1, 2
 
 
 @dataclass
@@ -272,10 +291,11 @@ class World:
     def start_keepalive(self) -> None:
         threading.Thread(target=self._keepalive, name="tp-keepalive", daemon=True).start()
 
-    def broadcast_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, hidden: bool) -> None:
+    def broadcast_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, hidden: bool,
+                          logits: bool = True) -> None:
         rows, seq = input_ids.shape
         payload = torch.stack([input_ids, attention_mask]).to(torch.int32)
-        self._send(OP_FORWARD, rows, seq, int(hidden), payload=payload)
+        self._send(OP_FORWARD, rows, seq, (_HIDDEN if hidden else 0) | (0 if logits else _NO_LOGITS), payload=payload)
 
     def broadcast_stop(self) -> None:
         """Tells the followers to exit; the last message rank 0 sends."""
@@ -294,10 +314,10 @@ class World:
             self.on_broken()
         return TensorParallelError(f"the tensor-parallel world is broken ({self.error}); the teacher is stopping")
 
-    def _send(self, op: int, rows: int = 0, seq: int = 0, hidden: int = 0, payload: torch.Tensor | None = None):
+    def _send(self, op: int, rows: int = 0, seq: int = 0, flags: int = 0, payload: torch.Tensor | None = None):
         if self.error:
             raise TensorParallelError(f"the tensor-parallel world is broken ({self.error}); the teacher is stopping")
-        header = torch.tensor([op, rows, seq, hidden], dtype=torch.int64)
+        header = torch.tensor([op, rows, seq, flags], dtype=torch.int64)
         with self._lock:
             try:
                 dist.broadcast(header, CONTROL_RANK, group=self.control)
@@ -330,7 +350,7 @@ class World:
         while True:
             try:
                 dist.broadcast(header, CONTROL_RANK, group=self.control)
-                op, rows, seq, hidden = header.tolist()
+                op, rows, seq, flags = header.tolist()
                 if op == OP_KEEPALIVE:
                     continue
                 if op == OP_STOP:
@@ -345,7 +365,7 @@ class World:
                 raise TensorParallelError(f"rank {self.rank}: no message from rank 0 within {self.timeout_s:.0f}s "
                                           f"(--tp-timeout-s) or its connection closed: {e}") from e
             ids, mask = payload.long()
-            yield ForwardRequest(ids, mask, bool(hidden))
+            yield ForwardRequest(ids, mask, hidden=bool(flags & _HIDDEN), logits=not flags & _NO_LOGITS)
 
     def close(self) -> None:
         self._closed.set()

@@ -285,24 +285,29 @@ class TeacherService:
             num_layers=i.num_layers, dtype=wire.dtype_name(i.dtype), device_type=i.device.type, tp_size=i.tp_size,
             max_batch_tokens=c.max_batch_tokens, max_seq_len=c.max_seq_len, max_sessions=c.max_sessions,
             max_inflight=c.max_inflight, tokenizer_fingerprint=i.tokenizer_fingerprint,
-            torch_version=i.torch_version, nccl_version=i.nccl_version)
+            torch_version=i.torch_version, nccl_version=i.nccl_version, head=i.head.to_info(),
+            attention=i.attention.to_info())
 
     def _check_output_bytes(self, outputs: OutputRequest) -> None:
         """Refuses outputs larger than --max-output-bytes for the largest batch the session may send:
         as many sequences of --max-seq-len as --max-batch-tokens holds.
 
-        The tensors derived for a batch are held in teacher memory until the student has them.
+        The tensors derived for a batch are held in teacher memory until the student has them;
+        what the kinds send once at join (the output head, in the session's dtype) is held while
+        it is sent, so it counts too.
         """
         seq = self.config.max_seq_len
         rows = self.config.max_batch_tokens // seq
-        need = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in outputs.layout(rows, seq))
+        once = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in outputs.join_layout())
+        need = once + sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in outputs.layout(rows, seq))
         limit = self.config.output_bytes_limit(self.facts)
         if need > limit:
             default = "" if self.config.max_output_bytes else (
                 ", by default what full logits, top-k and every hidden state take in float32")
+            at_join = f" ({_mib(once)} of it sent once at join: the output head)" if once else ""
             raise FailedPrecondition(
-                f"the outputs asked ({outputs}) take {_mib(need)} for a batch of {rows} x {seq} tokens (the largest "
-                f"--max-batch-tokens and --max-seq-len allow), more than the teacher's --max-output-bytes, "
+                f"the outputs asked ({outputs}) take {_mib(need)}{at_join} for a batch of {rows} x {seq} tokens (the "
+                f"largest --max-batch-tokens and --max-seq-len allow), more than the teacher's --max-output-bytes, "
                 f"{_mib(limit)}{default}: ask for less (top-k instead of logits, fewer hidden layers, a smaller "
                 "dtype), or start the teacher with a larger --max-output-bytes")
 

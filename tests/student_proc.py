@@ -17,7 +17,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from student_trainer import HiddenStates, Logits, TeacherClient, TopK  # noqa: E402
+from student_trainer import AttentionInputs, FinalHidden, HiddenStates, Logits, TeacherClient, TopK  # noqa: E402
+
+
+def attention_inputs_reference(model, hidden_states, layer: int):
+    """A Llama layer's q, k, v after the rotary embedding, [B, S, width], computed the plain way
+    from the layer's input (hidden_states[layer]): norm, projections, rotary embedding."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    block = model.model.layers[layer]
+    attention = block.self_attn
+    x = block.input_layernorm(hidden_states[layer])
+    batch, seq, _ = x.shape
+    heads = (batch, seq, -1, attention.head_dim)
+    q = attention.q_proj(x).view(heads).transpose(1, 2)
+    k = attention.k_proj(x).view(heads).transpose(1, 2)
+    cos, sin = model.model.rotary_emb(x, torch.arange(seq, device=x.device).unsqueeze(0).expand(batch, -1))
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return q.transpose(1, 2).reshape(batch, seq, -1), k.transpose(1, 2).reshape(batch, seq, -1), attention.v_proj(x)
 
 
 def random_batch(generator: torch.Generator, vocab: int, max_len: int, shape: tuple[int, int] | None = None,
@@ -46,6 +63,9 @@ def main() -> int:
     p.add_argument("--topk", type=int, default=5)
     p.add_argument("--hidden-layers", default="0,2")
     p.add_argument("--no-logits", action="store_true")
+    p.add_argument("--final-hidden", action="store_true",
+                   help="also ask for the final hidden state (and the output head, once at join)")
+    p.add_argument("--attention-layers", default="", help="also ask for these layers' attention inputs")
     p.add_argument("--pause-s", type=float, default=0.0, help="sleep between batches")
     p.add_argument("--job-id", default="test-job")
     p.add_argument("--seed", type=int, default=0)
@@ -71,7 +91,12 @@ def main() -> int:
     layers = tuple(int(x) for x in args.hidden_layers.split(",") if x)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).to(device).eval()
     generator = torch.Generator().manual_seed(args.seed)
+    attention_layers = tuple(int(x) for x in args.attention_layers.split(",") if x)
     worst = {"logits": 0.0, "topk_values": 0.0, "topk_gather": 0.0, "hidden": 0.0}
+    if args.final_hidden:
+        worst.update(final_hidden=0.0, head_weight=0.0, head_logits=0.0)
+    if attention_layers:
+        worst.update(attention=0.0)
     received = []
     received_at = []  # time.time() of each result, for timelines across processes
     checked = 0
@@ -92,10 +117,15 @@ def main() -> int:
     outputs = [] if args.no_logits else [Logits()]
     outputs += [TopK(args.topk)] if args.topk else []
     outputs += [HiddenStates(layers)] if layers else []
+    outputs += [FinalHidden()] if args.final_hidden else []
+    outputs += [AttentionInputs(attention_layers)] if attention_layers else []
     with TeacherClient(args.address, device, outputs=outputs, dtype="float32", max_inflight=args.inflight,
                        job_id=args.job_id, job_rank=args.job_rank, weight=args.weight) as teacher:
         # The secret too, for tests that act on this session from outside (the client keeps it private).
         print(f"JOINED {teacher.session_id} {teacher._connection.session.joined.session_secret}", flush=True)
+        if args.final_hidden:  # received once, right after the group formed
+            head = teacher.joined.head
+            worst["head_weight"] = (head.weight - model.get_output_embeddings().weight).abs().max().item()
         if args.start_file:
             wait_for_file(args.start_file)
         in_flight = []
@@ -105,7 +135,7 @@ def main() -> int:
             out = fut.result(timeout=120)
             received_at.append(time.time())
             if len(received) % args.check_every:  # not sampled: its order and shape only
-                got = out.logits if out.logits is not None else out.topk_values
+                got = next((t for t in (out.logits, out.topk_values, out.final_hidden) if t is not None), None)
                 assert got is None or tuple(got.shape[:2]) == tuple(ids.shape), (got.shape, ids.shape)
                 received.append(out.batch_id)
                 return
@@ -125,6 +155,18 @@ def main() -> int:
             for layer in layers:
                 diff = (out.hidden_states[layer] - ref.hidden_states[layer])[valid].abs().max().item()
                 worst["hidden"] = max(worst["hidden"], diff)
+            if args.final_hidden:
+                # Llama's last hidden state is after the final norm: the output head's input.
+                worst["final_hidden"] = max(worst["final_hidden"], (out.final_hidden - ref.hidden_states[-1])[valid]
+                                            .abs().max().item())
+                worst["head_logits"] = max(worst["head_logits"], (teacher.joined.head.logits(out.final_hidden)
+                                                                  - ref.logits)[valid].abs().max().item())
+            for layer in attention_layers:
+                with torch.no_grad():
+                    want = attention_inputs_reference(model, ref.hidden_states, layer)
+                for got, expected in zip(out.attention_inputs[layer], want):
+                    assert got.shape == expected.shape, (got.shape, expected.shape)
+                    worst["attention"] = max(worst["attention"], (got - expected)[valid].abs().max().item())
             received.append(out.batch_id)
 
         while len(received) + len(in_flight) < args.batches or (args.stop_file and not args.batches):

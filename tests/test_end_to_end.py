@@ -48,6 +48,21 @@ def test_two_students_joining_at_different_times_get_exact_outputs(server, model
     assert "session" in server.log and "ended: left" in server.log
 
 
+def test_final_hidden_head_and_attention_inputs_equal_the_local_teachers(server, model_dir, tmp_path):
+    out = tmp_path / "c.json"
+    report = finish_student(start_student(server.address, model_dir, out, "--batches", "5", "--inflight", "2",
+                                          "--no-logits", "--topk", "0", "--hidden-layers", "", "--final-hidden",
+                                          "--attention-layers", "1,0"), out)
+    assert report["received"] == list(range(5)) and report["checked"] == 5
+    assert set(report["worst"]) >= {"final_hidden", "head_weight", "head_logits", "attention"}
+    for kind, diff in report["worst"].items():
+        assert diff <= TOLERANCE, (kind, diff, report)
+    status = requests.get(f"{server.http}/v1/status", timeout=10).json()
+    assert status["attention_inputs"] == {"query_width": 48, "key_width": 24, "value_width": 24, "unavailable": ""}
+    assert status["output_head"] == {"bias": False, "final_logit_softcapping": 0.0, "logit_scale": 1.0,
+                                     "unavailable": ""}
+
+
 def test_status_metrics_and_health_match_what_was_sent(server):
     batches = [(torch.randint(0, 384, (2, 9)), None), (torch.randint(0, 384, (3, 5)), None)]
     with TeacherClient(server.address, "cpu", outputs=(Logits(), TopK(3)), job_id="metrics-job") as teacher:

@@ -227,6 +227,32 @@ def test_topk_distils_on_the_teachers_top_k(setup, server, tmp_path):
     assert kd == pytest.approx(expected, abs=1e-4)
 
 
+def test_the_teachers_head_on_the_student_and_attention_relations(setup, server, tmp_path):
+    from distill_common.attention_inputs import AttentionCapture
+    from student_trainer.losses import attention_relation_loss
+
+    trainer = distillation_trainer(setup, "student", training_args(tmp_path), Rows(setup["rows"]),
+                                   teacher_address=server.address, kd_weight=0.5, head_on_student=True,
+                                   attention_layers=(1,), attention_weight=0.3, attention_relation_heads=4)
+    batch = default_data_collator(setup["rows"][:BATCH])
+    loss = trainer.compute_loss(trainer.model, batch).item()
+    assert trainer._teacher.joined.head is not None
+    trainer.close_teacher()
+
+    # KD against the teacher's logits run here (the server sent no logits, only its final hidden
+    # state and, at join, its head); attention: the teacher's last layer against the student's only one.
+    teacher = AutoModelForCausalLM.from_pretrained(setup["teacher"])
+    kd, ce = reference_losses(trainer.model, teacher, batch)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad(), AttentionCapture(teacher, [1]) as theirs, AttentionCapture(trainer.model, [0]) as ours:
+        teacher(**inputs)
+        trainer.model(**inputs)
+    attention = attention_relation_loss(ours.inputs[0], theirs.inputs[1], batch["attention_mask"],
+                                        relation_heads=4).item()
+    assert attention > 0.01
+    assert loss == pytest.approx(0.5 * kd + 0.5 * ce + 0.3 * attention, abs=1e-4)
+
+
 def test_kd_weight_zero_is_the_plain_trainer_and_never_joins(setup, tmp_path):
     args = training_args(tmp_path, max_steps=5)
     dataset = Rows(setup["rows"])
@@ -266,6 +292,15 @@ def test_settings_are_checked_before_anything_runs(setup, tmp_path):
     with pytest.raises(ValueError, match="label_smoothing_factor"):
         distillation_trainer(setup, "student", training_args(tmp_path, label_smoothing_factor=0.1),
                              Rows(setup["rows"]), teacher_address="x:1")
+    with pytest.raises(ValueError, match="attention_layers \\[1\\] and attention_weight 0.0 go together"):
+        distillation_trainer(setup, "student", args, Rows(setup["rows"]), teacher_address="x:1", attention_layers=(1,))
+    with pytest.raises(ValueError, match="head_on_student .* needs kd_weight > 0"):
+        distillation_trainer(setup, "student", args, Rows(setup["rows"]), teacher_address="x:1", kd_weight=0.0,
+                             head_on_student=True, attention_layers=(1,), attention_weight=1.0)
+    with pytest.raises(ValueError, match="non-reentrant gradient checkpointing"):
+        distillation_trainer(setup, "student", training_args(tmp_path, gradient_checkpointing=True,
+                                                             gradient_checkpointing_kwargs={"use_reentrant": True}),
+                             Rows(setup["rows"]), teacher_address="x:1", attention_layers=(1,), attention_weight=1.0)
     with pytest.raises(ValueError, match=r"may not set \['outputs'\]"):
         distillation_trainer(setup, "student", args, Rows(setup["rows"]), teacher_address="x:1",
                              teacher_client_options={"outputs": (TopK(3),), "weight": 2.0})

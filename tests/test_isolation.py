@@ -26,7 +26,7 @@ import torch
 from distill_common.channel import SESSION_SECRET_KEY
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
-from student_trainer import HiddenStates, Logits, TeacherClient, TopK
+from student_trainer import FinalHidden, HiddenStates, Logits, TeacherClient, TopK
 from student_trainer.errors import BatchFailed, Incompatible, InvalidRequest
 from teacher_server.launcher import ServerProcess, child_env, metrics_samples
 from tests.helpers import ROOT, wait_until
@@ -172,6 +172,12 @@ def test_outputs_over_the_teachers_limits_are_refused_at_join_naming_the_flag(se
     # 4 x 64 tokens x (96 logits + 3 x 32 hidden) x 4 bytes
     assert "196608 bytes" in message and f"{MAX_OUTPUT_BYTES} bytes" in message and "--max-output-bytes" in message
     assert "4 x 64" in message
+    # The output head, sent once at join, counts too: 4 x 64 tokens x (96 logits + 4 x 2 top-k + 32 hidden
+    # + 32 final hidden) x 4 bytes = 172032 per batch, under the limit; 96 x 32 x 4 = 12288 more at join.
+    with pytest.raises(Incompatible) as refused:
+        client(server, Logits(), TopK(4), HiddenStates((0,)), FinalHidden())
+    message = str(refused.value)
+    assert "184320 bytes" in message and "(12288 bytes) of it sent once at join" in message
 
 
 def _packed_with_a_bystander(server, victim_outputs, mark: int):

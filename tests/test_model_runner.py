@@ -52,3 +52,47 @@ def test_cuda_graphs_are_refused_on_cpu_and_under_tensor_parallelism():
     output = done.stdout + done.stderr
     assert done.returncode != 0
     assert "--cuda-graphs is for a teacher on one GPU" in output and "loaded builtin:tiny" not in output, output[-3000:]
+
+
+def test_a_forward_without_logits_runs_the_decoder_alone():
+    from distill_common.outputs import ForwardNeeds
+
+    runner = ModelRunner("builtin:tiny", "cpu", dtype="float32")
+    ids = torch.randint(0, runner.info.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    head_calls = []
+    runner.model.get_output_embeddings().register_forward_hook(lambda *args: head_calls.append(1))
+    got = runner.forward(ids, mask, ForwardNeeds(final_hidden=True, attention_layers=frozenset({1})))
+    assert got.logits is None and head_calls == [] and sorted(got.attention) == [1]
+    with_logits = runner.forward(ids, mask, ForwardNeeds(logits=True, final_hidden=True))
+    assert head_calls == [1]
+    valid = mask.bool()
+    assert (got.final_hidden - with_logits.final_hidden)[valid].abs().max() <= 1e-6
+    head = runner.join_data.head
+    assert (head.logits(got.final_hidden) - with_logits.logits)[valid].abs().max() <= 1e-5
+
+
+def test_the_probe_reads_soft_caps_and_scales_and_refuses_what_it_cannot_reproduce(tmp_path):
+    from transformers import CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM
+
+    shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    torch.manual_seed(0)
+    Gemma2ForCausalLM(Gemma2Config(head_dim=8, final_logit_softcapping=2.0, **shape)).save_pretrained(tmp_path / "g")
+    CohereForCausalLM(CohereConfig(logit_scale=0.25, **shape)).save_pretrained(tmp_path / "c")
+    gemma = ModelRunner(str(tmp_path / "g"), "cpu")
+    # Gemma 2 runs eager attention (outside transformers' interface): captured all the same.
+    assert gemma.model.config._attn_implementation == "eager"
+    assert (gemma.info.head.final_logit_softcapping, gemma.info.head.unavailable) == (2.0, "")
+    assert (gemma.info.attention.query_width, gemma.info.attention.key_width) == (32, 16)
+    cohere = ModelRunner(str(tmp_path / "c"), "cpu")
+    assert (cohere.info.head.logit_scale, cohere.info.head.unavailable) == (0.25, "")
+
+    # Something after the head that the project does not know of: refused, with the reason.
+    runner = ModelRunner("builtin:tiny", "cpu", dtype="float32")
+    runner.model.get_output_embeddings().register_forward_hook(lambda module, args, out: out * 2)
+    head, attention = runner._probe()
+    assert "logits are not its output head (weight, bias, final_logit_softcapping 0, logit scale 1) applied to its " \
+           "final hidden state" in head.unavailable, head
+    assert attention.unavailable == "" and attention.query_width == 64

@@ -14,7 +14,8 @@ import itertools
 import pytest
 import torch
 
-from distill_common.outputs import (KINDS, BatchOutputs, ForwardNeeds, HiddenStates, Logits, OutputRequest,
+from distill_common.outputs import (KINDS, AttentionFacts, AttentionInputs, BatchOutputs, FinalHidden, ForwardNeeds,
+                                    HeadFacts, HiddenStates, JoinData, Logits, OutputHead, OutputRequest,
                                     OutputSpecError, TeacherFacts, TopK, VocabularyMismatch, output_spec)
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 
@@ -78,7 +79,7 @@ def test_hidden_states_are_the_layers_asked_in_the_order_asked():
 def test_every_kind_at_once_in_wire_order():
     forward = _forward()
     request = _request(HiddenStates((2, 1)), TopK(3), Logits())  # asked in any order, sent in KINDS order
-    assert [type(kind) for kind in request] == [Logits, TopK, HiddenStates] == list(KINDS)
+    assert [type(kind) for kind in request] == [Logits, TopK, HiddenStates] == list(KINDS[:3])
     assert request.layout(2, 5) == [((2, 5, VOCAB), torch.float32), ((2, 5, 3), torch.float32),
                                      ((2, 5, 3), torch.int32), ((2, 2, 5, HIDDEN), torch.float32)]
     out = _round_trip(request, forward)
@@ -102,7 +103,7 @@ def test_layouts_match_what_is_derived_for_every_combination_and_shape():
 
 
 @pytest.mark.parametrize("spec, words", [
-    (pb.OutputSpec(), "no outputs requested: ask for logits, topk > 0 or hidden layers"),
+    (pb.OutputSpec(), "no outputs requested: ask for logits, topk > 0, hidden layers"),
     (pb.OutputSpec(topk=-1), "topk -1 must be between 0 and the vocabulary size 50"),
     (pb.OutputSpec(logits=True, topk=VOCAB + 1), "topk 51 must be between 0 and the vocabulary size 50"),
     (pb.OutputSpec(hidden_layers=[LAYERS + 1]), "hidden layers [5] are out of range: the teacher has 4 layers, "
@@ -174,10 +175,11 @@ def test_the_student_resolves_what_the_teacher_granted():
 
 
 def test_what_the_forward_must_produce():
-    assert _request(Logits(), TopK(2)).needs == ForwardNeeds()
+    assert _request(Logits(), TopK(2)).needs == ForwardNeeds(logits=True)
     assert not _request(Logits()).needs.hidden_states
+    assert not _request(HiddenStates((1,))).needs.logits  # the decoder alone serves it
     needs = ForwardNeeds.union([_request(HiddenStates((1, 3))).needs, _request(Logits(), HiddenStates((3, 0))).needs])
-    assert needs == ForwardNeeds(hidden_layers=frozenset({0, 1, 3})) and needs.hidden_states
+    assert needs == ForwardNeeds(hidden_layers=frozenset({0, 1, 3}), logits=True) and needs.hidden_states
 
 
 def test_one_batchs_rows_of_a_packed_forward_keep_what_is_needed():
@@ -185,9 +187,130 @@ def test_one_batchs_rows_of_a_packed_forward_keep_what_is_needed():
         logits = torch.randn(5, 8, VOCAB)
         hidden_states = tuple(torch.randn(5, 8, HIDDEN) for _ in range(LAYERS + 1))
 
-    needs = ForwardNeeds(hidden_layers=frozenset({0, 2}))
+    needs = ForwardNeeds(hidden_layers=frozenset({0, 2}), logits=True)
     rows = BatchOutputs.of_rows(Packed, needs, slice(1, 3), 6)
     assert torch.equal(rows.logits, Packed.logits[1:3, :6]) and sorted(rows.hidden) == [0, 2]
     assert torch.equal(rows.hidden[2], Packed.hidden_states[2][1:3, :6])
     assert rows.covers(needs) and rows.covers(ForwardNeeds())
     assert not rows.covers(ForwardNeeds(hidden_layers=frozenset({1})))
+
+
+# ---- the final hidden state (and the head, once at join) and attention inputs ------------
+
+WIDTHS = (12, 6, 6)  # q, k, v: 2 heads of 6 for queries, one key/value head
+RICH = TeacherFacts(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, dtype=torch.float32,
+                    head=HeadFacts(bias=True, final_logit_softcapping=30.0, logit_scale=0.5, unavailable=""),
+                    attention=AttentionFacts(*WIDTHS, unavailable=""))
+
+
+def _rich_forward(batch: int = 2, seq: int = 5, seed: int = 0) -> BatchOutputs:
+    generator = torch.Generator().manual_seed(seed)
+    return BatchOutputs(None, final_hidden=torch.randn(batch, seq, HIDDEN, generator=generator),
+                        attention={layer: tuple(torch.randn(batch, seq, w, generator=generator) for w in WIDTHS)
+                                   for layer in range(LAYERS)})
+
+
+def _rich_request(*kinds, dtype: str | None = None) -> OutputRequest:
+    return OutputRequest.resolve(output_spec(kinds, dtype), RICH)
+
+
+def test_final_hidden_state_arrives_and_the_head_is_sent_once_at_join():
+    forward = _rich_forward()
+    request = _rich_request(FinalHidden(), dtype="bfloat16")
+    assert request.layout(2, 5) == [((2, 5, HIDDEN), torch.bfloat16)]
+    tensors = request.derive(forward, batch=None)
+    out = request.assemble(3, [t.clone() for t in tensors])
+    assert torch.equal(out.final_hidden, forward.final_hidden.bfloat16()) and out.logits is None
+
+    head = OutputHead(torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB), final_logit_softcapping=30.0, logit_scale=0.5)
+    assert request.join_layout() == [((VOCAB, HIDDEN), torch.bfloat16), ((VOCAB,), torch.bfloat16)]
+    sent = request.join_derive(JoinData(head=head))
+    assert [(tuple(t.shape), t.dtype) for t in sent] == request.join_layout()
+    received = request.join_assemble([t.clone() for t in sent]).head
+    assert torch.equal(received.weight, head.weight.bfloat16()) and torch.equal(received.bias, head.bias.bfloat16())
+    assert (received.final_logit_softcapping, received.logit_scale) == (30.0, 0.5)
+    # What the student computes from them: softcap(scale * (h W^T + b)).
+    h = torch.randn(3, HIDDEN)
+    want = 30.0 * torch.tanh(0.5 * (h @ head.weight.T + head.bias) / 30.0)
+    assert torch.allclose(head.logits(h), want, atol=1e-5)
+
+
+def test_kinds_without_join_data_send_nothing_at_join():
+    request = _rich_request(Logits(), TopK(2), HiddenStates((1,)), AttentionInputs((0,)))
+    assert request.join_layout() == [] and request.join_derive(JoinData()) == []
+    assert request.join_assemble([]) == JoinData()
+    # A head without bias: the weight alone.
+    plain = OutputRequest.resolve(output_spec([FinalHidden()]), FACTS_WITH_PLAIN_HEAD)
+    assert plain.join_layout() == [((VOCAB, HIDDEN), torch.float32)]
+
+
+FACTS_WITH_PLAIN_HEAD = TeacherFacts(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, dtype=torch.float32,
+                                     head=HeadFacts(unavailable=""))
+
+
+def test_attention_inputs_are_the_layers_asked_in_the_order_asked():
+    forward = _rich_forward()
+    layers = (3, 0)
+    request = _rich_request(AttentionInputs(layers))
+    assert request.layout(2, 5) == [((2, 2, 5, width), torch.float32) for width in WIDTHS]
+    out = _round_trip_rich(request, forward)
+    assert list(out.attention_inputs) == list(layers)
+    for layer in layers:
+        for got, want in zip(out.attention_inputs[layer], forward.attention[layer]):
+            assert torch.equal(got, want)
+
+
+def _round_trip_rich(request: OutputRequest, forward: BatchOutputs):
+    batch, seq = forward.final_hidden.shape[:2]
+    tensors = request.derive(forward, batch=None)
+    assert [(tuple(t.shape), t.dtype) for t in tensors] == request.layout(batch, seq)
+    return request.assemble(7, [t.clone() for t in tensors])
+
+
+def test_the_new_kinds_need_no_logits_and_a_forward_covers_them_only_when_it_kept_them():
+    needs = _rich_request(FinalHidden(), AttentionInputs((2, 1))).needs
+    assert needs == ForwardNeeds(final_hidden=True, attention_layers=frozenset({1, 2})) and not needs.logits
+    kept = BatchOutputs.of_rows(_PackedRich, needs, slice(1, 3), 4)
+    assert kept.logits is None and sorted(kept.attention) == [1, 2]
+    assert torch.equal(kept.final_hidden, _PackedRich.final_hidden[1:3, :4])
+    assert torch.equal(kept.attention[2][1], _PackedRich.attention[2][1][1:3, :4])
+    assert kept.covers(needs) and not kept.covers(ForwardNeeds(logits=True))
+    assert not kept.covers(ForwardNeeds(attention_layers=frozenset({0})))
+    copy = kept.detached()
+    assert copy.nbytes == kept.nbytes == (2 * 4 * HIDDEN + 2 * 2 * 4 * sum(WIDTHS)) * 4
+
+
+class _PackedRich:  # a packed forward of 4 rows: final hidden state and every layer's attention inputs
+    logits = None
+    hidden_states = None
+    final_hidden = torch.randn(4, 6, HIDDEN)
+    attention = {layer: tuple(torch.randn(4, 6, w) for w in WIDTHS) for layer in range(LAYERS)}
+
+
+@pytest.mark.parametrize("facts, kind, words", [
+    (RICH, AttentionInputs((LAYERS,)), "attention layers [4] are out of range: the teacher has 4 decoder layers, "
+                                       "so use 0 .. 3"),
+    (RICH, AttentionInputs((1, 1)), "attention layers [1, 1] repeat a layer"),
+    (FACTS, AttentionInputs((0,)), "the teacher cannot send attention inputs: this teacher does not report it"),
+    (FACTS, FinalHidden(), "the teacher cannot send its output head to apply on the student: this teacher does not "
+                           "report it"),
+])
+def test_what_the_teacher_cannot_give_is_refused_with_its_reason(facts, kind, words):
+    with pytest.raises(OutputSpecError) as refused:
+        OutputRequest.resolve(output_spec([kind]), facts)
+    assert words in str(refused.value)
+
+
+def test_the_final_hidden_state_needs_the_teachers_vocabulary_attention_inputs_do_not():
+    with pytest.raises(VocabularyMismatch):
+        _rich_request(FinalHidden()).check_student(VOCAB + 1, "")
+    _rich_request(AttentionInputs((0,))).check_student(VOCAB + 1, "another")
+
+
+def test_the_student_reads_the_head_and_widths_from_the_join_answer():
+    info = pb.TeacherInfo(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, dtype="float32",
+                          head=RICH.head.to_info(), attention=RICH.attention.to_info())
+    assert TeacherFacts.from_info(info) == RICH
+    older = TeacherFacts.from_info(pb.TeacherInfo(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS,
+                                                  dtype="float32"))
+    assert older.head.unavailable and older.attention.unavailable

@@ -15,6 +15,7 @@ import sys
 import pytest
 import requests
 
+from student_trainer import AttentionInputs, TeacherClient, TeacherError
 from teacher_server.admin import AdminConfig, query
 from teacher_server.launcher import ServerProcess, child_env
 from tests.helpers import ROOT, build_tiny_model, finish_student, free_port, start_student, wait_until
@@ -24,9 +25,10 @@ SERVER_ARGS = ("--max-batch-tokens", "256", "--max-seq-len", "64", "--grace-peri
 
 
 def _student_matches_local_model(server: ServerProcess, reference_dir, out, *args: str) -> dict:
-    # Logits, top-k and the hidden states of every layer: each output kind of the teacher.
+    # Logits, top-k, the hidden states of every layer, the final hidden state and the output head
+    # (gathered whole from the ranks' shards): each output kind a TP teacher gives.
     report = finish_student(start_student(server.address, reference_dir, out, "--batches", "6", "--inflight", "3",
-                                          "--topk", "5", "--hidden-layers", "0,1,2", *args), out)
+                                          "--topk", "5", "--hidden-layers", "0,1,2", "--final-hidden", *args), out)
     assert report["received"] == list(range(6)), report
     for kind, diff in report["worst"].items():
         assert diff <= TOLERANCE, (kind, diff, report)
@@ -41,6 +43,12 @@ def test_tp2_saved_model_equals_tp1_and_sigterm_to_torchrun_stops_every_rank(tmp
         assert "with transformers' plan" in server.log, server.log
         assert len(server.rank_pids()) == 2
         _student_matches_local_model(server, model_dir, tmp_path / "a.json")
+        # Only the final hidden state: every rank runs the decoder without the head's gather.
+        _student_matches_local_model(server, model_dir, tmp_path / "c.json", "--no-logits", "--topk", "0",
+                                     "--hidden-layers", "")
+        with pytest.raises(TeacherError, match="tensor parallel over 2 ranks, and attention inputs are captured on "
+                                               "one process"):
+            TeacherClient(server.address, "cpu", outputs=(AttentionInputs((0,)),))
         status = requests.get(f"{server.http}/v1/status", timeout=10).json()
         assert status["vocab_size"] == 384 and status["num_layers"] == 2  # the full vocabulary, not a shard
         assert status["tp_size"] == 2

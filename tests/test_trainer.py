@@ -386,3 +386,30 @@ def test_lora_saves_the_adapter_and_a_merged_model_and_resumes(server, models, c
     changed = [name for (name, p), (_, q) in zip(merged.named_parameters(), base.named_parameters())
                if not torch.equal(p, q)]
     assert changed and all("proj" in name for name in changed), changed  # only the adapted linears moved
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="LoRA needs peft (the lora extra)")
+def test_the_recipe_trains_all_three_losses_and_resumes(server, models, corpus, tmp_path):
+    """docs/training.md's recipe: LoRA, KD 0.7 + attention 0.2 + hidden 0.1, bf16, gradient
+    checkpointing, the teacher's head applied on the student. One batch, the same every step
+    (four examples, one sequence each): each loss falls unless the run does not learn it."""
+    data = tmp_path / "batch.jsonl"
+    data.write_text("".join(json.dumps({"text": text}) + "\n" for text in corpus["texts"][:BATCH]))
+    common = ("--lora-r", "8", "--lora-alpha", "16", "--kd-weight", "0.7", "--ce-weight", "0", "--head-on-student",
+              "--attention-layers", "1", "--attention-weight", "0.2", "--attention-relation-heads", "4",
+              "--hidden-layers", "2", "--hidden-weight", "0.1", "--bf16", "--grad-checkpointing",
+              "--pack-mode", "truncate", "--max-steps", "6", "--save-every", "3", "--lr", "5e-3")
+    a, b = tmp_path / "a", tmp_path / "b"
+    train_ok(server, models["student"], data, a, *common, "--job-id", "recipe")
+    records = read_metrics(a)
+    # A LoRA adapter on a one-layer student moves KD and attention little in 6 steps (about 1%),
+    # but at every step (at 2e-2 the first steps overshoot and attention rises before it falls).
+    for key, factor in (("kd", 0.995), ("attention", 0.995), ("hidden", 0.8)):
+        values = column(records, key)
+        assert values[-1] < factor * values[0] and all(b <= a for a, b in zip(values, values[1:])), (key, values)
+    assert "ce" not in records[0]  # --ce-weight 0: not computed
+    (outputs,) = {rest for _, _, rest in joined_lines(server, "recipe")}
+    assert "outputs hidden_layers=(2,), final_hidden, attention_layers=(1,) in " in outputs, outputs
+    train_ok(server, models["student"], data, b, *common, "--stop-after-steps", "3")
+    train_ok(server, models["student"], data, b, *common, "--resume")
+    assert_same_run(records, read_metrics(b), keys=("loss", "kd", "attention", "hidden", "lr"))

@@ -45,6 +45,18 @@ def test_two_students_on_gpu1_receive_exact_outputs_over_nccl(server, model_dir,
             assert diff <= 1e-4, (kind, diff, report)
 
 
+def test_the_head_at_join_the_final_hidden_state_and_attention_inputs_over_nccl(server, model_dir, tmp_path):
+    # The head crosses the group once, right after the handshake, before the first batch.
+    out = tmp_path / "head.json"
+    report = finish_student(start_student(server.address, model_dir, out, "--device", "cuda:1", "--batches", "8",
+                                          "--inflight", "3", "--max-len", "200", "--no-logits", "--topk", "0",
+                                          "--hidden-layers", "", "--final-hidden", "--attention-layers", "0,1"), out)
+    assert report["backend"] == "nccl" and report["received"] == list(range(8)) and report["checked"] == 8
+    assert set(report["worst"]) >= {"final_hidden", "head_weight", "head_logits", "attention"}, report
+    for kind, diff in report["worst"].items():
+        assert diff <= 1e-4, (kind, diff, report)
+
+
 def test_student_on_the_teachers_gpu_is_refused(server):
     with pytest.raises(Incompatible, match="CUDA_VISIBLE_DEVICES"):
         TeacherClient(server.address, "cuda:0")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from student_trainer import HiddenStates, Logits, TeacherClient
+from student_trainer import FinalHidden, HiddenStates, Logits, TeacherClient
 from teacher_server.launcher import ServerProcess
 
 pytestmark = [pytest.mark.gpu,
@@ -47,10 +47,11 @@ def _batches():
 
 
 def _served(server: ServerProcess, batches) -> list:
-    with TeacherClient(server.address, "cpu", outputs=(Logits(), HiddenStates((LAYERS,))), dtype="float32",
-                       max_inflight=len(batches)) as teacher:
+    """The outputs of `batches`, and the output head sent at join (gathered whole under TP)."""
+    with TeacherClient(server.address, "cpu", outputs=(Logits(), HiddenStates((LAYERS,)), FinalHidden()),
+                       dtype="float32", max_inflight=len(batches)) as teacher:
         futures = [teacher.submit(ids, mask) for ids, mask in batches]
-        return [f.result(timeout=300) for f in futures]
+        return [f.result(timeout=300) for f in futures], teacher.joined.head
 
 
 def _reference(spec: str, model_dir, batches) -> list:
@@ -87,17 +88,21 @@ def test_tp2_teacher_matches_tp1_within_bf16_tolerance(model_dir, source):
     batches = _batches()
     tp1 = ServerProcess("--model", spec, "--device", "cuda:0", *SERVER_ARGS)
     try:
-        served_tp1 = _served(tp1, batches)
+        served_tp1, head_tp1 = _served(tp1, batches)
     finally:
         assert tp1.stop() == 0, tp1.log
     tp2 = ServerProcess("--model", spec, "--device", "cuda", *SERVER_ARGS, nproc_per_node=2, startup_timeout_s=300)
     try:
         assert "tensor-parallel rank 1 of 2 on cuda:1 (nccl)" in tp2.log, tp2.log
-        served_tp2 = _served(tp2, batches)
+        served_tp2, head_tp2 = _served(tp2, batches)
     finally:
         tp2.stop()
     assert "tensor-parallel rank 1 stopped" in tp2.log and "teacher stopped" in tp2.log, tp2.log
 
+    # The same bfloat16 weights, sent as float32: exactly equal, the TP one gathered from two shards.
+    assert torch.equal(head_tp2.weight, head_tp1.weight) and head_tp1.weight.shape == (8192, 1024)
+    for out in served_tp1 + served_tp2:  # the final hidden state is the last hidden state (after the norm)
+        assert torch.equal(out.final_hidden, out.hidden_states[LAYERS])
     reference = _reference(spec, model_dir, batches)
     scale = {"logits": max(r[0].abs().max().item() for r in reference),
              "hidden": max(r[1].abs().max().item() for r in reference)}

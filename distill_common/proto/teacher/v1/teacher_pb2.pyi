@@ -22,7 +22,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TeacherInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "device_type", "tp_size", "max_batch_tokens", "max_seq_len", "max_sessions", "max_inflight", "tokenizer_fingerprint", "torch_version", "nccl_version")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "device_type", "tp_size", "max_batch_tokens", "max_seq_len", "max_sessions", "max_inflight", "tokenizer_fingerprint", "torch_version", "nccl_version", "head", "attention")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,8 @@ class TeacherInfo(_message.Message):
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
     NCCL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -53,19 +55,49 @@ class TeacherInfo(_message.Message):
     tokenizer_fingerprint: str
     torch_version: str
     nccl_version: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ...) -> None: ...
+    head: OutputHeadInfo
+    attention: AttentionInputsInfo
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., head: _Optional[_Union[OutputHeadInfo, _Mapping]] = ..., attention: _Optional[_Union[AttentionInputsInfo, _Mapping]] = ...) -> None: ...
+
+class OutputHeadInfo(_message.Message):
+    __slots__ = ("bias", "final_logit_softcapping", "logit_scale", "unavailable")
+    BIAS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_LOGIT_SOFTCAPPING_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_SCALE_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    bias: bool
+    final_logit_softcapping: float
+    logit_scale: float
+    unavailable: str
+    def __init__(self, bias: _Optional[bool] = ..., final_logit_softcapping: _Optional[float] = ..., logit_scale: _Optional[float] = ..., unavailable: _Optional[str] = ...) -> None: ...
+
+class AttentionInputsInfo(_message.Message):
+    __slots__ = ("query_width", "key_width", "value_width", "unavailable")
+    QUERY_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    KEY_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    VALUE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    query_width: int
+    key_width: int
+    value_width: int
+    unavailable: str
+    def __init__(self, query_width: _Optional[int] = ..., key_width: _Optional[int] = ..., value_width: _Optional[int] = ..., unavailable: _Optional[str] = ...) -> None: ...
 
 class OutputSpec(_message.Message):
-    __slots__ = ("logits", "topk", "hidden_layers", "dtype")
+    __slots__ = ("logits", "topk", "hidden_layers", "dtype", "final_hidden", "attention_layers")
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FINAL_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_LAYERS_FIELD_NUMBER: _ClassVar[int]
     logits: bool
     topk: int
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
-    def __init__(self, logits: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+    final_hidden: bool
+    attention_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, logits: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., final_hidden: _Optional[bool] = ..., attention_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("device_type", "device_uuid", "torch_version", "nccl_version")
