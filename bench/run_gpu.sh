@@ -3,7 +3,7 @@
 # own timeout, each output kept under $OUT:
 #   bash bench/run_gpu.sh stubs e2e tp tpforward transport
 # tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs, dataplane, isolation. Benches:
-# transport, transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, launch (one GPU), connect.
+# transport, transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, launch, eagle3 (one GPU), connect.
 # Investigations (bench/investigations/): tpsend.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
@@ -50,6 +50,9 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     tracegraphs) timeout 200 python3 -m bench.transport_trace --size-mib 256 --batches 128 --inflight 16 --cuda-graphs 64 2>&1 | quiet | head -45 ;;
     profile) export PATH=/tmp/site/bin:$PATH
              timeout 200 python3 -m bench.transport_trace --size-mib 256 --batches 1000 --inflight 16 --profile "$out/profile" 2>&1 | quiet | head -20 ;;
+    # EAGLE-3 draft training with a Llama-3-8B-shaped target in the same process (one GPU):
+    # tokens/s and peak memory at 2k .. 32k tokens per sequence (docs/eagle3.md).
+    eagle3) timeout 590 python3 -m bench.eagle3_colocated --out "$out/eagle3_colocated.md" 2>&1 | quiet | tail -15 ;;
     # Tensor parallelism: the TP=2 forward against TP=1.
     tpforward) timeout 200 "${torchrun2[@]}" -m bench.tp_forward --profile "$out/tpprof" --out "$out/tp_forward.md" 2>&1 | quiet | tail -8 ;;
     # Gathered logits from rank 0 or a vocabulary shard from each rank (docs/performance.md).

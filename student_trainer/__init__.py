@@ -1,7 +1,8 @@
 """The student side: the client that reaches a teacher, and a distillation trainer built on it."""
 
-from distill_common.outputs import HiddenStates, Logits, TeacherOutput, TopK
+from distill_common.outputs import Argmax, AuxHiddenStates, HiddenStates, Logits, SubsetLogits, TeacherOutput, TopK
 from student_trainer.client import TeacherClient, TeacherInfo
 from student_trainer.errors import TeacherError
 
-__all__ = ["TeacherClient", "TeacherInfo", "TeacherOutput", "TeacherError", "Logits", "TopK", "HiddenStates"]
+__all__ = ["TeacherClient", "TeacherInfo", "TeacherOutput", "TeacherError", "Logits", "TopK", "HiddenStates",
+           "SubsetLogits", "AuxHiddenStates", "Argmax"]
