@@ -74,6 +74,7 @@ class Eagle3Config:
     skip_bad_lines: bool = _as_in_train("skip_bad_lines")
     teacher_timeout_s: float = _as_in_train("teacher_timeout_s")
     teacher_reconnect_timeout_s: float = _as_in_train("teacher_reconnect_timeout_s")
+    teacher_max_resubmits: int = _as_in_train("teacher_max_resubmits")
     teacher_weight: float = _as_in_train("teacher_weight")
     job_id: str = _as_in_train("job_id")
     teacher_tls_ca: str = _as_in_train("teacher_tls_ca")
@@ -108,6 +109,8 @@ class Eagle3Config:
             raise ConfigError("--teacher-weight must be > 0 (this job's share of the teacher against other jobs)")
         if self.teacher_reconnect_timeout_s < 0:
             raise ConfigError("--teacher-reconnect-timeout-s must be >= 0 (0: fail at once when the teacher goes away)")
+        if self.teacher_max_resubmits < 0:
+            raise ConfigError("--teacher-max-resubmits must be >= 0 (0: a batch whose session ended fails at once)")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"--log-level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
         TrainConfig._check_tls(self)
@@ -130,6 +133,8 @@ class Eagle3EvalConfig:
     output: str = field(default="", metadata=_help("also write the figures as JSON to this file"))
     device: str = field(default="", metadata=_help("default: cuda if available, else cpu"))
     teacher_timeout_s: float = _as_in_train("teacher_timeout_s")
+    teacher_reconnect_timeout_s: float = _as_in_train("teacher_reconnect_timeout_s")
+    teacher_max_resubmits: int = _as_in_train("teacher_max_resubmits")
     teacher_tls_ca: str = _as_in_train("teacher_tls_ca")
     teacher_tls_cert: str = _as_in_train("teacher_tls_cert")
     teacher_tls_key: str = _as_in_train("teacher_tls_key")
@@ -142,6 +147,10 @@ class Eagle3EvalConfig:
         for name in ("steps", "prompts", "prompt_tokens", "new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag(name)} must be >= 1")
+        if self.teacher_reconnect_timeout_s < 0:
+            raise ConfigError("--teacher-reconnect-timeout-s must be >= 0 (0: fail at once when the teacher goes away)")
+        if self.teacher_max_resubmits < 0:
+            raise ConfigError("--teacher-max-resubmits must be >= 0 (0: a batch whose session ended fails at once)")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"--log-level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
         TrainConfig._check_tls(self)

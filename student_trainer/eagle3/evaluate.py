@@ -26,9 +26,10 @@ import torch
 
 from distill_common.outputs import Argmax, AuxHiddenStates
 from student_trainer.client import TeacherClient
-from student_trainer.data import read_jsonl, tokenize_records
+from student_trainer.data import DataError, read_jsonl, tokenize_records
 from student_trainer.eagle3.config import Eagle3EvalConfig
 from student_trainer.eagle3.model import Eagle3Draft, aux_layers_of
+from student_trainer.train import teacher_result
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +87,12 @@ def prompts_from(path: str, tokenizer, count: int, prompt_tokens: int) -> list[l
 
 def decode(teacher: TeacherClient, draft: Eagle3Draft, prompt: list[int], new_tokens: int, steps: int,
            timeout_s: float, acceptance: Acceptance) -> list[int]:
-    """Greedy decoding of `new_tokens` tokens after `prompt`, verifying the draft's chains."""
+    """Greedy decoding of `new_tokens` tokens after `prompt`, verifying the draft's chains.
+
+    `timeout_s`: the longest wait for one teacher forward (then TeacherUnavailable)."""
     device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
     ids = torch.tensor([prompt])
-    out = teacher.submit(ids).result(timeout=timeout_s)
+    out = teacher_result(teacher, teacher.submit(ids), timeout_s)
     aux, ids = out.aux_hidden_states, torch.cat([ids, out.argmax[:, -1:].long().cpu()], dim=1)
     limit = teacher.info.max_seq_len
     while ids.shape[1] - len(prompt) < new_tokens:
@@ -99,7 +102,7 @@ def decode(teacher: TeacherClient, draft: Eagle3Draft, prompt: list[int], new_to
             break
         # The states of every token but the last, which the teacher chose from the states before it.
         proposals = draft.propose(aux[:, :length - 1].to(device, dtype), ids.to(device), steps).cpu()
-        out = teacher.submit(torch.cat([ids, proposals], dim=1)).result(timeout=timeout_s)
+        out = teacher_result(teacher, teacher.submit(torch.cat([ids, proposals], dim=1)), timeout_s)
         greedy = out.argmax[0, length - 1:].long().cpu()  # the teacher's token after ids, then after each proposal
         accepted = 0
         while accepted < steps and proposals[0, accepted] == greedy[accepted]:
@@ -120,14 +123,18 @@ def evaluate_acceptance(cfg: Eagle3EvalConfig) -> Acceptance:
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.draft)
     prompts = prompts_from(cfg.data, tokenizer, cfg.prompts, cfg.prompt_tokens)
     if not prompts:
-        raise ValueError(f"{cfg.data} has no record with a prompt of 2 tokens or more")
+        raise DataError(f"--data {cfg.data} has no record with a prompt of 2 tokens or more: give held-out JSONL "
+                        "with text, prompt/completion or messages records")
     acceptance = Acceptance(cfg.steps)
     with TeacherClient(cfg.teacher, device, outputs=(AuxHiddenStates(aux_layers_of(draft.config)), Argmax()),
                        tokenizer=tokenizer, vocab_size=draft.config.vocab_size, job_id="eagle3-eval",
-                       transfer_timeout_s=cfg.teacher_timeout_s, tls_ca=cfg.teacher_tls,
+                       transfer_timeout_s=cfg.teacher_timeout_s, reconnect_timeout_s=cfg.teacher_reconnect_timeout_s,
+                       max_resubmits=cfg.teacher_max_resubmits, tls_ca=cfg.teacher_tls,
                        tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None) as teacher:
+        # A forward may wait out a reconnect as well as its transfer, as in training.
+        timeout_s = cfg.teacher_timeout_s + cfg.teacher_reconnect_timeout_s
         for prompt in prompts:
-            decode(teacher, draft, prompt, cfg.new_tokens, cfg.steps, cfg.teacher_timeout_s, acceptance)
+            decode(teacher, draft, prompt, cfg.new_tokens, cfg.steps, timeout_s, acceptance)
     if cfg.output:
         Path(cfg.output).write_text(json.dumps(acceptance.to_json(), indent=2) + "\n")
     return acceptance

@@ -130,8 +130,8 @@ def train_eagle3(cfg: Eagle3Config) -> dict:
         cfg.teacher, device, outputs=teacher_outputs(target_ids, aux_layers), dtype=cfg.teacher_dtype or None,
         tokenizer=tokenizer, vocab_size=embedding.shape[0], max_inflight=cfg.prefetch + 1,
         job_id=cfg.job_id or output_dir.name, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s,
-        reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, weight=cfg.teacher_weight,
-        tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
+        reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, max_resubmits=cfg.teacher_max_resubmits,
+        weight=cfg.teacher_weight, tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
     try:
         check_target(teacher, embedding, cfg.target_model)
         if checkpoint is None:
