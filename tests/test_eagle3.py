@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import json
 import shutil
+import time
 from collections import Counter
 
 import pytest
@@ -34,7 +35,7 @@ from student_trainer.eagle3.config import Eagle3Config
 from student_trainer.eagle3.evaluate import Acceptance, decode
 from student_trainer.eagle3.model import Eagle3Draft
 from student_trainer.eagle3.train import train_eagle3
-from student_trainer.errors import InvalidRequest
+from student_trainer.errors import InvalidRequest, LimitExceeded
 from student_trainer.train import lr_lambda
 from teacher_server.launcher import ServerProcess
 from tests.helpers import finish_student, start_student, wait_for_line
@@ -125,6 +126,18 @@ def test_a_bad_subset_is_refused_at_join_with_what_to_change(server, subset, wor
     with pytest.raises(InvalidRequest) as refused:
         TeacherClient(server.address, "cpu", outputs=(SubsetLogits(subset),), job_id="bad-subset")
     assert words in str(refused.value) and "INVALID_ARGUMENT" in str(refused.value)
+
+
+def test_a_subset_over_the_teachers_request_limit_is_refused_at_once_naming_the_flag(server):
+    # 20,000 int32 ids: 80 KB, over this teacher's request limit (16 x --max-batch-tokens 512 + 64 KiB). grpc
+    # refuses it as RESOURCE_EXHAUSTED, as a full teacher is refused; asking again would not help.
+    started = time.monotonic()
+    with pytest.raises(LimitExceeded) as refused:
+        TeacherClient(server.address, "cpu", outputs=(SubsetLogits(range(20_000)),), job_id="long-subset",
+                      join_timeout_s=60)
+    assert time.monotonic() - started < 10, "the client asked again as if the teacher were full"
+    message = str(refused.value)
+    assert "larger than max" in message and "--max-request-bytes" in message and "fewer ids" in message
 
 
 # ---- training: served vs. in process -----------------------------------------------------------
