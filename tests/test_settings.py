@@ -11,11 +11,13 @@ import torch
 
 from distill_common.settings import ConfigError, non_defaults, settings_from, settings_parser
 from distill_demo.config import DemoConfig
+from distill_demo.eagle3 import Eagle3DemoConfig
 from student_trainer.config import TrainConfig
+from student_trainer.eagle3.config import Eagle3Config, Eagle3EvalConfig
 from teacher_server.admin import AdminConfig
 from teacher_server.config import ServerConfig
 
-PROGRAMS = [ServerConfig, TrainConfig, AdminConfig, DemoConfig]
+PROGRAMS = [ServerConfig, TrainConfig, AdminConfig, DemoConfig, Eagle3Config, Eagle3EvalConfig, Eagle3DemoConfig]
 TRAIN_REQUIRED = ["--model", "m", "--data", "d", "--teacher", "t:1"]
 
 
