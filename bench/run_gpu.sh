@@ -3,8 +3,9 @@
 # own timeout, each output kept under $OUT:
 #   bash bench/run_gpu.sh stubs e2e tp tpforward transport
 # tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs, dataplane, isolation. Benches:
-# transport, transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, launch (one GPU), connect.
-# Investigations (bench/investigations/): tpsend. The recipe's student side (one GPU): recipe.
+# transport, transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, connect; one GPU: launch,
+# recipe (the seed recipe's student side), eagle3 (EAGLE-3 with a colocated target).
+# Investigations (bench/investigations/): tpsend.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
 # shellcheck source=bench/gpu_env.sh
@@ -52,6 +53,9 @@ print('stubs import under grpcio', grpc.__version__)" ;;
              timeout 200 python3 -m bench.transport_trace --size-mib 256 --batches 1000 --inflight 16 --profile "$out/profile" 2>&1 | quiet | head -20 ;;
     # The seed recipe's student (deepseek-coder-6.7b-shaped, LoRA, bf16, grad ckpt): full logits vs head on student.
     recipe) timeout 580 python3 -m bench.recipe_student --out "$out/recipe.md" 2>&1 | quiet | tail -12 ;;
+    # EAGLE-3 draft training with a Llama-3-8B-shaped target in the same process (one GPU):
+    # tokens/s and peak memory at 2k .. 32k tokens per sequence (docs/eagle3.md).
+    eagle3) timeout 590 python3 -m bench.eagle3_colocated --out "$out/eagle3_colocated.md" 2>&1 | quiet | tail -15 ;;
     # Tensor parallelism: the TP=2 forward against TP=1.
     tpforward) timeout 200 "${torchrun2[@]}" -m bench.tp_forward --profile "$out/tpprof" --out "$out/tp_forward.md" 2>&1 | quiet | tail -8 ;;
     # Gathered logits from rank 0 or a vocabulary shard from each rank (docs/performance.md).

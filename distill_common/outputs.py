@@ -26,7 +26,10 @@ what (`join_layout`: the student preallocates it), takes it from the teacher's `
 tensor parallelism) and turns the received tensors into fields of the student's `JoinData`
 (`join_assemble`: `TeacherClient.joined`). Both ends call the request's `join_*` methods right
 after `handshake` (teacher_server/delivery.py, student_trainer/client.py); a kind with nothing
-to send at join keeps the defaults, which send nothing.
+to send at join keeps the defaults, which send nothing. What a kind leaves to the teacher
+(`AuxHiddenStates`' default layers, which depend on its depth) is filled in by `for_teacher`
+before the check, on both sides alike, so the student's granted request holds the same layers
+as the teacher's.
 """
 
 from __future__ import annotations
@@ -252,6 +255,9 @@ class TeacherOutput:
     final_hidden: torch.Tensor | None = None  # [B, S, H]: apply TeacherClient.joined.head for logits
     # decoder layer -> (q [B, S, query_width], k [B, S, key_width], v [B, S, value_width])
     attention_inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    subset_logits: torch.Tensor | None = None  # [B, S, len(subset)]
+    aux_hidden_states: torch.Tensor | None = None  # [B, S, 3H]
+    argmax: torch.Tensor | None = None  # [B, S] int32: the full vocabulary's argmax
 
 
 class Output(abc.ABC):
@@ -270,6 +276,10 @@ class Output(abc.ABC):
     @abc.abstractmethod
     def to_spec(self, spec: pb.OutputSpec) -> None:
         """Writes this kind's field(s) of `spec`."""
+
+    def for_teacher(self, teacher: TeacherFacts) -> "Output":
+        """This kind with what it leaves to the teacher filled in (default: nothing is)."""
+        return self
 
     def check(self, teacher: TeacherFacts) -> None:
         """Raises OutputSpecError when `teacher` cannot give this."""
@@ -530,8 +540,192 @@ class AttentionInputs(Output):
         return f"attention_layers={self.layers}"
 
 
+@dataclass(frozen=True)
+class SubsetLogits(Output):
+    """The logits of some vocabulary ids [B, S, len(token_ids)], column i for token_ids[i]:
+    an EAGLE-3 draft's vocabulary asks for N of the teacher's V logits once, at join."""
+
+    token_ids: tuple[int, ...]
+    asked_as: ClassVar[str] = "logit_subset"
+    same_vocabulary: ClassVar[bool] = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "token_ids", tuple(int(i) for i in self.token_ids))
+
+    @classmethod
+    def from_spec(cls, spec: pb.OutputSpec) -> "SubsetLogits | None":
+        if not spec.HasField("logit_subset"):
+            return None
+        try:
+            # Bounded by the bytes that came (decode checks them against the shape), not by a claimed shape.
+            ids = wire.decode(spec.logit_subset, what="outputs.logit_subset", dtypes=wire.ID_DTYPES,
+                              max_elements=len(spec.logit_subset.data))
+        except wire.WireError as e:
+            raise OutputSpecError(f"{e}: send the subset as a 1-D int32 or int64 tensor of vocabulary ids") from e
+        if ids.dim() != 1:
+            raise OutputSpecError(f"outputs.logit_subset has shape {list(ids.shape)}: send a 1-D tensor of "
+                                  "vocabulary ids")
+        return cls(tuple(ids.tolist()))
+
+    def to_spec(self, spec: pb.OutputSpec) -> None:
+        spec.logit_subset.CopyFrom(wire.encode(torch.tensor(self.token_ids, dtype=torch.int32)))
+
+    def check(self, teacher: TeacherFacts) -> None:
+        if not self.token_ids:
+            raise OutputSpecError("outputs.logit_subset is empty: send at least one vocabulary id (leave the field "
+                                  "out to ask for no subset)")
+        outside = sorted({i for i in self.token_ids if not 0 <= i < teacher.vocab_size})
+        if outside:
+            raise OutputSpecError(f"outputs.logit_subset has ids outside the teacher's vocabulary [0, "
+                                  f"{teacher.vocab_size}): {_few(outside)}; keep only ids below {teacher.vocab_size}")
+        if len(set(self.token_ids)) != len(self.token_ids):
+            seen, repeated = set(), set()
+            for i in self.token_ids:
+                (repeated if i in seen else seen).add(i)
+            raise OutputSpecError(f"outputs.logit_subset repeats ids {_few(sorted(repeated))}: send each id once")
+
+    def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
+        return [TensorSpec((batch, seq, len(self.token_ids)), dtype)]
+
+    def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
+        return [forward.logits.index_select(-1, self._index(forward.logits.device)).to(dtype).contiguous()]
+
+    def assemble(self, tensors: list[torch.Tensor]) -> dict:
+        (logits,) = tensors
+        return {"subset_logits": logits}
+
+    def _index(self, device: torch.device) -> torch.Tensor:
+        index = self._indices.get(device)
+        if index is None:
+            index = self._indices[device] = torch.tensor(self.token_ids, dtype=torch.long, device=device)
+        return index
+
+    @functools.cached_property
+    def _indices(self) -> dict:
+        return {}  # device -> the ids as a tensor there, built once
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(self.token_ids)
+
+    def __hash__(self) -> int:
+        # A request is a dict key for every batch sent (delivery.py): 32k ids are hashed once, not per batch.
+        return self._hash
+
+    def __str__(self) -> str:
+        return f"logit_subset={len(self.token_ids)} ids"
+
+
+# How many layers an EAGLE-3 draft's projection reads (fc: 3 x hidden -> hidden in vLLM, SGLang, SpecForge).
+AUX_LAYERS = 3
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """The layers vLLM (`get_eagle3_aux_hidden_state_layers`), SGLang (`set_eagle3_layers_to_capture`)
+    and the EAGLE-3 reference (traineagle3/modeling_llama_kv.py) capture: the input of layers 2,
+    L // 2 and L - 3, which is HF output_hidden_states index 2, L // 2 and L - 3."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass(frozen=True)
+class AuxHiddenStates(Output):
+    """Three layers' hidden states concatenated along the hidden dimension, [B, S, 3H] (HF
+    output_hidden_states indexing, in the order asked); no layers: the reference default for
+    the teacher's depth (`default_aux_layers`)."""
+
+    layers: tuple[int, ...] = ()
+    asked_as: ClassVar[str] = "aux_hidden_states"
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(int(layer) for layer in self.layers))
+
+    @classmethod
+    def from_spec(cls, spec: pb.OutputSpec) -> "AuxHiddenStates | None":
+        return cls(tuple(spec.aux_hidden_states.layers)) if spec.HasField("aux_hidden_states") else None
+
+    def to_spec(self, spec: pb.OutputSpec) -> None:
+        spec.aux_hidden_states.SetInParent()  # present even with no layers: "the default ones"
+        spec.aux_hidden_states.layers.extend(self.layers)
+
+    def for_teacher(self, teacher: TeacherFacts) -> "AuxHiddenStates":
+        if self.layers:
+            return self
+        layers = default_aux_layers(teacher.num_layers)
+        if teacher.num_layers < 7:  # below 7 the three default layers are not distinct and in range
+            raise OutputSpecError(
+                f"aux_hidden_states: the default layers (2, L // 2, L - 3) need a teacher of at least 7 layers, this "
+                f"one has {teacher.num_layers} (they would be {layers}); name three layers in 0 .. "
+                f"{teacher.num_layers}, e.g. {tuple(sorted({0, teacher.num_layers // 2, teacher.num_layers}))}")
+        return AuxHiddenStates(layers)
+
+    def check(self, teacher: TeacherFacts) -> None:
+        if len(self.layers) != AUX_LAYERS:
+            raise OutputSpecError(f"aux_hidden_states asks for {len(self.layers)} layers {list(self.layers)}: an "
+                                  f"EAGLE-3 draft reads exactly {AUX_LAYERS} (low, middle, high), or none for the "
+                                  "teacher's default ones")
+        bad = [layer for layer in self.layers if not 0 <= layer <= teacher.num_layers]
+        if bad:
+            raise OutputSpecError(f"aux_hidden_states layers {bad} are out of range: the teacher has "
+                                  f"{teacher.num_layers} layers, so use 0 (embeddings) .. {teacher.num_layers}")
+        if len(set(self.layers)) != len(self.layers):
+            raise OutputSpecError(f"aux_hidden_states layers {list(self.layers)} repeat a layer: name three "
+                                  "different ones")
+
+    @property
+    def needs(self) -> ForwardNeeds:
+        return ForwardNeeds(hidden_layers=frozenset(self.layers))
+
+    def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
+        return [TensorSpec((batch, seq, len(self.layers) * teacher.hidden_size), dtype)]
+
+    def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
+        return [torch.cat([forward.hidden[layer].to(dtype) for layer in self.layers], dim=-1).contiguous()]
+
+    def assemble(self, tensors: list[torch.Tensor]) -> dict:
+        (concatenated,) = tensors
+        return {"aux_hidden_states": concatenated}
+
+    def __str__(self) -> str:
+        return f"aux_hidden_states={self.layers}"
+
+
+@dataclass(frozen=True)
+class Argmax(Output):
+    """The teacher's greedy next token at each position: the full vocabulary's argmax, int32 [B, S]."""
+
+    asked_as: ClassVar[str] = "argmax"
+    same_vocabulary: ClassVar[bool] = True
+
+    @classmethod
+    def from_spec(cls, spec: pb.OutputSpec) -> "Argmax | None":
+        return cls() if spec.argmax else None
+
+    def to_spec(self, spec: pb.OutputSpec) -> None:
+        spec.argmax = True
+
+    def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
+        return [TensorSpec((batch, seq), torch.int32)]
+
+    def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
+        return [forward.logits.argmax(dim=-1).to(torch.int32).contiguous()]
+
+    def assemble(self, tensors: list[torch.Tensor]) -> dict:
+        (ids,) = tensors
+        return {"argmax": ids}
+
+    def __str__(self) -> str:
+        return "argmax"
+
+
+def _few(ids: list[int], shown: int = 8) -> str:
+    """A list of ids for a message: the first few and how many more."""
+    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+    return f"{ids[:shown]}{more}"
+
+
 # Every kind, in wire order: a session's tensors are sent kind by kind in this order.
-KINDS: tuple[type[Output], ...] = (Logits, TopK, HiddenStates, FinalHidden, AttentionInputs)
+KINDS: tuple[type[Output], ...] = (Logits, TopK, HiddenStates, FinalHidden, AttentionInputs, SubsetLogits,
+                                   AuxHiddenStates, Argmax)
 
 
 def output_spec(kinds: Iterable[Output], dtype: str | None = None) -> pb.OutputSpec:
@@ -563,6 +757,7 @@ class OutputRequest:
         for kind_class in KINDS:
             kind = kind_class.from_spec(spec)
             if kind is not None:
+                kind = kind.for_teacher(teacher)
                 kind.check(teacher)
                 kinds.append(kind)
         if not kinds:

@@ -115,14 +115,16 @@ class TeacherProcess:
 
 
 class TrainerRun:
-    """One `python -m student_trainer train ...` process writing to `run_dir` (its output to
-    `log_path`, by default run_dir/train.log).
+    """One `python -m student_trainer COMMAND ...` process (`train` unless `command` says
+    otherwise, e.g. `eagle3`) writing to `run_dir` (its output to `log_path`, by default
+    run_dir/train.log).
 
     `run_dir` is emptied first: the trainer appends to metrics.jsonl, and a previous
     run's lines would otherwise be read as this one's.
     """
 
-    def __init__(self, name: str, run_dir: Path, args: list[str], *, threads: int, log_path: Path | None = None):
+    def __init__(self, name: str, run_dir: Path, args: list[str], *, threads: int, log_path: Path | None = None,
+                 command: str = "train"):
         self.name, self.run_dir = name, run_dir
         shutil.rmtree(run_dir, ignore_errors=True)
         run_dir.mkdir(parents=True)
@@ -132,7 +134,7 @@ class TrainerRun:
         self.finished: float | None = None
         with open(self.log_path, "w") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "student_trainer", "train", "--output-dir", str(run_dir), *args],
+                [sys.executable, "-m", "student_trainer", command, "--output-dir", str(run_dir), *args],
                 stdout=log, stderr=subprocess.STDOUT, env=threads_env(threads))
 
     def poll(self) -> int | None:

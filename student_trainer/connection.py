@@ -75,6 +75,14 @@ def counts_as_gone(heartbeat_error: TeacherError, reconnect_timeout_s: float) ->
         heartbeat_error.code == grpc.StatusCode.UNAVAILABLE and reconnect_timeout_s > 0)
 
 
+def too_large(error: TeacherError) -> bool:
+    """Whether `error` is grpc's own refusal of a request over the teacher's --max-request-bytes
+    (its text: grpc checks the size before any of the teacher's code runs). Such a refusal is
+    RESOURCE_EXHAUSTED like a full teacher's, but the same request is refused again however
+    long one waits."""
+    return error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in str(error)
+
+
 class FirstJoin:
     """When to ask again after the first Join was refused: only for capacity.
 
@@ -100,7 +108,7 @@ class FirstJoin:
         (raise `final(error)`)."""
         self.attempts += 1
         left_s = self.deadline - self._clock()
-        if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or left_s <= 0:
+        if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or too_large(error) or left_s <= 0:
             return None
         pause_s = min(left_s, self._delay_s * self._jitter(0.5, 1.0))
         self._delay_s = min(2 * self._delay_s, RECONNECT_MAX_DELAY_S)
@@ -113,6 +121,10 @@ class FirstJoin:
 
     def final(self, error: TeacherError) -> TeacherError:
         """What to raise when giving up: `error`, saying how long the client asked when it was full."""
+        if too_large(error):
+            return LimitExceeded(f"{error}: the Join request is larger than the teacher's --max-request-bytes "
+                                 "(a long logit subset, say): ask for fewer ids, or start the teacher with a larger "
+                                 "--max-request-bytes", error.code)
         if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or self.attempts <= 1:
             return error
         return LimitExceeded(f"{error}; still refused after {self.attempts} attempts over join_timeout_s="

@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     # Settings the model cannot run are refused before its weights load (on every rank alike).
     try:
         model = model_config(config.model, config.trust_remote_code)
-        config.fit_model(position_limit(model, config.trust_remote_code))
+        text = model.get_text_config() if hasattr(model, "get_text_config") else model
+        config.fit_model(position_limit(model, config.trust_remote_code), getattr(text, "vocab_size", 0) or 0)
     except ConfigError as e:
         parser.error(f"--model {config.model}: {e}")
     except ValueError as e:

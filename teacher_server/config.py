@@ -92,7 +92,7 @@ class ServerConfig:
     # (teacher_server/edge.py, docs/security.md).
     max_request_bytes: ByteCount = field(default=0, metadata={"metavar": "BYTES", "help": (
         "largest gRPC request accepted (bigger ones: RESOURCE_EXHAUSTED from grpc; 0: what a batch of "
-        "--max-batch-tokens needs)")})
+        "--max-batch-tokens needs, or a Join whose logit subset is the whole vocabulary, whichever is larger)")})
     # Room for a reconnecting student whose old stream has not ended yet.
     max_streams: int = field(default=0, metadata=_help(
         "submit streams (and grpc.health Watch streams) open at once (0: 2 x --max-sessions)"))
@@ -128,6 +128,8 @@ class ServerConfig:
     # The model's hard limit on sequence length (a distill_common.models.PositionLimit), set by
     # fit_model; None: it has none. Not annotated: not a setting.
     position_limit = None
+    # The model's vocabulary size, set by fit_model (0: unknown). Not a setting either.
+    model_vocab_size = 0
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -201,14 +203,16 @@ class ServerConfig:
                 raise ConfigError(f"--tls-cert {self.tls_cert} and --tls-key {self.tls_key} do not form a usable "
                                   f"certificate and key pair: {e}") from e
 
-    def fit_model(self, limit: PositionLimit | None) -> None:
-        """Fits --max-seq-len to the model's hard limit on sequence length (None: it has none).
+    def fit_model(self, limit: PositionLimit | None, vocab_size: int = 0) -> None:
+        """Fits --max-seq-len to the model's hard limit on sequence length (None: it has none),
+        and the default request size to its vocabulary (`vocab_size`, 0: unknown).
 
         Called at start-up, before the weights load: a longer --max-seq-len is refused, and 0
         becomes the limit (or DEFAULT_MAX_SEQ_LEN), at most --max-batch-tokens. `position_limit`
         keeps the limit for the messages that refuse a batch.
         """
         self.position_limit = limit
+        self.model_vocab_size = vocab_size
         if limit is not None and self.max_seq_len > limit.positions:
             raise ConfigError(f"--max-seq-len {self.max_seq_len} is longer than the model can run: {limit}. Use "
                               f"--max-seq-len {limit.positions} or less, or leave it out")
@@ -238,8 +242,14 @@ class ServerConfig:
         return 2 * 8 * self.max_batch_tokens + (64 << 10)
 
     @property
+    def full_join_bytes(self) -> int:
+        """A Join asking for logits over the whole vocabulary as a subset (int64 ids, the widest the
+        wire allows), plus the same 64 KiB of framing: the largest Join a session may need."""
+        return 8 * self.model_vocab_size + (64 << 10)
+
+    @property
     def request_limit_bytes(self) -> int:
-        return self.max_request_bytes or self.full_batch_bytes
+        return self.max_request_bytes or max(self.full_batch_bytes, self.full_join_bytes)
 
     @property
     def streams_limit(self) -> int:

@@ -309,7 +309,7 @@ class TeacherService:
                 f"the outputs asked ({outputs}) take {_mib(need)}{at_join} for a batch of {rows} x {seq} tokens (the "
                 f"largest --max-batch-tokens and --max-seq-len allow), more than the teacher's --max-output-bytes, "
                 f"{_mib(limit)}{default}: ask for less (top-k instead of logits, fewer hidden layers, a smaller "
-                "dtype), or start the teacher with a larger --max-output-bytes")
+                "logit subset, a smaller dtype), or start the teacher with a larger --max-output-bytes")
 
     def _check_peer(self, peer: pb.PeerInfo) -> str:
         if peer.device_type not in ("cpu", "cuda"):

@@ -26,7 +26,8 @@ import torch
 from distill_common.channel import SESSION_SECRET_KEY
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
-from student_trainer import FinalHidden, HiddenStates, Logits, TeacherClient, TopK
+from student_trainer import (Argmax, AuxHiddenStates, FinalHidden, HiddenStates, Logits, SubsetLogits, TeacherClient,
+                             TopK)
 from student_trainer.errors import BatchFailed, Incompatible, InvalidRequest
 from teacher_server.launcher import ServerProcess, child_env, metrics_samples
 from tests.helpers import ROOT, wait_until
@@ -178,6 +179,20 @@ def test_outputs_over_the_teachers_limits_are_refused_at_join_naming_the_flag(se
         client(server, Logits(), TopK(4), HiddenStates((0,)), FinalHidden())
     message = str(refused.value)
     assert "184320 bytes" in message and "(12288 bytes) of it sent once at join" in message
+
+
+def test_the_draft_kinds_count_in_the_output_bytes_budget(server):
+    # A subset of every id, three layers and the argmax: 4 x 64 tokens x ((96 + 3 x 32) x 4 + 4) bytes.
+    with pytest.raises(Incompatible) as refused:
+        client(server, SubsetLogits(range(VOCAB)), AuxHiddenStates((0, 1, 2)), Argmax())
+    message = str(refused.value)
+    assert "197632 bytes" in message and "logit_subset=96 ids" in message and "aux_hidden_states=(0, 1, 2)" in message
+    assert "a smaller logit subset" in message
+    # 40 ids fit (4 x 64 x ((40 + 96) x 4 + 4) = 140,288 bytes) and are served.
+    subset = tuple(range(0, 80, 2))
+    with client(server, SubsetLogits(subset), AuxHiddenStates((0, 1, 2)), Argmax()) as student:
+        out = student.submit(ids(seed=5)).result(timeout=60)
+    assert out.subset_logits.shape == (1, 8, len(subset)) and out.aux_hidden_states.shape == (1, 8, 96)
 
 
 def _packed_with_a_bystander(server, victim_outputs, mark: int):

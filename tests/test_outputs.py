@@ -14,9 +14,11 @@ import itertools
 import pytest
 import torch
 
-from distill_common.outputs import (KINDS, AttentionFacts, AttentionInputs, BatchOutputs, FinalHidden, ForwardNeeds,
-                                    HeadFacts, HiddenStates, JoinData, Logits, OutputHead, OutputRequest,
-                                    OutputSpecError, TeacherFacts, TopK, VocabularyMismatch, output_spec)
+from distill_common import wire
+from distill_common.outputs import (KINDS, Argmax, AttentionFacts, AttentionInputs, AuxHiddenStates, BatchOutputs,
+                                    FinalHidden, ForwardNeeds, HeadFacts, HiddenStates, JoinData, Logits, OutputHead,
+                                    OutputRequest, OutputSpecError, SubsetLogits, TeacherFacts, TopK,
+                                    VocabularyMismatch, default_aux_layers, output_spec)
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 
 VOCAB, HIDDEN, LAYERS = 50, 12, 4
@@ -76,12 +78,62 @@ def test_hidden_states_are_the_layers_asked_in_the_order_asked():
         assert torch.equal(out.hidden_states[layer], forward.hidden[layer].half())
 
 
+def test_subset_logits_are_the_columns_of_the_ids_asked_in_the_order_asked():
+    forward = _forward()
+    ids = (7, 0, VOCAB - 1, 3)
+    out = _round_trip(_request(SubsetLogits(ids), dtype="bfloat16"), forward)
+    assert out.logits is None and out.subset_logits.shape == (2, 5, len(ids))
+    for column, token in enumerate(ids):
+        assert torch.equal(out.subset_logits[..., column], forward.logits[..., token].bfloat16())
+
+
+def test_aux_hidden_states_are_three_layers_side_by_side():
+    forward = _forward()
+    layers = (3, 1, LAYERS)
+    out = _round_trip(_request(AuxHiddenStates(layers)), forward)
+    assert out.aux_hidden_states.shape == (2, 5, 3 * HIDDEN) and out.hidden_states == {}
+    for i, layer in enumerate(layers):
+        assert torch.equal(out.aux_hidden_states[..., i * HIDDEN:(i + 1) * HIDDEN], forward.hidden[layer])
+
+
+def test_argmax_is_the_greedy_token_over_the_whole_vocabulary():
+    forward = _forward()
+    out = _round_trip(_request(Argmax(), SubsetLogits((1, 2))), forward)
+    assert out.argmax.dtype == torch.int32
+    assert torch.equal(out.argmax.long(), forward.logits.argmax(dim=-1))
+
+
+def test_aux_layers_left_to_the_teacher_are_the_reference_ones_on_both_sides():
+    deep = TeacherFacts(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=32, dtype=torch.bfloat16)
+    assert default_aux_layers(32) == (2, 16, 29)  # Llama-3-8B: vLLM's and SGLang's (2, L // 2, L - 3)
+    spec = output_spec([AuxHiddenStates()])
+    assert spec.HasField("aux_hidden_states") and not spec.aux_hidden_states.layers
+    teacher_side = OutputRequest.resolve(spec, deep)
+    assert teacher_side.kinds == (AuxHiddenStates((2, 16, 29)),)
+    assert teacher_side.needs == ForwardNeeds(hidden_layers=frozenset({2, 16, 29}))
+    joined = pb.JoinResponse(info=pb.TeacherInfo(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=32,
+                                                 dtype="bfloat16"), output_dtype="bfloat16")
+    assert OutputRequest.granted(spec, joined) == teacher_side
+
+
+def test_a_subset_of_32k_ids_is_hashed_once():
+    kind = SubsetLogits(range(32000))
+    assert hash(kind) == hash(tuple(range(32000))) and kind == SubsetLogits(tuple(range(32000)))
+    assert "_hash" in kind.__dict__  # cached: a request is a dict key for every batch sent
+    assert str(kind) == "logit_subset=32000 ids"
+
+
 def test_every_kind_at_once_in_wire_order():
     forward = _forward()
-    request = _request(HiddenStates((2, 1)), TopK(3), Logits())  # asked in any order, sent in KINDS order
-    assert [type(kind) for kind in request] == [Logits, TopK, HiddenStates] == list(KINDS[:3])
+    # Asked in any order, sent in KINDS order; kinds added later come after the older ones.
+    request = _request(Argmax(), HiddenStates((2, 1)), AuxHiddenStates((0, 1, 2)), TopK(3), SubsetLogits((4,)),
+                       Logits())
+    assert [type(kind) for kind in request] == [Logits, TopK, HiddenStates, SubsetLogits, AuxHiddenStates,
+                                                Argmax] == [k for k in KINDS if k not in (FinalHidden, AttentionInputs)]
     assert request.layout(2, 5) == [((2, 5, VOCAB), torch.float32), ((2, 5, 3), torch.float32),
-                                     ((2, 5, 3), torch.int32), ((2, 2, 5, HIDDEN), torch.float32)]
+                                     ((2, 5, 3), torch.int32), ((2, 2, 5, HIDDEN), torch.float32),
+                                     ((2, 5, 1), torch.float32), ((2, 5, 3 * HIDDEN), torch.float32),
+                                     ((2, 5), torch.int32)]
     out = _round_trip(request, forward)
     assert torch.equal(out.logits, forward.logits)
     assert torch.equal(out.topk_values, forward.logits.sort(dim=-1, descending=True).values[..., :3])
@@ -89,7 +141,7 @@ def test_every_kind_at_once_in_wire_order():
 
 
 def test_layouts_match_what_is_derived_for_every_combination_and_shape():
-    choices = [Logits(), TopK(4), HiddenStates((0, 2))]
+    choices = [Logits(), TopK(4), HiddenStates((0, 2)), SubsetLogits((5, 1)), AuxHiddenStates((0, 2, 1)), Argmax()]
     for size in range(1, len(choices) + 1):
         for kinds in itertools.combinations(choices, size):
             for dtype in (None, "bfloat16"):
@@ -111,6 +163,25 @@ def test_layouts_match_what_is_derived_for_every_combination_and_shape():
     (pb.OutputSpec(hidden_layers=[-1, 2]), "hidden layers [-1] are out of range"),
     (pb.OutputSpec(hidden_layers=[1, 2, 1]), "hidden layers [1, 2, 1] repeat a layer"),
     (pb.OutputSpec(logits=True, dtype="float8"), "outputs.dtype: unknown dtype 'float8'"),
+    (pb.OutputSpec(logit_subset=wire.encode(torch.zeros(0, dtype=torch.int32))),
+     "outputs.logit_subset is empty: send at least one vocabulary id"),
+    (pb.OutputSpec(logit_subset=wire.encode(torch.tensor([4, 9, 4, 1, 9]))),
+     "outputs.logit_subset repeats ids [4, 9]: send each id once"),
+    (pb.OutputSpec(logit_subset=wire.encode(torch.tensor([1, VOCAB, -2, 3]))),
+     "outputs.logit_subset has ids outside the teacher's vocabulary [0, 50): [-2, 50]; keep only ids below 50"),
+    (pb.OutputSpec(logit_subset=wire.encode(torch.tensor([[1, 2]]))), "outputs.logit_subset has shape [1, 2]: send "
+                                                                       "a 1-D tensor"),
+    (pb.OutputSpec(logit_subset=pb.Tensor(dtype="float32", shape=[1], data=b"\0" * 4)),
+     "outputs.logit_subset has dtype 'float32'"),
+    (pb.OutputSpec(aux_hidden_states=pb.AuxHiddenStates(layers=[1, 2])),
+     "aux_hidden_states asks for 2 layers [1, 2]: an EAGLE-3 draft reads exactly 3"),
+    (pb.OutputSpec(aux_hidden_states=pb.AuxHiddenStates(layers=[1, 2, LAYERS + 1])),
+     "aux_hidden_states layers [5] are out of range: the teacher has 4 layers, so use 0 (embeddings) .. 4"),
+    (pb.OutputSpec(aux_hidden_states=pb.AuxHiddenStates(layers=[1, 2, 1])),
+     "aux_hidden_states layers [1, 2, 1] repeat a layer"),
+    (output_spec([AuxHiddenStates()]), "the default layers (2, L // 2, L - 3) need a teacher of at least 7 layers, "
+                                       "this one has 4 (they would be (2, 2, 1)); name three layers in 0 .. 4, "
+                                       "e.g. (0, 2, 4)"),
 ])
 def test_requests_the_teacher_cannot_serve_are_refused_saying_what_to_change(spec, words):
     with pytest.raises(OutputSpecError) as refused:
@@ -140,6 +211,10 @@ def test_logits_need_the_teachers_vocabulary_and_hidden_states_do_not():
         request.check_student(VOCAB, "abc123")
         request.check_student(0, "")  # unknown: not compared
     _request(HiddenStates((1,))).check_student(VOCAB + 1, "another")
+    for kinds in ((SubsetLogits((1, 2)),), (Argmax(),), (AuxHiddenStates((0, 1, 2)), Argmax())):
+        with pytest.raises(VocabularyMismatch, match="tokenizer differs"):
+            _request(*kinds).check_student(VOCAB, "another")
+    _request(AuxHiddenStates((0, 1, 2))).check_student(VOCAB + 1, "another")
 
 
 def test_a_student_asks_each_kind_once_and_only_kinds():

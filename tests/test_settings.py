@@ -7,14 +7,17 @@ import dataclasses
 import re
 
 import pytest
+import torch
 
 from distill_common.settings import ConfigError, non_defaults, settings_from, settings_parser
 from distill_demo.config import DemoConfig
+from distill_demo.eagle3 import Eagle3DemoConfig
 from student_trainer.config import TrainConfig
+from student_trainer.eagle3.config import Eagle3Config, Eagle3EvalConfig
 from teacher_server.admin import AdminConfig
 from teacher_server.config import ServerConfig
 
-PROGRAMS = [ServerConfig, TrainConfig, AdminConfig, DemoConfig]
+PROGRAMS = [ServerConfig, TrainConfig, AdminConfig, DemoConfig, Eagle3Config, Eagle3EvalConfig, Eagle3DemoConfig]
 TRAIN_REQUIRED = ["--model", "m", "--data", "d", "--teacher", "t:1"]
 
 
@@ -58,6 +61,22 @@ def test_a_choice_or_check_failed_in_python_names_the_flag():
         ServerConfig(max_batch_tokens=10, max_seq_len=20)
     with pytest.raises(ConfigError, match="--timeout-s"):
         AdminConfig(timeout_s=0)
+
+
+def test_the_default_request_limit_holds_a_join_whose_logit_subset_is_the_whole_vocabulary():
+    from distill_common.outputs import SubsetLogits, output_spec
+    from distill_common.proto.teacher.v1 import teacher_pb2 as pb
+    from distill_common.wire import encode
+
+    vocab = 128_256  # Llama 3's
+    spec = output_spec([SubsetLogits(range(vocab))])
+    spec.logit_subset.CopyFrom(encode(torch.arange(vocab)))  # int64, the widest ids the wire takes
+    join_bytes = pb.JoinRequest(job_id="j" * 128, outputs=spec).ByteSize()
+    config = ServerConfig(max_batch_tokens=2048)
+    config.fit_model(None)
+    assert config.request_limit_bytes < join_bytes  # a batch alone would not make room for it
+    config.fit_model(None, vocab)
+    assert config.request_limit_bytes >= join_bytes
 
 
 def test_non_default_settings_are_logged_and_secrets_hidden():

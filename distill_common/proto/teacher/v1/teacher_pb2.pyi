@@ -84,20 +84,32 @@ class AttentionInputsInfo(_message.Message):
     def __init__(self, query_width: _Optional[int] = ..., key_width: _Optional[int] = ..., value_width: _Optional[int] = ..., unavailable: _Optional[str] = ...) -> None: ...
 
 class OutputSpec(_message.Message):
-    __slots__ = ("logits", "topk", "hidden_layers", "dtype", "final_hidden", "attention_layers")
+    __slots__ = ("logits", "topk", "hidden_layers", "dtype", "final_hidden", "attention_layers", "logit_subset", "aux_hidden_states", "argmax")
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     FINAL_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_SUBSET_FIELD_NUMBER: _ClassVar[int]
+    AUX_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    ARGMAX_FIELD_NUMBER: _ClassVar[int]
     logits: bool
     topk: int
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     final_hidden: bool
     attention_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, logits: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., final_hidden: _Optional[bool] = ..., attention_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    logit_subset: Tensor
+    aux_hidden_states: AuxHiddenStates
+    argmax: bool
+    def __init__(self, logits: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., final_hidden: _Optional[bool] = ..., attention_layers: _Optional[_Iterable[int]] = ..., logit_subset: _Optional[_Union[Tensor, _Mapping]] = ..., aux_hidden_states: _Optional[_Union[AuxHiddenStates, _Mapping]] = ..., argmax: _Optional[bool] = ...) -> None: ...
+
+class AuxHiddenStates(_message.Message):
+    __slots__ = ("layers",)
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("device_type", "device_uuid", "torch_version", "nccl_version")

@@ -89,7 +89,9 @@ class TeacherServiceServicer:
     def Join(self, request, context):
         """Opens a session. Errors:
         INVALID_ARGUMENT     the requested outputs are malformed (unknown dtype, k < 0,
-        a hidden layer out of range, nothing requested).
+        a hidden layer out of range, nothing requested, a logit
+        subset that is empty, repeats an id or leaves the
+        vocabulary, auxiliary layers not three distinct ones).
         FAILED_PRECONDITION  the student cannot talk to the teacher: its GPU is one the
         teacher uses, its NCCL/torch build differs, its vocabulary
         differs from the teacher's and it asked for logits.
