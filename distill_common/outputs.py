@@ -584,6 +584,10 @@ class SubsetLogits(Output):
                 (repeated if i in seen else seen).add(i)
             raise OutputSpecError(f"outputs.logit_subset repeats ids {_few(sorted(repeated))}: send each id once")
 
+    @property
+    def needs(self) -> ForwardNeeds:
+        return ForwardNeeds(logits=True)
+
     def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
         return [TensorSpec((batch, seq, len(self.token_ids)), dtype)]
 
@@ -702,6 +706,10 @@ class Argmax(Output):
 
     def to_spec(self, spec: pb.OutputSpec) -> None:
         spec.argmax = True
+
+    @property
+    def needs(self) -> ForwardNeeds:
+        return ForwardNeeds(logits=True)
 
     def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
         return [TensorSpec((batch, seq), torch.int32)]
