@@ -1,8 +1,9 @@
 """The student side: the client that reaches a teacher, and a distillation trainer built on it."""
 
-from distill_common.outputs import AttentionInputs, FinalHidden, HiddenStates, Logits, OutputHead, TeacherOutput, TopK
+from distill_common.outputs import (AttentionInputs, FinalHidden, HiddenStates, Logits, NextTokenLogprobs, OutputHead,
+                                    ScoredLogprobs, TeacherOutput, TopK)
 from student_trainer.client import TeacherClient, TeacherInfo
 from student_trainer.errors import TeacherError
 
 __all__ = ["TeacherClient", "TeacherInfo", "TeacherOutput", "TeacherError", "Logits", "TopK", "HiddenStates",
-           "FinalHidden", "AttentionInputs", "OutputHead"]
+           "FinalHidden", "AttentionInputs", "OutputHead", "NextTokenLogprobs", "ScoredLogprobs"]

@@ -105,6 +105,10 @@ class ServerConfig:
     http_header_timeout_s: float = field(default=10.0, metadata=_help(
         "close a HTTP connection that has not sent its request headers within this long of opening "
         "(or of its previous response)"))
+    # Part of every request's size bound (--max-request-bytes), which a caller can fill before its token is checked.
+    max_score_ids: int = field(default=8, metadata=_help(
+        "most ids per position a session may have scored (OutputSpec.score_ids): each request carries up to "
+        "--max-batch-tokens x this many int32 ids"))
     max_weight: float = field(default=100.0, metadata=_help(
         "largest weight a job may ask for at join (its share of forwards against other jobs)"))
     max_sessions_per_job: int = field(default=0, metadata=_help(
@@ -146,6 +150,8 @@ class ServerConfig:
         if self.max_seq_len and self.max_batch_tokens < self.max_seq_len:
             raise ConfigError(f"--max-batch-tokens ({self.max_batch_tokens}) must be >= --max-seq-len "
                               f"({self.max_seq_len}): otherwise a single full-length sequence could never be served")
+        if self.max_score_ids < 0:
+            raise ConfigError(f"--max-score-ids {self.max_score_ids} must be >= 0 (0: no ids scored)")
         if self.max_sessions < 1 or self.max_inflight < 1:
             raise ConfigError("--max-sessions and --max-inflight must be >= 1")
         if self.cache_bytes < 0:
@@ -160,7 +166,8 @@ class ServerConfig:
                 raise ConfigError(f"{flag(name)} must be > 0")
         if self.max_request_bytes and self.max_request_bytes < self.full_batch_bytes:
             raise ConfigError(f"--max-request-bytes {self.max_request_bytes} is too small for a batch of "
-                              f"--max-batch-tokens {self.max_batch_tokens} (int64 ids and mask): use at least "
+                              f"--max-batch-tokens {self.max_batch_tokens} (int64 ids and mask, int32 score ids): "
+                              f"use at least "
                               f"{self.full_batch_bytes} (or 0 for that)")
         for name in ("max_request_bytes", "max_streams", "max_rpcs"):
             if getattr(self, name) < 0:
@@ -233,9 +240,10 @@ class ServerConfig:
 
     @property
     def full_batch_bytes(self) -> int:
-        """A request carrying a full batch: int64 ids and mask (the widest the wire allows), plus
-        64 KiB for framing, which also covers every other message."""
-        return 2 * 8 * self.max_batch_tokens + (64 << 10)
+        """A request carrying a full batch: int64 ids and mask (the widest the wire allows) and
+        --max-score-ids int32 ids to score per token, plus 64 KiB for framing, which also covers
+        every other message."""
+        return (2 * 8 + 4 * self.max_score_ids) * self.max_batch_tokens + (64 << 10)
 
     @property
     def request_limit_bytes(self) -> int:

@@ -103,7 +103,8 @@ def test_layouts_match_what_is_derived_for_every_combination_and_shape():
 
 
 @pytest.mark.parametrize("spec, words", [
-    (pb.OutputSpec(), "no outputs requested: ask for logits, topk > 0, hidden layers"),
+    (pb.OutputSpec(), "no outputs requested: ask for logits, topk > 0, hidden layers, final_hidden, attention layers, "
+                      "next_token_logprobs or score_ids > 0"),
     (pb.OutputSpec(topk=-1), "topk -1 must be between 0 and the vocabulary size 50"),
     (pb.OutputSpec(logits=True, topk=VOCAB + 1), "topk 51 must be between 0 and the vocabulary size 50"),
     (pb.OutputSpec(hidden_layers=[LAYERS + 1]), "hidden layers [5] are out of range: the teacher has 4 layers, "
