@@ -126,8 +126,8 @@ class ServerConfig:
         "more than the logits themselves"))
     max_output_bytes: ByteCount = field(default=0, metadata={"metavar": "BYTES", "help": (
         "largest size of the outputs one session asks for its largest batch, plus what it is sent once at join "
-        "(the output head), e.g. 2GiB (0: what full logits, top-k of --max-topk and every hidden state of "
-        "--max-batch-tokens tokens take in float32)")})
+        "(the output head), e.g. 2GiB (0: what full logits, top-k of --max-topk, every hidden state and the "
+        "log-probability outputs of --max-batch-tokens tokens take in float32)")})
 
     # The model's hard limit on sequence length (a distill_common.models.PositionLimit), set by
     # fit_model; None: it has none. Not annotated: not a setting.
@@ -225,13 +225,15 @@ class ServerConfig:
 
     def output_bytes_limit(self, teacher: TeacherFacts) -> int:
         """--max-output-bytes, or by default the most the per-token kinds can ask of a batch of
-        --max-batch-tokens tokens: full logits, top-k of --max-topk (values and int32 indices)
-        and every hidden state, all in float32. Kinds that grow faster than the tokens (per
-        pair of positions, say) are bounded by it too."""
+        --max-batch-tokens tokens: full logits, top-k of --max-topk (values and int32 indices),
+        every hidden state, the next token's log-probability and --max-score-ids scored ids, all
+        in float32. Kinds that grow faster than the tokens (per pair of positions, say) are
+        bounded by it too."""
         if self.max_output_bytes:
             return self.max_output_bytes
         topk = min(self.max_topk or teacher.vocab_size, teacher.vocab_size)
-        per_token = teacher.vocab_size + 2 * topk + (teacher.num_layers + 1) * teacher.hidden_size
+        per_token = (teacher.vocab_size + 2 * topk + (teacher.num_layers + 1) * teacher.hidden_size
+                     + 1 + self.max_score_ids)
         return self.max_batch_tokens * per_token * 4
 
     @property

@@ -307,7 +307,7 @@ class TeacherService:
         limit = self.config.output_bytes_limit(self.facts)
         if need > limit:
             default = "" if self.config.max_output_bytes else (
-                ", by default what full logits, top-k and every hidden state take in float32")
+                ", by default what full logits, top-k, every hidden state and the log-probabilities take in float32")
             at_join = f" ({_mib(once)} of it sent once at join: the output head)" if once else ""
             raise FailedPrecondition(
                 f"the outputs asked ({outputs}) take {_mib(need)}{at_join} for a batch of {rows} x {seq} tokens (the "
