@@ -20,6 +20,7 @@ import requests
 import torch
 
 from distill_common import outputs
+from distill_common.channel import SESSION_SECRET_KEY
 from distill_demo.arithmetic import make_tokenizer, problems, write_jsonl
 from distill_common.outputs import (BatchDataError, BatchOutputs, HiddenStates, Logits, NextTokenLogprobs,
                                     OutputRequest, OutputSpecError, ScoredLogprobs, TeacherFacts, TopK, output_spec)
@@ -250,7 +251,8 @@ def _prompts(tmp_path, count: int = 16, shape: str = "prompt_completion"):
 
 def _source(tmp_path, model, rank: int = 0, **settings) -> onpolicy.OnPolicyBatches:
     cfg = TrainConfig(model="student", data="data", teacher="host:1", seq_len=16, batch_size=4, seed=0,
-                      **{"on_policy_fraction": 1.0, "max_new_tokens": 4, "student_topk": 3, **settings})
+                      **{"on_policy_fraction": 1.0, "on_policy_loss": "divergence", "max_new_tokens": 4,
+                         "student_topk": 3, **settings})
     prompts = BatchIterator(PromptDataset(_prompts(tmp_path), ARITHMETIC, 16, min_new_tokens=4), 4, seed=0)
     return onpolicy.OnPolicyBatches(prompts, model, cfg, stop_ids=[1], pad_id=0, rank=rank)
 
@@ -391,9 +393,9 @@ def stub(server):
         yield pb_grpc.TeacherServiceStub(channel)
 
 
-def _raw_join(stub, **outputs_fields) -> str:
+def _raw_join(stub, **outputs_fields) -> pb.JoinResponse:
     peer = pb.PeerInfo(device_type="cpu", torch_version=torch.__version__)
-    return stub.Join(pb.JoinRequest(outputs=pb.OutputSpec(**outputs_fields), peer=peer), timeout=10).session_id
+    return stub.Join(pb.JoinRequest(outputs=pb.OutputSpec(**outputs_fields), peer=peer), timeout=10)
 
 
 def _refusal(call) -> tuple[grpc.StatusCode, str]:
@@ -406,22 +408,21 @@ def test_bad_ids_are_refused_by_the_server(server, stub):
     code, message = _refusal(lambda: _raw_join(stub, score_ids=MAX_IDS + 1))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and f"--max-score-ids {MAX_IDS}" in message
     # A session whose group never forms still has its Submits validated (tests/test_bad_input.py).
-    session_id = _raw_join(stub, score_ids=3)
+    joined = _raw_join(stub, score_ids=3)
+    secret = ((SESSION_SECRET_KEY, joined.session_secret),)
     ids = np.zeros((2, 4), "<i8")
     cases = [(np.zeros((2, 4, 2), "<i4"), r"must be [2, 4, 3]"),
              (np.full((2, 4, 3), SERVED_VOCAB, "<i4"), f"must lie in [0, {SERVED_VOCAB})"),
              (None, "score_ids is missing")]
     for batch_id, (score_ids, words) in enumerate(cases):
-        request = pb.SubmitRequest(session_id=session_id, batch_id=batch_id,
+        request = pb.SubmitRequest(session_id=joined.session_id, batch_id=batch_id,
                                    input_ids=pb.Tensor(dtype="int64", shape=[2, 4], data=ids.tobytes()))
         if score_ids is not None:
             request.score_ids.CopyFrom(pb.Tensor(dtype="int32", shape=list(score_ids.shape), data=score_ids.tobytes()))
-        code, message = _refusal(lambda: stub.Submit(request, timeout=10))
+        code, message = _refusal(lambda: stub.Submit(request, timeout=10, metadata=secret))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and words in message, message
     # Through the client: the refusal reaches the future as InvalidRequest; the session serves on.
     with TeacherClient(server.address, "cpu", outputs=(NextTokenLogprobs(),)) as teacher:
-        logits_only = pb.SubmitRequest()
-        teacher.outputs.write_batch(logits_only, 1, 4)
         bad = teacher.submit(torch.tensor([[1, 2, SERVED_VOCAB, 3]]))
         with pytest.raises(InvalidRequest, match="token ids must lie in"):
             bad.result(timeout=60)
