@@ -335,6 +335,9 @@ def test_on_policy_settings_that_cannot_work_name_the_flag(settings, words):
 
 SERVED_VOCAB = 384
 MAX_IDS = 8
+MAX_BATCH_TOKENS = 512
+# The largest batch's full logits and top 5 (values, int32 ids) in float32: what the KD job below asks, exactly.
+MAX_OUTPUT_BYTES = MAX_BATCH_TOKENS * (4 * SERVED_VOCAB + 2 * 4 * 5)
 
 
 @pytest.fixture(scope="module")
@@ -351,8 +354,8 @@ def local(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    server = ServerProcess("--model", str(model_dir), "--max-batch-tokens", "512", "--max-seq-len", "64",
-                           "--max-score-ids", str(MAX_IDS))
+    server = ServerProcess("--model", str(model_dir), "--max-batch-tokens", str(MAX_BATCH_TOKENS), "--max-seq-len",
+                           "64", "--max-score-ids", str(MAX_IDS), "--max-output-bytes", str(MAX_OUTPUT_BYTES))
     yield server
     assert server.stop() == 0, server.log
 
@@ -427,6 +430,19 @@ def test_bad_ids_are_refused_by_the_server(server, stub):
         with pytest.raises(InvalidRequest, match="token ids must lie in"):
             bad.result(timeout=60)
         assert teacher.submit(torch.tensor([[1, 2, 3, 4]])).result(timeout=60).next_token_logprobs.shape == (1, 4)
+
+
+def test_log_probabilities_count_in_the_output_bytes_budget(stub):
+    """The budget holds full logits and top 5 exactly; 4 bytes a token more for the next token's
+    log-probability, or 4 per scored id, go over it: refused at join, naming the flag."""
+    assert stub.GetInfo(pb.GetInfoRequest(), timeout=10).dtype == "float32"  # the budget's arithmetic assumes it
+    _raw_join(stub, logits=True, topk=5)  # fits exactly
+    for extra in (dict(next_token_logprobs=True), dict(score_ids=1)):
+        code, message = _refusal(lambda: _raw_join(stub, logits=True, topk=5, **extra))
+        need = MAX_OUTPUT_BYTES + 4 * MAX_BATCH_TOKENS
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, message
+        assert f"{need} bytes" in message and f"{MAX_OUTPUT_BYTES} bytes" in message and "--max-output-bytes" in message
+    _raw_join(stub, next_token_logprobs=True, score_ids=MAX_IDS)  # small beside logits
 
 
 def test_sessions_sharing_a_forward_get_the_values_of_their_own_ids(server, local):
