@@ -630,6 +630,10 @@ class NextTokenLogprobs(Output):
     def check(self, teacher: TeacherFacts) -> None:
         _check_temperature(self.temperature)
 
+    @property
+    def needs(self) -> ForwardNeeds:
+        return ForwardNeeds(logits=True)
+
     def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
         return [TensorSpec((batch, seq), torch.float32)]
 
@@ -687,6 +691,10 @@ class ScoredLogprobs(Output):
             raise OutputSpecError(f"score_ids {self.k} exceeds the teacher's --max-score-ids {teacher.max_score_ids}: "
                                   "score fewer ids per position, or start the teacher with a larger --max-score-ids")
         _check_temperature(self.temperature)
+
+    @property
+    def needs(self) -> ForwardNeeds:
+        return ForwardNeeds(logits=True)
 
     def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
         return [TensorSpec((batch, seq, self.k), torch.float32)]
