@@ -2,9 +2,9 @@
 # One call on the GPU machine: the GPU tests and benches named as arguments, each under its
 # own timeout, each output kept under $OUT:
 #   bash bench/run_gpu.sh stubs e2e tp tpforward transport
-# tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs, dataplane, isolation. Benches:
-# transport, transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, connect; one GPU: launch,
-# recipe (the seed recipe's student side), eagle3 (EAGLE-3 with a colocated target).
+# tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs, dataplane, isolation, logprobs.
+# Benches: transport, transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, connect, scorecost;
+# one GPU: launch, recipe (the seed recipe's student side), eagle3 (EAGLE-3 with a colocated target).
 # Investigations (bench/investigations/): tpsend.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
@@ -36,6 +36,8 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     dataplane) gpu_test test_nccl_data_plane 200 ;;
     # The teacher's memory running out: a pack served batch by batch, top-k of the vocabulary failing alone.
     isolation) gpu_test test_isolation_gpu 300 ;;
+    # Log-probabilities at given tokens over NCCL, a 128k vocabulary in row chunks on the device.
+    logprobs) gpu_test test_logprobs_gpu 200 ;;
     # The engine's host time per forward of the bench model, eager and with CUDA graphs (one GPU).
     launch) timeout 300 python3 -m bench.forward_launch --cuda-graphs 16 --side-threads 0,3 --out "$out/launch.md" 2>&1 | quiet | tail -40 ;;
     transport) timeout 400 python3 -m bench.transport_throughput --inflight 8,16 --out "$out/transport.md" 2>&1 | quiet | tail -12 ;;
@@ -43,6 +45,9 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     # packs 1..16 batches per forward and one server serves all four sizes.
     transportgraphs) timeout 400 python3 -m bench.transport_throughput --inflight 8,16 --cuda-graphs 64 \
                        --out "$out/transport_graphs.md" 2>&1 | quiet | tail -12 ;;
+    # The teacher's cost per scored token: log-probabilities at given tokens against full bf16 logits.
+    scorecost) timeout 400 python3 -m bench.score_cost --device cuda:0 --student-device cuda:1 --dtype bfloat16 \
+                 --rows 4 --seq 2048 --batches 20 --out "$out/score_cost.md" 2>&1 | quiet | tail -12 ;;
     pipeline) timeout 500 python3 -m bench.distill_pipeline --out "$out/pipeline.md" 2>&1 | quiet | tail -12 ;;
     # Two student jobs saturating one teacher: teacher_busy_fraction >= 0.90.
     busy) timeout 500 python3 -m bench.busy_fraction --out "$out/busy.md" 2>&1 | quiet | tail -20 ;;

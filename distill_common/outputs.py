@@ -17,6 +17,13 @@ it asked for, resolved against one teacher: frozen and hashable, so sessions tha
 share what the teacher derives. The engine and the client call only the request's methods;
 neither names a kind.
 
+Per-batch data. What a kind needs from the student with every batch (ids to score, say) is a
+field of `SubmitRequest` named by the kind's `batch_field`: the student's `write_batch` checks
+and encodes it, the teacher's `read_batch` validates it at Submit (`BatchDataError`, the
+client gets `INVALID_ARGUMENT`), and `derive` finds it in `batch.data[batch_field]`. Batches
+that carry such data are derived for themselves: two sessions whose batches share a forward
+(the same ids and mask) but not their data are each sent their own tensors.
+
 Join-time data. What a kind needs from the student once (a token subset, say) is a field of
 its `OutputSpec`, read in `from_spec` and checked in `check` like `TopK.k`. What it needs from
 the teacher once (the weights of its output head, say) is too large for the control plane: it
@@ -36,11 +43,13 @@ from __future__ import annotations
 
 import abc
 import functools
+import math
 import operator
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -54,6 +63,10 @@ class OutputSpecError(ValueError):
 
 class VocabularyMismatch(ValueError):
     """The outputs asked need the teacher's vocabulary, and the student's differs."""
+
+
+class BatchDataError(ValueError):
+    """Data sent with a batch for a kind (ids to score) is missing or malformed; the message says what to change."""
 
 
 class TensorSpec(NamedTuple):
@@ -117,6 +130,7 @@ class TeacherFacts:
     max_topk: int = 0  # the teacher's --max-topk (0: up to the vocabulary size)
     head: HeadFacts = HeadFacts()
     attention: AttentionFacts = AttentionFacts()
+    max_score_ids: int = 0  # the teacher's --max-score-ids
 
     @classmethod
     def from_info(cls, info: pb.TeacherInfo) -> "TeacherFacts":
@@ -124,7 +138,8 @@ class TeacherFacts:
                    dtype=wire.parse_output_dtype(info.dtype), tokenizer_fingerprint=info.tokenizer_fingerprint,
                    head=HeadFacts.from_info(info.head) if info.HasField("head") else HeadFacts(),
                    attention=(AttentionFacts.from_info(info.attention) if info.HasField("attention")
-                              else AttentionFacts()))
+                              else AttentionFacts()),
+                   max_score_ids=info.max_score_ids)
 
 
 @dataclass
@@ -258,6 +273,8 @@ class TeacherOutput:
     subset_logits: torch.Tensor | None = None  # [B, S, len(subset)]
     aux_hidden_states: torch.Tensor | None = None  # [B, S, 3H]
     argmax: torch.Tensor | None = None  # [B, S] int32: the full vocabulary's argmax
+    next_token_logprobs: torch.Tensor | None = None  # [B, S] float32: log p(x[t+1] | x[<=t]), 0 without one
+    scored_logprobs: torch.Tensor | None = None  # [B, S, k] float32: log p(score_ids[b, t, j] | x[b, <=t])
 
 
 class Output(abc.ABC):
@@ -267,6 +284,8 @@ class Output(abc.ABC):
     asked_as: ClassVar[str]
     # Whether it only means something to a student with the teacher's vocabulary.
     same_vocabulary: ClassVar[bool] = False
+    # The SubmitRequest field it reads with every batch ("": none); see the module's docstring.
+    batch_field: ClassVar[str] = ""
 
     @classmethod
     @abc.abstractmethod
@@ -297,9 +316,10 @@ class Output(abc.ABC):
     def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
         """This kind's tensors (contiguous, as `layout` says) from the forward of `batch`.
 
-        `batch` is what the student submitted: its ids and mask, and whatever per-batch data
-        a kind reads (ids to score, say). Sessions whose requests are equal and whose batches
-        share a forward entry are sent the same derived tensors.
+        `batch` is what the student submitted: its ids and mask, and in `batch.data` what a kind
+        reads with each batch (ids to score, say). Sessions whose requests are equal and whose
+        batches share a forward entry are sent the same derived tensors, unless the batches
+        carry data (`OutputRequest.reads_batch_data`).
         """
 
     @abc.abstractmethod
@@ -317,6 +337,16 @@ class Output(abc.ABC):
     def join_assemble(self, tensors: list[torch.Tensor], teacher: TeacherFacts) -> dict:
         """The student's JoinData fields this kind fills from the tensors received at join."""
         return {}
+
+    def write_batch(self, value: torch.Tensor, batch: int, seq: int) -> pb.Tensor:
+        """The student's side of `batch_field`: `value` for a [batch, seq] input, checked and
+        encoded (ValueError saying what to change). Only kinds with a `batch_field`."""
+        raise NotImplementedError(f"{type(self).__name__} reads no data with a batch")
+
+    def read_batch(self, tensor: pb.Tensor, batch: int, seq: int, teacher: TeacherFacts) -> torch.Tensor:
+        """The teacher's side of `batch_field`: the tensor sent with a [batch, seq] input,
+        validated (BatchDataError saying what to change). Only kinds with a `batch_field`."""
+        raise NotImplementedError(f"{type(self).__name__} reads no data with a batch")
 
 
 @dataclass(frozen=True)
@@ -731,9 +761,189 @@ def _few(ids: list[int], shown: int = 8) -> str:
     return f"{ids[:shown]}{more}"
 
 
+def _logprobs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / temperature) gathered at `ids`: float32 [B, S, k] from logits
+    [B, S, V] and int64 ids [B, S, k].
+
+    Row chunks of at most _LOGPROB_CHUNK_BYTES in float32: a bfloat16 forward of 16k tokens
+    over a 128k vocabulary would otherwise need an 8 GB float32 copy next to its logits.
+    """
+    batch, seq, vocab = logits.shape
+    k = ids.shape[-1]
+    rows, index = logits.reshape(batch * seq, vocab), ids.reshape(batch * seq, k)
+    values = torch.empty(batch * seq, k, dtype=torch.float32, device=logits.device)
+    step = max(1, _LOGPROB_CHUNK_BYTES // (4 * vocab))
+    for start in range(0, batch * seq, step):
+        scaled = rows[start:start + step].float()
+        if temperature != 1.0:
+            scaled = scaled / temperature
+        values[start:start + step] = scaled.gather(1, index[start:start + step]) - scaled.logsumexp(1, keepdim=True)
+    return values.view(batch, seq, k)
+
+
+_LOGPROB_CHUNK_BYTES = 256 << 20
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor of the batch on the forward's device, without waiting for the device: a copy
+    from pageable memory would wait for everything queued on the stream (this very forward),
+    holding up the engine thread, which launches the next forward meanwhile."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _check_temperature(temperature: float) -> None:
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise OutputSpecError(f"logprob_temperature {temperature} must be positive and finite (0 means 1)")
+
+
+def _temperature_to_spec(spec: pb.OutputSpec, temperature: float) -> None:
+    """Both log-probability kinds share the spec's one temperature: asking for two differing is an error."""
+    if spec.logprob_temperature and spec.logprob_temperature != temperature:
+        raise ValueError(f"the log-probability outputs ask for temperatures {spec.logprob_temperature} and "
+                         f"{temperature}: a session has one logprob_temperature, ask for both at the same")
+    spec.logprob_temperature = temperature
+
+
+@dataclass(frozen=True)
+class NextTokenLogprobs(Output):
+    """Log-probabilities of the sequence's own next tokens: float32 [B, S], position t holding
+    log p(x[t+1] | x[<=t]) at `temperature`.
+
+    Positions without a next real token hold 0: the last position, and any position that is
+    padding or followed by padding. Sent in float32 whatever the session's dtype: a bfloat16
+    log-probability of -10 would be off by 0.03, and these are 4 bytes a token.
+    """
+
+    temperature: float = 1.0
+    asked_as: ClassVar[str] = "next_token_logprobs"
+    same_vocabulary: ClassVar[bool] = True
+
+    @classmethod
+    def from_spec(cls, spec: pb.OutputSpec) -> "NextTokenLogprobs | None":
+        return cls(spec.logprob_temperature or 1.0) if spec.next_token_logprobs else None
+
+    def to_spec(self, spec: pb.OutputSpec) -> None:
+        spec.next_token_logprobs = True
+        _temperature_to_spec(spec, self.temperature)
+
+    def check(self, teacher: TeacherFacts) -> None:
+        _check_temperature(self.temperature)
+
+    @property
+    def needs(self) -> ForwardNeeds:
+        return ForwardNeeds(logits=True)
+
+    def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
+        return [TensorSpec((batch, seq), torch.float32)]
+
+    def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
+        logits = forward.logits
+        rows, seq = logits.shape[:2]
+        values = torch.zeros(rows, seq, dtype=torch.float32, device=logits.device)
+        if seq > 1:
+            ids = _to_device(batch.input_ids, logits.device)
+            real = _to_device(batch.attention_mask, logits.device).bool()
+            scored = _logprobs_at(logits[:, :-1], ids[:, 1:, None], self.temperature)[..., 0]
+            values[:, :-1] = torch.where(real[:, :-1] & real[:, 1:], scored, 0.0)
+        return [values]
+
+    def assemble(self, tensors: list[torch.Tensor]) -> dict:
+        (values,) = tensors
+        return {"next_token_logprobs": values}
+
+    def __str__(self) -> str:
+        return f"next_token_logprobs(T={self.temperature:g})"
+
+
+# Token ids the student sends travel as int32 (4 bytes an id): vocabularies are far below 2**31.
+SCORE_ID_DTYPES = {"int32": np.int32}
+
+
+@dataclass(frozen=True)
+class ScoredLogprobs(Output):
+    """Log-probabilities at ids the student sends with each batch: float32 [B, S, k], [b, t, j]
+    holding log p(score_ids[b, t, j] | x[b, <=t]) at `temperature` (the student's own top k,
+    say, which change every step). Padding positions hold 0.
+
+    `k` is fixed for the session, at most the teacher's --max-score-ids; every batch sends
+    int32 score_ids [B, S, k] in SubmitRequest.score_ids.
+    """
+
+    k: int
+    temperature: float = 1.0
+    asked_as: ClassVar[str] = "score_ids > 0"
+    same_vocabulary: ClassVar[bool] = True
+    batch_field: ClassVar[str] = "score_ids"
+
+    @classmethod
+    def from_spec(cls, spec: pb.OutputSpec) -> "ScoredLogprobs | None":
+        return cls(spec.score_ids, spec.logprob_temperature or 1.0) if spec.score_ids else None
+
+    def to_spec(self, spec: pb.OutputSpec) -> None:
+        spec.score_ids = self.k
+        _temperature_to_spec(spec, self.temperature)
+
+    def check(self, teacher: TeacherFacts) -> None:
+        if self.k < 0:
+            raise OutputSpecError(f"score_ids {self.k} must be > 0 (ids scored per position; 0 asks for none)")
+        if self.k > teacher.max_score_ids:
+            raise OutputSpecError(f"score_ids {self.k} exceeds the teacher's --max-score-ids {teacher.max_score_ids}: "
+                                  "score fewer ids per position, or start the teacher with a larger --max-score-ids")
+        _check_temperature(self.temperature)
+
+    @property
+    def needs(self) -> ForwardNeeds:
+        return ForwardNeeds(logits=True)
+
+    def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
+        return [TensorSpec((batch, seq, self.k), torch.float32)]
+
+    def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
+        logits = forward.logits
+        ids = _to_device(batch.data[self.batch_field], logits.device)
+        real = _to_device(batch.attention_mask, logits.device).bool()
+        values = _logprobs_at(logits, ids, self.temperature)
+        return [torch.where(real[..., None], values, 0.0)]
+
+    def assemble(self, tensors: list[torch.Tensor]) -> dict:
+        (values,) = tensors
+        return {"scored_logprobs": values}
+
+    def _expected_shape(self, batch: int, seq: int) -> list[int]:
+        return [batch, seq, self.k]
+
+    def write_batch(self, value: torch.Tensor, batch: int, seq: int) -> pb.Tensor:
+        if list(value.shape) != self._expected_shape(batch, seq):
+            raise ValueError(f"score_ids has shape {list(value.shape)}; it must be {self._expected_shape(batch, seq)}: "
+                             f"the [batch, seq] of input_ids and the k = {self.k} ids per position asked at join")
+        if value.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"score_ids must be token ids (int32 or int64), got {value.dtype}")
+        return wire.encode(value.to(torch.int32))
+
+    def read_batch(self, tensor: pb.Tensor, batch: int, seq: int, teacher: TeacherFacts) -> torch.Tensor:
+        shape, expected = list(tensor.shape), self._expected_shape(batch, seq)
+        if shape != expected:
+            raise BatchDataError(f"score_ids has shape {shape}; it must be {expected}: the [batch, seq] of input_ids "
+                                 f"and the k = {self.k} ids per position this session asked for at join")
+        try:
+            ids = wire.decode_ids(tensor, what="score_ids", dtypes=SCORE_ID_DTYPES, max_elements=batch * seq * self.k)
+        except wire.WireError as e:
+            raise BatchDataError(str(e)) from e
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= teacher.vocab_size:
+            raise BatchDataError(f"score_ids must lie in [0, {teacher.vocab_size}) (the teacher's vocabulary), got "
+                                 f"values in [{low}, {high}]: padding positions need valid ids too (0 will do)")
+        return torch.from_numpy(ids)
+
+    def __str__(self) -> str:
+        return f"score_ids={self.k}(T={self.temperature:g})"
+
+
 # Every kind, in wire order: a session's tensors are sent kind by kind in this order.
 KINDS: tuple[type[Output], ...] = (Logits, TopK, HiddenStates, FinalHidden, AttentionInputs, SubsetLogits,
-                                   AuxHiddenStates, Argmax)
+                                   AuxHiddenStates, Argmax, NextTokenLogprobs, ScoredLogprobs)
 
 
 def output_spec(kinds: Iterable[Output], dtype: str | None = None) -> pb.OutputSpec:
@@ -809,6 +1019,41 @@ class OutputRequest:
     @functools.cached_property
     def needs(self) -> ForwardNeeds:
         return ForwardNeeds.union(kind.needs for kind in self)
+
+    @functools.cached_property
+    def reads_batch_data(self) -> bool:
+        """Whether its batches carry data of their own (then derived for themselves, never shared)."""
+        return any(kind.batch_field for kind in self)
+
+    def write_batch(self, request: pb.SubmitRequest, batch: int, seq: int, **data: torch.Tensor | None) -> None:
+        """The student's side: puts the data its kinds read with a [batch, seq] input into
+        `request` (keyword: the kind's batch_field). ValueError when some is missing, unasked or malformed."""
+        given = {name: value for name, value in data.items() if value is not None}
+        for kind in self:
+            if kind.batch_field:
+                if kind.batch_field not in given:
+                    raise ValueError(f"this session asked for {kind} at join: pass {kind.batch_field} with every batch")
+                getattr(request, kind.batch_field).CopyFrom(kind.write_batch(given.pop(kind.batch_field), batch, seq))
+        if given:
+            raise ValueError(f"{', '.join(sorted(given))} given, but this session asked for no output that reads it "
+                             f"(outputs: {self})")
+
+    def read_batch(self, request: pb.SubmitRequest, batch: int, seq: int) -> dict[str, torch.Tensor]:
+        """The teacher's side: the data sent with a [batch, seq] input for the kinds asked, by
+        field, validated; BatchDataError when some is missing, unasked or malformed."""
+        data = {}
+        for kind in self:
+            if kind.batch_field:
+                if not request.HasField(kind.batch_field):
+                    raise BatchDataError(f"{kind.batch_field} is missing: this session asked for {kind} at join, so "
+                                         f"every batch must send it")
+                data[kind.batch_field] = kind.read_batch(getattr(request, kind.batch_field), batch, seq, self.teacher)
+        for kind_class in KINDS:
+            name = kind_class.batch_field
+            if name and name not in data and request.HasField(name):
+                raise BatchDataError(f"{name} was sent, but this session did not ask for it at join "
+                                     f"(OutputSpec: {kind_class.asked_as}): leave it out or join asking for it")
+        return data
 
     def layout(self, batch: int, seq: int) -> list[TensorSpec]:
         """The tensors the teacher sends for a [batch, seq] input, in send order."""

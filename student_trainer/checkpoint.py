@@ -4,6 +4,7 @@ Layout of OUTPUT_DIR/checkpoint-0000012/:
     model/                  save_pretrained of the student (the adapter with LoRA) + tokenizer
     trainer_state.pt        step, optimizer, scheduler, data position, hidden projections
     rng_rank{R}.pt          each rank's RNG states
+    state_rank{R}.pt        what else differs by rank (on-policy: the batches it sampled ahead), if any
 A checkpoint is written to a temporary folder and renamed, so a crash never leaves a
 half-written one that --resume would pick. These files are our own, written locally;
 they are loaded with weights_only=True all the same.
@@ -48,8 +49,8 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def save_checkpoint(output_dir: str | Path, step: int, *, model, tokenizer, trainer_state: dict, rank: int,
-                    world_size: int, barrier) -> Path:
-    """Rank 0 writes the model and trainer state; every rank writes its RNG state."""
+                    world_size: int, barrier, rank_state: dict | None = None) -> Path:
+    """Rank 0 writes the model and trainer state; every rank writes its RNG state (and its `rank_state`)."""
     final = Path(output_dir) / f"checkpoint-{step:07d}"
     staging = Path(output_dir) / f".staging-checkpoint-{step:07d}"
     if rank == 0:
@@ -61,6 +62,8 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model, tokenizer, trai
         torch.save(trainer_state, staging / "trainer_state.pt")
     barrier()
     torch.save(rng_state(), staging / f"rng_rank{rank}.pt")
+    if rank_state is not None:
+        torch.save(rank_state, staging / f"state_rank{rank}.pt")
     barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -73,3 +76,9 @@ def load_trainer_state(checkpoint: Path, rank: int) -> tuple[dict, dict]:
     trainer_state = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
     rng = torch.load(checkpoint / f"rng_rank{rank}.pt", weights_only=True)
     return trainer_state, rng
+
+
+def load_rank_state(checkpoint: Path, rank: int) -> dict:
+    """This rank's `rank_state` of `save_checkpoint` ({} when none was saved)."""
+    path = checkpoint / f"state_rank{rank}.pt"
+    return torch.load(path, weights_only=True) if path.exists() else {}

@@ -99,7 +99,8 @@ class TeacherClient:
                  tls_ca: str | bool | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  reconnect_timeout_s: float = 300.0, max_resubmits: int = MAX_RESUBMITS):
         """`outputs`: the kinds of teacher output to receive (distill_common.outputs: Logits(),
-        TopK(k), HiddenStates(layers)), in `dtype` (None: the teacher's).
+        TopK(k), HiddenStates(layers), NextTokenLogprobs(), ScoredLogprobs(k)), in `dtype`
+        (None: the teacher's; log-probabilities are float32).
 
         `tls_ca`: talk TLS to a teacher started with --tls-cert, trusting this PEM CA bundle
         (True: the system's roots). `tls_cert`/`tls_key`: this client's certificate, for a
@@ -181,8 +182,11 @@ class TeacherClient:
         return self._connection.session.session_id
 
     def submit(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               timeout_s: float | None = None) -> Future:
+               timeout_s: float | None = None, *, score_ids: torch.Tensor | None = None) -> Future:
         """Registers a [B, S] batch; returns at once a Future of its TeacherOutput.
+
+        `score_ids` [B, S, k]: the ids whose log-probabilities a session that asked for
+        ScoredLogprobs(k) wants at each position (required then, refused otherwise).
 
         The batch is put on the session's submit stream; its receives are posted by the
         session's own threads once the teacher announces it, so a training loop never
@@ -198,16 +202,15 @@ class TeacherClient:
             raise ValueError(f"attention_mask shape {list(attention_mask.shape)} differs from input_ids "
                              f"{list(input_ids.shape)}")
         # Encoded now: the caller may reuse its tensors as soon as submit returns.
-        ids = wire.encode(input_ids)
-        mask = wire.encode(attention_mask) if attention_mask is not None else None
+        request = pb.SubmitRequest(input_ids=wire.encode(input_ids))
+        if attention_mask is not None:
+            request.attention_mask.CopyFrom(wire.encode(attention_mask))
+        self.outputs.write_batch(request, *input_ids.shape, score_ids=score_ids)
         wait_s = self.transfer_timeout_s if timeout_s is None else timeout_s
         tracing.mark("s_submit", self._next_batch_id)
         self._acquire_slot(wait_s)
         future: Future = Future()
         future.add_done_callback(lambda _: self._slots.release())
-        request = pb.SubmitRequest(input_ids=ids)
-        if mask is not None:
-            request.attention_mask.CopyFrom(mask)
         with self._submit_lock:
             with self._cond:
                 error = self._connection.unusable()

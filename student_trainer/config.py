@@ -68,6 +68,23 @@ class TrainConfig:
         "query rows per block of the attention loss (memory: ~4 x 4 B x batch x heads x block x seq)"))
     kd_chunk_tokens: int = field(default=1024, metadata=_help(
         "tokens per chunk of the KD loss (memory: ~5 x 4 B x chunk x vocab)"))
+    # On-policy distillation (student_trainer/onpolicy.py, docs/training.md).
+    on_policy_fraction: float | None = field(default=None, metadata={"metavar": "LAMBDA", "help": (
+        "on-policy distillation (GKD): the share of batches whose completions the student samples from the "
+        "data's prompts, the others keeping the data's completions (1: fully on-policy, 0: never sampled); "
+        "--data then holds {prompt, completion} or {messages} records (default: off, plain distillation)")})
+    on_policy_loss: Literal["sampled", "divergence"] = field(default="sampled", metadata=_help(
+        "the loss on sampled completions: sampled, the per-token reverse KL on the sampled tokens from the "
+        "teacher's log-probability of each; divergence, --loss on the support --student-topk says"))
+    student_topk: int = field(default=0, metadata=_help(
+        "on-policy: --loss is computed on the student's own top K ids and the rest, which the teacher scores "
+        "exactly (0: on the teacher's full logits)"))
+    sample_temperature: float = field(default=1.0, metadata=_help("on-policy: the temperature of sampling"))
+    top_p: float = field(default=1.0, metadata=_help("on-policy: nucleus sampling's mass (1: off)"))
+    max_new_tokens: int = field(default=64, metadata=_help(
+        "on-policy: the longest sampled completion (prompts must leave this many of --seq-len)"))
+    stop_tokens: str = field(default="", metadata=_help(
+        "on-policy: comma-separated tokens that end a sample besides eos and the chat template's end of turn"))
     lora_r: int = field(default=0, metadata=_help("LoRA rank (needs peft; 0: full fine-tuning)"))
     lora_alpha: int = field(default=16, metadata=_help("LoRA alpha"))
     lora_dropout: float = field(default=0.0, metadata=_help("LoRA dropout"))
@@ -158,7 +175,37 @@ class TrainConfig:
             raise ConfigError("--lora-r must be >= 0 (0: full fine-tuning)")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"--log-level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
+        self._check_on_policy()
         self._check_tls()
+
+    def _check_on_policy(self) -> None:
+        if not self.on_policy:
+            if self.student_topk:
+                raise ConfigError("--student-topk applies to on-policy training: give --on-policy-fraction too, or "
+                                  "use --topk (the teacher's top k)")
+            return
+        if not 0 <= self.on_policy_fraction <= 1:
+            raise ConfigError(f"--on-policy-fraction {self.on_policy_fraction} must lie in [0, 1]")
+        if self.on_policy_fraction > 0 and not self.uses_logits:
+            raise ConfigError("--on-policy-fraction > 0 needs the teacher: --kd-weight > 0 (sampled completions "
+                              "have no reference to train on)")
+        if self.hidden_layers or self.topk:
+            raise ConfigError("on-policy training distils log-probabilities: leave out --hidden-layers and --topk "
+                              "(--student-topk K scores the student's own top K)")
+        if self.student_topk < 0:
+            raise ConfigError("--student-topk must be >= 0 (0: the teacher's full logits)")
+        if self.student_topk and self.on_policy_fraction == 1 and self.on_policy_loss == "sampled":
+            raise ConfigError("--student-topk is the support of the --loss divergence, which no batch uses with "
+                              "--on-policy-fraction 1 --on-policy-loss sampled: leave it out, or use "
+                              "--on-policy-loss divergence")
+        if not (self.sample_temperature > 0 and self.sample_temperature != float("inf")):
+            raise ConfigError(f"--sample-temperature {self.sample_temperature} must be > 0 and finite: the "
+                              "sampled-token loss needs the distribution samples come from")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p {self.top_p} must lie in (0, 1]")
+        if not 1 <= self.max_new_tokens < self.seq_len:
+            raise ConfigError(f"--max-new-tokens {self.max_new_tokens} must be >= 1 and leave room for a prompt "
+                              f"in --seq-len {self.seq_len}")
 
     def _check_tls(self) -> None:
         from distill_common.channel import TlsFlags, channel_credentials
@@ -173,6 +220,10 @@ class TrainConfig:
         from distill_common.channel import tls_ca_arg  # grpc: only when a teacher is used
 
         return tls_ca_arg(self.teacher_tls_ca)
+
+    @property
+    def on_policy(self) -> bool:
+        return self.on_policy_fraction is not None
 
     @property
     def uses_logits(self) -> bool:

@@ -455,6 +455,107 @@ class PackedDataset(torch.utils.data.Dataset):
 
 
 # ---------------------------------------------------------------------------------------
+# Prompts, for on-policy training
+
+
+def split_prompt(record: dict, tokenizer, label: str = "record") -> tuple[list[int], list[int], int]:
+    """A record as (ids, loss mask, prompt length): the prompt is ids[:prompt length], the
+    reference completion what follows, and the mask marks the completion's trained tokens.
+
+    - prompt/completion: the prompt's tokens, then the completion and eos (as `tokenize_record`).
+    - messages: the conversation through its last assistant message, rendered as
+      `tokenize_record` does; the prompt is everything before that message's content (its role
+      header included: what a chat template's generation prompt adds), the completion that
+      message and what closes it. Earlier assistant turns are part of the prompt, not trained on.
+    - text: has no prompt, a DataError.
+    """
+    shape = record_shape(record)
+    if shape == "text":
+        raise DataError('{"text"} records have no prompt: on-policy training needs {"prompt", "completion"} or '
+                        '{"messages"} records')
+    if shape == "prompt_completion":
+        ids, mask = tokenize_record(record, tokenizer)
+        return ids, mask, mask.index(1)
+    messages = record["messages"]
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last is None:
+        raise DataError('"messages" has no assistant message: the last one is the reference completion of the '
+                        "prompt made of the others")
+    ids, mask = tokenize_records([{"messages": messages[:last + 1]}], tokenizer, labels=[label])[0]
+    # The trained tokens before the last assistant message: where the completion starts is the next one.
+    before = sum(tokenize_records([{"messages": messages[:last]}], tokenizer, labels=[label])[0][1]) if last else 0
+    trained = [position for position, flag in enumerate(mask) if flag]
+    if len(trained) <= before:
+        raise DataError(f"{label}: the last assistant message has no trained tokens (is its content empty?)")
+    start = trained[before]
+    return ids, [0] * start + mask[start:], start
+
+
+class PromptDataset(torch.utils.data.Dataset):
+    """Prompts and their reference completions, one per example, for on-policy training.
+
+    The tensors are those of a PackedDataset in "truncate" mode (so `BatchIterator` reads it
+    alike): [N, seq_len] right-padded prompt + reference completion, the loss mask on the
+    completion, whose first token is always kept and trained: a row's prompt length is the
+    position of its loss mask's first 1 (`prompt_lengths`). A prompt must leave `min_new_tokens` of the `seq_len`
+    for what is generated after it, or the line is a DataError (with `skip_bad_lines`, skipped
+    and counted); a reference completion longer than the rest is cut.
+    """
+
+    def __init__(self, path: str | Path, tokenizer, seq_len: int, *, min_new_tokens: int = 1,
+                 skip_bad_lines: bool = False) -> None:
+        read_stats = ReadStats()
+        numbered = list(read_jsonl(path, skip_bad_lines=skip_bad_lines, stats=read_stats))
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _eos_id(tokenizer)
+        rows: list[tuple[list[int], list[int], int]] = []
+        self.stats = DatasetStats(records=len(numbered), skipped_bad_lines=read_stats.skipped_bad_lines)
+        for line_number, record in numbered:
+            label = f"{path}:{line_number}"
+            try:
+                ids, mask, prompt_length = split_prompt(record, tokenizer, label)
+                if prompt_length > seq_len - min_new_tokens:
+                    raise DataError(f"its prompt has {prompt_length} tokens, which leaves fewer than {min_new_tokens} "
+                                    f"of --seq-len {seq_len} to generate: raise --seq-len or lower --max-new-tokens")
+            except DataError as e:
+                if not skip_bad_lines:
+                    raise DataError(f"{label}: {e}") from e
+                self.stats.skipped_bad_lines += 1
+                logger.warning("skipped bad line %s: %s", label, e)
+                continue
+            rows.append((ids, mask, prompt_length))
+        if not rows:
+            raise DataError(f"{path}: no usable prompts ({self.stats.skipped_bad_lines} bad lines skipped)")
+        self.seq_len, self.mode, self.source = seq_len, "truncate", str(path)
+        self.input_ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.int64)
+        self.attention_mask = torch.zeros(len(rows), seq_len, dtype=torch.int64)
+        self.loss_mask = torch.zeros(len(rows), seq_len, dtype=torch.int64)
+        for row, (ids, mask, _) in enumerate(rows):
+            kept = min(len(ids), seq_len)
+            self.stats.truncated_documents += kept < len(ids)
+            self.stats.dropped_tokens += len(ids) - kept
+            self.input_ids[row, :kept] = torch.tensor(ids[:kept])
+            self.attention_mask[row, :kept] = 1
+            self.loss_mask[row, :kept] = torch.tensor(mask[:kept])
+        self.stats.examples = len(rows)
+        self.stats.document_tokens = sum(len(ids) for ids, _, _ in rows)
+        self.stats.loss_tokens = int(self.loss_mask.sum())
+        self.stats.pad_tokens = int((self.attention_mask == 0).sum())
+        digest = hashlib.sha256(f"prompts:{seq_len}".encode())
+        for tensor in (self.input_ids, self.loss_mask):
+            digest.update(tensor.numpy().tobytes())
+        self.fingerprint = digest.hexdigest()
+        logger.info("prompts %s (seq_len=%d): %s", path, seq_len, self.stats)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def prompt_lengths(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B] prompt lengths of a PromptDataset batch: where each row's loss mask first is 1."""
+    return loss_mask.argmax(dim=1)
+
+
+# ---------------------------------------------------------------------------------------
 # Batches
 
 

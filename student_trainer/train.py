@@ -3,7 +3,8 @@
 One process per student rank (torchrun for several: DDP across ranks, each rank its
 own teacher session). The teacher's outputs for the next `--prefetch` micro-batches
 are requested while the current one trains, so a step costs max(teacher, student),
-not their sum.
+not their sum. With `--on-policy-fraction` the batches are prompts the student completes
+and their losses those of student_trainer/onpolicy.py; the loop is the same.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from tqdm import tqdm
 from distill_common.attention_inputs import AttentionCapture
 from distill_common.outputs import AttentionInputs, FinalHidden, HiddenStates, Logits, Output, OutputHead, TeacherOutput, TopK
 from distill_common.settings import ConfigError, non_defaults
-from student_trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
+from student_trainer import onpolicy
+from student_trainer.checkpoint import (latest_checkpoint, load_rank_state, load_trainer_state, save_checkpoint,
+                                       set_rng_state)
 from student_trainer.client import TeacherClient
 from student_trainer.config import TrainConfig
-from student_trainer.data import BatchIterator, PackedDataset
+from student_trainer.data import BatchIterator, PackedDataset, PromptDataset
 from student_trainer.errors import TeacherUnavailable
 from student_trainer.losses import (HiddenProjection, attention_relation_loss, hidden_state_loss, kd_loss,
                                     kd_loss_from_hidden, topk_kd_loss)
@@ -48,19 +51,22 @@ class TeacherPrefetcher:
 
     Remembers the data position before each batch it drew, so a checkpoint records the
     first batch not yet trained on: the in-flight ones are simply asked for again
-    after a resume.
+    after a resume. Batches that cannot be drawn again alike (the student's samples) are
+    checkpointed themselves instead (`drawn_ahead`) and given back as `replay`.
     """
 
-    def __init__(self, teacher: TeacherClient | None, batches: BatchIterator, depth: int, timeout_s: float):
+    def __init__(self, teacher: TeacherClient | None, batches, depth: int, timeout_s: float, replay=()):
         """`timeout_s`: the longest wait for one batch's outputs (then TeacherUnavailable)."""
         self.teacher, self.batches, self.depth, self.timeout_s = teacher, batches, depth, timeout_s
         self._queue: deque = deque()
+        self._replay = deque(replay)  # submitted before any new batch is drawn
 
     def _fill(self, size: int) -> None:
         while len(self._queue) < size:
             position = self.batches.state_dict()
-            batch = next(self.batches)
-            future = self.teacher.submit(batch["input_ids"], batch["attention_mask"]) if self.teacher else None
+            batch = self._replay.popleft() if self._replay else next(self.batches)
+            future = (self.teacher.submit(batch["input_ids"], batch["attention_mask"], score_ids=batch.get("score_ids"))
+                      if self.teacher else None)
             self._queue.append((position, batch, future))
 
     def next(self) -> tuple[dict, TeacherOutput | None, float]:
@@ -73,6 +79,18 @@ class TeacherPrefetcher:
 
     def data_state(self) -> dict:
         return self._queue[0][0] if self._queue else self.batches.state_dict()
+
+    def drawn_ahead(self) -> list[dict]:
+        """The batches drawn and not yet trained on, oldest first."""
+        return [batch for _, batch, _ in self._queue] + list(self._replay)
+
+
+def load_dataset(cfg: TrainConfig, tokenizer, path: str, skip_bad_lines: bool = False):
+    """Packed examples, or (on-policy) prompts with their reference completions."""
+    if cfg.on_policy:
+        return PromptDataset(path, tokenizer, cfg.seq_len, min_new_tokens=cfg.max_new_tokens,
+                             skip_bad_lines=skip_bad_lines)
+    return PackedDataset(path, tokenizer, cfg.seq_len, mode=cfg.pack_mode, skip_bad_lines=skip_bad_lines)
 
 
 def teacher_result(teacher: TeacherClient, future: Future, timeout_s: float) -> TeacherOutput:
@@ -107,7 +125,9 @@ def attention_layer_for(teacher_layer: int, teacher_layers: int, student_layers:
 def teacher_outputs(cfg: TrainConfig) -> tuple[Output, ...]:
     """What `distill_losses` reads of the teacher: its full or top-k logits, or its final hidden
     state for its head on the student, for KD; the hidden states and attention inputs of the
-    layers asked."""
+    layers asked (on-policy: what onpolicy.distill_losses reads)."""
+    if cfg.on_policy:
+        return onpolicy.teacher_outputs(cfg)
     kinds = []
     if cfg.uses_logits:
         kinds.append(FinalHidden() if cfg.head_on_student else TopK(cfg.topk) if cfg.topk else Logits())
@@ -205,8 +225,11 @@ def train_micro_batch(cfg: TrainConfig, model, batch: dict, out: TeacherOutput |
     with autocast, (capture if capture is not None else contextlib.nullcontext()):
         student_out = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
                             output_hidden_states=bool(cfg.hidden_layers))
-    losses = distill_losses(cfg, student_out.logits, student_out.hidden_states, batch, out, maps,
-                            capture.take() if capture is not None else None)
+    if cfg.on_policy:
+        losses = onpolicy.distill_losses(cfg, student_out.logits, batch, out)
+    else:
+        losses = distill_losses(cfg, student_out.logits, student_out.hidden_states, batch, out, maps,
+                                capture.take() if capture is not None else None)
     (losses["loss"] / cfg.grad_accum).backward()
     return {key: value.item() for key, value in losses.items()}
 
@@ -342,9 +365,9 @@ def train(cfg: TrainConfig) -> dict:
         model.config.use_cache = False
     model.train()
 
-    dataset = PackedDataset(cfg.data, tokenizer, cfg.seq_len, mode=cfg.pack_mode, skip_bad_lines=cfg.skip_bad_lines)
+    dataset = load_dataset(cfg, tokenizer, cfg.data, skip_bad_lines=cfg.skip_bad_lines)
     batches = BatchIterator(dataset, cfg.batch_size, seed=cfg.seed, rank=rank, world_size=world_size)
-    eval_set = PackedDataset(cfg.eval_data, tokenizer, cfg.seq_len, mode=cfg.pack_mode) if cfg.eval_data else None
+    eval_set = load_dataset(cfg, tokenizer, cfg.eval_data) if cfg.eval_data else None
     total_steps = cfg.max_steps or cfg.epochs * max(1, batches.steps_per_epoch // cfg.grad_accum)
 
     teacher = None
@@ -365,12 +388,18 @@ def train(cfg: TrainConfig) -> dict:
     params += list(projections.parameters()) if projections is not None else []
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+    source, replay = batches, []  # what the loop draws its batches from
+    if cfg.on_policy:
+        stop_ids = onpolicy.stop_token_ids(tokenizer, cfg.stop_tokens)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+        source = onpolicy.OnPolicyBatches(batches, model, cfg, stop_ids=stop_ids, pad_id=pad_id, rank=rank)
     step = 0
     if checkpoint is not None:
         state, rng = load_trainer_state(checkpoint, rank)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         batches.load_state_dict(state["data"])
+        replay = load_rank_state(checkpoint, rank).get("ahead", [])
         if projections is not None:
             projections.load_state_dict(state["projections"])
         step = state["step"]
@@ -387,15 +416,19 @@ def train(cfg: TrainConfig) -> dict:
     # A batch may wait out a reconnect as well as its transfer: the client resolves it within
     # both (or fails it), so this is only the backstop.
     outputs_timeout_s = cfg.teacher_timeout_s + cfg.teacher_reconnect_timeout_s
-    prefetcher = TeacherPrefetcher(teacher, batches, cfg.prefetch, outputs_timeout_s)
+    prefetcher = TeacherPrefetcher(teacher, source, cfg.prefetch, outputs_timeout_s, replay)
     metrics = MetricsWriter(output_dir, enabled=rank == 0)
 
     def checkpoint_now() -> Path:
         state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "data": prefetcher.data_state(),
                  "projections": projections.state_dict() if projections is not None else {}}
+        rank_state = None
+        if cfg.on_policy:  # samples cannot be drawn again alike: the position after them, and they themselves
+            state["data"] = batches.state_dict()
+            rank_state = {"ahead": prefetcher.drawn_ahead()}
         return save_checkpoint(output_dir, step, model=model, tokenizer=tokenizer, trainer_state=state,
-                               rank=rank, world_size=world_size, barrier=barrier)
+                               rank=rank, world_size=world_size, barrier=barrier, rank_state=rank_state)
 
     # The model and libraries live for the whole run: keep the cyclic GC from walking
     # them (a pause of tens of ms) while the loop allocates.
@@ -436,7 +469,10 @@ def train(cfg: TrainConfig) -> dict:
                       "tokens_per_s": tokens * world_size / elapsed, "teacher_wait_s": teacher_wait_s,
                       "step_s": elapsed}
             if eval_set is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
-                record.update(evaluate(model, eval_set, cfg, device, teacher, outputs_timeout_s))
+                if cfg.on_policy:
+                    record.update(onpolicy.evaluate(model, eval_set, cfg, device, stop_ids, pad_id))
+                else:
+                    record.update(evaluate(model, eval_set, cfg, device, teacher, outputs_timeout_s))
                 log.info("step %d held-out: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in record.items()
                                                                 if k.startswith("eval_")))
             history.append(record)

@@ -105,6 +105,10 @@ class ServerConfig:
     http_header_timeout_s: float = field(default=10.0, metadata=_help(
         "close a HTTP connection that has not sent its request headers within this long of opening "
         "(or of its previous response)"))
+    # Part of every request's size bound (--max-request-bytes), which a caller can fill before its token is checked.
+    max_score_ids: int = field(default=8, metadata=_help(
+        "most ids per position a session may have scored (OutputSpec.score_ids): each request carries up to "
+        "--max-batch-tokens x this many int32 ids"))
     max_weight: float = field(default=100.0, metadata=_help(
         "largest weight a job may ask for at join (its share of forwards against other jobs)"))
     max_sessions_per_job: int = field(default=0, metadata=_help(
@@ -122,8 +126,8 @@ class ServerConfig:
         "more than the logits themselves"))
     max_output_bytes: ByteCount = field(default=0, metadata={"metavar": "BYTES", "help": (
         "largest size of the outputs one session asks for its largest batch, plus what it is sent once at join "
-        "(the output head), e.g. 2GiB (0: what full logits, top-k of --max-topk and every hidden state of "
-        "--max-batch-tokens tokens take in float32)")})
+        "(the output head), e.g. 2GiB (0: what full logits, top-k of --max-topk, every hidden state and the "
+        "log-probability outputs of --max-batch-tokens tokens take in float32)")})
 
     # The model's hard limit on sequence length (a distill_common.models.PositionLimit), set by
     # fit_model; None: it has none. Not annotated: not a setting.
@@ -148,6 +152,8 @@ class ServerConfig:
         if self.max_seq_len and self.max_batch_tokens < self.max_seq_len:
             raise ConfigError(f"--max-batch-tokens ({self.max_batch_tokens}) must be >= --max-seq-len "
                               f"({self.max_seq_len}): otherwise a single full-length sequence could never be served")
+        if self.max_score_ids < 0:
+            raise ConfigError(f"--max-score-ids {self.max_score_ids} must be >= 0 (0: no ids scored)")
         if self.max_sessions < 1 or self.max_inflight < 1:
             raise ConfigError("--max-sessions and --max-inflight must be >= 1")
         if self.cache_bytes < 0:
@@ -162,7 +168,8 @@ class ServerConfig:
                 raise ConfigError(f"{flag(name)} must be > 0")
         if self.max_request_bytes and self.max_request_bytes < self.full_batch_bytes:
             raise ConfigError(f"--max-request-bytes {self.max_request_bytes} is too small for a batch of "
-                              f"--max-batch-tokens {self.max_batch_tokens} (int64 ids and mask): use at least "
+                              f"--max-batch-tokens {self.max_batch_tokens} (int64 ids and mask, int32 score ids): "
+                              f"use at least "
                               f"{self.full_batch_bytes} (or 0 for that)")
         for name in ("max_request_bytes", "max_streams", "max_rpcs"):
             if getattr(self, name) < 0:
@@ -222,13 +229,15 @@ class ServerConfig:
 
     def output_bytes_limit(self, teacher: TeacherFacts) -> int:
         """--max-output-bytes, or by default the most the per-token kinds can ask of a batch of
-        --max-batch-tokens tokens: full logits, top-k of --max-topk (values and int32 indices)
-        and every hidden state, all in float32. Kinds that grow faster than the tokens (per
-        pair of positions, say) are bounded by it too."""
+        --max-batch-tokens tokens: full logits, top-k of --max-topk (values and int32 indices),
+        every hidden state, the next token's log-probability and --max-score-ids scored ids, all
+        in float32. Kinds that grow faster than the tokens (per pair of positions, say) are
+        bounded by it too."""
         if self.max_output_bytes:
             return self.max_output_bytes
         topk = min(self.max_topk or teacher.vocab_size, teacher.vocab_size)
-        per_token = teacher.vocab_size + 2 * topk + (teacher.num_layers + 1) * teacher.hidden_size
+        per_token = (teacher.vocab_size + 2 * topk + (teacher.num_layers + 1) * teacher.hidden_size
+                     + 1 + self.max_score_ids)
         return self.max_batch_tokens * per_token * 4
 
     @property
@@ -237,9 +246,10 @@ class ServerConfig:
 
     @property
     def full_batch_bytes(self) -> int:
-        """A request carrying a full batch: int64 ids and mask (the widest the wire allows), plus
-        64 KiB for framing, which also covers every other message."""
-        return 2 * 8 * self.max_batch_tokens + (64 << 10)
+        """A request carrying a full batch: int64 ids and mask (the widest the wire allows) and
+        --max-score-ids int32 ids to score per token, plus 64 KiB for framing, which also covers
+        every other message."""
+        return (2 * 8 + 4 * self.max_score_ids) * self.max_batch_tokens + (64 << 10)
 
     @property
     def full_join_bytes(self) -> int:

@@ -194,16 +194,19 @@ class Delivery:
     def _send(self, session: Session, batch: Batch, out: BatchOutputs, derived: dict):
         """Derives what this session asked for from the batch's outputs and posts the sends.
 
-        `derived` holds what this forward already derived, by (outputs, request, transport):
-        sessions that share a batch and ask the same are sent the same tensors.
-        Returns what the announcer needs once the forward is done: (session, batch id), or
-        None when the session ended meanwhile.
+        `derived` holds what this forward already derived, by (outputs, request, transport, and
+        the batch itself when it carries data): sessions that share a batch and ask the same are
+        sent the same tensors.
+        Returns what the announcer needs once the forward is done: (session, batch id),
+        or None when the session ended meanwhile.
         """
         with self._lock:
             link = self._links.get(session.session_id)
         if link is None:
             return None  # ended meanwhile
-        key = (id(out), session.outputs, session.backend)
+        # A batch that carries data of its own (ids to score) is derived for itself: an equal
+        # request on identical ids and mask does not make equal tensors then.
+        key = (id(out), session.outputs, session.backend, id(batch) if session.outputs.reads_batch_data else None)
         tensors = derived.get(key)
         try:
             if tensors is None:

@@ -28,7 +28,7 @@ from google.protobuf import message_factory
 
 from distill_common import tracing, wire
 from distill_common.channel import SESSION_SECRET_KEY
-from distill_common.outputs import OutputRequest, OutputSpecError, TeacherFacts, VocabularyMismatch
+from distill_common.outputs import BatchDataError, OutputRequest, OutputSpecError, TeacherFacts, VocabularyMismatch
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.rendezvous import RendezvousError, SessionStore
 from distill_common.session_group import device_uuid
@@ -166,6 +166,10 @@ class TeacherService:
                                     f"max_inflight, at most the teacher's --max-inflight {self.config.max_inflight}); "
                                     "receive outputs before submitting more")
         batch = self._decode_batch(request)
+        try:
+            batch.data = session.outputs.read_batch(request, batch.rows, batch.seq_len)
+        except BatchDataError as e:
+            raise InvalidArgument(str(e)) from e
         inflight = self.engine.submit(session, batch)
         return session, pb.SubmitResponse(batch_id=request.batch_id, inflight=inflight)
 
@@ -286,7 +290,7 @@ class TeacherService:
             max_batch_tokens=c.max_batch_tokens, max_seq_len=c.max_seq_len, max_sessions=c.max_sessions,
             max_inflight=c.max_inflight, tokenizer_fingerprint=i.tokenizer_fingerprint,
             torch_version=i.torch_version, nccl_version=i.nccl_version, head=i.head.to_info(),
-            attention=i.attention.to_info())
+            attention=i.attention.to_info(), max_score_ids=c.max_score_ids)
 
     def _check_output_bytes(self, outputs: OutputRequest) -> None:
         """Refuses outputs larger than --max-output-bytes for the largest batch the session may send:
@@ -303,7 +307,7 @@ class TeacherService:
         limit = self.config.output_bytes_limit(self.facts)
         if need > limit:
             default = "" if self.config.max_output_bytes else (
-                ", by default what full logits, top-k and every hidden state take in float32")
+                ", by default what full logits, top-k, every hidden state and the log-probabilities take in float32")
             at_join = f" ({_mib(once)} of it sent once at join: the output head)" if once else ""
             raise FailedPrecondition(
                 f"the outputs asked ({outputs}) take {_mib(need)}{at_join} for a batch of {rows} x {seq} tokens (the "

@@ -24,6 +24,8 @@ class Batch:
     batch_id: int
     input_ids: torch.Tensor  # [B, S] int64, CPU
     attention_mask: torch.Tensor  # [B, S] int64, CPU
+    # What the session's output kinds read with the batch, by SubmitRequest field (score_ids: [B, S, k]).
+    data: dict[str, torch.Tensor] = field(default_factory=dict, compare=False)
     # Handed to delivery (its sends posted, or failed): its student hears of it once.
     handed: bool = field(default=False, compare=False)
 
@@ -31,6 +33,9 @@ class Batch:
     def key(self) -> bytes:
         """Content digest (distill_common.wire.batch_key): identical batches share work, and
         its first 16 bytes go in the batch's header on the data plane.
+
+        Of the forward's inputs only: batches that differ in `data` alone share their forward
+        (delivery derives each one's outputs for itself).
 
         Computed when the engine first plans the batch, on its thread, not in the gRPC
         handler that queues it."""

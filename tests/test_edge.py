@@ -34,7 +34,8 @@ MAX_SESSIONS = 2
 MAX_STREAMS = 2 * MAX_SESSIONS  # the defaults that follow --max-sessions
 MAX_RPCS = 4 * MAX_SESSIONS + 16
 MAX_BATCH_TOKENS = 16384
-REQUEST_LIMIT_BYTES = 16 * MAX_BATCH_TOKENS + (64 << 10)  # int64 ids and mask of a full batch, plus framing
+# int64 ids and mask of a full batch, int32 ids to score (--max-score-ids 8), plus framing
+REQUEST_LIMIT_BYTES = (16 + 4 * 8) * MAX_BATCH_TOKENS + (64 << 10)
 HTTP_MAX_CONNECTIONS = 32
 HEADER_TIMEOUT_S = 2.0
 MAX_WEIGHT = 10.0

@@ -129,7 +129,9 @@ def test_every_kind_at_once_in_wire_order():
     request = _request(Argmax(), HiddenStates((2, 1)), AuxHiddenStates((0, 1, 2)), TopK(3), SubsetLogits((4,)),
                        Logits())
     assert [type(kind) for kind in request] == [Logits, TopK, HiddenStates, SubsetLogits, AuxHiddenStates,
-                                                Argmax] == [k for k in KINDS if k not in (FinalHidden, AttentionInputs)]
+                                                Argmax] == [k for k in KINDS if k in {type(kind) for kind in request}]
+    # Every kind has its place in the wire order, once.
+    assert len(set(KINDS)) == len(KINDS) == 10
     assert request.layout(2, 5) == [((2, 5, VOCAB), torch.float32), ((2, 5, 3), torch.float32),
                                      ((2, 5, 3), torch.int32), ((2, 2, 5, HIDDEN), torch.float32),
                                      ((2, 5, 1), torch.float32), ((2, 5, 3 * HIDDEN), torch.float32),
@@ -155,7 +157,8 @@ def test_layouts_match_what_is_derived_for_every_combination_and_shape():
 
 
 @pytest.mark.parametrize("spec, words", [
-    (pb.OutputSpec(), "no outputs requested: ask for logits, topk > 0, hidden layers"),
+    (pb.OutputSpec(), "no outputs requested: ask for logits, topk > 0, hidden layers, final_hidden, attention layers, "
+                      "logit_subset, aux_hidden_states, argmax, next_token_logprobs or score_ids > 0"),
     (pb.OutputSpec(topk=-1), "topk -1 must be between 0 and the vocabulary size 50"),
     (pb.OutputSpec(logits=True, topk=VOCAB + 1), "topk 51 must be between 0 and the vocabulary size 50"),
     (pb.OutputSpec(hidden_layers=[LAYERS + 1]), "hidden layers [5] are out of range: the teacher has 4 layers, "

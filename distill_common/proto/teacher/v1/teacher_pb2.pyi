@@ -22,7 +22,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TeacherInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "device_type", "tp_size", "max_batch_tokens", "max_seq_len", "max_sessions", "max_inflight", "tokenizer_fingerprint", "torch_version", "nccl_version", "head", "attention")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "device_type", "tp_size", "max_batch_tokens", "max_seq_len", "max_sessions", "max_inflight", "tokenizer_fingerprint", "torch_version", "nccl_version", "head", "attention", "max_score_ids")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class TeacherInfo(_message.Message):
     NCCL_VERSION_FIELD_NUMBER: _ClassVar[int]
     HEAD_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -57,7 +58,8 @@ class TeacherInfo(_message.Message):
     nccl_version: str
     head: OutputHeadInfo
     attention: AttentionInputsInfo
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., head: _Optional[_Union[OutputHeadInfo, _Mapping]] = ..., attention: _Optional[_Union[AttentionInputsInfo, _Mapping]] = ...) -> None: ...
+    max_score_ids: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., head: _Optional[_Union[OutputHeadInfo, _Mapping]] = ..., attention: _Optional[_Union[AttentionInputsInfo, _Mapping]] = ..., max_score_ids: _Optional[int] = ...) -> None: ...
 
 class OutputHeadInfo(_message.Message):
     __slots__ = ("bias", "final_logit_softcapping", "logit_scale", "unavailable")
@@ -84,7 +86,7 @@ class AttentionInputsInfo(_message.Message):
     def __init__(self, query_width: _Optional[int] = ..., key_width: _Optional[int] = ..., value_width: _Optional[int] = ..., unavailable: _Optional[str] = ...) -> None: ...
 
 class OutputSpec(_message.Message):
-    __slots__ = ("logits", "topk", "hidden_layers", "dtype", "final_hidden", "attention_layers", "logit_subset", "aux_hidden_states", "argmax")
+    __slots__ = ("logits", "topk", "hidden_layers", "dtype", "final_hidden", "attention_layers", "logit_subset", "aux_hidden_states", "argmax", "next_token_logprobs", "score_ids", "logprob_temperature")
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +96,9 @@ class OutputSpec(_message.Message):
     LOGIT_SUBSET_FIELD_NUMBER: _ClassVar[int]
     AUX_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     ARGMAX_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     logits: bool
     topk: int
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -103,7 +108,10 @@ class OutputSpec(_message.Message):
     logit_subset: Tensor
     aux_hidden_states: AuxHiddenStates
     argmax: bool
-    def __init__(self, logits: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., final_hidden: _Optional[bool] = ..., attention_layers: _Optional[_Iterable[int]] = ..., logit_subset: _Optional[_Union[Tensor, _Mapping]] = ..., aux_hidden_states: _Optional[_Union[AuxHiddenStates, _Mapping]] = ..., argmax: _Optional[bool] = ...) -> None: ...
+    next_token_logprobs: bool
+    score_ids: int
+    logprob_temperature: float
+    def __init__(self, logits: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., final_hidden: _Optional[bool] = ..., attention_layers: _Optional[_Iterable[int]] = ..., logit_subset: _Optional[_Union[Tensor, _Mapping]] = ..., aux_hidden_states: _Optional[_Union[AuxHiddenStates, _Mapping]] = ..., argmax: _Optional[bool] = ..., next_token_logprobs: _Optional[bool] = ..., score_ids: _Optional[int] = ..., logprob_temperature: _Optional[float] = ...) -> None: ...
 
 class AuxHiddenStates(_message.Message):
     __slots__ = ("layers",)
@@ -172,16 +180,18 @@ class JoinResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., max_inflight: _Optional[int] = ..., output_dtype: _Optional[str] = ..., stream_refusals_only: _Optional[bool] = ..., data_plane_host: _Optional[str] = ..., session_secret: _Optional[str] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("session_id", "batch_id", "input_ids", "attention_mask")
+    __slots__ = ("session_id", "batch_id", "input_ids", "attention_mask", "score_ids")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
+    SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     batch_id: int
     input_ids: Tensor
     attention_mask: Tensor
-    def __init__(self, session_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    score_ids: Tensor
+    def __init__(self, session_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., score_ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("batch_id", "inflight", "error_code", "error_message", "events")

@@ -91,7 +91,8 @@ class TeacherServiceServicer:
         INVALID_ARGUMENT     the requested outputs are malformed (unknown dtype, k < 0,
         a hidden layer out of range, nothing requested, a logit
         subset that is empty, repeats an id or leaves the
-        vocabulary, auxiliary layers not three distinct ones).
+        vocabulary, auxiliary layers not three distinct ones,
+        more score ids than TeacherInfo.max_score_ids).
         FAILED_PRECONDITION  the student cannot talk to the teacher: its GPU is one the
         teacher uses, its NCCL/torch build differs, its vocabulary
         differs from the teacher's and it asked for logits.
@@ -110,9 +111,9 @@ class TeacherServiceServicer:
         """Registers one batch of token ids. Returns as soon as the batch is validated
         and queued; its outputs follow on the session's process group, in submit
         order. Errors: NOT_FOUND (unknown or expired session, or not the session's
-        secret), PERMISSION_DENIED (no session secret), INVALID_ARGUMENT (bad ids,
-        shapes, batch id out of order), RESOURCE_EXHAUSTED (over --max-batch-tokens, or
-        more batches in flight than the session's limit).
+        secret), PERMISSION_DENIED (no session secret), INVALID_ARGUMENT (bad ids or
+        score ids, shapes, batch id out of order), RESOURCE_EXHAUSTED (over
+        --max-batch-tokens, or more batches in flight than the session's limit).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
