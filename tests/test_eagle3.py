@@ -129,11 +129,12 @@ def test_a_bad_subset_is_refused_at_join_with_what_to_change(server, subset, wor
 
 
 def test_a_subset_over_the_teachers_request_limit_is_refused_at_once_naming_the_flag(server):
-    # 20,000 int32 ids: 80 KB, over this teacher's request limit (16 x --max-batch-tokens 512 + 64 KiB). grpc
-    # refuses it as RESOURCE_EXHAUSTED, as a full teacher is refused; asking again would not help.
+    # 40,000 int32 ids: 160 KB, over this teacher's request limit ((16 + 4 x --max-score-ids 8) x
+    # --max-batch-tokens 512 + 64 KiB = 90 KiB). grpc refuses it as RESOURCE_EXHAUSTED, as a full teacher
+    # is refused; asking again would not help.
     started = time.monotonic()
     with pytest.raises(LimitExceeded) as refused:
-        TeacherClient(server.address, "cpu", outputs=(SubsetLogits(range(20_000)),), job_id="long-subset",
+        TeacherClient(server.address, "cpu", outputs=(SubsetLogits(range(40_000)),), job_id="long-subset",
                       join_timeout_s=60)
     assert time.monotonic() - started < 10, "the client asked again as if the teacher were full"
     message = str(refused.value)
