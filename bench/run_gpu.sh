@@ -35,7 +35,7 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     # The per-batch header on the device, NCCL on the rendezvous store, a tampering teacher.
     dataplane) gpu_test test_nccl_data_plane 200 ;;
     # The teacher's memory running out: a pack served batch by batch, top-k of the vocabulary failing alone.
-    isolation) gpu_test test_isolation_gpu 300 ;;
+    isolation) gpu_test test_isolation_gpu 150 ;;
     # Log-probabilities at given tokens over NCCL, a 128k vocabulary in row chunks on the device.
     logprobs) gpu_test test_logprobs_gpu 200 ;;
     # The engine's host time per forward of the bench model, eager and with CUDA graphs (one GPU).
@@ -57,10 +57,10 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     profile) export PATH=/tmp/site/bin:$PATH
              timeout 200 python3 -m bench.transport_trace --size-mib 256 --batches 1000 --inflight 16 --profile "$out/profile" 2>&1 | quiet | head -20 ;;
     # The seed recipe's student (deepseek-coder-6.7b-shaped, LoRA, bf16, grad ckpt): full logits vs head on student.
-    recipe) timeout 580 python3 -m bench.recipe_student --out "$out/recipe.md" 2>&1 | quiet | tail -12 ;;
+    recipe) timeout 240 python3 -m bench.recipe_student --out "$out/recipe.md" 2>&1 | quiet | tail -12 ;;
     # EAGLE-3 draft training with a Llama-3-8B-shaped target in the same process (one GPU):
     # tokens/s and peak memory at 2k .. 32k tokens per sequence (docs/eagle3.md).
-    eagle3) timeout 590 python3 -m bench.eagle3_colocated --out "$out/eagle3_colocated.md" 2>&1 | quiet | tail -15 ;;
+    eagle3) timeout 200 python3 -m bench.eagle3_colocated --out "$out/eagle3_colocated.md" 2>&1 | quiet | tail -15 ;;
     # Tensor parallelism: the TP=2 forward against TP=1.
     tpforward) timeout 200 "${torchrun2[@]}" -m bench.tp_forward --profile "$out/tpprof" --out "$out/tp_forward.md" 2>&1 | quiet | tail -8 ;;
     # Gathered logits from rank 0 or a vocabulary shard from each rank (docs/performance.md).
