@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     with torch.device(device):  # built where it trains: an 8B target's embedding is 2 GiB in float32
         draft = Eagle3Draft.for_target(config, target.get_input_embeddings().weight.detach(),
-                                       used - torch.arange(draft_vocab), t2d, layers)
+                                       used - torch.arange(draft_vocab, device="cpu"), t2d, layers)
     draft.chunk_scores = args.chunk_scores
     training = Eagle3Training(draft, args.ttt_steps)
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)

@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--modes: use {', '.join(MODES)}")
     relation_heads = 4 if args.tiny else args.relation_heads
     if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     results = []
