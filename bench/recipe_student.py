@@ -87,55 +87,101 @@ def teacher_bytes(cfg, config: dict) -> int:
                for shape, dtype in request.layout(cfg.batch_size, cfg.seq_len))
 
 
+def build_recipe_student(cfg, device: torch.device):
+    """The student as the trainer builds it for the recipe: LoRA on a bf16 base, non-reentrant
+    gradient checkpointing (the attention capture needs the layers' graphs), training mode."""
+    from student_trainer.train import build_student
+
+    model = build_student(cfg, device, None)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+class RecipeStep:
+    """One optimizer step of the trainer on one micro-batch (`train_micro_batch`, clipping, AdamW, the
+    schedule), with the maps (projections, layer maps, attention capture, the teacher's head) of one
+    configuration: the trainer's loop without its data and its teacher, so that a bench feeds it
+    teacher outputs from memory, a served teacher or a teacher in the same process."""
+
+    def __init__(self, cfg, model, teacher_layers: int, teacher_hidden: int, head, device: torch.device,
+                 total_steps: int):
+        from student_trainer.train import build_maps, lr_lambda
+
+        self.cfg, self.model, self.device = cfg, model, device
+        self.maps, self.capture = build_maps(cfg, model, teacher_layers, teacher_hidden, head, device)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params += list(self.maps.projections.parameters()) if self.maps.projections is not None else []
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_steps))
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def __call__(self, batch: dict, out) -> dict[str, float]:
+        from student_trainer.train import train_micro_batch
+
+        losses = train_micro_batch(self.cfg, self.model, batch, out, self.autocast, self.device, self.maps,
+                                   self.capture)
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return losses
+
+
+def timed_steps(step: RecipeStep, next_pair, steps: int, warmup: int, device: torch.device):
+    """Runs `warmup + steps` steps on what `next_pair()` gives ((batch, teacher outputs), drawn inside
+    the timed part: a wait for the teacher counts); the timed steps' seconds and the last losses."""
+    times, losses = [], {}
+    for _ in range(warmup + steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        batch, out = next_pair()
+        losses = step(batch, out)
+        del out
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times[warmup:], losses
+
+
+def random_batch(vocab: int, batch: int, seq: int, seed: int = 0) -> dict:
+    """A batch as the trainer's data gives it: random ids, no padding, every token a target."""
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    ones = torch.ones(batch, seq, dtype=torch.int64)
+    return {"input_ids": ids, "attention_mask": ones, "loss_mask": ones}
+
+
 def measure(model_spec: str, config: dict, mode: str, batch: int, seq: int, device: torch.device, *, steps: int,
             warmup: int, inflight: int, relation_heads: int) -> dict:
-    from student_trainer.train import build_maps, build_student, lr_lambda, train_micro_batch
-
     cfg = recipe_config(model_spec, mode, batch, seq, config["num_hidden_layers"], relation_heads)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     built = time.perf_counter()
-    model = build_student(cfg, device, None)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    model.train()
+    model = build_recipe_student(cfg, device)
     outputs = [fake_teacher_outputs(cfg, config, device, seed) for seed in range(inflight)]
-    maps, capture = build_maps(cfg, model, config["num_hidden_layers"], config["hidden_size"], outputs[0][1], device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    params += list(maps.projections.parameters()) if maps.projections is not None else []
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, warmup + steps))
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    generator = torch.Generator().manual_seed(0)
-    batch_data = {"input_ids": torch.randint(0, config["vocab_size"], (batch, seq), generator=generator),
-                  "attention_mask": torch.ones(batch, seq, dtype=torch.int64),
-                  "loss_mask": torch.ones(batch, seq, dtype=torch.int64)}
+    step = RecipeStep(cfg, model, config["num_hidden_layers"], config["hidden_size"], outputs[0][1], device,
+                      warmup + steps)
+    batch_data = random_batch(config["vocab_size"], batch, seq)
     build_s = time.perf_counter() - built
-    times, losses = [], []
-    for step in range(warmup + steps):
-        out, head = outputs[step % inflight]
-        maps.head = head
-        if cuda:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        losses.append(train_micro_batch(cfg, model, batch_data, out, autocast, device, maps, capture))
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    timed = times[warmup:]
+    drawn = iter(range(warmup + steps))
+
+    def next_pair():
+        out, head = outputs[next(drawn) % inflight]
+        step.maps.head = head
+        return batch_data, out
+
+    timed, last_losses = timed_steps(step, next_pair, steps, warmup, device)
     step_s = sum(timed) / len(timed)
     result = {"tokens": f"{batch} x {seq}", "mode": MODES[mode], "step_s": step_s, "tokens_per_s": batch * seq / step_s,
-              "teacher_bytes_per_step": teacher_bytes(cfg, config), "build_s": build_s, "last_losses": losses[-1]}
+              "teacher_bytes_per_step": teacher_bytes(cfg, config), "build_s": build_s, "last_losses": last_losses}
     if cuda:
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
-    del model, optimizer, scheduler, outputs, maps, capture, params
+    del model, outputs, step
     gc.collect()
     return result
 
