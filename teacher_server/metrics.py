@@ -112,9 +112,17 @@ class Metrics:
                                           registry=r)
         self.gpu_memory_reserved = Gauge("teacher_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved",
                                          registry=r)
+        # Peaks since start-up: what the device must hold at worst, which a scrape of the current
+        # figures misses between two scrapes (bench/recipe_served.py reads them).
+        self.gpu_memory_peak_allocated = Gauge("teacher_gpu_memory_peak_allocated_bytes",
+                                               "torch.cuda.max_memory_allocated since start-up", registry=r)
+        self.gpu_memory_peak_reserved = Gauge("teacher_gpu_memory_peak_reserved_bytes",
+                                              "torch.cuda.max_memory_reserved since start-up", registry=r)
         if device is not None and device.type == "cuda":
             self.gpu_memory_allocated.set_function(lambda: torch.cuda.memory_allocated(device))
             self.gpu_memory_reserved.set_function(lambda: torch.cuda.memory_reserved(device))
+            self.gpu_memory_peak_allocated.set_function(lambda: torch.cuda.max_memory_allocated(device))
+            self.gpu_memory_peak_reserved.set_function(lambda: torch.cuda.max_memory_reserved(device))
 
     def watch_cache(self, cache) -> None:
         """Exports the cache's counters and gauges (teacher_cache_*, teacher_shared_batches_total)."""
