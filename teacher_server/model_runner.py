@@ -112,11 +112,17 @@ def output_width(model) -> int:
 
 class ModelRunner:
     def __init__(self, model_name: str, device: str, dtype: str = "", trust_remote_code: bool = False,
-                 world: World | None = None, cuda_graphs: int = 0):
+                 world: World | None = None, cuda_graphs: int = 0, model=None, outputs_for_autograd: bool = False):
         """`world`: this process's place in the TP world (None: one process, the plain path).
         `cuda_graphs`: capture the forward as CUDA graphs for up to this many pack shapes
-        (teacher_server/cuda_graphs.py; 0: off)."""
+        (teacher_server/cuda_graphs.py; 0: off). `model`: one already built on `device` (the
+        teacher in a trainer's process, student_trainer/local_teacher.py), used instead of
+        loading `model_name`, which then only names it. `outputs_for_autograd`: forwards run under
+        no_grad instead of inference mode, for outputs that a training loop's losses use (autograd
+        refuses to save an inference tensor for backward, and the closed-form KD and attention losses
+        save the teacher's side)."""
         self.world = world
+        self._grad_free = torch.no_grad if outputs_for_autograd else torch.inference_mode
         _skip_packed_sequence_check()
         self.device = world.device if world is not None else torch.device(device)
         if cuda_graphs and world is not None:
@@ -126,7 +132,9 @@ class ModelRunner:
             raise ValueError(f"--cuda-graphs needs a CUDA device, not --device {device}")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model = self._load(model_name, dtype, trust_remote_code)
+        if model is not None and world is not None:
+            raise ValueError("a model built by the caller runs on one process: leave `world` out")
+        self.model = model if model is not None else self._load(model_name, dtype, trust_remote_code)
         self.model.eval().requires_grad_(False)
         config = self.model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -227,8 +235,12 @@ class ModelRunner:
                 log.warning("could not tell the other ranks to stop: %s", e)
         self.world.close()
 
-    @torch.inference_mode()
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, needs: ForwardNeeds) -> ForwardOutputs:
+        with self._grad_free():
+            return self._forward_grad_free(input_ids, attention_mask, needs)
+
+    def _forward_grad_free(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           needs: ForwardNeeds) -> ForwardOutputs:
         # Without padding, no mask: transformers then takes the causal-only path. Given a
         # mask on the device, it checks it for padding with a device-to-host sync, which
         # would stall this thread until the device finished everything queued before.
