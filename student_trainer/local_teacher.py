@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import torch
 
@@ -39,13 +40,17 @@ class LocalTeacher:
         self.joined = self.outputs.join_assemble(self.outputs.join_derive(self.runner.join_data))
         self._next_batch_id = 0
 
-    def submit(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Future:
+    def submit(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               score_ids: torch.Tensor | None = None) -> Future:
+        """As `TeacherClient.submit`: `score_ids` [B, S, k] for ScoredLogprobs."""
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         needs = self.outputs.needs
         forward = self.runner.forward(input_ids, mask, needs)
         produced = BatchOutputs.of_rows(forward, needs, slice(None), input_ids.shape[1])
         del forward  # the other layers' states
+        batch = SimpleNamespace(input_ids=input_ids, attention_mask=mask,  # what `derive` reads of a batch
+                                data={} if score_ids is None else {"score_ids": score_ids})
         future: Future = Future()
-        future.set_result(self.outputs.assemble(self._next_batch_id, self.outputs.derive(produced, None)))
+        future.set_result(self.outputs.assemble(self._next_batch_id, self.outputs.derive(produced, batch)))
         self._next_batch_id += 1
         return future
