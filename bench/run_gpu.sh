@@ -4,7 +4,8 @@
 #   bash bench/run_gpu.sh stubs e2e tp tpforward transport
 # tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs, dataplane, isolation, logprobs.
 # Benches: transport, transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, connect, scorecost;
-# one GPU: launch, recipe (the seed recipe's student side), eagle3 (EAGLE-3 with a colocated target).
+# one GPU: launch, recipe (the seed recipe's student side), eagle3 (EAGLE-3 with a colocated target);
+# two GPUs: recipeserved (the seed recipe with its teacher served, and colocated).
 # Investigations (bench/investigations/): tpsend.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
@@ -58,6 +59,10 @@ print('stubs import under grpcio', grpc.__version__)" ;;
              timeout 200 python3 -m bench.transport_trace --size-mib 256 --batches 1000 --inflight 16 --profile "$out/profile" 2>&1 | quiet | head -20 ;;
     # The seed recipe's student (deepseek-coder-6.7b-shaped, LoRA, bf16, grad ckpt): full logits vs head on student.
     recipe) timeout 240 python3 -m bench.recipe_student --out "$out/recipe.md" 2>&1 | quiet | tail -12 ;;
+    # The seed recipe served (teacher GPU 0, trainer GPU 1) against each side alone and against the teacher
+    # in the student's process (GPU 1): peak GiB per GPU, tokens/s, served vs min(teacher, student).
+    recipeserved) timeout 550 python3 -m bench.recipe_served --teacher-gpu 0 --student-gpu 1 \
+                    --out "$out/recipe_served.md" 2>&1 | quiet | tail -24 ;;
     # EAGLE-3 draft training with a Llama-3-8B-shaped target in the same process (one GPU):
     # tokens/s and peak memory at 2k .. 32k tokens per sequence (docs/eagle3.md).
     eagle3) timeout 200 python3 -m bench.eagle3_colocated --out "$out/eagle3_colocated.md" 2>&1 | quiet | tail -15 ;;
