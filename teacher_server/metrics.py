@@ -112,9 +112,15 @@ class Metrics:
                                           registry=r)
         self.gpu_memory_reserved = Gauge("teacher_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved",
                                          registry=r)
+        # The allocated gauge misses a forward's activations, freed before any scrape: the peak
+        # says how close the teacher has come to running out of memory (bench/eagle3_served.py).
+        self.gpu_memory_peak_allocated = Gauge("teacher_gpu_memory_peak_allocated_bytes",
+                                               "torch.cuda.max_memory_allocated since the server started",
+                                               registry=r)
         if device is not None and device.type == "cuda":
             self.gpu_memory_allocated.set_function(lambda: torch.cuda.memory_allocated(device))
             self.gpu_memory_reserved.set_function(lambda: torch.cuda.memory_reserved(device))
+            self.gpu_memory_peak_allocated.set_function(lambda: torch.cuda.max_memory_allocated(device))
 
     def watch_cache(self, cache) -> None:
         """Exports the cache's counters and gauges (teacher_cache_*, teacher_shared_batches_total)."""
