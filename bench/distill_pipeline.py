@@ -40,15 +40,15 @@ STUDENT_SHAPE = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers
 class SyntheticBatches:
     """Random token batches, endless; what BatchIterator offers the prefetcher."""
 
-    def __init__(self, rows: int, seq: int, seed: int = 0):
-        self.rows, self.seq = rows, seq
+    def __init__(self, rows: int, seq: int, seed: int = 0, vocab: int = VOCAB):
+        self.rows, self.seq, self.vocab = rows, seq, vocab
         self.generator = torch.Generator().manual_seed(seed)
 
     def state_dict(self) -> dict:
         return {}
 
     def __next__(self) -> dict:
-        ids = torch.randint(0, VOCAB, (self.rows, self.seq), generator=self.generator)
+        ids = torch.randint(0, self.vocab, (self.rows, self.seq), generator=self.generator)
         ones = torch.ones_like(ids)
         return {"input_ids": ids, "attention_mask": ones, "loss_mask": ones}
 
