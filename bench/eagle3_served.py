@@ -18,7 +18,7 @@ in increasing order, three runs of a warm-up step and --steps timed steps each:
   served        the same step fed by the trainer's TeacherPrefetcher, --prefetch batches ahead of
                 the step: the path `student-trainer eagle3` runs, minus its metrics and checkpoints
 
-The bar (issue 18): served >= 90% of min(target alone, draft alone) at 4k and 8k tokens. Peak
+The bar: served >= 90% of min(target alone, draft alone) at 4k and 8k tokens. Peak
 memory, per GPU, over the served run: the draft's GPU from torch's allocator in this process
 (the prefetched outputs included); the teacher's from the server's
 `teacher_gpu_memory_peak_allocated_bytes` (/metrics), a peak since the server started, which is
