@@ -95,6 +95,56 @@ def run_length(teacher: LocalTeacher, training: Eagle3Training, optimizer, lengt
             "draft_ms": 1e3 * draft_s / steps}
 
 
+def measure(shape: str, lengths: list[int], steps: int, ttt_steps: int, device: torch.device,
+            chunk_scores: int) -> tuple[str, list[dict]]:
+    """The run's description and one row per length: `length`, then `oom` True, or `tokens_per_s`,
+    `target_ms`, `draft_ms` and `peak_gib` (None on the CPU). Everything it built is freed on return."""
+    torch.set_float32_matmul_precision("high")  # TF32 for the draft attention's float32 matmuls
+    target = build_target(shape, device)
+    config = target.config
+    layers = default_aux_layers(config.num_hidden_layers)
+    draft_vocab = DRAFT_VOCAB[shape]
+    used = torch.randperm(config.vocab_size, generator=torch.Generator().manual_seed(1))[:draft_vocab].sort().values
+    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    teacher = LocalTeacher(target, (SubsetLogits(used.tolist()), AuxHiddenStates(layers), Argmax()))
+    torch.manual_seed(0)
+    with torch.device(device):  # built where it trains: an 8B target's embedding is 2 GiB in float32
+        draft = Eagle3Draft.for_target(config, target.get_input_embeddings().weight.detach(),
+                                       used - torch.arange(draft_vocab, device="cpu"), t2d, layers)
+    draft.chunk_scores = chunk_scores
+    training = Eagle3Training(draft, ttt_steps)
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
+    trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
+
+    rows = []
+    for length in lengths:
+        if device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            figures = run_length(teacher, training, optimizer, length, steps, device)
+        except torch.cuda.OutOfMemoryError:
+            optimizer.zero_grad(set_to_none=True)
+            rows.append({"length": length, "oom": True})
+            print(f"S={length}: out of memory", flush=True)
+            continue
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        rows.append({"length": length, "oom": False, **figures, "peak_gib": peak})
+        print(f"S={length}: {rows[-1]}", flush=True)
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    about = (f"EAGLE-3 draft training, target in the same process ({shape}, {name}): draft of "
+             f"{trainable / 1e6:.1f}M trainable parameters, {draft_vocab} draft ids, {ttt_steps} TTT steps, "
+             f"aux layers {layers}, 1 sequence per step, {steps} timed steps")
+    return about, rows
+
+
+def gib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
@@ -106,52 +156,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="attention scores held per query chunk of the draft (float32 elements)")
     parser.add_argument("--out", default="", help="also write the table here")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    lengths = [int(x) for x in args.seq_lens.split(",")]
-    torch.set_float32_matmul_precision("high")  # TF32 for the draft attention's float32 matmuls
-
-    target = build_target(args.shape, device)
-    config = target.config
-    layers = default_aux_layers(config.num_hidden_layers)
-    draft_vocab = DRAFT_VOCAB[args.shape]
-    used = torch.randperm(config.vocab_size, generator=torch.Generator().manual_seed(1))[:draft_vocab].sort().values
-    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-    t2d[used] = True
-    teacher = LocalTeacher(target, (SubsetLogits(used.tolist()), AuxHiddenStates(layers), Argmax()))
-    torch.manual_seed(0)
-    with torch.device(device):  # built where it trains: an 8B target's embedding is 2 GiB in float32
-        draft = Eagle3Draft.for_target(config, target.get_input_embeddings().weight.detach(),
-                                       used - torch.arange(draft_vocab, device="cpu"), t2d, layers)
-    draft.chunk_scores = args.chunk_scores
-    training = Eagle3Training(draft, args.ttt_steps)
-    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
-    trainable = sum(p.numel() for p in draft.parameters() if p.requires_grad)
-
-    rows = []
-    for length in lengths:
-        if device.type == "cuda":
-            gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        try:
-            figures = run_length(teacher, training, optimizer, length, args.steps, device)
-        except torch.cuda.OutOfMemoryError:
-            optimizer.zero_grad(set_to_none=True)
-            rows.append(f"| {length} | OOM | | | |")
-            print(f"S={length}: out of memory", flush=True)
-            continue
-        peak = f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f}" if device.type == "cuda" else "-"
-        rows.append(f"| {length} | {figures['tokens_per_s']:,.0f} | {figures['target_ms']:.0f} | "
-                    f"{figures['draft_ms']:.0f} | {peak} |")
-        print(f"S={length}: {rows[-1]}", flush=True)
-
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    emit([f"EAGLE-3 draft training, target in the same process ({args.shape}, {name}): draft of "
-          f"{trainable / 1e6:.1f}M trainable parameters, {draft_vocab} draft ids, {args.ttt_steps} TTT steps, "
-          f"aux layers {layers}, 1 sequence per step, {args.steps} timed steps",
-          "",
-          "| tokens per sequence | tokens/s | target forward ms | draft step ms | peak GiB |",
-          "|---:|---:|---:|---:|---:|", *rows], args.out)
+    about, rows = measure(args.shape, [int(x) for x in args.seq_lens.split(",")], args.steps, args.ttt_steps,
+                          torch.device(args.device), args.chunk_scores)
+    lines = [f"| {r['length']} | OOM | | | |" if r["oom"] else
+             f"| {r['length']} | {r['tokens_per_s']:,.0f} | {r['target_ms']:.0f} | {r['draft_ms']:.0f} | "
+             f"{gib(r['peak_gib'])} |" for r in rows]
+    emit([about, "", "| tokens per sequence | tokens/s | target forward ms | draft step ms | peak GiB |",
+          "|---:|---:|---:|---:|---:|", *lines], args.out)
     return 0
 
 

@@ -5,7 +5,8 @@
 # tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs, dataplane, isolation, logprobs.
 # Benches: transport, transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, connect, scorecost;
 # one GPU: launch, recipe (the seed recipe's student side), eagle3 (EAGLE-3 with a colocated target);
-# two GPUs: recipeserved (the seed recipe with its teacher served, and colocated).
+# two GPUs: recipeserved (the seed recipe with its teacher served, and colocated), eagle3served and
+# eagle3servedlong (EAGLE-3 from a served target, with the colocated baseline).
 # Investigations (bench/investigations/): tpsend.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
@@ -66,6 +67,14 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     # EAGLE-3 draft training with a Llama-3-8B-shaped target in the same process (one GPU):
     # tokens/s and peak memory at 2k .. 32k tokens per sequence (docs/eagle3.md).
     eagle3) timeout 200 python3 -m bench.eagle3_colocated --out "$out/eagle3_colocated.md" 2>&1 | quiet | tail -15 ;;
+    # EAGLE-3 draft training from a served Llama-3-8B-shaped target (GPU 0) on GPU 1 at 2k .. 32k tokens: target
+    # alone, draft alone, served, then the colocated baseline on GPU 1, one run (about 5 minutes estimated from the
+    # colocated figures: 3 timed steps of the draft's, alone and served, dominate).
+    eagle3served) timeout 550 python3 -m bench.eagle3_served --steps 3 --out "$out/eagle3_served.md" 2>&1 | quiet | tail -40 ;;
+    # The same at 48k and 64k tokens, one timed step each: does the served draft train at twice the longest
+    # colocated length (32k, docs/eagle3.md)?
+    eagle3servedlong) timeout 550 python3 -m bench.eagle3_served --seq-lens 49152,65536 --steps 1 \
+                        --out "$out/eagle3_served_long.md" 2>&1 | quiet | tail -40 ;;
     # Tensor parallelism: the TP=2 forward against TP=1.
     tpforward) timeout 200 "${torchrun2[@]}" -m bench.tp_forward --profile "$out/tpprof" --out "$out/tp_forward.md" 2>&1 | quiet | tail -8 ;;
     # Gathered logits from rank 0 or a vocabulary shard from each rank (docs/performance.md).

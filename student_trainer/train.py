@@ -84,6 +84,17 @@ class TeacherPrefetcher:
         """The batches drawn and not yet trained on, oldest first."""
         return [batch for _, batch, _ in self._queue] + list(self._replay)
 
+    def drop_ahead(self) -> None:
+        """Waits for the batches submitted ahead (each at most `timeout_s`) and drops them, failed ones
+        included: a bench that ends a run frees their slots and memory before the next."""
+        while self._queue:
+            _, _, future = self._queue.popleft()
+            if future is not None:
+                try:
+                    future.result(timeout=self.timeout_s)
+                except Exception:  # noqa: BLE001 - dropped either way; the run that needed it has reported
+                    pass
+
 
 def load_dataset(cfg: TrainConfig, tokenizer, path: str, skip_bad_lines: bool = False):
     """Packed examples, or (on-policy) prompts with their reference completions."""

@@ -113,7 +113,7 @@ class Metrics:
         self.gpu_memory_reserved = Gauge("teacher_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved",
                                          registry=r)
         # Peaks since start-up: what the device must hold at worst, which a scrape of the current
-        # figures misses between two scrapes (bench/recipe_served.py reads them).
+        # figures miss between two scrapes (bench/recipe_served.py and eagle3_served.py read them).
         self.gpu_memory_peak_allocated = Gauge("teacher_gpu_memory_peak_allocated_bytes",
                                                "torch.cuda.max_memory_allocated since start-up", registry=r)
         self.gpu_memory_peak_reserved = Gauge("teacher_gpu_memory_peak_reserved_bytes",

@@ -153,6 +153,40 @@ def train_eagle3(cfg: Eagle3Config) -> dict:
             dist.destroy_process_group()
 
 
+def train_step(cfg: Eagle3Config, trained: torch.nn.Module, params: list[torch.Tensor], optimizer, scheduler,
+               next_micro_batch, device: torch.device, world_size: int = 1) -> dict:
+    """One optimizer step over `cfg.grad_accum` micro-batches, as `student-trainer eagle3` trains.
+
+    `trained`: the `Eagle3Training` (DDP-wrapped across ranks); `next_micro_batch()` gives a
+    batch, its teacher outputs and the seconds spent waiting for them (`TeacherPrefetcher.next`,
+    or fixed outputs where a bench times the draft alone). Returns the step's record: per-step
+    losses and accuracies, `grad_norm`, `teacher_wait_s` and the `tokens` trained on.
+    """
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext()
+    # Without autocast the teacher's states are read in the dtype of the draft's weights.
+    aux_dtype = None if cfg.bf16 else params[0].dtype
+    teacher_wait_s, tokens, results = 0.0, 0, []
+    for micro in range(cfg.grad_accum):
+        batch, out, wait_s = next_micro_batch()
+        teacher_wait_s += wait_s
+        tokens += batch["attention_mask"].sum().item()
+        sync = micro == cfg.grad_accum - 1 or world_size == 1
+        # DDP all-reduces gradients on the last micro-batch only.
+        with contextlib.nullcontext() if sync else trained.no_sync():
+            with autocast:
+                result = trained(*draft_inputs(batch, out, device, aux_dtype))
+            (result.total(cfg.step_decay) / cfg.grad_accum).backward()
+        results.append(result)
+        del out
+    grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
+                 if cfg.max_grad_norm > 0 else 0.0)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {**step_record(results, cfg.grad_accum, cfg.step_decay), "grad_norm": grad_norm,
+            "teacher_wait_s": teacher_wait_s, "tokens": tokens}
+
+
 def _train(cfg: Eagle3Config, draft: Eagle3Draft, teacher, tokenizer, batches: BatchIterator, total_steps: int,
            checkpoint: Path | None, device: torch.device, rank: int, world_size: int, barrier) -> dict:
     output_dir = Path(cfg.output_dir)
@@ -175,8 +209,6 @@ def _train(cfg: Eagle3Config, draft: Eagle3Draft, teacher, tokenizer, batches: B
         # The buffers (d2t, t2d) never change: nothing to broadcast each forward.
         trained = torch.nn.parallel.DistributedDataParallel(
             trained, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext()
-    aux_dtype = None if cfg.bf16 else draft.fc.weight.dtype
     # A batch may wait out a reconnect as well as its transfer (see student_trainer/train.py).
     outputs_timeout_s = cfg.teacher_timeout_s + cfg.teacher_reconnect_timeout_s
     prefetcher = TeacherPrefetcher(teacher, batches, cfg.prefetch, outputs_timeout_s)
@@ -196,35 +228,17 @@ def _train(cfg: Eagle3Config, draft: Eagle3Draft, teacher, tokenizer, batches: B
     try:
         while step < stop_at:
             start = time.perf_counter()
-            teacher_wait_s, tokens, results = 0.0, 0, []
-            for micro in range(cfg.grad_accum):
-                batch, out, wait_s = prefetcher.next()
-                teacher_wait_s += wait_s
-                tokens += batch["attention_mask"].sum().item()
-                sync = micro == cfg.grad_accum - 1 or world_size == 1
-                # DDP all-reduces gradients on the last micro-batch only.
-                with contextlib.nullcontext() if sync else trained.no_sync():
-                    with autocast:
-                        result = trained(*draft_inputs(batch, out, device, aux_dtype))
-                    (result.total(cfg.step_decay) / cfg.grad_accum).backward()
-                results.append(result)
-                del out
-            grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
-                         if cfg.max_grad_norm > 0 else 0.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            outcome = train_step(cfg, trained, params, optimizer, scheduler, prefetcher.next, device, world_size)
             step += 1
             elapsed = time.perf_counter() - start
-            record = {"step": step, **step_record(results, cfg.grad_accum, cfg.step_decay),
-                      "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                      "tokens_per_s": tokens * world_size / elapsed, "teacher_wait_s": teacher_wait_s,
-                      "step_s": elapsed}
+            tokens = outcome.pop("tokens")
+            record = {"step": step, **outcome, "lr": scheduler.get_last_lr()[0],
+                      "tokens_per_s": tokens * world_size / elapsed, "step_s": elapsed}
             history.append(record)
             if step % cfg.log_every == 0 or step == stop_at:
                 metrics.write(record)
             progress.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc_0']:.2f}",
-                                 wait=f"{teacher_wait_s:.2f}s")
+                                 wait=f"{record['teacher_wait_s']:.2f}s")
             progress.update(1)
             if cfg.save_every and step % cfg.save_every == 0 and step < stop_at:
                 checkpoint_now()
