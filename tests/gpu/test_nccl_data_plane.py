@@ -59,7 +59,7 @@ def test_an_nccl_group_forms_on_the_rendezvous_store():
     def call(request, timeout_s):
         return asyncio.run(session.serve(request))
 
-    store = RendezvousStore(call, "gpu-session", session.secret, timeout_s=30.0)
+    store = RendezvousStore(call, "gpu-session", timeout_s=30.0)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = datetime.timedelta(seconds=30)
     pg = dist.ProcessGroupNCCL(store, 0, 1, options)
