@@ -443,10 +443,10 @@ class HiddenStates(Output):
     def check(self, teacher: TeacherFacts) -> None:
         bad = [layer for layer in self.layers if not 0 <= layer <= teacher.num_layers]
         if bad:
-            raise OutputSpecError(f"hidden layers {bad} are out of range: the teacher has {teacher.num_layers} "
+            raise OutputSpecError(f"hidden layers {_few(bad)} are out of range: the teacher has {teacher.num_layers} "
                                   f"layers, so use 0 (embeddings) .. {teacher.num_layers}")
         if len(set(self.layers)) != len(self.layers):
-            raise OutputSpecError(f"hidden layers {list(self.layers)} repeat a layer")
+            raise OutputSpecError(f"hidden layers {_few(list(self.layers))} repeat a layer: ask for each once")
 
     @property
     def needs(self) -> ForwardNeeds:
@@ -545,10 +545,10 @@ class AttentionInputs(Output):
             raise OutputSpecError(f"the teacher cannot send attention inputs: {teacher.attention.unavailable}")
         bad = [layer for layer in self.layers if not 0 <= layer < teacher.num_layers]
         if bad:
-            raise OutputSpecError(f"attention layers {bad} are out of range: the teacher has {teacher.num_layers} "
-                                  f"decoder layers, so use 0 .. {teacher.num_layers - 1}")
+            raise OutputSpecError(f"attention layers {_few(bad)} are out of range: the teacher has "
+                                  f"{teacher.num_layers} decoder layers, so use 0 .. {teacher.num_layers - 1}")
         if len(set(self.layers)) != len(self.layers):
-            raise OutputSpecError(f"attention layers {list(self.layers)} repeat a layer")
+            raise OutputSpecError(f"attention layers {_few(list(self.layers))} repeat a layer: ask for each once")
 
     @property
     def needs(self) -> ForwardNeeds:
@@ -694,7 +694,7 @@ class AuxHiddenStates(Output):
 
     def check(self, teacher: TeacherFacts) -> None:
         if len(self.layers) != AUX_LAYERS:
-            raise OutputSpecError(f"aux_hidden_states asks for {len(self.layers)} layers {list(self.layers)}: an "
+            raise OutputSpecError(f"aux_hidden_states asks for {len(self.layers)} layers {_few(list(self.layers))}: an "
                                   f"EAGLE-3 draft reads exactly {AUX_LAYERS} (low, middle, high), or none for the "
                                   "teacher's default ones")
         bad = [layer for layer in self.layers if not 0 <= layer <= teacher.num_layers]

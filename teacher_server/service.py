@@ -37,7 +37,7 @@ from teacher_server.config import ServerConfig
 from teacher_server.edge import Caller, Callers
 from teacher_server.engine import Engine
 from teacher_server.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
-                                   ServiceError)
+                                   ServiceError, bounded_message)
 from teacher_server.metrics import Metrics
 from teacher_server.sessions import Batch, Session
 
@@ -399,7 +399,7 @@ def _handler(service: TeacherService, name: str, request_class, metrics: Metrics
         except Exception as e:
             log.exception("%s failed", name)
             metrics.rpc_errors.labels(name, "INTERNAL").inc()
-            await context.abort(grpc.StatusCode.INTERNAL, f"{name} failed inside the teacher: {e}")
+            await context.abort(grpc.StatusCode.INTERNAL, bounded_message(f"{name} failed inside the teacher: {e}"))
 
     return handle
 

@@ -213,9 +213,9 @@ def test_the_student_encodes_what_the_teacher_reads():
         request.write_batch(pb.SubmitRequest(), 2, 3, score_ids=torch.zeros(2, 3, dtype=torch.int64))
     # Out of the vocabulary: refused here, not wrapped into it by the cast to int32 (2**32 + 3 is 3).
     for wrapped in (2**32 + 3, -(2**32) + 3, VOCAB):
-        with pytest.raises(ValueError, match=rf"score_ids must lie in \[0, {VOCAB}\).*\[{min(wrapped, 0)}, {max(wrapped, 0)}\]"):
-            request.write_batch(pb.SubmitRequest(), 2, 3,
-                                score_ids=torch.tensor([wrapped, 0] * 3, dtype=torch.int64).view(2, 3, 1).expand(2, 3, 2))
+        score_ids = torch.tensor([wrapped, 0] * 3, dtype=torch.int64).view(2, 3, 1).expand(2, 3, 2)
+        with pytest.raises(ValueError, match=rf"must lie in \[0, {VOCAB}\).*\[{min(wrapped, 0)}, {max(wrapped, 0)}\]"):
+            request.write_batch(pb.SubmitRequest(), 2, 3, score_ids=score_ids)
     message = pb.SubmitRequest()
     ids = torch.randint(0, VOCAB, (2, 3, 2))
     request.write_batch(message, 2, 3, score_ids=ids)
