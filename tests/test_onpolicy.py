@@ -365,6 +365,7 @@ def test_on_policy_settings_that_cannot_work_name_the_flag(settings, words):
 SERVED_VOCAB = 384
 MAX_IDS = 8
 MAX_BATCH_TOKENS = 512
+MAX_SEQ = 48
 # The largest batch's full logits and top 5 (values, int32 ids) in float32: what the KD job below asks, exactly.
 MAX_OUTPUT_BYTES = MAX_BATCH_TOKENS * (4 * SERVED_VOCAB + 2 * 4 * 5)
 
@@ -383,8 +384,10 @@ def local(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
+    # --max-seq-len does not divide --max-batch-tokens: the budget holds for batches of all 512 tokens
+    # all the same (16 x 32), not only for the 480 of ten sequences of 48.
     server = ServerProcess("--model", str(model_dir), "--max-batch-tokens", str(MAX_BATCH_TOKENS), "--max-seq-len",
-                           "64", "--max-score-ids", str(MAX_IDS), "--max-output-bytes", str(MAX_OUTPUT_BYTES))
+                           str(MAX_SEQ), "--max-score-ids", str(MAX_IDS), "--max-output-bytes", str(MAX_OUTPUT_BYTES))
     yield server
     assert server.stop() == 0, server.log
 
