@@ -338,9 +338,9 @@ class Output(abc.ABC):
         """The student's JoinData fields this kind fills from the tensors received at join."""
         return {}
 
-    def write_batch(self, value: torch.Tensor, batch: int, seq: int) -> pb.Tensor:
-        """The student's side of `batch_field`: `value` for a [batch, seq] input, checked and
-        encoded (ValueError saying what to change). Only kinds with a `batch_field`."""
+    def write_batch(self, value: torch.Tensor, batch: int, seq: int, teacher: TeacherFacts) -> pb.Tensor:
+        """The student's side of `batch_field`: `value` for a [batch, seq] input, checked against
+        `teacher` and encoded (ValueError saying what to change). Only kinds with a `batch_field`."""
         raise NotImplementedError(f"{type(self).__name__} reads no data with a batch")
 
     def read_batch(self, tensor: pb.Tensor, batch: int, seq: int, teacher: TeacherFacts) -> torch.Tensor:
@@ -443,10 +443,10 @@ class HiddenStates(Output):
     def check(self, teacher: TeacherFacts) -> None:
         bad = [layer for layer in self.layers if not 0 <= layer <= teacher.num_layers]
         if bad:
-            raise OutputSpecError(f"hidden layers {bad} are out of range: the teacher has {teacher.num_layers} "
+            raise OutputSpecError(f"hidden layers {_few(bad)} are out of range: the teacher has {teacher.num_layers} "
                                   f"layers, so use 0 (embeddings) .. {teacher.num_layers}")
         if len(set(self.layers)) != len(self.layers):
-            raise OutputSpecError(f"hidden layers {list(self.layers)} repeat a layer")
+            raise OutputSpecError(f"hidden layers {_few(list(self.layers))} repeat a layer: ask for each once")
 
     @property
     def needs(self) -> ForwardNeeds:
@@ -545,10 +545,10 @@ class AttentionInputs(Output):
             raise OutputSpecError(f"the teacher cannot send attention inputs: {teacher.attention.unavailable}")
         bad = [layer for layer in self.layers if not 0 <= layer < teacher.num_layers]
         if bad:
-            raise OutputSpecError(f"attention layers {bad} are out of range: the teacher has {teacher.num_layers} "
-                                  f"decoder layers, so use 0 .. {teacher.num_layers - 1}")
+            raise OutputSpecError(f"attention layers {_few(bad)} are out of range: the teacher has "
+                                  f"{teacher.num_layers} decoder layers, so use 0 .. {teacher.num_layers - 1}")
         if len(set(self.layers)) != len(self.layers):
-            raise OutputSpecError(f"attention layers {list(self.layers)} repeat a layer")
+            raise OutputSpecError(f"attention layers {_few(list(self.layers))} repeat a layer: ask for each once")
 
     @property
     def needs(self) -> ForwardNeeds:
@@ -694,7 +694,7 @@ class AuxHiddenStates(Output):
 
     def check(self, teacher: TeacherFacts) -> None:
         if len(self.layers) != AUX_LAYERS:
-            raise OutputSpecError(f"aux_hidden_states asks for {len(self.layers)} layers {list(self.layers)}: an "
+            raise OutputSpecError(f"aux_hidden_states asks for {len(self.layers)} layers {_few(list(self.layers))}: an "
                                   f"EAGLE-3 draft reads exactly {AUX_LAYERS} (low, middle, high), or none for the "
                                   "teacher's default ones")
         bad = [layer for layer in self.layers if not 0 <= layer <= teacher.num_layers]
@@ -793,13 +793,31 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+# The smallest logprob_temperature served. The log-probabilities are computed in float32 as
+# logits / T: below about 1e-38 / |logit| that overflows (or T itself rounds to 0) and they come
+# out NaN and -inf. 1e-3 leaves room for logits up to 1e35; a student after the greedy token asks
+# for Argmax.
+MIN_LOGPROB_TEMPERATURE = 1e-3
+
+
 def _check_temperature(temperature: float) -> None:
     if not (math.isfinite(temperature) and temperature > 0):
         raise OutputSpecError(f"logprob_temperature {temperature} must be positive and finite (0 means 1)")
+    if temperature < MIN_LOGPROB_TEMPERATURE:
+        raise OutputSpecError(f"logprob_temperature {temperature:g} is too small to compute in float32 (the values "
+                              f"would overflow to NaN): use at least {MIN_LOGPROB_TEMPERATURE:g}, or ask for argmax "
+                              "for the teacher's greedy token")
 
 
 def _temperature_to_spec(spec: pb.OutputSpec, temperature: float) -> None:
-    """Both log-probability kinds share the spec's one temperature: asking for two differing is an error."""
+    """Both log-probability kinds share the spec's one temperature: asking for two differing is an error.
+
+    Checked here, on the student: 0 on the wire means 1, so a kind asking for 0 would be
+    served at 1 (or at the other kind's temperature) without a word."""
+    try:
+        _check_temperature(temperature)
+    except OutputSpecError as e:
+        raise ValueError(str(e)) from None
     if spec.logprob_temperature and spec.logprob_temperature != temperature:
         raise ValueError(f"the log-probability outputs ask for temperatures {spec.logprob_temperature} and "
                          f"{temperature}: a session has one logprob_temperature, ask for both at the same")
@@ -914,12 +932,17 @@ class ScoredLogprobs(Output):
     def _expected_shape(self, batch: int, seq: int) -> list[int]:
         return [batch, seq, self.k]
 
-    def write_batch(self, value: torch.Tensor, batch: int, seq: int) -> pb.Tensor:
+    def write_batch(self, value: torch.Tensor, batch: int, seq: int, teacher: TeacherFacts) -> pb.Tensor:
         if list(value.shape) != self._expected_shape(batch, seq):
             raise ValueError(f"score_ids has shape {list(value.shape)}; it must be {self._expected_shape(batch, seq)}: "
                              f"the [batch, seq] of input_ids and the k = {self.k} ids per position asked at join")
         if value.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"score_ids must be token ids (int32 or int64), got {value.dtype}")
+        # Before the cast to int32, which would wrap an id of 2**32 + 3 into the vocabulary as 3.
+        low, high = int(value.min()), int(value.max())
+        if low < 0 or high >= teacher.vocab_size:
+            raise ValueError(f"score_ids must lie in [0, {teacher.vocab_size}) (the teacher's vocabulary), got values "
+                             f"in [{low}, {high}]: padding positions need valid ids too (0 will do)")
         return wire.encode(value.to(torch.int32))
 
     def read_batch(self, tensor: pb.Tensor, batch: int, seq: int, teacher: TeacherFacts) -> torch.Tensor:
@@ -1033,7 +1056,8 @@ class OutputRequest:
             if kind.batch_field:
                 if kind.batch_field not in given:
                     raise ValueError(f"this session asked for {kind} at join: pass {kind.batch_field} with every batch")
-                getattr(request, kind.batch_field).CopyFrom(kind.write_batch(given.pop(kind.batch_field), batch, seq))
+                value = kind.write_batch(given.pop(kind.batch_field), batch, seq, self.teacher)
+                getattr(request, kind.batch_field).CopyFrom(value)
         if given:
             raise ValueError(f"{', '.join(sorted(given))} given, but this session asked for no output that reads it "
                              f"(outputs: {self})")

@@ -24,6 +24,9 @@ from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 ID_DTYPES = {"int32": np.int32, "int64": np.int64}
 MASK_DTYPES = {"int32": np.int32, "int64": np.int64, "bool": np.bool_}
 
+# The most dimensions a tensor on the control plane may have (token ids have 2, ids to score 3).
+MAX_DIMS = 8
+
 # Names for the dtypes of teacher outputs (OutputSpec.dtype, TeacherInfo.dtype).
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,6 +80,9 @@ def _checked_array(message: pb.Tensor, *, what: str, dtypes: dict, max_elements:
     """The message's bytes as a read-only little-endian numpy view of its shape, once checked."""
     if message.dtype not in dtypes:
         raise WireError(f"{what} has dtype {message.dtype!r}; it must be one of {sorted(dtypes)} (token ids are integers)")
+    if len(message.shape) > MAX_DIMS:  # numpy holds 64; the shape itself is not quoted: it may be long
+        raise WireError(f"{what} has {len(message.shape)} dimensions; tensors on the control plane have at most "
+                        f"{MAX_DIMS} (token ids are [batch, seq])")
     shape = list(message.shape)
     if any(dim < 0 for dim in shape):
         raise WireError(f"{what} has a negative dimension in shape {shape}")

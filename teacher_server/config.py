@@ -240,6 +240,18 @@ class ServerConfig:
                      + 1 + self.max_score_ids)
         return self.max_batch_tokens * per_token * 4
 
+    def largest_batches(self) -> tuple[tuple[int, int], ...]:
+        """The [rows, seq] batches --max-output-bytes is checked against: the longest sequences
+        (as many of --max-seq-len as --max-batch-tokens holds: where outputs that grow faster than
+        the sequence are largest) and the most tokens in the longest sequences that make them up
+        exactly (where outputs per token are: a --max-seq-len that does not divide
+        --max-batch-tokens leaves up to half of it out of the first)."""
+        tokens = self.max_batch_tokens
+        divisors = {d for small in range(1, math.isqrt(tokens) + 1) if tokens % small == 0
+                    for d in (small, tokens // small)}
+        seq = max(d for d in divisors if d <= self.max_seq_len)
+        return (self.max_batch_tokens // self.max_seq_len, self.max_seq_len), (self.max_batch_tokens // seq, seq)
+
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert)

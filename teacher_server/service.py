@@ -37,7 +37,7 @@ from teacher_server.config import ServerConfig
 from teacher_server.edge import Caller, Callers
 from teacher_server.engine import Engine
 from teacher_server.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
-                                   ServiceError)
+                                   ServiceError, bounded_message)
 from teacher_server.metrics import Metrics
 from teacher_server.sessions import Batch, Session
 
@@ -293,17 +293,17 @@ class TeacherService:
             attention=i.attention.to_info(), max_score_ids=c.max_score_ids)
 
     def _check_output_bytes(self, outputs: OutputRequest) -> None:
-        """Refuses outputs larger than --max-output-bytes for the largest batch the session may send:
-        as many sequences of --max-seq-len as --max-batch-tokens holds.
+        """Refuses outputs larger than --max-output-bytes for the largest batch the session may send
+        (`ServerConfig.largest_batches`: the longest sequences, and the most tokens).
 
         The tensors derived for a batch are held in teacher memory until the student has them;
         what the kinds send once at join (the output head, in the session's dtype) is held while
         it is sent, so it counts too.
         """
-        seq = self.config.max_seq_len
-        rows = self.config.max_batch_tokens // seq
         once = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in outputs.join_layout())
-        need = once + sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in outputs.layout(rows, seq))
+        need, rows, seq = max((once + sum(math.prod(spec.shape) * spec.dtype.itemsize
+                                          for spec in outputs.layout(rows, seq)), rows, seq)
+                              for rows, seq in self.config.largest_batches())
         limit = self.config.output_bytes_limit(self.facts)
         if need > limit:
             default = "" if self.config.max_output_bytes else (
@@ -399,7 +399,7 @@ def _handler(service: TeacherService, name: str, request_class, metrics: Metrics
         except Exception as e:
             log.exception("%s failed", name)
             metrics.rpc_errors.labels(name, "INTERNAL").inc()
-            await context.abort(grpc.StatusCode.INTERNAL, f"{name} failed inside the teacher: {e}")
+            await context.abort(grpc.StatusCode.INTERNAL, bounded_message(f"{name} failed inside the teacher: {e}"))
 
     return handle
 

@@ -120,6 +120,13 @@ BAD_SUBMITS = {
                                 "out of order"),
     "a replayed batch id": (dict(input_ids=_tensor(ids_ok), batch_id=0), grpc.StatusCode.INVALID_ARGUMENT,
                             "out of order"),
+    # More dimensions than numpy holds (64): one element, whose bytes match the shape.
+    "a mask of 100 dimensions": (dict(input_ids=_tensor(ids_ok),
+                                      attention_mask=pb.Tensor(dtype="int64", shape=[1] * 100, data=bytes(8))),
+                                 grpc.StatusCode.INVALID_ARGUMENT, "100 dimensions"),
+    # A message that quotes the shape is cut short enough for a status (16 KiB of trailers).
+    "ids of 8,000 dimensions": (dict(input_ids=pb.Tensor(dtype="int32", shape=[10**6] * 8_000)),
+                                 grpc.StatusCode.INVALID_ARGUMENT, "more bytes)"),
 }
 
 
@@ -184,6 +191,20 @@ BAD_JOINS = {
     "a hidden layer out of range": (pb.OutputSpec(hidden_layers=[3]), grpc.StatusCode.INVALID_ARGUMENT, "0 (embeddings) .. 2"),
     "k over the vocabulary": (pb.OutputSpec(topk=VOCAB + 1), grpc.StatusCode.INVALID_ARGUMENT, "topk"),
     "an unknown dtype": (pb.OutputSpec(logits=True, dtype="float8"), grpc.StatusCode.INVALID_ARGUMENT, "dtype"),
+    "a logit subset of 100 dimensions": (pb.OutputSpec(logit_subset=pb.Tensor(dtype="int32", shape=[1] * 100,
+                                                                              data=bytes(4))),
+                                         grpc.StatusCode.INVALID_ARGUMENT, "100 dimensions"),
+    # Thousands of layers (a request well under --max-request-bytes): the message names a few, or
+    # it would exceed what grpc carries in a status (16 KiB), and the student would be told
+    # RESOURCE_EXHAUSTED, which it takes for a full teacher and asks again.
+    "20,000 hidden layers out of range": (pb.OutputSpec(hidden_layers=[1000] * 20_000),
+                                          grpc.StatusCode.INVALID_ARGUMENT, "and 19992 more"),
+    "20,000 repeated hidden layers": (pb.OutputSpec(hidden_layers=[1] * 20_000), grpc.StatusCode.INVALID_ARGUMENT,
+                                      "repeat a layer"),
+    "20,000 attention layers": (pb.OutputSpec(attention_layers=[1] * 20_000), grpc.StatusCode.INVALID_ARGUMENT,
+                                "repeat a layer"),
+    "20,000 auxiliary layers": (pb.OutputSpec(aux_hidden_states=pb.AuxHiddenStates(layers=[1] * 20_000)),
+                                grpc.StatusCode.INVALID_ARGUMENT, "exactly 3"),
 }
 
 
@@ -192,7 +213,8 @@ def test_bad_join(server, stub, case):
     outputs, code, words = BAD_JOINS[case]
     peer = pb.PeerInfo(device_type="cpu", torch_version=torch.__version__)
     got, details = _code(lambda: stub.Join(pb.JoinRequest(outputs=outputs, peer=peer), timeout=10))
-    assert got == code and words in details, (got, details)
+    assert got == code and words in details, (got, details[:300])
+    assert len(details) < 2000, details[:300]
 
 
 def test_incompatible_students_are_refused(server, stub):

@@ -137,10 +137,34 @@ def test_every_kind_at_once_lays_out_what_it_derives():
     (pb.OutputSpec(score_ids=-2), "score_ids -2 must be > 0"),
     (pb.OutputSpec(next_token_logprobs=True, logprob_temperature=-1), "logprob_temperature -1.0 must be positive"),
     (pb.OutputSpec(score_ids=2, logprob_temperature=float("inf")), "logprob_temperature inf must be positive"),
+    (pb.OutputSpec(score_ids=2, logprob_temperature=float("nan")), "logprob_temperature nan must be positive"),
+    # So small that logits / T overflows float32: the log-probabilities would come out NaN and -inf.
+    (pb.OutputSpec(next_token_logprobs=True, logprob_temperature=1e-40), "logprob_temperature 1e-40 .* at least 0.001"),
+    (pb.OutputSpec(score_ids=2, logprob_temperature=5e-324), "at least 0.001"),
 ])
 def test_what_the_teacher_cannot_score_is_refused_at_join(spec, words):
     with pytest.raises(OutputSpecError, match=words):
         OutputRequest.resolve(spec, FACTS)
+
+
+def test_at_the_smallest_temperature_the_log_probabilities_are_finite():
+    request = OutputRequest.resolve(output_spec([NextTokenLogprobs(outputs.MIN_LOGPROB_TEMPERATURE),
+                                                 ScoredLogprobs(3, outputs.MIN_LOGPROB_TEMPERATURE)]), FACTS)
+    ids, mask = _padded(2, 5, seed=4)
+    logits = torch.randn(2, 5, VOCAB) * 1e4  # logits far wider apart than any model's
+    score_ids = torch.randint(0, VOCAB, (2, 5, 3))
+    for values in request.derive(BatchOutputs(logits), _batch(ids, mask, score_ids)):
+        assert values.isfinite().all()
+
+
+@pytest.mark.parametrize("kinds", [(NextTokenLogprobs(0.0),), (NextTokenLogprobs(-0.0),), (ScoredLogprobs(2, 0.0),),
+                                   (NextTokenLogprobs(0.0), ScoredLogprobs(2, 0.7)),
+                                   (NextTokenLogprobs(float("nan")), ScoredLogprobs(2, 0.7))])
+def test_a_temperature_the_teacher_would_not_use_is_refused_on_the_student(kinds):
+    """0 on the wire means 1 (proto3's default): a student that asks for 0 would be served at
+    T = 1, or at the other kind's temperature, without a word. It is refused before the Join."""
+    with pytest.raises(ValueError, match="must be positive and finite"):
+        output_spec(kinds)
 
 
 def test_one_temperature_per_session():
@@ -187,6 +211,11 @@ def test_the_student_encodes_what_the_teacher_reads():
         request.write_batch(pb.SubmitRequest(), 2, 3)
     with pytest.raises(ValueError, match=r"score_ids has shape \[2, 3\]; it must be \[2, 3, 2\]"):
         request.write_batch(pb.SubmitRequest(), 2, 3, score_ids=torch.zeros(2, 3, dtype=torch.int64))
+    # Out of the vocabulary: refused here, not wrapped into it by the cast to int32 (2**32 + 3 is 3).
+    for wrapped in (2**32 + 3, -(2**32) + 3, VOCAB):
+        score_ids = torch.tensor([wrapped, 0] * 3, dtype=torch.int64).view(2, 3, 1).expand(2, 3, 2)
+        with pytest.raises(ValueError, match=rf"must lie in \[0, {VOCAB}\).*\[{min(wrapped, 0)}, {max(wrapped, 0)}\]"):
+            request.write_batch(pb.SubmitRequest(), 2, 3, score_ids=score_ids)
     message = pb.SubmitRequest()
     ids = torch.randint(0, VOCAB, (2, 3, 2))
     request.write_batch(message, 2, 3, score_ids=ids)
@@ -336,6 +365,7 @@ def test_on_policy_settings_that_cannot_work_name_the_flag(settings, words):
 SERVED_VOCAB = 384
 MAX_IDS = 8
 MAX_BATCH_TOKENS = 512
+MAX_SEQ = 48
 # The largest batch's full logits and top 5 (values, int32 ids) in float32: what the KD job below asks, exactly.
 MAX_OUTPUT_BYTES = MAX_BATCH_TOKENS * (4 * SERVED_VOCAB + 2 * 4 * 5)
 
@@ -354,8 +384,10 @@ def local(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
+    # --max-seq-len does not divide --max-batch-tokens: the budget holds for batches of all 512 tokens
+    # all the same (16 x 32), not only for the 480 of ten sequences of 48.
     server = ServerProcess("--model", str(model_dir), "--max-batch-tokens", str(MAX_BATCH_TOKENS), "--max-seq-len",
-                           "64", "--max-score-ids", str(MAX_IDS), "--max-output-bytes", str(MAX_OUTPUT_BYTES))
+                           str(MAX_SEQ), "--max-score-ids", str(MAX_IDS), "--max-output-bytes", str(MAX_OUTPUT_BYTES))
     yield server
     assert server.stop() == 0, server.log
 
