@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import sys
 
 
@@ -23,25 +22,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
 
     from distill_demo.demo import run_demo
-    from distill_demo.processes import DemoError
+    from distill_demo.processes import run_command
 
-    # SIGTERM unwinds like Ctrl-C, so the teacher server and trainers started so far are stopped.
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        result = run_demo(config)
-    except DemoError as e:
-        print(f"\ndistill_demo failed: {e}", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        print("\ndistill_demo interrupted; the teacher server and trainers it started are stopped",
-              file=sys.stderr, flush=True)
-        return 130
-    print(result.result_line(), flush=True)
-    return 0
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+    return run_command("distill_demo", lambda: run_demo(config))
 
 
 if __name__ == "__main__":

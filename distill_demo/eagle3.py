@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 from distill_common.settings import ConfigError, IntTuple, flag, non_defaults
 from distill_demo.config import DemoConfig
 from distill_demo.demo import Progress, ensure_teacher, prepare_data, say
-from distill_demo.processes import DemoError, TeacherProcess, TrainerRun, wait_all
+from distill_demo.processes import TeacherProcess, TrainerRun, run_command, wait_all
 
 STEPS = 5  # as `make demo` numbers its first two, shared, steps
 # Steps at the end of training whose per-step accuracies are averaged for the report.
@@ -149,22 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         config = settings_from(Eagle3DemoConfig, args)
     except ConfigError as e:
         parser.error(str(e))
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        result = run_eagle3_demo(config)
-    except DemoError as e:
-        print(f"\ndistill_demo.eagle3 failed: {e}", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        print("\ndistill_demo.eagle3 interrupted; the teacher server and trainer it started are stopped",
-              file=sys.stderr, flush=True)
-        return 130
-    print(result.result_line(), flush=True)
-    return 0
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+    return run_command("distill_demo.eagle3", lambda: run_eagle3_demo(config))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ import dataclasses
 import json
 import random
 import shutil
-import signal
 import statistics
 import sys
 import time
@@ -492,22 +491,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = settings_from(CompareConfig, args)
     except ConfigError as e:
         parser.error(str(e))
-    from distill_demo.processes import DemoError
+    from distill_demo.processes import run_command
 
-    signal.signal(signal.SIGTERM, _interrupt)  # unwinds like Ctrl-C: the processes started are stopped
-    try:
-        run(cfg)
-    except DemoError as e:
-        print(f"\nonpolicy_compare failed: {e}", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        print("\nonpolicy_compare interrupted; the processes it started are stopped", file=sys.stderr, flush=True)
-        return 130
-    return 0
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+    return run_command("onpolicy_compare", lambda: run(cfg))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -198,3 +199,26 @@ def wait_all(runs: list[TrainerRun], *, timeout_s: float, on_poll: Callable[[], 
     finally:
         for run in runs:
             run.stop()
+
+
+def run_command(name: str, run: Callable[[], object]) -> int:
+    """A demo command's exit: `run()` with SIGTERM unwinding like Ctrl-C (so the teacher server
+    and trainers started so far are stopped), a DemoError or an interrupt as one line on stderr
+    and its exit status, and the result's RESULT line (when it has one) printed last."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        result = run()
+    except DemoError as e:
+        print(f"\n{name} failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\n{name} interrupted; the teacher server and trainers it started are stopped", file=sys.stderr,
+              flush=True)
+        return 130
+    if hasattr(result, "result_line"):
+        print(result.result_line(), flush=True)
+    return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,29 @@ from teacher_server.metrics import Metrics
 from teacher_server.sessions import Batch, Session
 
 log = logging.getLogger(__name__)
+
+
+class _Tensors:
+    """A list of tensors that a weak reference can point at."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+
+
+class SharedTensors:
+    """Tensors made once per key and shared while anyone holds them: `get` returns the holder
+    of a live copy, or makes one; the copy is freed when its last holder drops it."""
+
+    def __init__(self):
+        self._copies: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+
+    def get(self, key, make: Callable[[], list[torch.Tensor]]) -> _Tensors:
+        with self._lock:  # one maker per key: two joins at once must not both make a 2 GiB copy
+            held = self._copies.get(key)
+            if held is None:
+                held = self._copies[key] = _Tensors(make())
+            return held
 
 
 @dataclass
@@ -82,6 +106,7 @@ class Delivery:
         self._end = end  # (session, reason, failure)
         self._links: dict[str, _Link] = {}
         self._lock = threading.Lock()
+        self._join_tensors = SharedTensors()
         self._launched: queue.Queue = queue.Queue()
         self._announcer = threading.Thread(target=self._announce_loop, name="announce-forwards", daemon=True)
 
@@ -129,12 +154,19 @@ class Delivery:
                          daemon=True).start()
 
     def _send_join_data(self, session: Session, group: SessionGroup) -> None:
-        """Sends what the session's kinds send once (the output head), before any batch."""
-        tensors = session.outputs.join_derive(self.join_data)
-        if not tensors:
+        """Sends what the session's kinds send once (the output head), before any batch.
+
+        Sessions joining at once that ask for the same join-time outputs in the same dtype over
+        the same transport send one copy (a float32 head of a bfloat16 128k-vocabulary teacher is
+        2 GiB: one per session would let joins exhaust the device), freed once none is sending it."""
+        asking = tuple(kind for kind in session.outputs if kind.join_layout(session.outputs.teacher,
+                                                                           session.outputs.dtype))
+        if not asking:
             return
+        key = (asking, session.outputs.dtype, group.tensor_device)
+        shared = self._join_tensors.get(key, lambda: group.to_send(session.outputs.join_derive(self.join_data)))
+        tensors = shared.tensors
         try:
-            tensors = group.to_send(tensors)
             for work in group.send_all(tensors):
                 group.wait(work, self.join_timeout_s, what="sending the join-time outputs (the output head)")
         except BaseException:

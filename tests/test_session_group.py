@@ -153,3 +153,24 @@ def test_a_peer_that_does_not_know_the_secret_is_refused_by_the_teacher():
 
     assert not run_both(teacher, impostor)
     assert teacher_error
+
+
+def test_join_time_outputs_are_made_once_while_sessions_send_them_and_freed_after():
+    """Sessions joining at once share one copy of what they are sent at join (a float32 head is
+    2 GiB for a 128k vocabulary); nobody holds it once their sends are done."""
+    from teacher_server.delivery import SharedTensors
+
+    made = []
+
+    def make():
+        made.append(torch.ones(3))
+        return [made[-1]]
+
+    shared = SharedTensors()
+    first = shared.get(("head", torch.float32), make)
+    second = shared.get(("head", torch.float32), make)
+    other = shared.get(("head", torch.bfloat16), make)
+    assert first is second and first is not other and len(made) == 2
+    del first, second, other
+    again = shared.get(("head", torch.float32), make)
+    assert len(made) == 3 and again.tensors[0] is made[-1]  # the old copy went with its holders

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from student_trainer.eagle3.loss import Eagle3Training, StepResults, TeacherTarg
 from student_trainer.eagle3.model import Eagle3Draft, aux_layers_of
 from student_trainer.eagle3.target import target_config, target_embedding
 from student_trainer.eagle3.vocab import draft_vocabulary
-from student_trainer.train import MetricsWriter, TeacherPrefetcher, lr_lambda
+from student_trainer.train import MetricsWriter, TeacherPrefetcher, lr_lambda, set_up_rank
 
 log = logging.getLogger(__name__)
 
@@ -87,17 +86,7 @@ def warn_if_not_servable(aux_layers: tuple[int, ...], num_layers: int) -> None:
 
 
 def train_eagle3(cfg: Eagle3Config) -> dict:
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(cfg.device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    barrier = dist.barrier if world_size > 1 else (lambda: None)
-    output_dir = Path(cfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
+    rank, world_size, device, barrier, output_dir = set_up_rank(cfg.device, cfg.output_dir, cfg.seed)
     if rank == 0:
         log.info("eagle3 settings (non-default): %s", non_defaults(cfg) or "none")
 
