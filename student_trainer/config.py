@@ -166,17 +166,10 @@ class TrainConfig:
             raise ConfigError("--prefetch must be >= 0")
         if not self.teacher_weight > 0:
             raise ConfigError("--teacher-weight must be > 0 (this job's share of the teacher against other jobs)")
-        if self.teacher_reconnect_timeout_s < 0:
-            raise ConfigError("--teacher-reconnect-timeout-s must be >= 0 (0: fail at once when the teacher goes "
-                              "away)")
-        if self.teacher_max_resubmits < 0:
-            raise ConfigError("--teacher-max-resubmits must be >= 0 (0: a batch whose session ended fails at once)")
         if self.lora_r < 0:
             raise ConfigError("--lora-r must be >= 0 (0: full fine-tuning)")
-        if self.log_level.upper() not in LOG_LEVELS:
-            raise ConfigError(f"--log-level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
         self._check_on_policy()
-        self._check_tls()
+        self._check_teacher_connection()
 
     def _check_on_policy(self) -> None:
         if not self.on_policy:
@@ -206,6 +199,18 @@ class TrainConfig:
         if not 1 <= self.max_new_tokens < self.seq_len:
             raise ConfigError(f"--max-new-tokens {self.max_new_tokens} must be >= 1 and leave room for a prompt "
                               f"in --seq-len {self.seq_len}")
+
+    def _check_teacher_connection(self) -> None:
+        """The settings every command that reaches a teacher shares (the trainer's, EAGLE-3's):
+        reconnects, resubmits, the log level and TLS."""
+        if self.teacher_reconnect_timeout_s < 0:
+            raise ConfigError("--teacher-reconnect-timeout-s must be >= 0 (0: fail at once when the teacher goes "
+                              "away)")
+        if self.teacher_max_resubmits < 0:
+            raise ConfigError("--teacher-max-resubmits must be >= 0 (0: a batch whose session ended fails at once)")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"--log-level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
+        self._check_tls()
 
     def _check_tls(self) -> None:
         from distill_common.channel import TlsFlags, channel_credentials

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from distill_common.settings import LOG_LEVELS, ConfigError, IntTuple, check_choices, flag
+from distill_common.settings import ConfigError, IntTuple, check_choices, flag
 from student_trainer.config import TrainConfig
 from student_trainer.data import PackMode
 
@@ -107,13 +107,7 @@ class Eagle3Config:
             raise ConfigError("--prefetch must be >= 0")
         if not self.teacher_weight > 0:
             raise ConfigError("--teacher-weight must be > 0 (this job's share of the teacher against other jobs)")
-        if self.teacher_reconnect_timeout_s < 0:
-            raise ConfigError("--teacher-reconnect-timeout-s must be >= 0 (0: fail at once when the teacher goes away)")
-        if self.teacher_max_resubmits < 0:
-            raise ConfigError("--teacher-max-resubmits must be >= 0 (0: a batch whose session ended fails at once)")
-        if self.log_level.upper() not in LOG_LEVELS:
-            raise ConfigError(f"--log-level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
-        TrainConfig._check_tls(self)
+        TrainConfig._check_teacher_connection(self)
 
     teacher_tls = TrainConfig.teacher_tls
 
@@ -147,13 +141,7 @@ class Eagle3EvalConfig:
         for name in ("steps", "prompts", "prompt_tokens", "new_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag(name)} must be >= 1")
-        if self.teacher_reconnect_timeout_s < 0:
-            raise ConfigError("--teacher-reconnect-timeout-s must be >= 0 (0: fail at once when the teacher goes away)")
-        if self.teacher_max_resubmits < 0:
-            raise ConfigError("--teacher-max-resubmits must be >= 0 (0: a batch whose session ended fails at once)")
-        if self.log_level.upper() not in LOG_LEVELS:
-            raise ConfigError(f"--log-level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
-        TrainConfig._check_tls(self)
+        TrainConfig._check_teacher_connection(self)
 
     teacher_tls = TrainConfig.teacher_tls
 
