@@ -210,7 +210,7 @@ class TrainConfig:
             raise ConfigError("--teacher-max-resubmits must be >= 0 (0: a batch whose session ended fails at once)")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"--log-level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
-        self._check_tls()
+        TrainConfig._check_tls(self)  # called on the EAGLE-3 configs too, which have no method of that name
 
     def _check_tls(self) -> None:
         from distill_common.channel import TlsFlags, channel_credentials

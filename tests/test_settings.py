@@ -83,3 +83,17 @@ def test_non_default_settings_are_logged_and_secrets_hidden():
     config = parse(ServerConfig, "--max-sessions", "3", "--auth-token", "s3cret")
     assert non_defaults(config) == {"max_sessions": 3, "auth_token": "(set)"}
     assert "s3cret" not in repr(config)
+
+
+def test_the_eagle3_settings_take_their_teacher_connection_checks_from_the_trainers():
+    """Eagle3Config and Eagle3EvalConfig run TrainConfig's checks of reconnects, resubmits, the
+    log level and TLS on themselves: valid values pass, and a bad one is refused by flag."""
+    valid = dict(teacher="host:1", data="d.jsonl")
+    Eagle3Config(target_model="t", output_dir="o", **valid)
+    Eagle3EvalConfig(draft="draft", **valid)
+    for config in (lambda **kw: Eagle3Config(target_model="t", output_dir="o", **valid, **kw),
+                   lambda **kw: Eagle3EvalConfig(draft="draft", **valid, **kw)):
+        with pytest.raises(ConfigError, match="--teacher-max-resubmits"):
+            config(teacher_max_resubmits=-1)
+        with pytest.raises(ConfigError, match="--teacher-tls-cert"):
+            config(teacher_tls_cert="cert.pem")  # a client certificate without its key
