@@ -31,7 +31,7 @@ from tests.test_trainer import build_llama, read_metrics
 VOCAB = 300
 SEQ_LEN = 64
 BATCH = 4
-STEPS = 14
+STEPS = 24
 TOLERANCE = 1e-4  # teacher outputs against the same model run here
 LOSS_RTOL = 1e-6  # per-step losses against the uninterrupted run (one batch per forward: in practice equal)
 TRAINER_TIMEOUT_S = 180
@@ -199,8 +199,10 @@ def test_training_across_a_teacher_kill_9_repeats_the_uninterrupted_losses(teach
 
     trainer = start_trainer(trainer_command(server, assets, restarted_dir))
     try:
+        # Polled often: a step of these tiny models takes milliseconds, and a slow poll let the run
+        # reach its last steps before the freeze.
         wait_until(lambda: logged_steps(restarted_dir) >= 3 or trainer.poll() is not None, TRAINER_TIMEOUT_S,
-                   "the trainer's third step")
+                   "the trainer's third step", interval_s=0.002)
         teacher.freeze()
         # With --prefetch 2 the trainer holds the outputs of at most 3 steps ahead: with more
         # steps left than that, it needs batches the frozen teacher will never send.
@@ -209,6 +211,7 @@ def test_training_across_a_teacher_kill_9_repeats_the_uninterrupted_losses(teach
         teacher.restart()
     except BaseException:
         trainer.kill()
+        teacher.kill()  # not left frozen for the module's next test: it starts a teacher of its own
         raise
     output = finish(trainer)
     assert "reconnected to teacher" in output, output
