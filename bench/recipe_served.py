@@ -44,6 +44,7 @@ from pathlib import Path
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as the programs do
 import torch  # noqa: E402
 
+from bench.table import emit  # noqa: E402
 from bench.distill_pipeline import SyntheticBatches  # noqa: E402
 from bench.recipe_student import (DEEPSEEK_CODER_6_7B, MODES, TINY, RecipeStep, build_recipe_student,  # noqa: E402
                                   fake_teacher_outputs, recipe_config, teacher_bytes, timed_steps)
@@ -328,10 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nthe seed recipe ({'tiny' if args.tiny else 'deepseek-coder-6.7b'}-shaped teacher and student, LoRA r16, "
           f"bf16, grad ckpt, 0.7 KD + 0.2 attention + 0.1 hidden), prefetch {args.prefetch}, {args.steps} timed steps "
           f"after {args.warmup}; {where}; peak GiB allocated (reserved)\n")
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
-        Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    emit(table.splitlines(), args.out, results)
     return 0
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from bench.table import emit
+
 # deepseek-ai/deepseek-coder-6.7b-base's config.json (the fields that shape the model).
 DEEPSEEK_CODER_6_7B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", vocab_size=32256, hidden_size=4096,
@@ -234,10 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     table = render(results)
     print(f"\nstudent side of the recipe ({'tiny' if args.tiny else 'deepseek-coder-6.7b'}-shaped, LoRA r16, bf16, "
           f"grad ckpt, 0.7 KD + 0.2 attention + 0.1 hidden) on {device}, {args.inflight} teacher outputs in memory\n")
-    print(table)
-    if args.out:
-        Path(args.out).write_text(table + "\n")
-        Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    emit(table.splitlines(), args.out, results)
     return 0
 
 
