@@ -42,6 +42,7 @@ as the teacher's.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import math
 import operator
@@ -131,6 +132,10 @@ class TeacherFacts:
     head: HeadFacts = HeadFacts()
     attention: AttentionFacts = AttentionFacts()
     max_score_ids: int = 0  # the teacher's --max-score-ids
+    # A session of cross-tokenizer outputs (CrossTokenizerKind): the student vocabulary's entries and how
+    # many of them some teacher id spells exactly (the columns of ProjectedNext), found at Join.
+    student_vocab_size: int = 0
+    matched_entries: int = 0
 
     @classmethod
     def from_info(cls, info: pb.TeacherInfo) -> "TeacherFacts":
@@ -275,6 +280,13 @@ class TeacherOutput:
     argmax: torch.Tensor | None = None  # [B, S] int32: the full vocabulary's argmax
     next_token_logprobs: torch.Tensor | None = None  # [B, S] float32: log p(x[t+1] | x[<=t]), 0 without one
     scored_logprobs: torch.Tensor | None = None  # [B, S, k] float32: log p(score_ids[b, t, j] | x[b, <=t])
+    # Cross-tokenizer outputs, shaped to the student's tokens (position t: about its token t + 1).
+    span_logprobs: torch.Tensor | None = None  # [B, S] float32: log p_teacher(bytes of token t+1 | bytes before)
+    span_exact: torch.Tensor | None = None  # [B, S] bool: that token starts and ends on teacher boundaries
+    projected_probs: torch.Tensor | None = None  # [B, S, M] float32: columns = joined matched_student_ids
+    unmatched_mass: torch.Tensor | None = None  # [B, S] float32: the rest; matched + unmatched = 1 where aligned
+    unmatched_topk: torch.Tensor | None = None  # [B, S, k] float32: the k largest unmatched, descending
+    sorted_probs: torch.Tensor | None = None  # [B, S, k] float32: the k largest teacher probabilities, descending
 
 
 class Output(abc.ABC):
@@ -286,6 +298,9 @@ class Output(abc.ABC):
     same_vocabulary: ClassVar[bool] = False
     # The SubmitRequest field it reads with every batch ("": none); see the module's docstring.
     batch_field: ClassVar[str] = ""
+    # Whether it is shaped to the student's own tokens, the batch re-tokenized by the teacher
+    # (CrossTokenizerKind): then every kind of the session must be.
+    cross_tokenizer: ClassVar[bool] = False
 
     @classmethod
     @abc.abstractmethod
@@ -964,9 +979,205 @@ class ScoredLogprobs(Output):
         return f"score_ids={self.k}(T={self.temperature:g})"
 
 
+# ---- cross-tokenizer kinds: shaped to the student's tokens (distill_common/alignment.py) ---------
+
+# The batch's data these kinds read: the AlignedBatch the teacher made of the student's ids and text.
+ALIGNMENT = "alignment"
+
+
+class CrossTokenizerKind(Output):
+    """A kind for a student with another tokenizer (OutputSpec.cross_tokenizer).
+
+    The teacher re-tokenizes each row's text (SubmitRequest.student_text) and runs its forward on
+    that; `derive` finds the alignment in `batch.data[ALIGNMENT]` (an `AlignedBatch`) and
+    returns tensors shaped [B, S] to the student's tokens, whatever the teacher's tokens were.
+    Every position is about the student's next token (distill_common/alignment.py says how
+    the two tokenizations meet); padding and the last real position hold zeros.
+    """
+
+    cross_tokenizer: ClassVar[bool] = True
+    batch_field: ClassVar[str] = "student_text"
+
+    @property
+    def needs(self) -> ForwardNeeds:
+        return ForwardNeeds(logits=True)
+
+    def write_batch(self, value, batch: int, seq: int, teacher: TeacherFacts) -> pb.RowTexts:
+        if len(value) != batch or not all(isinstance(row, bytes) for row in value):
+            raise ValueError(f"student_text must be {batch} bytes objects, one per row of input_ids (the bytes its "
+                             "real tokens spell: distill_common.alignment.row_texts)")
+        return pb.RowTexts(rows=value)
+
+    def read_batch(self, message: pb.RowTexts, batch: int, seq: int, teacher: TeacherFacts) -> list[bytes]:
+        if len(message.rows) != batch:
+            raise BatchDataError(f"student_text has {len(message.rows)} rows, input_ids {batch}: send one text per row")
+        return list(message.rows)
+
+    def _cross_spec(self, spec: pb.OutputSpec) -> pb.CrossTokenizerOutputs:
+        return spec.cross_tokenizer
+
+
+def _aligned_probs(logits: torch.Tensor, context: torch.Tensor):
+    """The positions whose context a teacher position ends exactly, and the teacher's next-token
+    probabilities there in float32 chunks: yields (rows, cols, probs [n, V]) over the valid positions."""
+    rows, cols = (context >= 0).nonzero(as_tuple=True)
+    vocab = logits.shape[-1]
+    step = max(1, _LOGPROB_CHUNK_BYTES // (4 * vocab))
+    for start in range(0, len(rows), step):
+        r, c = rows[start:start + step], cols[start:start + step]
+        yield r, c, torch.softmax(logits[r, context[r, c]].float(), dim=-1)
+
+
+@dataclass(frozen=True)
+class SpanLogprobs(CrossTokenizerKind):
+    """The teacher's log-probability of each student token's bytes given the text before:
+    float32 [B, S] (position t: the token t + 1; the chain rule over the teacher tokens that end
+    inside it) and uint8 [B, S], 1 where that value is exact (both of the token's edges are
+    teacher boundaries). What GOLD and ALM compare span by span."""
+
+    asked_as: ClassVar[str] = "cross_tokenizer.span_logprobs"
+
+    @classmethod
+    def from_spec(cls, spec: pb.OutputSpec) -> "SpanLogprobs | None":
+        return cls() if spec.HasField("cross_tokenizer") and spec.cross_tokenizer.span_logprobs else None
+
+    def to_spec(self, spec: pb.OutputSpec) -> None:
+        spec.cross_tokenizer.span_logprobs = True
+
+    def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
+        return [TensorSpec((batch, seq), torch.float32), TensorSpec((batch, seq), torch.uint8)]
+
+    def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
+        aligned = batch.data[ALIGNMENT]
+        logits = forward.logits
+        rows, teacher_seq = logits.shape[:2]
+        seq = aligned.student_shape[1]
+        token_logprobs = torch.zeros(rows, teacher_seq, dtype=torch.float32, device=logits.device)
+        if teacher_seq > 1:
+            ids = _to_device(aligned.teacher_ids, logits.device)
+            token_logprobs[:, 1:] = _logprobs_at(logits[:, :-1], ids[:, 1:, None], 1.0)[..., 0]
+        owner = _to_device(aligned.span_owner, logits.device)
+        values = torch.zeros(rows, seq + 1, dtype=torch.float32, device=logits.device)
+        values.scatter_add_(1, owner, token_logprobs)
+        exact = _to_device(aligned.span_exact, logits.device).to(torch.uint8)
+        return [values[:, :seq].contiguous(), exact.contiguous()]
+
+    def assemble(self, tensors: list[torch.Tensor]) -> dict:
+        values, exact = tensors
+        return {"span_logprobs": values, "span_exact": exact.bool()}
+
+    def __str__(self) -> str:
+        return "span_logprobs"
+
+
+def _check_sorted_k(name: str, k: int, teacher: TeacherFacts) -> None:
+    if not 0 < k <= teacher.vocab_size:
+        raise OutputSpecError(f"cross_tokenizer.{name} {k} must be between 1 and the teacher's vocabulary size "
+                              f"{teacher.vocab_size} (0 asks for none)")
+    if teacher.max_topk and k > teacher.max_topk:
+        raise OutputSpecError(f"cross_tokenizer.{name} {k} exceeds the teacher's --max-topk {teacher.max_topk}: ask "
+                              "for fewer, or start the teacher with a larger --max-topk")
+
+
+@dataclass(frozen=True)
+class ProjectedNext(CrossTokenizerKind):
+    """The teacher's next-token distribution projected onto the student's vocabulary: float32
+    [B, S, M], column j the probability of student id matched_student_ids[j] (exact byte
+    matches, `alignment.VocabularyMatch`), float32 [B, S] the unmatched mass, and with
+    `rest_topk` the k largest unmatched probabilities, sorted. All zeros where no teacher
+    position ends where the student's text does. M is the session's (`TeacherFacts.matched_entries`)."""
+
+    rest_topk: int = 0
+    asked_as: ClassVar[str] = "cross_tokenizer.projected"
+
+    @classmethod
+    def from_spec(cls, spec: pb.OutputSpec) -> "ProjectedNext | None":
+        if not spec.HasField("cross_tokenizer") or not spec.cross_tokenizer.projected:
+            return None
+        return cls(spec.cross_tokenizer.projected_rest_topk)
+
+    def to_spec(self, spec: pb.OutputSpec) -> None:
+        spec.cross_tokenizer.projected = True
+        spec.cross_tokenizer.projected_rest_topk = self.rest_topk
+
+    def check(self, teacher: TeacherFacts) -> None:
+        if self.rest_topk:
+            _check_sorted_k("projected_rest_topk", self.rest_topk, teacher)
+
+    def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
+        specs = [TensorSpec((batch, seq, teacher.matched_entries), torch.float32),
+                 TensorSpec((batch, seq), torch.float32)]
+        return specs + ([TensorSpec((batch, seq, self.rest_topk), torch.float32)] if self.rest_topk else [])
+
+    def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
+        aligned = batch.data[ALIGNMENT]
+        logits = forward.logits
+        device = logits.device
+        rows, seq = aligned.student_shape
+        matched = aligned.match.size
+        column = _to_device(torch.from_numpy(aligned.match.teacher_column), device)
+        projected = torch.zeros(rows, seq, matched + 1, dtype=torch.float32, device=device)
+        rest = torch.zeros(rows, seq, self.rest_topk, dtype=torch.float32, device=device)
+        context = _to_device(aligned.context, device)
+        for r, c, probs in _aligned_probs(logits, context):
+            projected[r, c] = torch.zeros(len(r), matched + 1, dtype=torch.float32, device=device).index_add_(
+                1, column, probs)
+            if self.rest_topk:
+                rest[r, c] = probs.masked_fill(column != matched, 0.0).topk(self.rest_topk, dim=-1).values
+        tensors = [projected[..., :matched].contiguous(), projected[..., matched].contiguous()]
+        return tensors + ([rest] if self.rest_topk else [])
+
+    def assemble(self, tensors: list[torch.Tensor]) -> dict:
+        probs, mass, *rest = tensors
+        return {"projected_probs": probs, "unmatched_mass": mass, "unmatched_topk": rest[0] if rest else None}
+
+    def __str__(self) -> str:
+        return f"projected(rest_topk={self.rest_topk})"
+
+
+@dataclass(frozen=True)
+class SortedProbs(CrossTokenizerKind):
+    """The k largest teacher next-token probabilities, sorted descending, float32 [B, S, k] (ULD
+    compares sorted vectors, whatever the ids): at the positions ProjectedNext is defined at,
+    zeros elsewhere."""
+
+    k: int
+    asked_as: ClassVar[str] = "cross_tokenizer.sorted_topk > 0"
+
+    @classmethod
+    def from_spec(cls, spec: pb.OutputSpec) -> "SortedProbs | None":
+        k = spec.cross_tokenizer.sorted_topk if spec.HasField("cross_tokenizer") else 0
+        return cls(k) if k else None
+
+    def to_spec(self, spec: pb.OutputSpec) -> None:
+        spec.cross_tokenizer.sorted_topk = self.k
+
+    def check(self, teacher: TeacherFacts) -> None:
+        _check_sorted_k("sorted_topk", self.k, teacher)
+
+    def layout(self, batch: int, seq: int, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
+        return [TensorSpec((batch, seq, self.k), torch.float32)]
+
+    def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
+        aligned = batch.data[ALIGNMENT]
+        rows, seq = aligned.student_shape
+        values = torch.zeros(rows, seq, self.k, dtype=torch.float32, device=forward.logits.device)
+        for r, c, probs in _aligned_probs(forward.logits, _to_device(aligned.context, forward.logits.device)):
+            values[r, c] = probs.topk(self.k, dim=-1).values
+        return [values]
+
+    def assemble(self, tensors: list[torch.Tensor]) -> dict:
+        (values,) = tensors
+        return {"sorted_probs": values}
+
+    def __str__(self) -> str:
+        return f"sorted_topk={self.k}"
+
+
 # Every kind, in wire order: a session's tensors are sent kind by kind in this order.
 KINDS: tuple[type[Output], ...] = (Logits, TopK, HiddenStates, FinalHidden, AttentionInputs, SubsetLogits,
-                                   AuxHiddenStates, Argmax, NextTokenLogprobs, ScoredLogprobs)
+                                   AuxHiddenStates, Argmax, NextTokenLogprobs, ScoredLogprobs, SpanLogprobs,
+                                   ProjectedNext, SortedProbs)
 
 
 def output_spec(kinds: Iterable[Output], dtype: str | None = None) -> pb.OutputSpec:
@@ -1004,6 +1215,11 @@ class OutputRequest:
         if not kinds:
             *others, last = [kind_class.asked_as for kind_class in KINDS]
             raise OutputSpecError(f"no outputs requested: ask for {', '.join(others)} or {last}")
+        crossing = [kind for kind in kinds if kind.cross_tokenizer]
+        if crossing and len(crossing) != len(kinds):
+            others = ", ".join(str(kind) for kind in kinds if not kind.cross_tokenizer)
+            raise OutputSpecError(f"cross_tokenizer outputs are shaped to the student's tokens and {others} to the "
+                                  "teacher's: a session asks for one or the other (join twice for both)")
         try:
             dtype = wire.parse_output_dtype(spec.dtype) if spec.dtype else teacher.dtype
         except wire.WireError as e:
@@ -1016,7 +1232,22 @@ class OutputRequest:
         asked = pb.OutputSpec()
         asked.CopyFrom(spec)
         asked.dtype = joined.output_dtype
-        return cls.resolve(asked, TeacherFacts.from_info(joined.info))
+        granted = cls.resolve(asked, TeacherFacts.from_info(joined.info))
+        if granted.cross_tokenizer:
+            alignment = joined.alignment
+            granted = granted.aligned(alignment.student_vocab_size, int(alignment.matched_student_ids.shape[0])
+                                      if alignment.matched_student_ids.shape else 0)
+        return granted
+
+    @functools.cached_property
+    def cross_tokenizer(self) -> bool:
+        """Whether its kinds are shaped to the student's own tokens (then all of them are)."""
+        return any(kind.cross_tokenizer for kind in self)
+
+    def aligned(self, student_vocab_size: int, matched_entries: int) -> "OutputRequest":
+        """This request with the session's vocabulary match (found at Join) in its facts."""
+        return dataclasses.replace(self, teacher=dataclasses.replace(
+            self.teacher, student_vocab_size=student_vocab_size, matched_entries=matched_entries))
 
     def __iter__(self) -> Iterator[Output]:
         return iter(self.kinds)
@@ -1052,12 +1283,14 @@ class OutputRequest:
         """The student's side: puts the data its kinds read with a [batch, seq] input into
         `request` (keyword: the kind's batch_field). ValueError when some is missing, unasked or malformed."""
         given = {name: value for name, value in data.items() if value is not None}
+        written = set()  # a field several kinds read (student_text) is written once
         for kind in self:
-            if kind.batch_field:
+            if kind.batch_field and kind.batch_field not in written:
                 if kind.batch_field not in given:
                     raise ValueError(f"this session asked for {kind} at join: pass {kind.batch_field} with every batch")
                 value = kind.write_batch(given.pop(kind.batch_field), batch, seq, self.teacher)
                 getattr(request, kind.batch_field).CopyFrom(value)
+                written.add(kind.batch_field)
         if given:
             raise ValueError(f"{', '.join(sorted(given))} given, but this session asked for no output that reads it "
                              f"(outputs: {self})")
@@ -1067,7 +1300,7 @@ class OutputRequest:
         field, validated; BatchDataError when some is missing, unasked or malformed."""
         data = {}
         for kind in self:
-            if kind.batch_field:
+            if kind.batch_field and kind.batch_field not in data:
                 if not request.HasField(kind.batch_field):
                     raise BatchDataError(f"{kind.batch_field} is missing: this session asked for {kind} at join, so "
                                          f"every batch must send it")

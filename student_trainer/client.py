@@ -55,6 +55,7 @@ from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from distill_common.rendezvous import RendezvousStore
 from distill_common.session_group import (STUDENT_RANK, build_group, device_uuid, handshake, local_address_towards,
                                           nccl_version)
+from distill_common.alignment import StudentVocabulary, row_texts
 from distill_common.vocab import tokenizer_fingerprint
 from student_trainer.connection import MAX_RESUBMITS, Action, Connection, FirstJoin, State
 from student_trainer.errors import Incompatible, TeacherError, TeacherUnavailable, from_rpc_error
@@ -133,10 +134,17 @@ class TeacherClient:
         self._next_batch_id = 0  # the client's own batch ids (see Batch.batch_id)
 
         fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
+        spec = output_spec(outputs, dtype)
+        # A student with another tokenizer sends its vocabulary (the bytes of each id) once, and its text per batch.
+        self.vocabulary: StudentVocabulary | None = None
+        if any(kind.cross_tokenizer for kind in outputs):
+            if tokenizer is None:
+                raise ValueError("cross-tokenizer outputs need the student's tokenizer: pass tokenizer=")
+            self.vocabulary = StudentVocabulary.of(tokenizer)
         request = pb.JoinRequest(
             job_id=job_id or os.environ.get("TORCHELASTIC_RUN_ID", "") or f"pid{os.getpid()}",
             job_rank=int(os.environ.get("RANK", "0")) if job_rank is None else job_rank,
-            outputs=output_spec(outputs, dtype),
+            outputs=spec,
             peer=pb.PeerInfo(device_type=self.device.type, device_uuid=device_uuid(self.device),
                              torch_version=torch.__version__,
                              nccl_version=nccl_version() if self.device.type == "cuda" else ""),
@@ -144,6 +152,8 @@ class TeacherClient:
             # The width of the student's logits (its output embedding's rows), which may
             # exceed len(tokenizer): models pad it. Without it, no size check is made.
             vocab_size=vocab_size, weight=weight)
+        if self.vocabulary is not None:
+            self.vocabulary.to_proto(request.student_vocabulary)
         self._join_request = request
         first_join = FirstJoin(address, join_timeout_s)
         self._wait_for_server(join_timeout_s)
@@ -153,6 +163,12 @@ class TeacherClient:
         self.max_inflight = joined.max_inflight
         self.output_dtype = wire.parse_output_dtype(joined.output_dtype)
         self.outputs = OutputRequest.granted(request.outputs, joined)
+        # Cross-tokenizer outputs: the student ids of ProjectedNext's columns, int64 [M] (None otherwise).
+        self.matched_student_ids: torch.Tensor | None = None
+        if joined.HasField("alignment"):
+            self.matched_student_ids = wire.decode(joined.alignment.matched_student_ids, what="matched_student_ids",
+                                                   dtypes=wire.ID_DTYPES,
+                                                   max_elements=max(1, joined.alignment.student_vocab_size)).long()
         self._transfer_timeout_arg = transfer_timeout_s
         self.transfer_timeout_s = transfer_timeout_s or joined.timeout_s
         self.heartbeat_interval_s = joined.heartbeat_interval_s
@@ -182,11 +198,14 @@ class TeacherClient:
         return self._connection.session.session_id
 
     def submit(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               timeout_s: float | None = None, *, score_ids: torch.Tensor | None = None) -> Future:
+               timeout_s: float | None = None, *, score_ids: torch.Tensor | None = None,
+               student_text: list[bytes] | None = None) -> Future:
         """Registers a [B, S] batch; returns at once a Future of its TeacherOutput.
 
         `score_ids` [B, S, k]: the ids whose log-probabilities a session that asked for
         ScoredLogprobs(k) wants at each position (required then, refused otherwise).
+        `student_text`: for cross-tokenizer outputs, the bytes each row's real tokens spell
+        (default: made from the ids and the tokenizer's vocabulary).
 
         The batch is put on the session's submit stream; its receives are posted by the
         session's own threads once the teacher announces it, so a training loop never
@@ -205,7 +224,10 @@ class TeacherClient:
         request = pb.SubmitRequest(input_ids=wire.encode(input_ids))
         if attention_mask is not None:
             request.attention_mask.CopyFrom(wire.encode(attention_mask))
-        self.outputs.write_batch(request, *input_ids.shape, score_ids=score_ids)
+        if self.vocabulary is not None and student_text is None:
+            mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+            student_text = row_texts(input_ids, mask, self.vocabulary)
+        self.outputs.write_batch(request, *input_ids.shape, score_ids=score_ids, student_text=student_text)
         wait_s = self.transfer_timeout_s if timeout_s is None else timeout_s
         tracing.mark("s_submit", self._next_batch_id)
         self._acquire_slot(wait_s)

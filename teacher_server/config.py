@@ -109,6 +109,10 @@ class ServerConfig:
     max_score_ids: int = field(default=8, metadata=_help(
         "most ids per position a session may have scored (OutputSpec.score_ids): each request carries up to "
         "--max-batch-tokens x this many int32 ids"))
+    # Part of the Join's size bound (--max-request-bytes): up to 12 bytes of pieces an entry, plus their lengths.
+    max_student_vocab: int = field(default=0, metadata=_help(
+        "most entries of a student vocabulary a cross-tokenizer session may send at join "
+        "(JoinRequest.student_vocabulary; 0: the teacher's vocabulary size)"))
     max_weight: float = field(default=100.0, metadata=_help(
         "largest weight a job may ask for at join (its share of forwards against other jobs)"))
     max_sessions_per_job: int = field(default=0, metadata=_help(
@@ -152,6 +156,9 @@ class ServerConfig:
         if self.max_seq_len and self.max_batch_tokens < self.max_seq_len:
             raise ConfigError(f"--max-batch-tokens ({self.max_batch_tokens}) must be >= --max-seq-len "
                               f"({self.max_seq_len}): otherwise a single full-length sequence could never be served")
+        if self.max_student_vocab < 0:
+            raise ConfigError(f"--max-student-vocab {self.max_student_vocab} must be >= 0 (0: the teacher's "
+                              "vocabulary size)")
         if self.max_score_ids < 0:
             raise ConfigError(f"--max-score-ids {self.max_score_ids} must be >= 0 (0: no ids scored)")
         if self.max_sessions < 1 or self.max_inflight < 1:
@@ -267,7 +274,15 @@ class ServerConfig:
     def full_join_bytes(self) -> int:
         """A Join asking for logits over the whole vocabulary as a subset (int64 ids, the widest the
         wire allows), plus the same 64 KiB of framing: the largest Join a session may need."""
-        return 8 * self.model_vocab_size + (64 << 10)
+        from distill_common.alignment import VOCABULARY_BYTES_PER_ENTRY  # torch comes with it: not at flag parsing
+
+        student_vocabulary = (VOCABULARY_BYTES_PER_ENTRY + 2) * self.student_vocab_limit  # pieces, varint lengths
+        return max(8 * self.model_vocab_size, student_vocabulary) + (64 << 10)
+
+    @property
+    def student_vocab_limit(self) -> int:
+        """--max-student-vocab resolved: the entries a cross-tokenizer student's vocabulary may have."""
+        return self.max_student_vocab or self.model_vocab_size
 
     @property
     def request_limit_bytes(self) -> int:

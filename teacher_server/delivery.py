@@ -250,7 +250,7 @@ class Delivery:
         batch.handed = True
         try:
             # The header first: the student checks it names this batch before using what follows.
-            header = link.group.header(batch.batch_id, batch.key)
+            header = link.group.header(batch.batch_id, batch.header_key)
             works = link.group.send_all([header, *tensors])
         except Exception as e:
             self._end(session, "transfer_failed", f"posting the send of batch {batch.batch_id} failed: {e}")
@@ -335,7 +335,7 @@ def _derive(session: Session, batch: Batch, out: BatchOutputs) -> list[torch.Ten
     would be lost; the batch fails here instead, with what differs.
     """
     tensors = session.outputs.derive(out, batch)
-    expected = session.outputs.layout(batch.rows, batch.seq_len)
+    expected = session.outputs.layout(*batch.layout_shape)
     got = [TensorSpec(tuple(t.shape), t.dtype) for t in tensors]
     if got != expected:
         raise OutputMismatch(f"the forward gave tensors {got}, the student receives {expected}")

@@ -136,6 +136,9 @@ class ModelRunner:
             raise ValueError("a model built by the caller runs on one process: leave `world` out")
         self.model = model if model is not None else self._load(model_name, dtype, trust_remote_code)
         self.model.eval().requires_grad_(False)
+        # The model directory's tokenizer (None without one): fingerprinted for students, and what
+        # cross-tokenizer sessions' rows are re-tokenized with (rank 0 only).
+        self.tokenizer = self._tokenizer(model_name) if world is None or world.leader else None
         config = self.model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.info = ModelInfo(
@@ -146,7 +149,7 @@ class ModelRunner:
             num_layers=int(text_config.num_hidden_layers),
             dtype=next(self.model.parameters()).dtype,
             device=self.device,
-            tokenizer_fingerprint=self._fingerprint(model_name) if world is None or world.leader else "",
+            tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else "",
             tp_size=world.size if world is not None else 1,
             nccl_version=nccl_version() if self.device.type == "cuda" else "",
         )
@@ -181,16 +184,17 @@ class ModelRunner:
         return self.world is None or not self.world.error
 
     @staticmethod
-    def _fingerprint(model_name: str) -> str:
+    def _tokenizer(model_name: str):
         if not os.path.isdir(model_name):  # builtin:, random: and hub ids without a local copy
-            return ""
+            return None
         try:
             from transformers import AutoTokenizer
 
-            return tokenizer_fingerprint(AutoTokenizer.from_pretrained(model_name))
+            return AutoTokenizer.from_pretrained(model_name)
         except Exception as e:  # a model directory without a tokenizer: no check possible
-            log.warning("no tokenizer in %s (%s): students' vocabularies cannot be checked", model_name, e)
-            return ""
+            log.warning("no tokenizer in %s (%s): students' vocabularies cannot be checked, and students with "
+                        "another tokenizer cannot be served", model_name, e)
+            return None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, needs: ForwardNeeds | None = None, *,
                 hidden: bool = False) -> ForwardOutputs:

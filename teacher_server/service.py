@@ -28,18 +28,20 @@ from google.protobuf import message_factory
 
 from distill_common import tracing, wire
 from distill_common.channel import SESSION_SECRET_KEY
-from distill_common.outputs import BatchDataError, OutputRequest, OutputSpecError, TeacherFacts, VocabularyMismatch
+from distill_common.alignment import AlignmentError, StudentVocabulary, TeacherTokenizer, VocabularyMatch, align_batch
+from distill_common.outputs import (ALIGNMENT, BatchDataError, CrossTokenizerKind, OutputRequest, OutputSpecError,
+                                    TeacherFacts, VocabularyMismatch)
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.rendezvous import RendezvousError, SessionStore
 from distill_common.session_group import device_uuid
-from distill_common.wire import WireError
+from distill_common.wire import WireError, batch_key
 from teacher_server.config import ServerConfig
 from teacher_server.edge import Caller, Callers
 from teacher_server.engine import Engine
 from teacher_server.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
                                    ServiceError, bounded_message)
 from teacher_server.metrics import Metrics
-from teacher_server.sessions import Batch, Session
+from teacher_server.sessions import Batch, Session, SessionAlignment
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class TeacherService:
         self.teacher_uuid = device_uuid(self.info.device)
         # What a session's outputs are checked against.
         self.facts = dataclasses.replace(TeacherFacts.from_info(self.teacher_info()), max_topk=config.max_topk)
+        self._teacher_tokens: TeacherTokenizer | None = None  # read at the first cross-tokenizer Join
 
     # ---- RPCs ---------------------------------------------------------------------
 
@@ -77,6 +80,9 @@ class TeacherService:
             outputs = OutputRequest.resolve(request.outputs, self.facts)
         except OutputSpecError as e:
             raise InvalidArgument(str(e)) from e
+        alignment = self._alignment(request, outputs)
+        if alignment is not None:
+            outputs = outputs.aligned(len(alignment.vocabulary), alignment.match.size)
         self._check_output_bytes(outputs)
         backend = self._check_peer(request.peer)
         try:
@@ -95,7 +101,7 @@ class TeacherService:
                                   "that limit")
         session = Session(job_id=job_id, job_rank=request.job_rank, outputs=outputs,
                           backend=backend, peer_device_type=request.peer.device_type, max_inflight=max_inflight,
-                          weight=weight, stream_refusals_only=request.stream_refusals_only,
+                          weight=weight, stream_refusals_only=request.stream_refusals_only, alignment=alignment,
                           rendezvous=SessionStore(self.config.join_timeout_s))
         self.engine.admit(session, max_job_sessions=caller.max_sessions, job_limit=caller.limit("max_sessions"))
         log.info("session %s joined: job %s rank %d, %s, outputs %s", session.session_id, session.job_id,
@@ -106,7 +112,46 @@ class TeacherService:
             timeout_s=self.config.transfer_timeout_s,
             heartbeat_interval_s=self.config.heartbeat_interval_s, lease_s=self.config.lease_s,
             max_inflight=max_inflight, output_dtype=wire.dtype_name(outputs.dtype),
-            stream_refusals_only=session.stream_refusals_only, session_secret=session.secret)
+            stream_refusals_only=session.stream_refusals_only, session_secret=session.secret,
+            alignment=None if alignment is None else pb.VocabularyAlignment(
+                matched_student_ids=wire.encode(torch.from_numpy(alignment.match.student_ids).to(torch.int32)),
+                student_vocab_size=len(alignment.vocabulary)))
+
+    def _alignment(self, request: pb.JoinRequest, outputs: OutputRequest) -> SessionAlignment | None:
+        """A cross-tokenizer session's vocabulary, checked, and its match with the teacher's (None
+        for a session of the teacher's tokens)."""
+        if not outputs.cross_tokenizer:
+            if request.HasField("student_vocabulary"):
+                raise InvalidArgument("student_vocabulary was sent, but the outputs asked are shaped to the teacher's "
+                                      "tokens: leave it out, or ask for cross_tokenizer outputs")
+            return None
+        if not request.HasField("student_vocabulary"):
+            raise InvalidArgument("cross_tokenizer outputs need the student's vocabulary: send "
+                                  "JoinRequest.student_vocabulary (the bytes each id stands for)")
+        teacher = self._teacher_tokenizer()
+        try:
+            vocabulary = StudentVocabulary.from_proto(request.student_vocabulary, self.config.student_vocab_limit)
+        except AlignmentError as e:
+            raise InvalidArgument(str(e)) from e
+        match = VocabularyMatch.build(vocabulary.pieces, teacher.pieces)
+        if not match.size:
+            raise FailedPrecondition("no piece of the student's vocabulary is spelled by any of the teacher's: "
+                                     "is student_vocabulary the bytes each id stands for?")
+        return SessionAlignment(vocabulary, match)
+
+    def _teacher_tokenizer(self) -> TeacherTokenizer:
+        """The teacher's tokenizer, read once, at the first cross-tokenizer Join."""
+        if self._teacher_tokens is None:
+            tokenizer = getattr(self.engine.runner, "tokenizer", None)
+            if tokenizer is None:
+                raise FailedPrecondition("this teacher has no tokenizer (its --model is no directory with one), so it "
+                                         "cannot re-tokenize a student's text: serve a model directory with its "
+                                         "tokenizer, or distil with the teacher's tokenizer")
+            try:
+                self._teacher_tokens = TeacherTokenizer(tokenizer)
+            except AlignmentError as e:
+                raise FailedPrecondition(f"the teacher's tokenizer cannot be aligned by bytes: {e}") from e
+        return self._teacher_tokens
 
     def session_for(self, context, session_id: str) -> Session:
         """The session a call is about, when the call may act on it; the one check every
@@ -165,11 +210,14 @@ class TeacherService:
             raise ResourceExhausted(f"session already has {queued} batches queued (its "
                                     f"max_inflight, at most the teacher's --max-inflight {self.config.max_inflight}); "
                                     "receive outputs before submitting more")
-        batch = self._decode_batch(request)
+        alignment = session.alignment
+        batch = self._decode_batch(request, len(alignment.vocabulary) if alignment is not None else 0)
         try:
             batch.data = session.outputs.read_batch(request, batch.rows, batch.seq_len)
         except BatchDataError as e:
             raise InvalidArgument(str(e)) from e
+        if alignment is not None:
+            batch = self._retokenized(batch, alignment)
         inflight = self.engine.submit(session, batch)
         return session, pb.SubmitResponse(batch_id=request.batch_id, inflight=inflight)
 
@@ -334,7 +382,27 @@ class TeacherService:
                 f"{self.info.nccl_version}: install the same torch/NCCL build on both sides")
         return "nccl"
 
-    def _decode_batch(self, request: pb.SubmitRequest) -> Batch:
+    def _retokenized(self, batch: Batch, alignment: SessionAlignment) -> Batch:
+        """A cross-tokenizer session's batch as the teacher's forward takes it: its rows' text in the
+        teacher's tokens, aligned with the student's (distill_common/alignment.py)."""
+        try:
+            aligned = align_batch(batch.input_ids, batch.attention_mask, batch.data.pop(CrossTokenizerKind.batch_field),
+                                  alignment.vocabulary, self._teacher_tokenizer(), alignment.match,
+                                  max_teacher_tokens=self.config.max_seq_len)
+        except AlignmentError as e:
+            raise InvalidArgument(f"batch {batch.batch_id}: {e}") from e
+        rows, seq = aligned.teacher_ids.shape
+        if rows * seq > self.config.max_batch_tokens:
+            raise ResourceExhausted(f"batch {batch.batch_id} is {rows} x {seq} tokens in the teacher's tokenizer, more "
+                                    f"than the teacher's --max-batch-tokens {self.config.max_batch_tokens}: send "
+                                    "smaller batches")
+        return Batch(batch_id=batch.batch_id, input_ids=aligned.teacher_ids, attention_mask=aligned.teacher_mask,
+                     data={ALIGNMENT: aligned}, student_shape=(batch.rows, batch.seq_len),
+                     student_key=batch_key(batch.input_ids, batch.attention_mask))
+
+    def _decode_batch(self, request: pb.SubmitRequest, student_vocab_size: int = 0) -> Batch:
+        """The batch's ids and mask, checked; ids lie in the teacher's vocabulary, or in the student's
+        (`student_vocab_size`) for a cross-tokenizer session."""
         limits = self.config
         shape = list(request.input_ids.shape)
         if len(shape) != 2:
@@ -359,7 +427,10 @@ class TeacherService:
         except WireError as e:
             raise InvalidArgument(str(e)) from e
         low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= self.info.vocab_size:
+        if student_vocab_size and (low < 0 or high >= student_vocab_size):
+            raise InvalidArgument(f"token ids must lie in [0, {student_vocab_size}) (the student vocabulary sent at "
+                                  f"join), got values in [{low}, {high}]")
+        if not student_vocab_size and (low < 0 or high >= self.info.vocab_size):
             raise InvalidArgument(f"token ids must lie in [0, {self.info.vocab_size}) (the teacher's vocabulary), "
                                   f"got values in [{low}, {high}]: is the student using the teacher's tokenizer?")
         if mask is None:

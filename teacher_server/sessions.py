@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from distill_common.alignment import StudentVocabulary, VocabularyMatch
 from distill_common.announcements import Outbox
 from distill_common.outputs import OutputRequest
 from distill_common.rendezvous import SessionStore
@@ -28,6 +29,10 @@ class Batch:
     data: dict[str, torch.Tensor] = field(default_factory=dict, compare=False)
     # Handed to delivery (its sends posted, or failed): its student hears of it once.
     handed: bool = field(default=False, compare=False)
+    # A batch the teacher re-tokenized (a cross-tokenizer session): the shape of the ids the student
+    # sent, which its outputs are shaped to, and their digest, which its header names.
+    student_shape: tuple[int, int] | None = field(default=None, compare=False)
+    student_key: bytes | None = field(default=None, compare=False)
 
     @functools.cached_property
     def key(self) -> bytes:
@@ -42,6 +47,16 @@ class Batch:
         return batch_key(self.input_ids, self.attention_mask)
 
     @property
+    def layout_shape(self) -> tuple[int, int]:
+        """The [rows, seq] its outputs are shaped to: the student's ids, re-tokenized or not."""
+        return self.student_shape or (self.rows, self.seq_len)
+
+    @property
+    def header_key(self) -> bytes:
+        """The digest its header names: of the ids the student sent."""
+        return self.student_key or self.key
+
+    @property
     def rows(self) -> int:
         return self.input_ids.shape[0]
 
@@ -52,6 +67,15 @@ class Batch:
     @property
     def tokens(self) -> int:
         return self.input_ids.numel()
+
+
+@dataclass(frozen=True)
+class SessionAlignment:
+    """What a cross-tokenizer session's batches are aligned with: the student's vocabulary (from its
+    Join) and which of its pieces the teacher's vocabulary spells."""
+
+    vocabulary: StudentVocabulary
+    match: VocabularyMatch
 
 
 @dataclass
@@ -68,6 +92,8 @@ class Session:
     rendezvous: SessionStore
     # SubmitStream answers only refused batches (JoinRequest.stream_refusals_only).
     stream_refusals_only: bool = False
+    # A cross-tokenizer session's vocabulary and its match with the teacher's (None: same tokenizer).
+    alignment: "SessionAlignment | None" = None
     session_id: str = field(default_factory=lambda: secrets.token_hex(8))
     # The capability: every call about the session must carry it (TeacherService.session_for),
     # and the student proves it over the formed group (session_group.handshake). The id is not

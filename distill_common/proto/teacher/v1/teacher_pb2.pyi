@@ -86,7 +86,7 @@ class AttentionInputsInfo(_message.Message):
     def __init__(self, query_width: _Optional[int] = ..., key_width: _Optional[int] = ..., value_width: _Optional[int] = ..., unavailable: _Optional[str] = ...) -> None: ...
 
 class OutputSpec(_message.Message):
-    __slots__ = ("logits", "topk", "hidden_layers", "dtype", "final_hidden", "attention_layers", "logit_subset", "aux_hidden_states", "argmax", "next_token_logprobs", "score_ids", "logprob_temperature")
+    __slots__ = ("logits", "topk", "hidden_layers", "dtype", "final_hidden", "attention_layers", "logit_subset", "aux_hidden_states", "argmax", "next_token_logprobs", "score_ids", "logprob_temperature", "cross_tokenizer")
     LOGITS_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class OutputSpec(_message.Message):
     NEXT_TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    CROSS_TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     logits: bool
     topk: int
     hidden_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -111,7 +112,42 @@ class OutputSpec(_message.Message):
     next_token_logprobs: bool
     score_ids: int
     logprob_temperature: float
-    def __init__(self, logits: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., final_hidden: _Optional[bool] = ..., attention_layers: _Optional[_Iterable[int]] = ..., logit_subset: _Optional[_Union[Tensor, _Mapping]] = ..., aux_hidden_states: _Optional[_Union[AuxHiddenStates, _Mapping]] = ..., argmax: _Optional[bool] = ..., next_token_logprobs: _Optional[bool] = ..., score_ids: _Optional[int] = ..., logprob_temperature: _Optional[float] = ...) -> None: ...
+    cross_tokenizer: CrossTokenizerOutputs
+    def __init__(self, logits: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., final_hidden: _Optional[bool] = ..., attention_layers: _Optional[_Iterable[int]] = ..., logit_subset: _Optional[_Union[Tensor, _Mapping]] = ..., aux_hidden_states: _Optional[_Union[AuxHiddenStates, _Mapping]] = ..., argmax: _Optional[bool] = ..., next_token_logprobs: _Optional[bool] = ..., score_ids: _Optional[int] = ..., logprob_temperature: _Optional[float] = ..., cross_tokenizer: _Optional[_Union[CrossTokenizerOutputs, _Mapping]] = ...) -> None: ...
+
+class CrossTokenizerOutputs(_message.Message):
+    __slots__ = ("span_logprobs", "projected", "projected_rest_topk", "sorted_topk")
+    SPAN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROJECTED_FIELD_NUMBER: _ClassVar[int]
+    PROJECTED_REST_TOPK_FIELD_NUMBER: _ClassVar[int]
+    SORTED_TOPK_FIELD_NUMBER: _ClassVar[int]
+    span_logprobs: bool
+    projected: bool
+    projected_rest_topk: int
+    sorted_topk: int
+    def __init__(self, span_logprobs: _Optional[bool] = ..., projected: _Optional[bool] = ..., projected_rest_topk: _Optional[int] = ..., sorted_topk: _Optional[int] = ...) -> None: ...
+
+class StudentVocabulary(_message.Message):
+    __slots__ = ("token_bytes", "token_lengths")
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    token_bytes: bytes
+    token_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_bytes: _Optional[bytes] = ..., token_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VocabularyAlignment(_message.Message):
+    __slots__ = ("matched_student_ids", "student_vocab_size")
+    MATCHED_STUDENT_IDS_FIELD_NUMBER: _ClassVar[int]
+    STUDENT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    matched_student_ids: Tensor
+    student_vocab_size: int
+    def __init__(self, matched_student_ids: _Optional[_Union[Tensor, _Mapping]] = ..., student_vocab_size: _Optional[int] = ...) -> None: ...
+
+class RowTexts(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, rows: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AuxHiddenStates(_message.Message):
     __slots__ = ("layers",)
@@ -132,7 +168,7 @@ class PeerInfo(_message.Message):
     def __init__(self, device_type: _Optional[str] = ..., device_uuid: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "job_rank", "outputs", "peer", "max_inflight", "tokenizer_fingerprint", "vocab_size", "weight", "stream_refusals_only")
+    __slots__ = ("job_id", "job_rank", "outputs", "peer", "max_inflight", "tokenizer_fingerprint", "vocab_size", "weight", "stream_refusals_only", "student_vocabulary")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_RANK_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +178,7 @@ class JoinRequest(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     STREAM_REFUSALS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    STUDENT_VOCABULARY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_rank: int
     outputs: OutputSpec
@@ -151,10 +188,11 @@ class JoinRequest(_message.Message):
     vocab_size: int
     weight: float
     stream_refusals_only: bool
-    def __init__(self, job_id: _Optional[str] = ..., job_rank: _Optional[int] = ..., outputs: _Optional[_Union[OutputSpec, _Mapping]] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., weight: _Optional[float] = ..., stream_refusals_only: _Optional[bool] = ...) -> None: ...
+    student_vocabulary: StudentVocabulary
+    def __init__(self, job_id: _Optional[str] = ..., job_rank: _Optional[int] = ..., outputs: _Optional[_Union[OutputSpec, _Mapping]] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., weight: _Optional[float] = ..., stream_refusals_only: _Optional[bool] = ..., student_vocabulary: _Optional[_Union[StudentVocabulary, _Mapping]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("session_id", "info", "backend", "timeout_s", "heartbeat_interval_s", "lease_s", "max_inflight", "output_dtype", "stream_refusals_only", "data_plane_host", "session_secret")
+    __slots__ = ("session_id", "info", "backend", "timeout_s", "heartbeat_interval_s", "lease_s", "max_inflight", "output_dtype", "stream_refusals_only", "data_plane_host", "session_secret", "alignment")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +204,7 @@ class JoinResponse(_message.Message):
     STREAM_REFUSALS_ONLY_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_HOST_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     info: TeacherInfo
     backend: str
@@ -177,21 +216,24 @@ class JoinResponse(_message.Message):
     stream_refusals_only: bool
     data_plane_host: str
     session_secret: str
-    def __init__(self, session_id: _Optional[str] = ..., info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., max_inflight: _Optional[int] = ..., output_dtype: _Optional[str] = ..., stream_refusals_only: _Optional[bool] = ..., data_plane_host: _Optional[str] = ..., session_secret: _Optional[str] = ...) -> None: ...
+    alignment: VocabularyAlignment
+    def __init__(self, session_id: _Optional[str] = ..., info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., lease_s: _Optional[float] = ..., max_inflight: _Optional[int] = ..., output_dtype: _Optional[str] = ..., stream_refusals_only: _Optional[bool] = ..., data_plane_host: _Optional[str] = ..., session_secret: _Optional[str] = ..., alignment: _Optional[_Union[VocabularyAlignment, _Mapping]] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("session_id", "batch_id", "input_ids", "attention_mask", "score_ids")
+    __slots__ = ("session_id", "batch_id", "input_ids", "attention_mask", "score_ids", "student_text")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_MASK_FIELD_NUMBER: _ClassVar[int]
     SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
+    STUDENT_TEXT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     batch_id: int
     input_ids: Tensor
     attention_mask: Tensor
     score_ids: Tensor
-    def __init__(self, session_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., score_ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    student_text: RowTexts
+    def __init__(self, session_id: _Optional[str] = ..., batch_id: _Optional[int] = ..., input_ids: _Optional[_Union[Tensor, _Mapping]] = ..., attention_mask: _Optional[_Union[Tensor, _Mapping]] = ..., score_ids: _Optional[_Union[Tensor, _Mapping]] = ..., student_text: _Optional[_Union[RowTexts, _Mapping]] = ...) -> None: ...
 
 class SubmitResponse(_message.Message):
     __slots__ = ("batch_id", "inflight", "error_code", "error_message", "events")

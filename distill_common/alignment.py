@@ -1,0 +1,363 @@
+"""Two tokenizations of one text, aligned on its bytes: what a student with another tokenizer needs.
+
+A student whose tokenizer differs from the teacher's cannot use the teacher's logits as they
+come: index i means another string on each side. Both sides agree on the text, though, so the
+alignment runs on the teacher, once per batch, and the student receives tensors shaped to its
+own tokens (distill_common/outputs.py: `SpanLogprobs`, `ProjectedNext`, `SortedProbs`).
+
+The parts:
+
+- `vocabulary_bytes`: the bytes each id of a tokenizer stands for (byte-level BPE maps
+  its symbols back through GPT-2's byte table; SentencePiece writes "▁" for a space and
+  "<0xAB>" for a raw byte); special tokens stand for no text (b"").
+- `StudentVocabulary`: the student's, sent once at join (JoinRequest.student_vocabulary),
+  with the limits a teacher puts on it.
+- `VocabularyMatch`: which student ids spell exactly the bytes of some teacher id, computed
+  once per session at join.
+- `TeacherTokenizer`: the teacher's tokenizer, encoding raw bytes (a student row may begin
+  or end inside a multi-byte character: those bytes take the teacher's single-byte tokens).
+- `align_batch`: for one batch, the student's ids and the text each row spells, checked
+  against each other, re-tokenized with the teacher's tokenizer and aligned: the
+  `AlignedBatch` the forward runs on and the output kinds read.
+
+Conventions (the ones the outputs document). Student position t of a row is about its next
+token, as a language model's logits at t are: the text before is the bytes of tokens 0..t.
+A *boundary* is a byte offset where a token starts or ends. The teacher's log-probability of
+a student token's bytes is the chain rule over the teacher tokens of the teacher's own
+tokenization of the whole row; a teacher token that straddles a student token's edge counts,
+whole, for the student token that holds its last byte, so the values of a row sum to the
+teacher's log-likelihood of the row's text (less its first teacher token, which has no
+context). The teacher's next-token distribution is defined where the text before a student
+position ends on a teacher boundary; elsewhere no teacher position has seen exactly that text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+class AlignmentError(ValueError):
+    """The two tokenizations cannot be aligned (a row whose text and ids disagree, a vocabulary
+    over the limit); the message names the row or the field and says what to change."""
+
+
+# ---- the bytes each id stands for -------------------------------------------------------
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """GPT-2's table from byte-level BPE symbols back to bytes (the inverse of `bytes_to_unicode`)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    codes, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(printable, codes)}
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+_SENTENCEPIECE_SPACE = "▁"
+
+
+def _backend(tokenizer):
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer, or the tokenizer itself."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if not hasattr(backend, "to_str"):
+        raise AlignmentError(f"{type(tokenizer).__name__} is not a fast tokenizer: cross-tokenizer distillation reads "
+                             "the tokenizer's pieces from its tokenizers.Tokenizer (use a *TokenizerFast)")
+    return backend
+
+
+def _decoder_types(decoder: dict | None) -> set[str]:
+    if not decoder:
+        return set()
+    types = {decoder.get("type", "")}
+    for child in decoder.get("decoders", []) or []:
+        types |= _decoder_types(child)
+    return types
+
+
+def vocabulary_bytes(tokenizer) -> list[bytes]:
+    """The bytes each id stands for, by id; b"" for special tokens (they stand for no text).
+
+    Byte-level BPE (a ByteLevel decoder) and SentencePiece-style vocabularies (a Metaspace or
+    "▁"-replacing decoder, with "<0xAB>" byte-fallback pieces) are read; any other decoder is
+    refused, since the bytes of a piece cannot then be told from its string.
+    """
+    backend = _backend(tokenizer)
+    decoder_types = _decoder_types(json.loads(backend.to_str()).get("decoder"))
+    vocab = backend.get_vocab(with_added_tokens=True)
+    size = max(vocab.values(), default=-1) + 1
+    special = {token.content for token in backend.get_added_tokens_decoder().values() if token.special}
+    pieces = [""] * size
+    for piece, index in vocab.items():
+        pieces[index] = piece
+    if "ByteLevel" in decoder_types:
+        return [b"" if piece in special or not piece else _byte_level(piece) for piece in pieces]
+    if decoder_types & {"Metaspace", "Replace", "ByteFallback"}:
+        return [b"" if piece in special or not piece else _sentencepiece(piece) for piece in pieces]
+    raise AlignmentError(f"cannot tell the bytes of this tokenizer's pieces (decoder {sorted(decoder_types)}): "
+                         "byte-level BPE and SentencePiece-style tokenizers are supported")
+
+
+def _byte_level(piece: str) -> bytes:
+    try:
+        return bytes(_BYTE_DECODER[char] for char in piece)
+    except KeyError:  # an added (non-special) token kept as plain text
+        return piece.encode("utf-8")
+
+
+def _sentencepiece(piece: str) -> bytes:
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace(_SENTENCEPIECE_SPACE, " ").encode("utf-8")
+
+
+# ---- the student's vocabulary, sent at join ---------------------------------------------
+
+# A piece longer than this is no token of a real vocabulary (the longest in Llama-3's are 128 bytes).
+MAX_PIECE_BYTES = 1024
+# The bytes of a vocabulary's pieces, on average per entry, that a Join may carry (byte-level and
+# SentencePiece vocabularies of 32k-256k entries average 5-9 bytes a piece).
+VOCABULARY_BYTES_PER_ENTRY = 12
+
+
+@dataclass(frozen=True)
+class StudentVocabulary:
+    """The bytes each student id stands for, by id (b"": a special token, no text)."""
+
+    pieces: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, tokenizer) -> "StudentVocabulary":
+        return cls(tuple(vocabulary_bytes(tokenizer)))
+
+    def to_proto(self, message) -> None:
+        """Writes `message` (a StudentVocabulary proto): the pieces back to back, and their lengths."""
+        message.token_bytes = b"".join(self.pieces)
+        message.token_lengths.extend(len(piece) for piece in self.pieces)
+
+    @classmethod
+    def from_proto(cls, message, max_entries: int) -> "StudentVocabulary":
+        """The vocabulary a Join sent, checked: AlignmentError naming the limit when over it."""
+        lengths = np.asarray(message.token_lengths, dtype=np.int64)
+        if not len(lengths):
+            raise AlignmentError("student_vocabulary is empty: send the bytes of every id of the student's tokenizer "
+                                 "(distill_common.alignment.StudentVocabulary.of(tokenizer))")
+        if len(lengths) > max_entries:
+            raise AlignmentError(f"student_vocabulary has {len(lengths)} entries, more than the teacher's "
+                                 f"--max-student-vocab {max_entries}: start the teacher with a larger one")
+        data = message.token_bytes
+        if len(data) > VOCABULARY_BYTES_PER_ENTRY * max_entries:
+            raise AlignmentError(f"student_vocabulary holds {len(data)} bytes of pieces, more than "
+                                 f"{VOCABULARY_BYTES_PER_ENTRY} x --max-student-vocab {max_entries}: start the teacher "
+                                 "with a larger --max-student-vocab")
+        if int(lengths.max()) > MAX_PIECE_BYTES:
+            raise AlignmentError(f"student_vocabulary has a piece of {int(lengths.max())} bytes (id "
+                                 f"{int(lengths.argmax())}); pieces are at most {MAX_PIECE_BYTES} bytes")
+        if int(lengths.sum()) != len(data):
+            raise AlignmentError(f"student_vocabulary.token_lengths add up to {int(lengths.sum())} bytes but "
+                                 f"token_bytes holds {len(data)}: send each piece's length, in id order")
+        ends = np.cumsum(lengths)
+        return cls(tuple(data[end - length:end] for end, length in zip(ends.tolist(), lengths.tolist())))
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+
+@dataclass(frozen=True, eq=False)
+class VocabularyMatch:
+    """The student ids whose bytes some teacher id spells exactly, and where each teacher id's
+    probability goes.
+
+    `student_ids` [M], ascending: column j of a projected distribution is student id
+    student_ids[j]. `teacher_column` [V_teacher]: the column each teacher id adds to, M for
+    none (its probability is unmatched mass). Where several teacher ids spell the same bytes
+    (a piece also present as an added token) their probabilities add up; where several student
+    ids do, the lowest takes the column and the others stay unmatched, so no probability is
+    counted twice. Pieces of no text (special tokens) never match.
+    """
+
+    student_ids: np.ndarray
+    teacher_column: np.ndarray
+
+    @classmethod
+    def build(cls, student: Sequence[bytes], teacher: Sequence[bytes]) -> "VocabularyMatch":
+        first_student: dict[bytes, int] = {}
+        for index, piece in enumerate(student):
+            if piece and piece not in first_student:
+                first_student[piece] = index
+        teacher_pieces = {piece for piece in teacher if piece}
+        student_ids = np.array(sorted(index for piece, index in first_student.items() if piece in teacher_pieces),
+                               dtype=np.int64)
+        column_of = {student[index]: column for column, index in enumerate(student_ids.tolist())}
+        teacher_column = np.array([column_of.get(piece, len(student_ids)) if piece else len(student_ids)
+                                   for piece in teacher], dtype=np.int64)
+        return cls(student_ids, teacher_column)
+
+    @property
+    def size(self) -> int:
+        return len(self.student_ids)
+
+
+# ---- the teacher's tokenizer ---------------------------------------------------------------
+
+class TeacherTokenizer:
+    """The teacher's tokenizer, encoding a row's bytes into ids whose pieces spell them exactly."""
+
+    def __init__(self, tokenizer):
+        self.backend = _backend(tokenizer)
+        self.pieces = vocabulary_bytes(tokenizer)
+        self.byte_ids = {piece[0]: index for index, piece in reversed(list(enumerate(self.pieces)))
+                         if len(piece) == 1}
+        # Text that reads like a special token ("<|eos|>" written out) stays text.
+        self._encode_special = hasattr(self.backend, "encode_special_tokens")
+
+    def encode(self, text: bytes, row: int = 0) -> list[int]:
+        """The ids of `text`: valid UTF-8 runs through the tokenizer (without special tokens), bytes
+        of a character cut at the row's edge as single-byte tokens. AlignmentError, naming `row`,
+        when the ids do not spell the text (a tokenizer that normalizes, a byte it has no token for)."""
+        ids: list[int] = []
+        start = 0
+        while start < len(text):
+            try:
+                chunk = text[start:].decode("utf-8")
+                end = len(text)
+            except UnicodeDecodeError as e:
+                chunk, end = text[start:start + e.start].decode("utf-8"), start + e.start
+            if chunk:
+                ids.extend(self._encode_str(chunk))
+            if end < len(text):  # one byte that starts no valid character here
+                byte = text[end]
+                if byte not in self.byte_ids:
+                    raise AlignmentError(f"row {row}: byte 0x{byte:02x} at offset {end} is no valid UTF-8 there and the "
+                                         "teacher's vocabulary has no token for it")
+                ids.append(self.byte_ids[byte])
+                end += 1
+            start = end
+        spelled = b"".join(self.pieces[i] for i in ids)
+        if spelled != text:
+            at = next((i for i, (a, b) in enumerate(zip(spelled, text)) if a != b), min(len(spelled), len(text)))
+            raise AlignmentError(f"row {row}: the teacher's tokenizer does not reproduce the row's text (they differ "
+                                 f"from byte {at}): a tokenizer that normalizes text cannot be aligned by bytes")
+        return ids
+
+    def _encode_str(self, chunk: str) -> list[int]:
+        if self._encode_special:
+            previous = self.backend.encode_special_tokens
+            self.backend.encode_special_tokens = True
+            try:
+                return self.backend.encode(chunk, add_special_tokens=False).ids
+            finally:
+                self.backend.encode_special_tokens = previous
+        return self.backend.encode(chunk, add_special_tokens=False).ids
+
+
+# ---- one batch ------------------------------------------------------------------------------
+
+@dataclass
+class AlignedBatch:
+    """One batch of student rows, re-tokenized by the teacher and aligned.
+
+    `teacher_ids`, `teacher_mask` [B, T]: the forward's input, rows right-padded.
+    `span_owner` [B, T] int64: for teacher token j (its log-probability read from the logits at
+    j - 1), the student position whose span value it adds to; S (one past the row) for none:
+    teacher token 0 (no context), tokens inside the student's first token, and padding.
+    `span_exact` [B, S] bool: the student's next token starts and ends on teacher boundaries and
+    spells some text, so its value is exactly the teacher's probability of those bytes.
+    `context` [B, S] int64: the teacher position whose text before is exactly the student
+    position's (its tokens 0..t), -1 where none is (padding, a text that ends inside a
+    teacher token, an empty text).
+    `match`: the session's VocabularyMatch (what a projected distribution's columns are).
+    """
+
+    teacher_ids: torch.Tensor
+    teacher_mask: torch.Tensor
+    span_owner: torch.Tensor
+    span_exact: torch.Tensor
+    context: torch.Tensor
+    match: VocabularyMatch
+
+    @property
+    def student_shape(self) -> tuple[int, int]:
+        return tuple(self.context.shape)
+
+
+def row_texts(ids: torch.Tensor, mask: torch.Tensor, vocabulary: StudentVocabulary) -> list[bytes]:
+    """The bytes each row's real tokens spell (the text a student sends with its batch)."""
+    pieces = vocabulary.pieces
+    return [b"".join(pieces[i] for i, real in zip(row_ids, row_mask) if real)
+            for row_ids, row_mask in zip(ids.tolist(), mask.tolist())]
+
+
+def align_batch(ids: torch.Tensor, mask: torch.Tensor, texts: Sequence[bytes], vocabulary: StudentVocabulary,
+                teacher: TeacherTokenizer, match: VocabularyMatch, max_teacher_tokens: int) -> AlignedBatch:
+    """Checks each row's ids against its text, re-tokenizes the text with the teacher's
+    tokenizer and aligns the two; AlignmentError naming the row where they disagree, or where
+    a row needs more than `max_teacher_tokens` teacher tokens."""
+    rows, seq = ids.shape
+    if len(texts) != rows:
+        raise AlignmentError(f"student_text has {len(texts)} rows, input_ids {rows}: send one text per row")
+    pieces = vocabulary.pieces
+    teacher_rows, owners, exact, context = [], [], np.zeros((rows, seq), bool), np.full((rows, seq), -1, np.int64)
+    for row, (row_ids, row_mask, text) in enumerate(zip(ids.tolist(), mask.tolist(), texts)):
+        positions = [t for t, real in enumerate(row_mask) if real]
+        if any(row_ids[t] >= len(pieces) for t in positions):
+            bad = next(row_ids[t] for t in positions if row_ids[t] >= len(pieces))
+            raise AlignmentError(f"row {row}: id {bad} is outside the student vocabulary sent at join "
+                                 f"({len(pieces)} entries)")
+        lengths = np.array([len(pieces[row_ids[t]]) for t in positions], dtype=np.int64)
+        ends = np.cumsum(lengths)
+        spelled = b"".join(pieces[row_ids[t]] for t in positions)
+        if spelled != text:
+            at = next((i for i, (a, b) in enumerate(zip(spelled, text)) if a != b), min(len(spelled), len(text)))
+            token = int(np.searchsorted(ends, at, side="right")) if len(ends) else 0
+            raise AlignmentError(
+                f"row {row}: its text and its ids disagree from byte {at} (the ids spell {len(spelled)} bytes, the "
+                f"text has {len(text)}; near the row's token {min(token, len(positions) - 1)}): send the bytes the "
+                "row's ids spell (distill_common.alignment.row_texts) and the vocabulary of the tokenizer that made them")
+        teacher_ids = teacher.encode(text, row)
+        if len(teacher_ids) > max_teacher_tokens:
+            raise AlignmentError(f"row {row}: the teacher's tokenizer makes {len(teacher_ids)} tokens of its text, more "
+                                 f"than the teacher's --max-seq-len {max_teacher_tokens}: send shorter rows")
+        teacher_ends = np.cumsum([len(teacher.pieces[i]) for i in teacher_ids]).astype(np.int64)
+        teacher_starts = teacher_ends - [len(teacher.pieces[i]) for i in teacher_ids]
+        starts = ends - lengths
+        # The student token holding each teacher token's last byte; the position before it scores it.
+        holder = np.searchsorted(ends, teacher_ends - 1, side="right")
+        owner = np.where(holder >= 1, np.asarray(positions + [seq], dtype=np.int64)[np.maximum(holder - 1, 0)], seq)
+        owner[0:1] = seq  # teacher token 0 has no context to be scored from
+        owners.append(owner)
+        teacher_rows.append(teacher_ids)
+        boundaries_start, boundaries_end = set(teacher_starts.tolist()), set(teacher_ends.tolist())
+        for k in range(len(positions) - 1):
+            nxt = k + 1
+            exact[row, positions[k]] = (lengths[nxt] > 0 and int(starts[nxt]) in boundaries_start
+                                        and int(ends[nxt]) in boundaries_end
+                                        and not (len(teacher_ids) and holder[0] == nxt))
+        where = np.searchsorted(teacher_ends, ends)  # the teacher token ending where each student token ends
+        for k, t in enumerate(positions[:-1]):  # the last position has no next token to predict
+            j = int(where[k])
+            if ends[k] > 0 and j < len(teacher_ends) and teacher_ends[j] == ends[k]:
+                context[row, t] = j
+    width = max(1, max(len(r) for r in teacher_rows))
+    teacher_ids = torch.zeros(rows, width, dtype=torch.int64)
+    teacher_mask = torch.zeros(rows, width, dtype=torch.int64)
+    span_owner = torch.full((rows, width), seq, dtype=torch.int64)
+    for row, (row_ids, owner) in enumerate(zip(teacher_rows, owners)):
+        teacher_ids[row, :len(row_ids)] = torch.tensor(row_ids, dtype=torch.int64)
+        teacher_mask[row, :len(row_ids)] = 1
+        span_owner[row, :len(row_ids)] = torch.from_numpy(owner)
+        if not row_ids:  # a row whose real tokens spell no text: one pad token keeps the forward's row valid
+            teacher_mask[row, 0] = 1
+    return AlignedBatch(teacher_ids, teacher_mask, span_owner, torch.from_numpy(exact), torch.from_numpy(context),
+                        match)
