@@ -295,6 +295,10 @@ class AlignedBatch:
 def row_texts(ids: torch.Tensor, mask: torch.Tensor, vocabulary: StudentVocabulary) -> list[bytes]:
     """The bytes each row's real tokens spell (the text a student sends with its batch)."""
     pieces = vocabulary.pieces
+    real = ids[mask.bool()]
+    if len(real) and not 0 <= int(real.min()) <= int(real.max()) < len(pieces):
+        raise AlignmentError(f"ids must lie in [0, {len(pieces)}) (the student's vocabulary), got values in "
+                             f"[{int(real.min())}, {int(real.max())}]")
     return [b"".join(pieces[i] for i, real in zip(row_ids, row_mask) if real)
             for row_ids, row_mask in zip(ids.tolist(), mask.tolist())]
 

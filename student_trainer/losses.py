@@ -846,3 +846,109 @@ def _connected_zero(*tensors: torch.Tensor) -> torch.Tensor:
     for tensor in tensors:
         zero = zero + tensor.reshape(-1)[:0].sum().to(torch.float32)
     return zero
+
+
+# --------------------------------------------------------------------------- across tokenizers
+
+CrossTokenizerLossKind = Literal["gold", "uld"]
+CROSS_TOKENIZER_LOSS_KINDS = typing.get_args(CrossTokenizerLossKind)
+
+
+def gold_loss(student_logits: torch.Tensor, projected: torch.Tensor, unmatched_mass: torch.Tensor,
+              matched_ids: torch.Tensor, unmatched_topk: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+              *, chunk_tokens: int = 4096) -> torch.Tensor:
+    """GOLD-style loss for a student with another tokenizer (TRL's GOLD trainer; ULD on the rest).
+
+    `projected` [B, S, M] is the teacher's next-token distribution on the student ids
+    `matched_ids` [M] (the entries whose bytes match exactly), `unmatched_mass` [B, S] the rest of
+    it, `unmatched_topk` [B, S, k] the k largest teacher probabilities of that rest, sorted
+    (distill_common/outputs.py: ProjectedNext). Per aligned position (matched + unmatched = 1; all
+    zeros where the teacher has no position ending where the student's text does), with q the
+    student's softmax::
+
+        sum_j p_j (log p_j - log q[matched_ids[j]])          direct KL on the matched entries
+      + sum_i |sort(p_rest)_i - sort(q_rest)_i|, i < k      sorted L1 on the rest (ULD)
+
+    q_rest is q with the matched ids left out. Without `unmatched_topk` the rest compares its mass
+    alone: |unmatched_mass - (1 - sum_j q[matched_ids[j]])|. Averaged over the aligned positions the
+    mask selects; float32 at temperature 1. Chunked over `chunk_tokens` positions, each chunk's
+    [chunk, V] intermediates recomputed in backward (`torch.utils.checkpoint`) rather than kept.
+    """
+    _check_logits("student_logits", student_logits)
+    batch, seq, vocab = student_logits.shape
+    if projected.shape[:2] != (batch, seq) or projected.shape[-1] != matched_ids.numel():
+        raise ValueError(f"projected {list(projected.shape)} must be [{batch}, {seq}, len(matched_ids) = "
+                         f"{matched_ids.numel()}]")
+    if unmatched_mass.shape != (batch, seq):
+        raise ValueError(f"unmatched_mass {list(unmatched_mass.shape)} must be [{batch}, {seq}]")
+    if unmatched_topk is not None and unmatched_topk.shape[:2] != (batch, seq):
+        raise ValueError(f"unmatched_topk {list(unmatched_topk.shape)} must be [{batch}, {seq}, k]")
+    if matched_ids.numel() and not 0 <= int(matched_ids.min()) <= int(matched_ids.max()) < vocab:
+        raise ValueError(f"matched_ids must lie in [0, {vocab}) (the student's vocabulary)")
+    selected = _aligned_positions(projected.sum(-1) + unmatched_mass, mask)
+    rows = selected.nonzero(as_tuple=True)
+    if not len(rows[0]):
+        return _connected_zero(student_logits)
+    matched_ids = matched_ids.to(student_logits.device).long()
+    rest = unmatched_topk[rows].float() if unmatched_topk is not None and unmatched_topk.shape[-1] else None
+
+    def chunk_loss(logits, p, mass, rest_p):
+        log_q = torch.log_softmax(logits.float(), dim=-1)
+        log_q_matched = log_q[:, matched_ids]
+        kl = torch.where(p > 0, p * (torch.log(p.clamp_min(1e-38)) - log_q_matched), 0.0).sum(-1)
+        if rest_p is None:
+            return (kl + (mass - (1 - log_q_matched.exp().sum(-1))).abs()).sum()
+        q_rest = log_q.exp().index_fill(1, matched_ids, 0.0)
+        k = min(rest_p.shape[-1], vocab)
+        return (kl + (rest_p[:, :k] - q_rest.topk(k, dim=-1).values).abs().sum(-1)).sum()
+
+    tensors = (student_logits[rows], projected[rows].float(), unmatched_mass[rows].float(), rest)
+    return _chunked_mean(chunk_loss, tensors, chunk_tokens)
+
+
+def uld_loss(student_logits: torch.Tensor, sorted_probs: torch.Tensor, mask: torch.Tensor | None = None, *,
+             chunk_tokens: int = 4096) -> torch.Tensor:
+    """Universal Logit Distillation (Boizard et al., 2024) on the k largest probabilities: the L1
+    distance between the teacher's sorted probabilities `sorted_probs` [B, S, k] (SortedProbs; all
+    zeros where the teacher has no aligned position) and the student's k largest, sorted. No id
+    is compared, so any two vocabularies meet. Averaged over the aligned positions the mask
+    selects; float32 at temperature 1; chunked as `gold_loss` is."""
+    _check_logits("student_logits", student_logits)
+    batch, seq, vocab = student_logits.shape
+    if sorted_probs.shape[:2] != (batch, seq):
+        raise ValueError(f"sorted_probs {list(sorted_probs.shape)} must be [{batch}, {seq}, k]")
+    selected = _aligned_positions(sorted_probs.sum(-1), mask)
+    rows = selected.nonzero(as_tuple=True)
+    if not len(rows[0]):
+        return _connected_zero(student_logits)
+    k = min(sorted_probs.shape[-1], vocab)
+
+    def chunk_loss(logits, teacher):
+        q = torch.softmax(logits.float(), dim=-1)
+        return (teacher[:, :k] - q.topk(k, dim=-1).values).abs().sum()
+
+    return _chunked_mean(chunk_loss, (student_logits[rows], sorted_probs[rows].float()), chunk_tokens)
+
+
+def _aligned_positions(total_mass: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The positions the teacher aligned (its probabilities there are not all zero) and the mask selects."""
+    selected = total_mass.to(torch.float32) > 0
+    if mask is not None:
+        selected = selected & mask.to(selected.device).bool()
+    return selected
+
+
+def _chunked_mean(chunk_loss, tensors: tuple, chunk_tokens: int) -> torch.Tensor:
+    """The mean over rows of `chunk_loss`'s per-chunk sums, `chunk_tokens` rows at a time; a chunk's
+    intermediates are recomputed in backward when the student needs a gradient."""
+    from torch.utils.checkpoint import checkpoint
+
+    count = tensors[0].shape[0]
+    total = tensors[0].new_zeros((), dtype=torch.float32)
+    for start in range(0, count, chunk_tokens):
+        parts = [None if t is None else t[start:start + chunk_tokens] for t in tensors]
+        if torch.is_grad_enabled() and tensors[0].requires_grad:
+            total = total + checkpoint(chunk_loss, *parts, use_reentrant=False)
+        else:
+            total = total + chunk_loss(*parts)
+    return total / count

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from distill_common.vocab import tokenizer_fingerprint
 from distill_demo.corpus import write_jsonl_corpus
 from distill_demo.tokenizer import train_tokenizer
+from student_trainer import TeacherClient
 from teacher_server.launcher import ServerProcess, child_env, metrics_samples
 from tests.helpers import ROOT, free_port, wait_until
 
@@ -96,6 +97,7 @@ def models(tmp_path_factory, corpus) -> dict:
     small = train_tokenizer(texts, vocab_size=300)
     return {
         "tokenizer": tokenizer,
+        "small_tokenizer": small,
         "teacher": teacher,
         "student": build_llama(root / "student", vocab_size=VOCAB, tokenizer=tokenizer, **student),
         # Dropout draws from the RNG, so a resume that did not restore it would show.
@@ -413,3 +415,109 @@ def test_the_recipe_trains_all_three_losses_and_resumes(server, models, corpus, 
     train_ok(server, models["student"], data, b, *common, "--stop-after-steps", "3")
     train_ok(server, models["student"], data, b, *common, "--resume")
     assert_same_run(records, read_metrics(b), keys=("loss", "kd", "attention", "hidden", "lr"))
+
+
+# ---- a student with another tokenizer (distill_common/alignment.py) ---------------------------
+
+CROSS_TEXTS = ["def hello(world):\n    return 1234  # café", "x = [12, 345]\nprint(x)"]
+
+
+def _cross_batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in CROSS_TEXTS]
+    rows[1] = rows[1] + [tokenizer.eos_token_id] + tokenizer("import os", add_special_tokens=False)["input_ids"]
+    width = max(map(len, rows)) + 2
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, :len(row)] = torch.tensor(row)
+        mask[r, :len(row)] = 1
+    return ids, mask
+
+
+def test_a_student_with_another_tokenizer_gets_tensors_shaped_to_its_tokens(server, models):
+    """What arrives equals the teacher's model on the teacher's tokens of the same text, per the
+    straightforward references of tests/test_alignment.py."""
+    from transformers import LlamaForCausalLM
+
+    from distill_common.alignment import (StudentVocabulary, TeacherTokenizer, VocabularyMatch, align_batch,
+                                          row_texts)
+    from distill_common.outputs import ProjectedNext, SortedProbs, SpanLogprobs
+    from tests.test_alignment import reference_spans
+
+    student_tokenizer = models["small_tokenizer"]
+    ids, mask = _cross_batch(student_tokenizer)
+    outputs = [SpanLogprobs(), ProjectedNext(4), SortedProbs(5)]
+    with TeacherClient(server.address, "cpu", outputs=outputs, tokenizer=student_tokenizer) as client:
+        out = client.submit(ids, mask).result(timeout=60)
+        matched = client.matched_student_ids
+    teacher = TeacherTokenizer(models["tokenizer"])
+    vocabulary = StudentVocabulary.of(student_tokenizer)
+    match = VocabularyMatch.build(vocabulary.pieces, teacher.pieces)
+    assert matched.tolist() == match.student_ids.tolist()
+    aligned = align_batch(ids, mask, row_texts(ids, mask, vocabulary), vocabulary, teacher, match, 2 * SEQ_LEN)
+    model = LlamaForCausalLM.from_pretrained(models["teacher"]).eval()
+    with torch.no_grad():
+        logits = model(input_ids=aligned.teacher_ids, attention_mask=aligned.teacher_mask).logits.double()
+    log_probs = torch.log_softmax(logits, -1)
+    for r in range(len(CROSS_TEXTS)):
+        positions = mask[r].nonzero()[:, 0].tolist()
+        t_ids = aligned.teacher_ids[r][aligned.teacher_mask[r].bool()].tolist()
+        token_logprobs = [0.0] + [log_probs[r, j - 1, t_ids[j]].item() for j in range(1, len(t_ids))]
+        values, exact = reference_spans([vocabulary.pieces[i] for i in ids[r, positions].tolist()],
+                                        [teacher.pieces[i] for i in t_ids], token_logprobs)
+        assert out.span_logprobs[r, positions].tolist() == pytest.approx(values, abs=1e-3)
+        assert out.span_exact[r, positions].tolist() == exact
+        for t in positions[:-1]:
+            j = int(aligned.context[r, t])
+            if j < 0:
+                assert out.sorted_probs[r, t].sum() == 0 and out.unmatched_mass[r, t] == 0
+                continue
+            probs = torch.softmax(logits[r, j], -1)
+            assert out.sorted_probs[r, t].tolist() == pytest.approx(probs.sort(descending=True).values[:5].tolist(),
+                                                                    abs=1e-5)
+            assert out.projected_probs[r, t, :].tolist() == pytest.approx(
+                [probs[match.teacher_column == column].sum().item() for column in range(match.size)], abs=1e-5)
+    assert out.projected_probs.shape == (*ids.shape, len(matched)) and out.unmatched_topk.shape == (*ids.shape, 4)
+    assert out.span_exact.any() and (out.unmatched_mass > 0).any() and out.sorted_probs.sum() > 0
+
+
+def test_cross_tokenizer_bad_input_is_refused_clearly_and_the_teacher_keeps_serving(server, models):
+    import grpc
+
+    from distill_common.alignment import StudentVocabulary, row_texts
+    from distill_common.outputs import SpanLogprobs
+    from distill_common.proto.teacher.v1 import teacher_pb2 as pb
+    from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
+    from student_trainer.errors import InvalidRequest
+
+    peer = pb.PeerInfo(device_type="cpu", torch_version=torch.__version__)
+    span = pb.OutputSpec(cross_tokenizer=pb.CrossTokenizerOutputs(span_logprobs=True))
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.TeacherServiceStub(channel)
+        too_big = pb.JoinRequest(outputs=span, peer=peer)  # --max-student-vocab defaults to the teacher's VOCAB
+        StudentVocabulary(tuple(bytes([i % 256, i // 256]) for i in range(VOCAB + 1))).to_proto(
+            too_big.student_vocabulary)
+        for request, code, message in (
+                (too_big, grpc.StatusCode.INVALID_ARGUMENT, f"more than the teacher's --max-student-vocab {VOCAB}"),
+                (pb.JoinRequest(outputs=span, peer=peer), grpc.StatusCode.INVALID_ARGUMENT,
+                 "need the student's vocabulary"),
+                (pb.JoinRequest(outputs=pb.OutputSpec(logits=True, cross_tokenizer=span.cross_tokenizer), peer=peer),
+                 grpc.StatusCode.INVALID_ARGUMENT, "a session asks for one or the other")):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Join(request, timeout=10)
+            assert e.value.code() == code and message in e.value.details()
+
+    student_tokenizer = models["small_tokenizer"]
+    ids, mask = _cross_batch(student_tokenizer)
+    with TeacherClient(server.address, "cpu", outputs=[SpanLogprobs()], tokenizer=student_tokenizer) as client:
+        texts = row_texts(ids, mask, client.vocabulary)
+        for bad, why in (([texts[0], texts[1] + b"x"], "batch 0: row 1: its text and its ids disagree from byte"),
+                         ([texts[0][:-1], texts[1]], "batch 1: row 0: its text and its ids disagree")):
+            with pytest.raises(InvalidRequest, match=why):
+                client.submit(ids, mask, student_text=bad).result(timeout=60)
+        outside = ids.clone()
+        outside[0, 0] = len(client.vocabulary)
+        with pytest.raises(InvalidRequest, match="the student vocabulary sent at join"):
+            client.submit(outside, mask, student_text=texts).result(timeout=60)
+        out = client.submit(ids, mask).result(timeout=60)  # and it still serves the session
+        assert out.span_logprobs.shape == ids.shape and out.span_exact.any()
