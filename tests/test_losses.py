@@ -456,3 +456,99 @@ def test_chunking_bounds_peak_memory_in_forward_and_backward():
     assert whole_kb > 1.5 * logits_kb, "one chunk: the measurement must see JSD's float32 temporaries"
     assert chunked_kb < 2 * logits_kb, "chunked: the gradient buffer (1x the logits) and small chunk temporaries"
     assert whole_kb > chunked_kb + logits_kb / 2, (chunked_kb, whole_kb)
+
+
+# --------------------------------------------------------------------------- across tokenizers
+
+
+def _cross_inputs(seed: int = 0, matched: int = 20, rest_k: int = 6):
+    """Student logits, and a teacher distribution over its own vocabulary of 70 ids, projected
+    onto `matched` student ids the straightforward way; some positions unaligned (all zeros)."""
+    generator = torch.Generator().manual_seed(seed)
+    student = torch.randn(BATCH, SEQ, VOCAB, generator=generator, dtype=torch.float64) * 2
+    matched_ids = torch.randperm(VOCAB, generator=generator)[:matched].sort().values
+    teacher = torch.softmax(torch.randn(BATCH, SEQ, 70, generator=generator, dtype=torch.float64) * 2, -1)
+    projected, rest = teacher[..., :matched], teacher[..., matched:]  # teacher ids < matched match column j
+    unaligned = torch.rand(BATCH, SEQ, generator=generator) < 0.2
+    projected = projected.masked_fill(unaligned[..., None], 0.0)
+    mass = rest.sum(-1).masked_fill(unaligned, 0.0)
+    rest_topk = rest.sort(-1, descending=True).values[..., :rest_k].masked_fill(unaligned[..., None], 0.0)
+    sorted_probs = teacher.sort(-1, descending=True).values[..., :rest_k].masked_fill(unaligned[..., None], 0.0)
+    mask = torch.rand(BATCH, SEQ, generator=generator) > 0.1
+    return student, projected, mass, matched_ids, rest_topk, sorted_probs, mask, ~unaligned & mask
+
+
+def reference_gold(student, projected, mass, matched_ids, rest_topk, selected):
+    """Position by position, in float64."""
+    losses = []
+    for b in range(student.shape[0]):
+        for t in range(student.shape[1]):
+            if not selected[b, t]:
+                continue
+            q = torch.softmax(student[b, t].double(), -1)
+            p = projected[b, t].double()
+            kl = sum(p[j] * (torch.log(p[j]) - torch.log(q[matched_ids[j]])) for j in range(len(p)) if p[j] > 0)
+            others = [i for i in range(len(q)) if i not in set(matched_ids.tolist())]
+            if rest_topk is None:
+                rest = (mass[b, t] - q[others].sum()).abs()
+            else:
+                k = rest_topk.shape[-1]
+                rest = (rest_topk[b, t].double() - q[others].sort(descending=True).values[:k]).abs().sum()
+            losses.append(kl + rest)
+    return torch.stack(losses).mean()
+
+
+def reference_uld(student, sorted_probs, selected):
+    losses = []
+    for b in range(student.shape[0]):
+        for t in range(student.shape[1]):
+            if selected[b, t]:
+                q = torch.softmax(student[b, t].double(), -1).sort(descending=True).values[:sorted_probs.shape[-1]]
+                losses.append((sorted_probs[b, t].double() - q).abs().sum())
+    return torch.stack(losses).mean()
+
+
+@pytest.mark.parametrize("with_rest", [True, False])
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 4096])
+def test_gold_loss_and_gradient_match_the_reference(with_rest, chunk_tokens):
+    from student_trainer.losses import gold_loss
+
+    student, projected, mass, matched_ids, rest_topk, _, mask, selected = _cross_inputs()
+    rest = rest_topk if with_rest else None
+    ours_in = student.float().requires_grad_()
+    ours = gold_loss(ours_in, projected.float(), mass.float(), matched_ids, None if rest is None else rest.float(),
+                     mask, chunk_tokens=chunk_tokens)
+    ref_in = student.clone().requires_grad_()
+    reference = reference_gold(ref_in, projected, mass, matched_ids, rest, selected)
+    ours.backward()
+    reference.backward()
+    assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
+    torch.testing.assert_close(ours_in.grad.double(), ref_in.grad, rtol=1e-4, atol=1e-6)
+    assert ours_in.grad[~selected].abs().sum() == 0  # unaligned and masked positions learn nothing
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 4096])
+def test_uld_loss_and_gradient_match_the_reference(chunk_tokens):
+    from student_trainer.losses import uld_loss
+
+    student, *_, sorted_probs, mask, selected = _cross_inputs(seed=1)
+    ours_in = student.float().requires_grad_()
+    ours = uld_loss(ours_in, sorted_probs.float(), mask, chunk_tokens=chunk_tokens)
+    ref_in = student.clone().requires_grad_()
+    reference = reference_uld(ref_in, sorted_probs, selected)
+    ours.backward()
+    reference.backward()
+    assert ours.item() == pytest.approx(reference.item(), rel=1e-5)
+    torch.testing.assert_close(ours_in.grad.double(), ref_in.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_cross_tokenizer_losses_of_nothing_aligned_are_a_connected_zero():
+    from student_trainer.losses import gold_loss, uld_loss
+
+    student = torch.randn(2, 3, VOCAB, requires_grad=True)
+    zeros = torch.zeros(2, 3, 4)
+    for loss in (gold_loss(student, zeros, torch.zeros(2, 3), torch.arange(4)), uld_loss(student, zeros)):
+        loss.backward()
+        assert loss.item() == 0 and student.grad.abs().sum() == 0
+    with pytest.raises(ValueError, match="matched_ids must lie in"):
+        gold_loss(student, zeros, torch.zeros(2, 3), torch.tensor([0, 1, 2, VOCAB]))
