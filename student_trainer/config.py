@@ -11,7 +11,11 @@ from typing import Literal
 
 from distill_common.settings import LOG_LEVELS, ConfigError, IntTuple, check_choices, flag
 from student_trainer.data import PackMode
-from student_trainer.losses import HiddenLossKind, LossKind, check_options, check_relation_options
+from student_trainer.losses import (CROSS_TOKENIZER_LOSS_KINDS, HiddenLossKind, LossKind, check_options,
+                                    check_relation_options)
+
+# --loss: a divergence between two distributions over one vocabulary, or a loss across tokenizers.
+TrainLossKind = Literal["forward_kl", "reverse_kl", "jsd", "gold", "uld"]
 
 
 def _help(text: str) -> dict:
@@ -41,8 +45,14 @@ class TrainConfig:
     seq_len: int = field(default=512, metadata=_help("tokens per training sequence"))
     pack_mode: PackMode = field(default="pack", metadata=_help(
         "pack: concatenate examples into full sequences; truncate: one example per sequence, cut at --seq-len"))
-    loss: LossKind = field(default="forward_kl", metadata=_help(
-        "the KD divergence: KL(teacher || student), KL(student || teacher) or generalized JSD"))
+    loss: TrainLossKind = field(default="forward_kl", metadata=_help(
+        "the KD loss: forward_kl KL(teacher || student), reverse_kl KL(student || teacher), jsd generalized JSD "
+        "(the student shares the teacher's tokenizer); gold (direct KL on the vocabulary entries both tokenizers "
+        "spell alike, sorted L1 on the rest) or uld (sorted L1 on the top --cross-topk) for a student with another "
+        "tokenizer: the teacher re-tokenizes its text and aligns the two (docs/training.md)"))
+    cross_topk: int = field(default=8, metadata=_help(
+        "--loss gold: the unmatched rest's k largest probabilities compared sorted (0: its mass alone); --loss uld: "
+        "the k largest probabilities compared sorted"))
     jsd_beta: float = field(default=0.5, metadata=_help("teacher weight in generalized JSD (--loss jsd)"))
     temperature: float = field(default=1.0, metadata=_help("softmax temperature of the KD loss"))
     kd_weight: float = field(default=0.5, metadata=_help("alpha in alpha*KD + (1-alpha)*CE"))
@@ -142,7 +152,10 @@ class TrainConfig:
         for name in ("batch_size", "grad_accum", "seq_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{flag(name)} must be >= 1")
-        check_options(self.loss, self.temperature, self.jsd_beta, self.kd_chunk_tokens)
+        if self.cross_tokenizer:
+            self._check_cross_tokenizer()
+        else:
+            check_options(self.loss, self.temperature, self.jsd_beta, self.kd_chunk_tokens)
         if not 0 <= self.kd_weight <= 1:
             raise ConfigError(f"--kd-weight {self.kd_weight} must lie in [0, 1] (alpha in alpha*KD + (1-alpha)*CE)")
         if self.topk < 0:
@@ -170,6 +183,26 @@ class TrainConfig:
             raise ConfigError("--lora-r must be >= 0 (0: full fine-tuning)")
         self._check_on_policy()
         self._check_teacher_connection()
+
+    def _check_cross_tokenizer(self) -> None:
+        if not self.uses_logits:
+            raise ConfigError(f"--loss {self.loss} is a KD loss: give --kd-weight > 0")
+        if self.temperature != 1.0:
+            raise ConfigError(f"--loss {self.loss} compares the teacher's probabilities at temperature 1: leave out "
+                              "--temperature")
+        if self.topk or self.head_on_student or self.hidden_layers or self.attention_layers or self.on_policy:
+            raise ConfigError(f"--loss {self.loss} receives outputs shaped to the student's tokens, which leaves out "
+                              "--topk, --head-on-student, --hidden-layers, --attention-layers and on-policy training "
+                              "(all shaped to the teacher's tokens); use --cross-topk for the sorted probabilities")
+        if self.cross_topk < (1 if self.loss == "uld" else 0):
+            raise ConfigError(f"--cross-topk {self.cross_topk} must be >= 1 for --loss uld, >= 0 for --loss gold")
+        if isinstance(self.kd_chunk_tokens, bool) or self.kd_chunk_tokens < 1:
+            raise ConfigError(f"--kd-chunk-tokens must be >= 1, got {self.kd_chunk_tokens!r}")
+
+    @property
+    def cross_tokenizer(self) -> bool:
+        """Whether the KD loss is one for a student with another tokenizer (--loss gold or uld)."""
+        return self.loss in CROSS_TOKENIZER_LOSS_KINDS
 
     def _check_on_policy(self) -> None:
         if not self.on_policy:

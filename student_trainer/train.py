@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from distill_common.attention_inputs import AttentionCapture
-from distill_common.outputs import AttentionInputs, FinalHidden, HiddenStates, Logits, Output, OutputHead, TeacherOutput, TopK
+from distill_common.outputs import (AttentionInputs, FinalHidden, HiddenStates, Logits, Output, OutputHead, ProjectedNext,
+                                    SortedProbs, TeacherOutput, TopK)
 from distill_common.settings import ConfigError, non_defaults
 from student_trainer import onpolicy
 from student_trainer.checkpoint import (latest_checkpoint, load_rank_state, load_trainer_state, save_checkpoint,
@@ -37,8 +38,8 @@ from student_trainer.client import TeacherClient
 from student_trainer.config import TrainConfig
 from student_trainer.data import BatchIterator, PackedDataset, PromptDataset
 from student_trainer.errors import TeacherUnavailable
-from student_trainer.losses import (HiddenProjection, attention_relation_loss, hidden_state_loss, kd_loss,
-                                    kd_loss_from_hidden, topk_kd_loss)
+from student_trainer.losses import (HiddenProjection, attention_relation_loss, gold_loss, hidden_state_loss, kd_loss,
+                                    kd_loss_from_hidden, topk_kd_loss, uld_loss)
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,8 @@ def teacher_outputs(cfg: TrainConfig) -> tuple[Output, ...]:
     layers asked (on-policy: what onpolicy.distill_losses reads)."""
     if cfg.on_policy:
         return onpolicy.teacher_outputs(cfg)
+    if cfg.cross_tokenizer:
+        return (ProjectedNext(cfg.cross_topk),) if cfg.loss == "gold" else (SortedProbs(cfg.cross_topk),)
     kinds = []
     if cfg.uses_logits:
         kinds.append(FinalHidden() if cfg.head_on_student else TopK(cfg.topk) if cfg.topk else Logits())
@@ -158,6 +161,7 @@ class StudentMaps:
         self.hidden = hidden or {}  # teacher hidden-state index -> the student's
         self.attention = attention or {}  # teacher decoder layer -> the student's
         self.head = head  # the teacher's output head, for --head-on-student
+        self.matched_ids: torch.Tensor | None = None  # --loss gold: the student ids of the projection's columns
 
 
 def build_maps(cfg: TrainConfig, model, teacher_layers: int, teacher_hidden: int, head: OutputHead | None,
@@ -197,7 +201,7 @@ def distill_losses(cfg: TrainConfig, logits: torch.Tensor, student_hidden, batch
                         else student.sum() * 0.0)
         total = total + cfg.ce_factor * losses["ce"]
     if cfg.uses_logits:
-        losses["kd"] = logit_kd(cfg, student, out, mask, maps.head)
+        losses["kd"] = logit_kd(cfg, student, out, mask, maps.head, maps.matched_ids)
         total = total + cfg.kd_weight * losses["kd"]
     real = batch["attention_mask"].to(device).bool()
     if cfg.hidden_layers:
@@ -218,10 +222,17 @@ def distill_losses(cfg: TrainConfig, logits: torch.Tensor, student_hidden, batch
 
 
 def logit_kd(cfg: TrainConfig, student: torch.Tensor, out: TeacherOutput, mask: torch.Tensor,
-             head: OutputHead | None = None) -> torch.Tensor:
+             head: OutputHead | None = None, matched_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The KD loss of the student's logits [B, S - 1, V] against the teacher's for the same
     positions, with the run's loss settings (full or top-k logits, or the teacher's head applied
-    to its final hidden state; divergence, temperature)."""
+    to its final hidden state; divergence, temperature), or across tokenizers (--loss gold with the
+    student ids `matched_ids` of the projection's columns, or uld)."""
+    if cfg.loss == "gold":
+        return gold_loss(student, out.projected_probs[:, :-1], out.unmatched_mass[:, :-1], matched_ids,
+                         out.unmatched_topk[:, :-1] if out.unmatched_topk is not None else None, mask,
+                         chunk_tokens=cfg.kd_chunk_tokens)
+    if cfg.loss == "uld":
+        return uld_loss(student, out.sorted_probs[:, :-1], mask, chunk_tokens=cfg.kd_chunk_tokens)
     options = dict(kind=cfg.loss, temperature=cfg.temperature, jsd_beta=cfg.jsd_beta, chunk_tokens=cfg.kd_chunk_tokens)
     if cfg.head_on_student:
         return kd_loss_from_hidden(student, out.final_hidden[:, :-1], head, mask, topk=cfg.topk, **options)
@@ -333,7 +344,8 @@ def evaluate(model, dataset: PackedDataset, cfg: TrainConfig, device: torch.devi
         ce_sum += F.cross_entropy(student[mask].float(), targets[mask], reduction="sum").item()
         if future is not None:
             head = teacher.joined.head if cfg.head_on_student else None
-            kd_sum += logit_kd(cfg, student, teacher_result(teacher, future, timeout_s), mask, head).item() * tokens
+            kd_sum += logit_kd(cfg, student, teacher_result(teacher, future, timeout_s), mask, head,
+                               teacher.matched_student_ids).item() * tokens
         count += tokens
     model.train()
     scores = {"eval_ce": ce_sum / max(count, 1)}
@@ -403,6 +415,8 @@ def train(cfg: TrainConfig) -> dict:
     maps, capture = (build_maps(cfg, model, teacher.info.num_layers, teacher.info.hidden_size, teacher.joined.head,
                                 device) if teacher is not None else (StudentMaps(), None))
     projections = maps.projections
+    if teacher is not None and teacher.matched_student_ids is not None:
+        maps.matched_ids = teacher.matched_student_ids.to(device)
 
     params = [p for p in model.parameters() if p.requires_grad]
     params += list(projections.parameters()) if projections is not None else []

@@ -521,3 +521,16 @@ def test_cross_tokenizer_bad_input_is_refused_clearly_and_the_teacher_keeps_serv
             client.submit(outside, mask, student_text=texts).result(timeout=60)
         out = client.submit(ids, mask).result(timeout=60)  # and it still serves the session
         assert out.span_logprobs.shape == ids.shape and out.span_exact.any()
+
+
+def test_a_student_with_another_tokenizer_trains_with_loss_gold(server, models, corpus, tmp_path):
+    out = tmp_path / "gold"
+    result = train_ok(server, models["student_small_vocab"], corpus["train"], out, "--loss", "gold",
+                      "--kd-weight", "0.7", "--cross-topk", "4", "--max-steps", "6", "--lr", "3e-3",
+                      "--eval-data", str(corpus["heldout"]), "--eval-every", "6", "--job-id", "gold-job")
+    assert "trained to step 6" in result.stdout
+    records = read_metrics(out)
+    kd = column(records, "kd")
+    assert all(value > 0 for value in kd)
+    assert any("eval_kd" in record for record in records)
+    assert any("projected(rest_topk=4)" in rest for _, _, rest in joined_lines(server, "gold-job"))
