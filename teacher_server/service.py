@@ -128,11 +128,11 @@ class TeacherService:
         if not request.HasField("student_vocabulary"):
             raise InvalidArgument("cross_tokenizer outputs need the student's vocabulary: send "
                                   "JoinRequest.student_vocabulary (the bytes each id stands for)")
-        teacher = self._teacher_tokenizer()
         try:
             vocabulary = StudentVocabulary.from_proto(request.student_vocabulary, self.config.student_vocab_limit)
         except AlignmentError as e:
             raise InvalidArgument(str(e)) from e
+        teacher = self._teacher_tokenizer()
         match = VocabularyMatch.build(vocabulary.pieces, teacher.pieces)
         if not match.size:
             raise FailedPrecondition("no piece of the student's vocabulary is spelled by any of the teacher's: "

@@ -9,12 +9,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import PreTrainedTokenizerFast
+
+from distill_common.alignment import StudentVocabulary, row_texts
 
 from distill_common.channel import SESSION_SECRET_KEY
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from student_trainer import Logits, TeacherClient, TopK
 from teacher_server.launcher import ServerProcess
 from tests.helpers import build_tiny_model
+from tests.test_alignment import STUDENT_MERGES, TEACHER_MERGES, byte_level_tokenizer
 
 METHODS = ("GetInfo", "Join", "Submit", "Heartbeat", "Leave", "GetStatus", "Rendezvous")
 EXAMPLES = 150
@@ -24,6 +28,8 @@ CASES: dict[str, int] = {}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = build_tiny_model(tmp_path_factory.mktemp("teacher") / "model")
+    # A tokenizer too, so that cross-tokenizer sessions are served (and their fields checked) here.
+    PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer(TEACHER_MERGES)).save_pretrained(model_dir)
     server = ServerProcess("--model", str(model_dir), "--max-batch-tokens", "512", "--max-seq-len", "128",
                            "--join-timeout-s", "2", "--max-sessions", "1000")
     yield server
@@ -94,11 +100,19 @@ output_specs = st.builds(
     logit_subset=st.none() | id_tensors(1) | tensors,
     aux_hidden_states=absent_or(st.builds(pb.AuxHiddenStates, layers=layers), None),
     argmax=st.booleans(), next_token_logprobs=st.booleans(),
-    score_ids=absent_or(st.integers(-(2**31), 2**31 - 1) | st.integers(-1, 9), 0), logprob_temperature=temperatures)
+    score_ids=absent_or(st.integers(-(2**31), 2**31 - 1) | st.integers(-1, 9), 0), logprob_temperature=temperatures,
+    cross_tokenizer=absent_or(st.builds(
+        pb.CrossTokenizerOutputs, span_logprobs=st.booleans(), projected=st.booleans(),
+        projected_rest_topk=st.integers(-(2**31), 2**31 - 1) | st.integers(-1, 5),
+        sorted_topk=st.integers(-(2**31), 2**31 - 1) | st.integers(-1, 5)), None))
+# Student vocabularies: lengths that add up or not, huge or empty pieces, more entries than the limit (384).
+vocabularies = st.builds(pb.StudentVocabulary, token_bytes=st.binary(max_size=2048),
+                         token_lengths=st.lists(st.integers(0, 2**32 - 1) | st.integers(0, 8), max_size=500))
+row_texts_messages = st.builds(pb.RowTexts, rows=st.lists(st.binary(max_size=64), max_size=8))
 session_ids = st.text(max_size=40) | st.sampled_from(["", "0" * 16])
 submits = st.builds(pb.SubmitRequest, session_id=session_ids, batch_id=st.integers(0, 2**64 - 1) | st.integers(0, 3),
                     input_ids=tensors | id_tensors(2), attention_mask=st.none() | tensors,
-                    score_ids=st.none() | tensors | id_tensors(3))
+                    score_ids=st.none() | tensors | id_tensors(3), student_text=st.none() | row_texts_messages)
 joins = st.builds(pb.JoinRequest, job_id=st.text(max_size=300), job_rank=st.integers(-(2**31), 2**31 - 1),
                   outputs=output_specs,
                   peer=st.builds(pb.PeerInfo, device_type=st.sampled_from(["cpu", "cuda", "tpu", ""]),
@@ -106,7 +120,8 @@ joins = st.builds(pb.JoinRequest, job_id=st.text(max_size=300), job_rank=st.inte
                                  torch_version=st.sampled_from([torch.__version__, "1.0", "", "9.9"]),
                                  nccl_version=st.text(max_size=10)),
                   max_inflight=st.integers(-(2**31), 2**31 - 1), vocab_size=st.integers(-(2**62), 2**62),
-                  weight=st.floats(allow_nan=True, allow_infinity=True))
+                  weight=st.floats(allow_nan=True, allow_infinity=True),
+                  student_vocabulary=absent_or(vocabularies, None))
 messages = {
     "Submit": submits, "Join": joins,
     "Heartbeat": st.builds(pb.HeartbeatRequest, session_id=session_ids),
@@ -159,21 +174,47 @@ class OwnSession:
             self._join()
 
 
+class OwnCrossSession(OwnSession):
+    """The same for a session of cross-tokenizer outputs, joined with a real student vocabulary: a
+    Submit to it reaches the alignment (text against ids, the teacher's re-tokenization)."""
+
+    VOCABULARY = StudentVocabulary.of(byte_level_tokenizer(STUDENT_MERGES, special=("<|pad|>", "<|eos|>")))
+
+    def _join(self) -> None:
+        peer = pb.PeerInfo(device_type="cpu", torch_version=torch.__version__)
+        outputs = pb.OutputSpec(cross_tokenizer=pb.CrossTokenizerOutputs(span_logprobs=True, projected=True,
+                                                                          projected_rest_topk=2, sorted_topk=3))
+        request = pb.JoinRequest(outputs=outputs, peer=peer)
+        self.VOCABULARY.to_proto(request.student_vocabulary)
+        joined = self._join_call(request.SerializeToString(), timeout=20)
+        self.session_id, self.next_batch_id = joined.session_id, 0
+        self.metadata = ((SESSION_SECRET_KEY, joined.session_secret),)
+
+
 @pytest.fixture(scope="module")
 def own_session(channel):
     return OwnSession(channel)
 
 
+@pytest.fixture(scope="module")
+def own_cross_session(channel):
+    return OwnCrossSession(channel)
+
+
 @fuzz
 @given(data=st.data())
-def test_wrong_and_hostile_fields(channel, own_session, data):
+def test_wrong_and_hostile_fields(channel, own_session, own_cross_session, data):
     method = data.draw(st.sampled_from(["Submit", "Join", "Heartbeat", "Leave", "Rendezvous"]))
     message = data.draw(messages[method])
     own = method == "Submit" and data.draw(st.booleans())  # to a session of the caller's own, in order
-    case = f"{method}, own session" if own else method
+    cross = own and data.draw(st.booleans())  # ... one of cross-tokenizer outputs
+    case = f"{method}, own {'cross-tokenizer ' if cross else ''}session" if own else method
     CASES[case] = CASES.get(case, 0) + 1
     if not own:
         _answered(channel, method, message.SerializeToString())
+        return
+    if cross:
+        _submit_cross(channel, own_cross_session, message, data)
         return
     # Mostly a batch as a student sends it, so that its ids to score are checked too: ids and ids to
     # score of the batch's shape (their values anywhere), and now and then the hostile fields drawn.
@@ -189,6 +230,28 @@ def test_wrong_and_hostile_fields(channel, own_session, data):
         message.score_ids.CopyFrom(pb.Tensor(dtype="int32", shape=[*shape, OwnSession.SCORED], data=score_ids.tobytes()))
     metadata = own_session.address(message)  # after every draw: one may end the example early
     own_session.answered(_answered(channel, method, message.SerializeToString(), metadata))
+
+
+def _submit_cross(channel, session: OwnCrossSession, message: pb.SubmitRequest, data) -> None:
+    """Mostly ids of the student vocabulary with the text they spell (sometimes altered: a byte
+    changed, cut or added), now and then the hostile fields drawn."""
+    size = len(OwnCrossSession.VOCABULARY)
+    if data.draw(st.integers(0, 3)):
+        rows, seq = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 12))
+        ids = np.array(data.draw(st.lists(st.integers(0, size - 1) | st.integers(-2, size + 2), min_size=rows * seq,
+                                          max_size=rows * seq)), dtype="<i4").reshape(rows, seq)
+        mask = np.array(data.draw(st.lists(st.sampled_from([1, 1, 1, 0]), min_size=rows * seq,
+                                           max_size=rows * seq)), dtype="<i4").reshape(rows, seq)
+        message.input_ids.CopyFrom(pb.Tensor(dtype="int32", shape=[rows, seq], data=ids.tobytes()))
+        message.attention_mask.CopyFrom(pb.Tensor(dtype="int32", shape=[rows, seq], data=mask.tobytes()))
+        if ids.min() >= 0 and ids.max() < size:
+            texts = row_texts(torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask), session.VOCABULARY)
+            if not data.draw(st.integers(0, 2)) and texts:  # one row's text altered
+                row = data.draw(st.integers(0, len(texts) - 1))
+                texts[row] = data.draw(st.sampled_from([texts[row][:-1], texts[row] + b"\xff", b"x" + texts[row][1:]]))
+            message.student_text.CopyFrom(pb.RowTexts(rows=texts))
+    metadata = session.address(message)
+    session.answered(_answered(channel, "Submit", message.SerializeToString(), metadata))
 
 
 def test_oversized_message_is_refused(channel):
