@@ -176,32 +176,46 @@ class StudentVocabulary:
 
 @dataclass(frozen=True, eq=False)
 class VocabularyMatch:
-    """The student ids whose bytes some teacher id spells exactly, and where each teacher id's
-    probability goes.
+    """Which student id each teacher id's probability goes to.
 
     `student_ids` [M], ascending: column j of a projected distribution is student id
     student_ids[j]. `teacher_column` [V_teacher]: the column each teacher id adds to, M for
-    none (its probability is unmatched mass). Where several teacher ids spell the same bytes
-    (a piece also present as an added token) their probabilities add up; where several student
-    ids do, the lowest takes the column and the others stay unmatched, so no probability is
-    counted twice. Pieces of no text (special tokens) never match.
+    none (its probability is unmatched mass). Where several teacher ids go to one student id
+    their probabilities add up; where several student ids spell the same bytes the lowest
+    stands for them (the others get nothing), so no probability is counted twice. Pieces of no
+    text (special tokens) never match.
+
+    Exact (`build`, GOLD's rule): a teacher id goes to the student id that spells the same
+    bytes. By prefix (`build(..., by_prefix=True)`): to the student id whose piece is the longest
+    prefix of the teacher's, the token a student would most likely start the same text with; it
+    keeps the mass of teacher tokens longer than any student token (a teacher with the larger
+    vocabulary) instead of leaving it unmatched, and is exact where the pieces are equal.
     """
 
     student_ids: np.ndarray
     teacher_column: np.ndarray
 
     @classmethod
-    def build(cls, student: Sequence[bytes], teacher: Sequence[bytes]) -> "VocabularyMatch":
+    def build(cls, student: Sequence[bytes], teacher: Sequence[bytes], by_prefix: bool = False) -> "VocabularyMatch":
         first_student: dict[bytes, int] = {}
         for index, piece in enumerate(student):
             if piece and piece not in first_student:
                 first_student[piece] = index
-        teacher_pieces = {piece for piece in teacher if piece}
-        student_ids = np.array(sorted(index for piece, index in first_student.items() if piece in teacher_pieces),
-                               dtype=np.int64)
-        column_of = {student[index]: column for column, index in enumerate(student_ids.tolist())}
-        teacher_column = np.array([column_of.get(piece, len(student_ids)) if piece else len(student_ids)
-                                   for piece in teacher], dtype=np.int64)
+        longest = max(map(len, first_student), default=0)
+        target = []  # the student id each teacher id goes to, -1 for none
+        for piece in teacher:
+            if not by_prefix:
+                target.append(first_student.get(piece, -1) if piece else -1)
+                continue
+            found = -1
+            for length in range(min(len(piece), longest), 0, -1):
+                found = first_student.get(piece[:length], -1)
+                if found >= 0:
+                    break
+            target.append(found)
+        student_ids = np.array(sorted({t for t in target if t >= 0}), dtype=np.int64)
+        column_of = {index: column for column, index in enumerate(student_ids.tolist())}
+        teacher_column = np.array([column_of.get(t, len(student_ids)) for t in target], dtype=np.int64)
         return cls(student_ids, teacher_column)
 
     @property

@@ -1083,22 +1083,25 @@ def _check_sorted_k(name: str, k: int, teacher: TeacherFacts) -> None:
 class ProjectedNext(CrossTokenizerKind):
     """The teacher's next-token distribution projected onto the student's vocabulary: float32
     [B, S, M], column j the probability of student id matched_student_ids[j] (exact byte
-    matches, `alignment.VocabularyMatch`), float32 [B, S] the unmatched mass, and with
+    matches, or with `by_prefix` longest-prefix ones: `alignment.VocabularyMatch`), float32
+    [B, S] the unmatched mass, and with
     `rest_topk` the k largest unmatched probabilities, sorted. All zeros where no teacher
     position ends where the student's text does. M is the session's (`TeacherFacts.matched_entries`)."""
 
     rest_topk: int = 0
+    by_prefix: bool = False  # the match (alignment.VocabularyMatch): by exact bytes, or by longest prefix
     asked_as: ClassVar[str] = "cross_tokenizer.projected"
 
     @classmethod
     def from_spec(cls, spec: pb.OutputSpec) -> "ProjectedNext | None":
         if not spec.HasField("cross_tokenizer") or not spec.cross_tokenizer.projected:
             return None
-        return cls(spec.cross_tokenizer.projected_rest_topk)
+        return cls(spec.cross_tokenizer.projected_rest_topk, spec.cross_tokenizer.projected_by_prefix)
 
     def to_spec(self, spec: pb.OutputSpec) -> None:
         spec.cross_tokenizer.projected = True
         spec.cross_tokenizer.projected_rest_topk = self.rest_topk
+        spec.cross_tokenizer.projected_by_prefix = self.by_prefix
 
     def check(self, teacher: TeacherFacts) -> None:
         if self.rest_topk:
@@ -1132,7 +1135,7 @@ class ProjectedNext(CrossTokenizerKind):
         return {"projected_probs": probs, "unmatched_mass": mass, "unmatched_topk": rest[0] if rest else None}
 
     def __str__(self) -> str:
-        return f"projected(rest_topk={self.rest_topk})"
+        return f"projected(rest_topk={self.rest_topk}{', by prefix' if self.by_prefix else ''})"
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,10 @@ class TrainConfig:
     cross_topk: int = field(default=8, metadata=_help(
         "--loss gold: the unmatched rest's k largest probabilities compared sorted (0: its mass alone); --loss uld: "
         "the k largest probabilities compared sorted"))
+    cross_match: Literal["exact", "prefix"] = field(default="exact", metadata=_help(
+        "--loss gold: which student entry a teacher entry's probability goes to: exact, the one spelling the same "
+        "bytes (GOLD's rule; the rest is unmatched); prefix, the one whose bytes are the longest prefix of the "
+        "teacher's (keeps the mass of teacher tokens longer than the student's)"))
     jsd_beta: float = field(default=0.5, metadata=_help("teacher weight in generalized JSD (--loss jsd)"))
     temperature: float = field(default=1.0, metadata=_help("softmax temperature of the KD loss"))
     kd_weight: float = field(default=0.5, metadata=_help("alpha in alpha*KD + (1-alpha)*CE"))

@@ -141,7 +141,9 @@ def teacher_outputs(cfg: TrainConfig) -> tuple[Output, ...]:
     if cfg.on_policy:
         return onpolicy.teacher_outputs(cfg)
     if cfg.cross_tokenizer:
-        return (ProjectedNext(cfg.cross_topk),) if cfg.loss == "gold" else (SortedProbs(cfg.cross_topk),)
+        if cfg.loss == "gold":
+            return (ProjectedNext(cfg.cross_topk, by_prefix=cfg.cross_match == "prefix"),)
+        return (SortedProbs(cfg.cross_topk),)
     kinds = []
     if cfg.uses_logits:
         kinds.append(FinalHidden() if cfg.head_on_student else TopK(cfg.topk) if cfg.topk else Logits())

@@ -133,7 +133,8 @@ class TeacherService:
         except AlignmentError as e:
             raise InvalidArgument(str(e)) from e
         teacher = self._teacher_tokenizer()
-        match = VocabularyMatch.build(vocabulary.pieces, teacher.pieces)
+        by_prefix = any(getattr(kind, "by_prefix", False) for kind in outputs)
+        match = VocabularyMatch.build(vocabulary.pieces, teacher.pieces, by_prefix=by_prefix)
         if not match.size:
             raise FailedPrecondition("no piece of the student's vocabulary is spelled by any of the teacher's: "
                                      "is student_vocabulary the bytes each id stands for?")

@@ -130,13 +130,17 @@ def reference_context(student_pieces: list[bytes], teacher_pieces: list[bytes]) 
     return context
 
 
-def reference_match(student: list[bytes], teacher: list[bytes]) -> tuple[list[int], dict[int, list[int]]]:
-    matched, seen = [], set()
-    for u, piece in enumerate(student):
-        if piece and piece not in seen and piece in teacher:
-            matched.append(u)
-        seen.add(piece)
-    return matched, {u: [v for v, t in enumerate(teacher) if t == student[u]] for u in matched}
+def reference_match(student: list[bytes], teacher: list[bytes], by_prefix: bool = False):
+    """The student ids that receive teacher mass, and from which teacher ids: exact, each teacher
+    id to the lowest student id of the same bytes; by prefix, to the lowest id of the longest
+    student piece its bytes start with."""
+    sources: dict[int, list[int]] = {}
+    for v, piece in enumerate(teacher):
+        candidates = [u for u, s in enumerate(student) if s and (piece == s or by_prefix and piece.startswith(s))]
+        if piece and candidates:
+            best = min(candidates, key=lambda u: (-len(student[u]), u))
+            sources.setdefault(best, []).append(v)
+    return sorted(sources), sources
 
 
 # ---- vocabularies -----------------------------------------------------------------------
@@ -187,6 +191,19 @@ def test_the_match_is_exact_strings_once_each(student_vocab, teacher):
     assert teacher.pieces.index(b"") in unmatched  # <|eos|> never matches
 
 
+def test_the_prefix_match_takes_the_longest_student_prefix(student_vocab, teacher):
+    match = VocabularyMatch.build(student_vocab.pieces, teacher.pieces, by_prefix=True)
+    matched, sources = reference_match(list(student_vocab.pieces), teacher.pieces, by_prefix=True)
+    assert match.student_ids.tolist() == matched
+    for column, u in enumerate(matched):
+        assert sorted(np.nonzero(match.teacher_column == column)[0].tolist()) == sources[u]
+    # the teacher's "llo" goes to the student's "l", its "caf\xc3\xa9" to "ca"; only special tokens stay unmatched
+    column_of = dict(zip(match.student_ids.tolist(), range(match.size)))
+    assert match.teacher_column[teacher.pieces.index(b"llo")] == column_of[student_vocab.pieces.index(b"l")]
+    assert match.teacher_column[teacher.pieces.index(b"caf\xc3\xa9")] == column_of[student_vocab.pieces.index(b"ca")]
+    assert [teacher.pieces[v] for v in np.nonzero(match.teacher_column == match.size)[0]] == [b""]
+
+
 def test_a_student_piece_twice_takes_one_column():
     match = VocabularyMatch.build([b"a", b"b", b"a", b""], [b"a", b"", b"a", b"c"])
     assert match.student_ids.tolist() == [0]
@@ -209,7 +226,8 @@ HARD_ROWS = {
 }
 
 
-def _align_rows(rows: list[list[bytes]], vocabulary, teacher, pad_left: bool = False, width: int | None = None):
+def _align_rows(rows: list[list[bytes]], vocabulary, teacher, pad_left: bool = False, width: int | None = None,
+                by_prefix: bool = False):
     width = width or max(len(r) for r in rows) + 1
     pad = ids_of(vocabulary, [b""])[0]  # any id: padding is not read
     ids = torch.full((len(rows), width), pad, dtype=torch.int64)
@@ -219,14 +237,14 @@ def _align_rows(rows: list[list[bytes]], vocabulary, teacher, pad_left: bool = F
         ids[r, start:start + len(pieces)] = torch.tensor(ids_of(vocabulary, pieces))
         mask[r, start:start + len(pieces)] = 1
     texts = row_texts(ids, mask, vocabulary)
-    match = VocabularyMatch.build(vocabulary.pieces, teacher.pieces)
+    match = VocabularyMatch.build(vocabulary.pieces, teacher.pieces, by_prefix=by_prefix)
     return ids, mask, texts, align_batch(ids, mask, texts, vocabulary, teacher, match, max_teacher_tokens=64)
 
 
-@pytest.mark.parametrize("pad_left", [False, True])
-def test_hard_cases_align_as_the_reference_says(student_vocab, teacher, pad_left):
+@pytest.mark.parametrize("pad_left, by_prefix", [(False, False), (True, False), (False, True)])
+def test_hard_cases_align_as_the_reference_says(student_vocab, teacher, pad_left, by_prefix):
     rows = list(HARD_ROWS.values())
-    ids, mask, texts, aligned = _align_rows(rows, student_vocab, teacher, pad_left=pad_left)
+    ids, mask, texts, aligned = _align_rows(rows, student_vocab, teacher, pad_left=pad_left, by_prefix=by_prefix)
     logits = torch.randn(*aligned.teacher_ids.shape, len(teacher.pieces), generator=torch.Generator().manual_seed(1))
     request = OutputRequest.resolve(output_spec([SpanLogprobs(), ProjectedNext(3), SortedProbs(4)]), FACTS_OF(teacher))
     request = request.aligned(len(student_vocab), aligned.match.size)
@@ -234,7 +252,7 @@ def test_hard_cases_align_as_the_reference_says(student_vocab, teacher, pad_left
     span, exact, projected, mass, rest, top = request.derive(BatchOutputs(logits), batch)
     assert [tuple(t.shape) for t in (span, exact, projected, mass, rest, top)] == [
         tuple(s.shape) for s in request.layout(*ids.shape)]
-    matched, sources = reference_match(list(student_vocab.pieces), teacher.pieces)
+    matched, sources = reference_match(list(student_vocab.pieces), teacher.pieces, by_prefix)
     for r, pieces in enumerate(rows):
         positions = mask[r].nonzero()[:, 0].tolist()
         t_ids = aligned.teacher_ids[r][aligned.teacher_mask[r].bool()].tolist()
@@ -255,7 +273,8 @@ def test_hard_cases_align_as_the_reference_says(student_vocab, teacher, pad_left
                 assert projected[r, t, column].item() == pytest.approx(probs[sources[u]].sum().item(), abs=1e-6)
             unmatched = [v for v in range(len(teacher.pieces)) if not any(v in s for s in sources.values())]
             assert mass[r, t].item() == pytest.approx(probs[unmatched].sum().item(), abs=1e-5)
-            assert rest[r, t].tolist() == pytest.approx(sorted(probs[unmatched].tolist(), reverse=True)[:3], abs=1e-6)
+            assert rest[r, t].tolist() == pytest.approx((sorted(probs[unmatched].tolist(), reverse=True) + [0.0] * 3)[:3],
+                                                    abs=1e-6)  # fewer unmatched ids than k: zeros after them
             assert top[r, t].tolist() == pytest.approx(sorted(probs.tolist(), reverse=True)[:4], abs=1e-6)
             assert projected[r, t].sum().item() + mass[r, t].item() == pytest.approx(1.0, abs=1e-5)
         padding = [t for t in range(ids.shape[1]) if t not in positions]

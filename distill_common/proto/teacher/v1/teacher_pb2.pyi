@@ -116,16 +116,18 @@ class OutputSpec(_message.Message):
     def __init__(self, logits: _Optional[bool] = ..., topk: _Optional[int] = ..., hidden_layers: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., final_hidden: _Optional[bool] = ..., attention_layers: _Optional[_Iterable[int]] = ..., logit_subset: _Optional[_Union[Tensor, _Mapping]] = ..., aux_hidden_states: _Optional[_Union[AuxHiddenStates, _Mapping]] = ..., argmax: _Optional[bool] = ..., next_token_logprobs: _Optional[bool] = ..., score_ids: _Optional[int] = ..., logprob_temperature: _Optional[float] = ..., cross_tokenizer: _Optional[_Union[CrossTokenizerOutputs, _Mapping]] = ...) -> None: ...
 
 class CrossTokenizerOutputs(_message.Message):
-    __slots__ = ("span_logprobs", "projected", "projected_rest_topk", "sorted_topk")
+    __slots__ = ("span_logprobs", "projected", "projected_rest_topk", "sorted_topk", "projected_by_prefix")
     SPAN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROJECTED_FIELD_NUMBER: _ClassVar[int]
     PROJECTED_REST_TOPK_FIELD_NUMBER: _ClassVar[int]
     SORTED_TOPK_FIELD_NUMBER: _ClassVar[int]
+    PROJECTED_BY_PREFIX_FIELD_NUMBER: _ClassVar[int]
     span_logprobs: bool
     projected: bool
     projected_rest_topk: int
     sorted_topk: int
-    def __init__(self, span_logprobs: _Optional[bool] = ..., projected: _Optional[bool] = ..., projected_rest_topk: _Optional[int] = ..., sorted_topk: _Optional[int] = ...) -> None: ...
+    projected_by_prefix: bool
+    def __init__(self, span_logprobs: _Optional[bool] = ..., projected: _Optional[bool] = ..., projected_rest_topk: _Optional[int] = ..., sorted_topk: _Optional[int] = ..., projected_by_prefix: _Optional[bool] = ...) -> None: ...
 
 class StudentVocabulary(_message.Message):
     __slots__ = ("token_bytes", "token_lengths")
