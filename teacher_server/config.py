@@ -272,8 +272,10 @@ class ServerConfig:
 
     @property
     def full_join_bytes(self) -> int:
-        """A Join asking for logits over the whole vocabulary as a subset (int64 ids, the widest the
-        wire allows), plus the same 64 KiB of framing: the largest Join a session may need."""
+        """The largest Join a session may need, plus the same 64 KiB of framing: one asking for logits
+        over the whole vocabulary as a subset (int64 ids, the widest the wire allows), or one sending a
+        student vocabulary of --max-student-vocab entries (12 bytes of pieces each on average, and each
+        length as a varint of up to 2 bytes)."""
         from distill_common.alignment import VOCABULARY_BYTES_PER_ENTRY  # torch comes with it: not at flag parsing
 
         student_vocabulary = (VOCABULARY_BYTES_PER_ENTRY + 2) * self.student_vocab_limit  # pieces, varint lengths

@@ -131,7 +131,7 @@ def test_every_kind_at_once_in_wire_order():
     assert [type(kind) for kind in request] == [Logits, TopK, HiddenStates, SubsetLogits, AuxHiddenStates,
                                                 Argmax] == [k for k in KINDS if k in {type(kind) for kind in request}]
     # Every kind has its place in the wire order, once.
-    assert len(set(KINDS)) == len(KINDS) == 10
+    assert len(set(KINDS)) == len(KINDS) == 13
     assert request.layout(2, 5) == [((2, 5, VOCAB), torch.float32), ((2, 5, 3), torch.float32),
                                      ((2, 5, 3), torch.int32), ((2, 2, 5, HIDDEN), torch.float32),
                                      ((2, 5, 1), torch.float32), ((2, 5, 3 * HIDDEN), torch.float32),
@@ -158,7 +158,8 @@ def test_layouts_match_what_is_derived_for_every_combination_and_shape():
 
 @pytest.mark.parametrize("spec, words", [
     (pb.OutputSpec(), "no outputs requested: ask for logits, topk > 0, hidden layers, final_hidden, attention layers, "
-                      "logit_subset, aux_hidden_states, argmax, next_token_logprobs or score_ids > 0"),
+                      "logit_subset, aux_hidden_states, argmax, next_token_logprobs, score_ids > 0, "
+                      "cross_tokenizer.span_logprobs, cross_tokenizer.projected or cross_tokenizer.sorted_topk > 0"),
     (pb.OutputSpec(topk=-1), "topk -1 must be between 0 and the vocabulary size 50"),
     (pb.OutputSpec(logits=True, topk=VOCAB + 1), "topk 51 must be between 0 and the vocabulary size 50"),
     (pb.OutputSpec(hidden_layers=[LAYERS + 1]), "hidden layers [5] are out of range: the teacher has 4 layers, "
