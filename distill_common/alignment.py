@@ -229,12 +229,14 @@ class TeacherTokenizer:
     """The teacher's tokenizer, encoding a row's bytes into ids whose pieces spell them exactly."""
 
     def __init__(self, tokenizer):
-        self.backend = _backend(tokenizer)
+        # A copy of its own: set once, shared by the threads that encode (the Rust tokenizer is thread-safe).
+        self.backend = type(_backend(tokenizer)).from_str(_backend(tokenizer).to_str())
+        # Text that reads like a special token ("<|eos|>" written out) stays text.
+        if hasattr(self.backend, "encode_special_tokens"):
+            self.backend.encode_special_tokens = True
         self.pieces = vocabulary_bytes(tokenizer)
         self.byte_ids = {piece[0]: index for index, piece in reversed(list(enumerate(self.pieces)))
                          if len(piece) == 1}
-        # Text that reads like a special token ("<|eos|>" written out) stays text.
-        self._encode_special = hasattr(self.backend, "encode_special_tokens")
 
     def encode(self, text: bytes, row: int = 0) -> list[int]:
         """The ids of `text`: valid UTF-8 runs through the tokenizer (without special tokens), bytes
@@ -249,7 +251,7 @@ class TeacherTokenizer:
             except UnicodeDecodeError as e:
                 chunk, end = text[start:start + e.start].decode("utf-8"), start + e.start
             if chunk:
-                ids.extend(self._encode_str(chunk))
+                ids.extend(self.backend.encode(chunk, add_special_tokens=False).ids)
             if end < len(text):  # one byte that starts no valid character here
                 byte = text[end]
                 if byte not in self.byte_ids:
@@ -264,16 +266,6 @@ class TeacherTokenizer:
             raise AlignmentError(f"row {row}: the teacher's tokenizer does not reproduce the row's text (they differ "
                                  f"from byte {at}): a tokenizer that normalizes text cannot be aligned by bytes")
         return ids
-
-    def _encode_str(self, chunk: str) -> list[int]:
-        if self._encode_special:
-            previous = self.backend.encode_special_tokens
-            self.backend.encode_special_tokens = True
-            try:
-                return self.backend.encode(chunk, add_special_tokens=False).ids
-            finally:
-                self.backend.encode_special_tokens = previous
-        return self.backend.encode(chunk, add_special_tokens=False).ids
 
 
 # ---- one batch ------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ is one process of that job joined to the teacher, with its own process group.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import secrets
 import time
@@ -94,6 +95,8 @@ class Session:
     stream_refusals_only: bool = False
     # A cross-tokenizer session's vocabulary and its match with the teacher's (None: same tokenizer).
     alignment: "SessionAlignment | None" = None
+    # Its re-tokenized batches reach the engine in submit order (TeacherService._submit).
+    submit_order: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     session_id: str = field(default_factory=lambda: secrets.token_hex(8))
     # The capability: every call about the session must carry it (TeacherService.session_for),
     # and the student proves it over the formed group (session_group.handshake). The id is not
