@@ -134,6 +134,7 @@ class TeacherClient:
         self._next_batch_id = 0  # the client's own batch ids (see Batch.batch_id)
 
         fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
+        outputs = tuple(outputs)
         spec = output_spec(outputs, dtype)
         # A student with another tokenizer sends its vocabulary (the bytes of each id) once, and its text per batch.
         self.vocabulary: StudentVocabulary | None = None
@@ -497,6 +498,12 @@ class TeacherClient:
             changed.append(f"backend {self.backend} -> {joined.backend}")
         if wire.parse_output_dtype(joined.output_dtype) != self.output_dtype:
             changed.append(f"output dtype {self.output_dtype} -> {joined.output_dtype}")
+        if self.matched_student_ids is not None:  # a projection onto other columns would be read as this one
+            matched = (wire.decode(joined.alignment.matched_student_ids, what="matched_student_ids",
+                                   dtypes=wire.ID_DTYPES, max_elements=max(1, joined.alignment.student_vocab_size))
+                       if joined.HasField("alignment") else None)
+            if matched is None or not torch.equal(matched.long(), self.matched_student_ids):
+                changed.append("the student ids its vocabulary matches")
         if changed:
             raise Incompatible(f"the teacher came back different ({', '.join(changed)}): its outputs would not "
                                "continue this run; restart the job against it", grpc.StatusCode.FAILED_PRECONDITION)

@@ -125,3 +125,38 @@ def test_loss_table_lists_each_seed_and_the_means():
     kd_row = next(line for line in table.splitlines() if line.startswith("student, KD"))
     assert kd_row.split()[-4:] == ["3.5000", "3.6000", "3.5500", "0.1000"]
     assert "2.00M" in table and "170k" in table and "6.9315" in table
+
+
+# ---- distill_demo.cross_tokenizer --------------------------------------------------------------
+
+
+def test_the_cross_tokenizer_table_compares_kd_and_ce_per_tokenizer():
+    from distill_demo.cross_tokenizer import CrossTokenizerConfig, summarize, table
+
+    cfg = CrossTokenizerConfig(quick=True, vocab_size=320, student_vocab_size=300)
+    per_byte = {("kd", "same", 0): 2.80, ("kd", "same", 1): 2.82, ("ce", "same", 0): 2.90, ("ce", "same", 1): 2.92,
+                ("kd", "other", 0): 2.95, ("kd", "other", 1): 2.96, ("ce", "other", 0): 3.00,
+                ("ce", "other", 1): 3.04}
+    result = summarize(cfg, per_byte, teacher_per_byte=2.5)
+    assert result["gain"]["same"] == pytest.approx(0.10) and result["gain"]["other"] == pytest.approx(0.065)
+    assert result["spread"]["other"] == pytest.approx(0.005 + 0.02)
+    assert result["cross_beats_ce"] and result["kept"] == pytest.approx(0.65)
+    text = table(cfg, result)
+    assert "| KD across tokenizers (300, --loss gold) | 2.9500, 2.9600 | 2.9550 ± 0.0050 |" in text
+    assert "keeps 65% of the same-tokenizer gain" in text
+    with pytest.raises(Exception, match="--student-vocab-size 320 must .* differ from --vocab-size 320"):
+        CrossTokenizerConfig(quick=True, vocab_size=320, student_vocab_size=320)
+
+
+@pytest.mark.slow
+def test_the_quick_cross_tokenizer_demo_runs_end_to_end(tmp_path):
+    import json
+
+    result = subprocess.run(
+        [sys.executable, "-m", "distill_demo.cross_tokenizer", "--quick", "--output-dir", str(tmp_path / "out"),
+         "--cache-dir", str(tmp_path / "cache")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stdout
+    assert "KD across tokenizers (300, --loss gold)" in result.stdout
+    summary = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert set(summary["groups"]) == {"kd_same", "ce_same", "kd_other", "ce_other"}
