@@ -1013,9 +1013,6 @@ class CrossTokenizerKind(Output):
             raise BatchDataError(f"student_text has {len(message.rows)} rows, input_ids {batch}: send one text per row")
         return list(message.rows)
 
-    def _cross_spec(self, spec: pb.OutputSpec) -> pb.CrossTokenizerOutputs:
-        return spec.cross_tokenizer
-
 
 def _aligned_probs(logits: torch.Tensor, context: torch.Tensor):
     """The positions whose context a teacher position ends exactly, and the teacher's next-token

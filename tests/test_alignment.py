@@ -246,7 +246,7 @@ def test_hard_cases_align_as_the_reference_says(student_vocab, teacher, pad_left
     rows = list(HARD_ROWS.values())
     ids, mask, texts, aligned = _align_rows(rows, student_vocab, teacher, pad_left=pad_left, by_prefix=by_prefix)
     logits = torch.randn(*aligned.teacher_ids.shape, len(teacher.pieces), generator=torch.Generator().manual_seed(1))
-    request = OutputRequest.resolve(output_spec([SpanLogprobs(), ProjectedNext(3), SortedProbs(4)]), FACTS_OF(teacher))
+    request = OutputRequest.resolve(output_spec([SpanLogprobs(), ProjectedNext(3), SortedProbs(4)]), facts_of(teacher))
     request = request.aligned(len(student_vocab), aligned.match.size)
     batch = _Batch(aligned)
     span, exact, projected, mass, rest, top = request.derive(BatchOutputs(logits), batch)
@@ -289,15 +289,11 @@ def test_the_hard_cases_do_what_their_names_say(student_vocab, teacher):
     assert not exact[0, 0] and not exact[0, 1] and aligned.context[0, 1] == -1 and aligned.context[0, 0] >= 0
     # "he" "l" "l" "o": the teacher's "llo" counts for "o" (its last byte), not for the two "l"s
     owner = aligned.span_owner[1][aligned.teacher_mask[1].bool()].tolist()
-    assert owner[:2] == [ids_len(aligned), 2]  # "he" has no context; "llo" goes to the position before "o"
+    assert owner[:2] == [aligned.student_shape[1], 2]  # "he" has no context; "llo" goes to the position before "o"
     # "a\xc3" and "\xa9": "é" ends in "\xa9", so it counts there; the text before "\xa9" ends inside "é"
     assert aligned.context[2, 1] == -1 and aligned.context[2, 2] >= 0
     # the special token: its position is about an empty text (never exact); the text runs on across it
     assert not exact[4, 0] and not exact[4, 1]
-
-
-def ids_len(aligned) -> int:
-    return aligned.student_shape[1]
 
 
 def test_leading_spaces_align_between_byte_level_and_sentencepiece(teacher):
@@ -384,18 +380,20 @@ def test_a_normalizing_teacher_tokenizer_is_refused_for_the_row():
 
 def test_cross_tokenizer_kinds_are_not_mixed_with_kinds_of_the_teachers_tokens(teacher):
     with pytest.raises(OutputSpecError, match="a session asks for one or the other"):
-        OutputRequest.resolve(output_spec([SpanLogprobs(), TopK(2)]), FACTS_OF(teacher))
+        OutputRequest.resolve(output_spec([SpanLogprobs(), TopK(2)]), facts_of(teacher))
     with pytest.raises(OutputSpecError, match="sorted_topk 9999 must be between 1 and"):
-        OutputRequest.resolve(output_spec([SortedProbs(9999)]), FACTS_OF(teacher))
+        OutputRequest.resolve(output_spec([SortedProbs(9999)]), facts_of(teacher))
 
 
 # ---- helpers -------------------------------------------------------------------------------
 
-def FACTS_OF(teacher) -> TeacherFacts:
+def facts_of(teacher) -> TeacherFacts:
     return TeacherFacts(vocab_size=len(teacher.pieces), hidden_size=8, num_layers=1, dtype=torch.float32)
 
 
 class _Batch:
+    """What a kind's derive reads of a batch."""
+
     def __init__(self, aligned):
         self.data = {ALIGNMENT: aligned}
         self.input_ids, self.attention_mask = aligned.teacher_ids, aligned.teacher_mask
@@ -406,7 +404,7 @@ def test_reference_spans_sum_to_the_rows_log_likelihood(student_vocab, teacher):
     rows = list(HARD_ROWS.values())
     _, _, _, aligned = _align_rows(rows, student_vocab, teacher)
     logits = torch.randn(*aligned.teacher_ids.shape, len(teacher.pieces), generator=torch.Generator().manual_seed(2))
-    request = OutputRequest.resolve(output_spec([SpanLogprobs()]), FACTS_OF(teacher)).aligned(
+    request = OutputRequest.resolve(output_spec([SpanLogprobs()]), facts_of(teacher)).aligned(
         len(student_vocab), aligned.match.size)
     span, _ = request.derive(BatchOutputs(logits), _Batch(aligned))
     for r in range(len(rows)):
