@@ -109,7 +109,7 @@ def run(cfg: CrossTokenizerConfig) -> dict:
                 for key, run in runs.items()}
     result = summarize(cfg, per_byte, teacher_per_byte=heldout_nats_per_byte(teacher.model_dir, heldout, cfg.seq_len))
     result["wall_s"] = time.monotonic() - started
-    result["cpu_s"] = sum(r.wall_s for r in runs.values())
+    result["students_wall_s"] = sum(r.wall_s for r in runs.values())  # summed over the student processes
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     say(table(cfg, result))
     return result
