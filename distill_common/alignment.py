@@ -255,8 +255,8 @@ class TeacherTokenizer:
             if end < len(text):  # one byte that starts no valid character here
                 byte = text[end]
                 if byte not in self.byte_ids:
-                    raise AlignmentError(f"row {row}: byte 0x{byte:02x} at offset {end} is no valid UTF-8 there and the "
-                                         "teacher's vocabulary has no token for it")
+                    raise AlignmentError(f"row {row}: byte 0x{byte:02x} at offset {end} is no valid UTF-8 there "
+                                         "and the teacher's vocabulary has no token for it")
                 ids.append(self.byte_ids[byte])
                 end += 1
             start = end
@@ -333,12 +333,13 @@ def align_batch(ids: torch.Tensor, mask: torch.Tensor, texts: Sequence[bytes], v
             token = int(np.searchsorted(ends, at, side="right")) if len(ends) else 0
             raise AlignmentError(
                 f"row {row}: its text and its ids disagree from byte {at} (the ids spell {len(spelled)} bytes, the "
-                f"text has {len(text)}; near the row's token {min(token, len(positions) - 1)}): send the bytes the "
-                "row's ids spell (distill_common.alignment.row_texts) and the vocabulary of the tokenizer that made them")
+                f"text has {len(text)}; near the row's token {min(token, len(positions) - 1)}): send the bytes "
+                "the row's ids spell (distill_common.alignment.row_texts) and the vocabulary of the tokenizer that "
+                "made them")
         teacher_ids = teacher.encode(text, row)
         if len(teacher_ids) > max_teacher_tokens:
-            raise AlignmentError(f"row {row}: the teacher's tokenizer makes {len(teacher_ids)} tokens of its text, more "
-                                 f"than the teacher's --max-seq-len {max_teacher_tokens}: send shorter rows")
+            raise AlignmentError(f"row {row}: the teacher's tokenizer makes {len(teacher_ids)} tokens of its text, "
+                                 f"more than the teacher's --max-seq-len {max_teacher_tokens}: send shorter rows")
         teacher_ends = np.cumsum([len(teacher.pieces[i]) for i in teacher_ids]).astype(np.int64)
         teacher_starts = teacher_ends - [len(teacher.pieces[i]) for i in teacher_ids]
         starts = ends - lengths

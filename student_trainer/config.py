@@ -11,11 +11,11 @@ from typing import Literal
 
 from distill_common.settings import LOG_LEVELS, ConfigError, IntTuple, check_choices, flag
 from student_trainer.data import PackMode
-from student_trainer.losses import (CROSS_TOKENIZER_LOSS_KINDS, HiddenLossKind, LossKind, check_options,
-                                    check_relation_options)
+from student_trainer.losses import (CROSS_TOKENIZER_LOSS_KINDS, CrossTokenizerLossKind, HiddenLossKind, LossKind,
+                                    check_options, check_relation_options)
 
 # --loss: a divergence between two distributions over one vocabulary, or a loss across tokenizers.
-TrainLossKind = Literal["forward_kl", "reverse_kl", "jsd", "gold", "uld"]
+TrainLossKind = Literal[LossKind, CrossTokenizerLossKind]
 
 
 def _help(text: str) -> dict:

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from distill_common.attention_inputs import AttentionCapture
-from distill_common.outputs import (AttentionInputs, FinalHidden, HiddenStates, Logits, Output, OutputHead, ProjectedNext,
-                                    SortedProbs, TeacherOutput, TopK)
+from distill_common.outputs import (AttentionInputs, FinalHidden, HiddenStates, Logits, Output, OutputHead,
+                                    ProjectedNext, SortedProbs, TeacherOutput, TopK)
 from distill_common.settings import ConfigError, non_defaults
 from student_trainer import onpolicy
 from student_trainer.checkpoint import (latest_checkpoint, load_rank_state, load_trainer_state, save_checkpoint,

@@ -25,7 +25,7 @@ from distill_common.outputs import (ALIGNMENT, BatchOutputs, OutputRequest, Outp
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 
 # GPT-2's byte-to-symbol table, written out here independently of the module's inverse.
-_PRINTABLE = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+_PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
 
 
 def _symbol_table() -> dict[int, str]:
@@ -273,8 +273,8 @@ def test_hard_cases_align_as_the_reference_says(student_vocab, teacher, pad_left
                 assert projected[r, t, column].item() == pytest.approx(probs[sources[u]].sum().item(), abs=1e-6)
             unmatched = [v for v in range(len(teacher.pieces)) if not any(v in s for s in sources.values())]
             assert mass[r, t].item() == pytest.approx(probs[unmatched].sum().item(), abs=1e-5)
-            assert rest[r, t].tolist() == pytest.approx((sorted(probs[unmatched].tolist(), reverse=True) + [0.0] * 3)[:3],
-                                                    abs=1e-6)  # fewer unmatched ids than k: zeros after them
+            want_rest = (sorted(probs[unmatched].tolist(), reverse=True) + [0.0] * 3)[:3]  # zeros past the last
+            assert rest[r, t].tolist() == pytest.approx(want_rest, abs=1e-6)
             assert top[r, t].tolist() == pytest.approx(sorted(probs.tolist(), reverse=True)[:4], abs=1e-6)
             assert projected[r, t].sum().item() + mass[r, t].item() == pytest.approx(1.0, abs=1e-5)
         padding = [t for t in range(ids.shape[1]) if t not in positions]
