@@ -413,3 +413,24 @@ def test_the_recipe_trains_all_three_losses_and_resumes(server, models, corpus, 
     train_ok(server, models["student"], data, b, *common, "--stop-after-steps", "3")
     train_ok(server, models["student"], data, b, *common, "--resume")
     assert_same_run(records, read_metrics(b), keys=("loss", "kd", "attention", "hidden", "lr"))
+
+
+def test_training_from_the_store_repeats_the_live_run(server, models, corpus, tmp_path):
+    """A run given --teacher and --teacher-outputs trains on the teacher's outputs and writes them
+    into the store; a run from the store alone then has the same per-step losses, bit for bit. In
+    this process: two trainer processes would cost the suite their start-up twice."""
+    from student_trainer.config import TrainConfig
+    from student_trainer.train import train as run_training
+
+    store = tmp_path / "store"
+    common = dict(model=str(models["student"]), data=str(corpus["train"]), batch_size=BATCH, seq_len=SEQ_LEN,
+                  device="cpu", kd_weight=0.5, topk=8, max_steps=3, lr=3e-3, teacher_outputs=str(store),
+                  teacher_timeout_s=60, log_level="WARNING")
+    live = run_training(TrainConfig(**common, teacher=server.address, output_dir=str(tmp_path / "live")))
+    manifest = json.loads((store / "manifest.json").read_text())
+    # The rows of the 3 batches trained on and of the 2 prefetched (--prefetch), written through.
+    assert sum(shard["rows"] for shard in manifest["shards"]) == (3 + 2) * BATCH
+    stored = run_training(TrainConfig(**common, output_dir=str(tmp_path / "stored")))
+    assert [r["step"] for r in stored["history"]] == [1, 2, 3]
+    for a, b in zip(live["history"], stored["history"]):
+        assert (a["loss"], a["kd"], a["ce"]) == (b["loss"], b["kd"], b["ce"]), (a, b)
