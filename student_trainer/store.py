@@ -591,18 +591,26 @@ class StoreTeacher:
 
 def open_store_teacher(directory: str | Path, device, outputs: Iterable[Output], *, dtype: str | None = None,
                        dataset=None, data_path: str | Path | None = None, tokenizer=None, vocab_size: int = 0,
-                       teacher=None, model_name: str = "", rows_per_shard: int = 256) -> StoreTeacher:
+                       teacher=None, model_name: str = "", rows_per_shard: int = 256,
+                       seq_len: int | None = None) -> StoreTeacher:
     """The trainer's StoreTeacher over `directory`, checked against the run: its data (`dataset`
     read from `data_path`), the outputs it asks (`outputs` in `dtype`, None: whatever the store
     holds), the student's vocabulary and tokenizer, and the `teacher` that fills what it lacks
-    (TeacherClient or LocalTeacher; then a missing store is created from it)."""
+    (TeacherClient or LocalTeacher; then a missing store is created from it, for rows of the
+    dataset's length or, without a dataset, of `seq_len`)."""
     from distill_common.vocab import tokenizer_fingerprint
 
     directory = Path(directory)
     if teacher is not None and fmt.read_manifest(directory) is None:
-        TeacherStore.create(directory, teacher.outputs, teacher=teacher_facts(teacher, model_name),
-                            data=data_facts(dataset, data_path) if dataset is not None else
-                            {"seq_len": None, "fingerprint": None}, head=teacher.joined)
+        if dataset is not None:
+            data = data_facts(dataset, data_path)
+        elif seq_len:  # rows from elsewhere (the HF Trainer's batches): only their length is known
+            data = {"file": None, "sha256": None, "fingerprint": None, "rows": None, "seq_len": seq_len,
+                    "pack_mode": None}
+        else:
+            raise StoreError(f"{directory} holds no store to fill: the length of its rows is needed (seq_len)")
+        TeacherStore.create(directory, teacher.outputs, teacher=teacher_facts(teacher, model_name), data=data,
+                            head=teacher.joined)
     store = TeacherStore(directory)
     if dataset is not None:
         store.check_data(dataset, data_path)

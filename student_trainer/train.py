@@ -105,15 +105,16 @@ def load_dataset(cfg: TrainConfig, tokenizer, path: str, skip_bad_lines: bool = 
     return PackedDataset(path, tokenizer, cfg.seq_len, mode=cfg.pack_mode, skip_bad_lines=skip_bad_lines)
 
 
-def open_teacher(cfg: TrainConfig, device: torch.device, tokenizer, vocab_size: int, dataset, job_id: str,
-                 rank: int):
-    """Where the run's teacher outputs come from: the teacher server (`--teacher`), a store of them
-    (`--teacher-outputs`, student_trainer/store.py), or both: the store, and the teacher for what
-    it lacks, written through. Either way a source with TeacherClient's interface."""
+def open_teacher(cfg, device: torch.device, outputs: tuple[Output, ...], *, tokenizer, vocab_size: int, dataset,
+                 job_id: str, rank: int, dtype: str | None = None):
+    """Where a run's teacher outputs come from (the trainer's, EAGLE-3's `cfg`): the teacher server
+    (`--teacher`), a store of them (`--teacher-outputs`, student_trainer/store.py), or both: the
+    store, and the teacher for what it lacks, written through. Either way a source with
+    TeacherClient's interface, asked for `outputs` in `dtype` (None: the teacher's, or the store's)."""
     live = None
     if cfg.teacher:
         live = TeacherClient(
-            cfg.teacher, device, outputs=teacher_outputs(cfg), tokenizer=tokenizer, vocab_size=vocab_size,
+            cfg.teacher, device, outputs=outputs, dtype=dtype, tokenizer=tokenizer, vocab_size=vocab_size,
             max_inflight=cfg.prefetch + 1, job_id=job_id, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s,
             reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, max_resubmits=cfg.teacher_max_resubmits,
             weight=cfg.teacher_weight,
@@ -123,7 +124,7 @@ def open_teacher(cfg: TrainConfig, device: torch.device, tokenizer, vocab_size: 
     from student_trainer.store import open_store_teacher
 
     try:
-        return open_store_teacher(cfg.teacher_outputs, device, teacher_outputs(cfg), dataset=dataset,
+        return open_store_teacher(cfg.teacher_outputs, device, outputs, dtype=dtype, dataset=dataset,
                                   data_path=cfg.data, tokenizer=tokenizer, vocab_size=vocab_size, teacher=live,
                                   model_name=live.info.model_name if live is not None else "")
     except BaseException:
@@ -421,8 +422,9 @@ def train(cfg: TrainConfig) -> dict:
     teacher = None
     if cfg.needs_teacher:
         student_vocab = model.get_output_embeddings().weight.shape[0]
-        teacher = open_teacher(cfg, device, tokenizer if cfg.uses_logits else None,
-                               student_vocab if cfg.uses_logits else 0, dataset, cfg.job_id or output_dir.name, rank)
+        teacher = open_teacher(cfg, device, teacher_outputs(cfg), tokenizer=tokenizer if cfg.uses_logits else None,
+                               vocab_size=student_vocab if cfg.uses_logits else 0, dataset=dataset,
+                               job_id=cfg.job_id or output_dir.name, rank=rank)
     maps, capture = (build_maps(cfg, model, teacher.info.num_layers, teacher.info.hidden_size, teacher.joined.head,
                                 device) if teacher is not None else (StudentMaps(), None))
     projections = maps.projections
