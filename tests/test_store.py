@@ -327,3 +327,21 @@ def test_write_through_fills_exactly_the_missing_batches(setup, tmp_path):
     assert len(source.read_locations) == BATCH * len(epoch)
     with pytest.raises(StoreMismatch, match="made with another teacher or outputs"):
         run(epoch, CountingTeacher(local_teacher(setup, (TopK(4),))))
+
+
+def test_an_eagle3_draft_trains_from_a_store_dumped_for_it(setup, tmp_path):
+    """`dump --eagle3` stores the final hidden state (and the head), the aux layers and the argmax;
+    `eagle3 --teacher-outputs` reads its draft vocabulary's logits from them."""
+    import math
+
+    from student_trainer.eagle3.config import Eagle3Config
+    from student_trainer.eagle3.train import train_eagle3
+
+    store = tmp_path / "store"
+    dump(dump_config(setup, store, topk=0, eagle3=True, aux_layers=(0, 1, 2)))
+    config = Eagle3Config(target_model=str(setup["teacher"]), data=str(setup["data"]), teacher_outputs=str(store),
+                          output_dir=str(tmp_path / "run"), seq_len=SEQ, batch_size=2, max_steps=2, ttt_steps=2,
+                          aux_layers=(0, 1, 2), draft_vocab_size=64, device="cpu", log_level="WARNING")
+    result = train_eagle3(config)
+    assert result["step"] == 2 and all(math.isfinite(record["loss"]) for record in result["history"])
+    assert (tmp_path / "run" / "draft" / "config.json").exists()
