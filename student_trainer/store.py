@@ -364,6 +364,7 @@ class ShardWriter:
         self._pending: dict[bytes, tuple[_Rows, int]] = {}
         self._lock = threading.Lock()
         self._error: BaseException | None = None
+        self._write_rest = True
         self.shards_written = 0
         self.rows_written = 0
         self._thread = threading.Thread(target=self._run, name="store-writer", daemon=True)
@@ -423,7 +424,7 @@ class ShardWriter:
                         item.ready.synchronize()
                     batches.append(item)
                     rows += len(item.keys)
-                if batches and (rows >= self.rows_per_shard or item is None):
+                if batches and (rows >= self.rows_per_shard or (item is None and self._write_rest)):
                     self._write(batches)
                     batches, rows = [], 0
             except BaseException as e:  # noqa: BLE001 - raised on the caller's thread by add() / close()
@@ -444,9 +445,11 @@ class ShardWriter:
             for key in keys:
                 self._pending.pop(key, None)
 
-    def close(self, timeout_s: float = 600.0) -> None:
-        """Writes what is left as a last shard and waits for the thread (at most `timeout_s`)."""
+    def close(self, timeout_s: float = 600.0, write_rest: bool = True) -> None:
+        """Writes what is left as a last shard (unless not `write_rest`) and waits for the thread (at
+        most `timeout_s`)."""
         if self._thread.is_alive():
+            self._write_rest = write_rest
             self._put(None)
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -680,38 +683,55 @@ def dump(cfg) -> DumpResult:
         start_row = sum(entry["rows"] for entry in shards)
         if start_row:
             log.info("continuing the dump in %s after row %d (%d complete shards)", directory, start_row, len(shards))
-        writer = ShardWriter(store, cfg.rows_per_shard, dump=True)
-        started = time.perf_counter()
-        tokens = 0
-        inflight: list[tuple[int, int, Future]] = []
-
-        def drain(keep: int) -> None:
-            nonlocal tokens
-            while len(inflight) > keep:
-                begin, end, future = inflight.pop(0)
-                out = future.result(timeout=cfg.teacher_timeout_s)
-                mask = dataset.attention_mask[begin:end]
-                keys = [fmt.row_key(dataset.input_ids[row], dataset.attention_mask[row]) for row in range(begin, end)]
-                batch_tokens = int(mask.sum())
-                writer.add(keys, store.request.disassemble(out), batch_tokens, first_row=begin)
-                tokens += batch_tokens
-
-        for begin in range(start_row, len(dataset), cfg.batch_size):
-            end = min(begin + cfg.batch_size, len(dataset))
-            inflight.append((begin, end, teacher.submit(dataset.input_ids[begin:end],
-                                                        dataset.attention_mask[begin:end])))
-            drain(cfg.prefetch)
-        drain(0)
-        writer.close()
-        seconds = time.perf_counter() - started
-        result = DumpResult(rows=store.rows, rows_written=writer.rows_written, shards_written=writer.shards_written,
-                            seconds=seconds, tokens_written=tokens, resumed_at_row=start_row)
-        log.info("dumped %d rows (%d tokens) in %d shards to %s in %.1fs", result.rows_written, tokens,
-                 result.shards_written, directory, seconds)
+        result = dump_rows(teacher, store, dataset.input_ids, dataset.attention_mask, batch_size=cfg.batch_size,
+                           rows_per_shard=cfg.rows_per_shard, start_row=start_row, prefetch=cfg.prefetch,
+                           timeout_s=cfg.teacher_timeout_s)
+        log.info("dumped %d rows (%d tokens) in %d shards to %s in %.1fs", result.rows_written, result.tokens_written,
+                 result.shards_written, directory, result.seconds)
         return result
     finally:
         if hasattr(teacher, "close"):
             teacher.close(timeout_s=5)
+
+
+def dump_rows(teacher, store: TeacherStore, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+              batch_size: int, rows_per_shard: int, start_row: int = 0, prefetch: int = 2,
+              timeout_s: float = 600.0) -> DumpResult:
+    """Rows `start_row`.. of `input_ids` / `attention_mask` [N, S], in order, `batch_size` at a
+    time, from `teacher` (TeacherClient or LocalTeacher) into `store`'s dump shards.
+
+    `prefetch` batches are asked ahead of the one written (a served teacher computes while this
+    process writes); each batch's outputs are encoded on their device (ids packed there) and
+    handed to the ShardWriter, whose thread copies them to the host and writes: the next forward
+    never waits for a write."""
+    writer = ShardWriter(store, rows_per_shard, dump=True)
+    started, tokens = time.perf_counter(), 0
+    inflight: list[tuple[int, int, Future]] = []
+
+    def drain(keep: int) -> None:
+        nonlocal tokens
+        while len(inflight) > keep:
+            begin, end, future = inflight.pop(0)
+            out = future.result(timeout=timeout_s)
+            keys = [fmt.row_key(input_ids[row], attention_mask[row]) for row in range(begin, end)]
+            batch_tokens = int(attention_mask[begin:end].sum())
+            writer.add(keys, store.request.disassemble(out), batch_tokens, first_row=begin)
+            tokens += batch_tokens
+
+    try:
+        for begin in range(start_row, len(input_ids), batch_size):
+            end = min(begin + batch_size, len(input_ids))
+            inflight.append((begin, end, teacher.submit(input_ids[begin:end], attention_mask[begin:end])))
+            drain(prefetch)
+        drain(0)
+    except BaseException:
+        # The rows of an unfinished shard are not written: a dump started again writes that shard
+        # whole, so its shards stay those of an uninterrupted dump.
+        writer.close(write_rest=False)
+        raise
+    writer.close()
+    return DumpResult(rows=store.rows, rows_written=writer.rows_written, shards_written=writer.shards_written,
+                      seconds=time.perf_counter() - started, tokens_written=tokens, resumed_at_row=start_row)
 
 
 def _dump_teacher(cfg, device: torch.device, tokenizer):
