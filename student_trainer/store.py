@@ -258,8 +258,14 @@ class TeacherStore:
             shard.verified = True
         return shard.handle
 
-    def read(self, locations: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """The rows at `locations`, decoded, as the layout's tensors of one batch (on the host)."""
+    def read(self, locations: list[tuple[int, int]], device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        """The rows at `locations` as the layout's tensors of one batch, on `device` (ids unpacked
+        there: on a GPU the unpacking costs the host nothing)."""
+        return [codec.decode(stored.to(device, non_blocking=True))
+                for codec, stored in zip(self.codecs, self.read_stored(locations))]
+
+    def read_stored(self, locations: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """The rows at `locations` as stored (before unpacking), one tensor per codec, on the host."""
         columns: list[list[torch.Tensor]] = [[] for _ in self.codecs]
         for number, row in locations:
             handle = self._open(number)
@@ -270,7 +276,7 @@ class TeacherStore:
                     column.append(fmt.decompress_row(frame, codec))
                 else:
                     column.append(handle.get_slice(codec.name)[row:row + 1])
-        return [codec.decode(torch.cat(column)) for codec, column in zip(self.codecs, columns)]
+        return [torch.cat(column) for column in columns]
 
     # ---- writing rows ----------------------------------------------------------------------
 
@@ -529,7 +535,7 @@ class StoreTeacher:
 
     def _read(self, batch_id: int, locations, pending) -> TeacherOutput:
         stored = [where for where in locations if where is not None]
-        tensors = self.store.read(stored) if stored else None
+        tensors = self.store.read(stored, self.device) if stored else None
         if any(held is not None for held in pending):  # rows written through and not yet in a shard
             parts, next_stored = [], 0
             for where, held in zip(locations, pending):
@@ -537,10 +543,10 @@ class StoreTeacher:
                     parts.append([t.narrow(c.batch_axis, next_stored, 1) for c, t in zip(self.store.codecs, tensors)])
                     next_stored += 1
                 else:
-                    parts.append(held)
+                    parts.append([t.to(self.device) for t in held])
             tensors = [torch.cat(column, dim=codec.batch_axis) for codec, column in zip(self.store.codecs, zip(*parts))]
         self.read_locations.extend((self.store.shards[number].entry["file"], row) for number, row in stored)
-        return self._assemble(batch_id, [t.to(self.device, non_blocking=True) for t in tensors])
+        return self._assemble(batch_id, tensors)
 
     def _write_through(self, batch_id: int, live: Future, keys, missing, tokens) -> TeacherOutput:
         out = live.result()
