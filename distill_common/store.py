@@ -45,7 +45,6 @@ process died before the manifest named it, a temporary file) is not part of the 
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import json
@@ -56,7 +55,7 @@ from pathlib import Path
 import torch
 
 from distill_common import wire
-from distill_common.outputs import OutputRequest, TeacherFacts, TensorSpec
+from distill_common.outputs import OutputRequest, TeacherFacts
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 
 FORMAT = "teacher-outputs/1"
@@ -321,11 +320,3 @@ def read_manifest(directory: Path) -> dict | None:
 
 def write_manifest(directory: Path, manifest: dict) -> None:
     write_atomic(Path(directory) / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def tensor_specs(request: OutputRequest, seq_len: int) -> list[TensorSpec]:
-    return request.layout(1, seq_len)

@@ -121,6 +121,7 @@ class TeacherStore:
         self.shards: list[_Shard] = []
         self.index: dict[bytes, tuple[int, int]] = {}
         self.head = self._read_head()
+        self._manifest_mtime_ns = 0
         self._add_shards(manifest["shards"])
 
     # ---- what the store holds --------------------------------------------------------------
@@ -182,6 +183,10 @@ class TeacherStore:
 
     def refresh(self) -> None:
         """Takes in the shards written since this store was opened (by another rank, say)."""
+        changed = (self.directory / fmt.MANIFEST).stat().st_mtime_ns
+        if changed == self._manifest_mtime_ns:
+            return
+        self._manifest_mtime_ns = changed
         manifest = fmt.read_manifest(self.directory)
         with self._lock:
             if manifest is not None and len(manifest["shards"]) > len(self.shards):
@@ -315,8 +320,10 @@ class TeacherStore:
     @staticmethod
     def create(directory: str | Path, request: OutputRequest, *, teacher: dict, data: dict,
                pack_ids: bool = True, zstd_level: int = 0, head: JoinData | None = None,
-               dump: dict | None = None) -> None:
-        """A new, empty store: its manifest (and the head, once). Refuses a directory that holds one."""
+               dump: dict | None = None, exist_ok: bool = False) -> None:
+        """A new, empty store: its manifest (and the head, once). Refuses a directory that holds one,
+        unless `exist_ok` (several ranks creating the same store: the first does, the others open
+        it and check it against their run)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         if zstd_level:
@@ -333,6 +340,8 @@ class TeacherStore:
                     "data": data, "dump": dump, "head": None, "shards": []}
         with fmt.locked(directory):
             if fmt.read_manifest(directory) is not None:
+                if exist_ok:
+                    return
                 raise StoreError(f"{directory / fmt.MANIFEST} exists already")
             join_tensors = request.join_derive(head) if head is not None and request.join_layout() else []
             if join_tensors:
@@ -395,6 +404,10 @@ class ShardWriter:
             for index, key in enumerate(item.keys):
                 self._pending.setdefault(key, (item, index))
         self._put(item)
+
+    def is_pending(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._pending
 
     def pending(self, key: bytes) -> list[torch.Tensor] | None:
         """A row not yet in a written shard, decoded as a batch of one (None: not pending)."""
@@ -470,9 +483,10 @@ class StoreTeacher:
     """Teacher outputs read from a store, with TeacherClient's interface (see the module's docstring)."""
 
     def __init__(self, store: TeacherStore, device: str | torch.device, asked: OutputRequest, *,
-                 teacher=None, model_name: str = "", rows_per_shard: int = 256):
+                 teacher=None, model_name: str = "", rows_per_shard: int = 256, record_reads: bool = False):
         """`asked`: the outputs the run reads (resolved against the store's teacher). `teacher`: a
-        TeacherClient or LocalTeacher asked for what the store lacks, which is written through."""
+        TeacherClient or LocalTeacher asked for what the store lacks, which is written through.
+        `record_reads`: keep where every row read lay (`read_locations`, for tests)."""
         self.store = store
         self.device = torch.device(device)
         self.outputs = asked
@@ -489,7 +503,10 @@ class StoreTeacher:
         self.writer = ShardWriter(store, rows_per_shard) if teacher is not None else None
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-read")
         self._next_batch_id = 0
-        self.read_locations: list[tuple[str, int]] = []  # (shard file, row) of every row read, in order
+        self.record_reads = record_reads
+        self.read_locations: list[tuple[str, int]] = []  # (shard file, row) of every row read, with record_reads
+        self.rows_read = 0
+        self._through: set[bytes] = set()  # rows asked of the teacher, not yet handed to the writer
         self.batches_from_teacher = 0
         self.rows_written_through = 0
         self._closed = False
@@ -511,10 +528,13 @@ class StoreTeacher:
         keys = [fmt.row_key(input_ids[row], mask[row]) for row in range(input_ids.shape[0])]
         batch_id, self._next_batch_id = self._next_batch_id, self._next_batch_id + 1
         locations = self.store.locate(keys)
-        pending = [None] * len(keys)
+        pending = [False] * len(keys)
         if self.writer is not None:
-            pending = [self.writer.pending(key) if where is None else None for key, where in zip(keys, locations)]
-        missing = [i for i, (where, held) in enumerate(zip(locations, pending)) if where is None and held is None]
+            # Asked of the teacher for an earlier batch, or written through and not yet in a shard: the
+            # reader thread, which runs the batches in order, finds them in the writer or the store.
+            pending = [where is None and (key in self._through or self.writer.is_pending(key))
+                       for key, where in zip(keys, locations)]
+        missing = [i for i, (where, held) in enumerate(zip(locations, pending)) if where is None and not held]
         if missing:
             self.store.refresh()  # another rank may have written them
             locations = self.store.locate(keys)
@@ -527,30 +547,47 @@ class StoreTeacher:
                 "write what it lacks"))
             return future
         if missing:
+            self._through.update(keys[i] for i in missing)
             live = self.teacher.submit(input_ids, mask)
             self.batches_from_teacher += 1
             tokens = int(mask[missing].sum())
             return self._reader.submit(self._write_through, batch_id, live, keys, missing, tokens)
-        return self._reader.submit(self._read, batch_id, locations, pending)
+        return self._reader.submit(self._read, batch_id, keys, locations, pending)
 
-    def _read(self, batch_id: int, locations, pending) -> TeacherOutput:
+    def _read(self, batch_id: int, keys, locations, pending) -> TeacherOutput:
+        held: list = [None] * len(keys)  # rows written through and not yet in a shard
+        if any(pending):
+            held = [self.writer.pending(key) if is_pending else None for key, is_pending in zip(keys, pending)]
+            # The writer takes a row out of its pending ones once its shard is in the index.
+            located = self.store.locate(keys)
+            locations = [None if row is not None else where or located[i]
+                         for i, (where, row) in enumerate(zip(locations, held))]
+            lost = sum(where is None and row is None for where, row in zip(locations, held))
+            if lost:
+                raise StoreMissing(f"{lost} rows of this batch were to come from the teacher with an earlier batch, "
+                                   "which failed (see its error)")
         stored = [where for where in locations if where is not None]
         tensors = self.store.read(stored, self.device) if stored else None
-        if any(held is not None for held in pending):  # rows written through and not yet in a shard
+        if any(row is not None for row in held):
             parts, next_stored = [], 0
-            for where, held in zip(locations, pending):
+            for where, row in zip(locations, held):
                 if where is not None:
                     parts.append([t.narrow(c.batch_axis, next_stored, 1) for c, t in zip(self.store.codecs, tensors)])
                     next_stored += 1
                 else:
-                    parts.append([t.to(self.device) for t in held])
+                    parts.append([t.to(self.device) for t in row])
             tensors = [torch.cat(column, dim=codec.batch_axis) for codec, column in zip(self.store.codecs, zip(*parts))]
-        self.read_locations.extend((self.store.shards[number].entry["file"], row) for number, row in stored)
+        self.rows_read += len(locations)
+        if self.record_reads:
+            self.read_locations.extend((self.store.shards[number].entry["file"], row) for number, row in stored)
         return self._assemble(batch_id, tensors)
 
     def _write_through(self, batch_id: int, live: Future, keys, missing, tokens) -> TeacherOutput:
-        out = live.result()
-        self.writer.add(keys, self.store.request.disassemble(out), tokens, rows=missing)
+        try:
+            out = live.result()
+            self.writer.add(keys, self.store.request.disassemble(out), tokens, rows=missing)
+        finally:
+            self._through.difference_update(keys[i] for i in missing)
         self.rows_written_through += len(missing)
         out.batch_id = batch_id
         return out
@@ -601,7 +638,7 @@ class StoreTeacher:
 def open_store_teacher(directory: str | Path, device, outputs: Iterable[Output], *, dtype: str | None = None,
                        dataset=None, data_path: str | Path | None = None, tokenizer=None, vocab_size: int = 0,
                        teacher=None, model_name: str = "", rows_per_shard: int = 256,
-                       seq_len: int | None = None) -> StoreTeacher:
+                       seq_len: int | None = None, record_reads: bool = False) -> StoreTeacher:
     """The trainer's StoreTeacher over `directory`, checked against the run: its data (`dataset`
     read from `data_path`), the outputs it asks (`outputs` in `dtype`, None: whatever the store
     holds), the student's vocabulary and tokenizer, and the `teacher` that fills what it lacks
@@ -619,7 +656,7 @@ def open_store_teacher(directory: str | Path, device, outputs: Iterable[Output],
         else:
             raise StoreError(f"{directory} holds no store to fill: the length of its rows is needed (seq_len)")
         TeacherStore.create(directory, teacher.outputs, teacher=teacher_facts(teacher, model_name), data=data,
-                            head=teacher.joined)
+                            head=teacher.joined, exist_ok=True)
     store = TeacherStore(directory)
     if dataset is not None:
         store.check_data(dataset, data_path)
@@ -634,7 +671,8 @@ def open_store_teacher(directory: str | Path, device, outputs: Iterable[Output],
         asked.check_student(vocab_size, tokenizer_fingerprint(tokenizer) if tokenizer is not None else "")
     except ValueError as e:
         raise StoreMismatch(f"{directory / fmt.MANIFEST}: {e}") from e
-    return StoreTeacher(store, device, asked, teacher=teacher, model_name=model_name, rows_per_shard=rows_per_shard)
+    return StoreTeacher(store, device, asked, teacher=teacher, model_name=model_name, rows_per_shard=rows_per_shard,
+                        record_reads=record_reads)
 
 
 # ---- student-trainer dump ----------------------------------------------------------------------

@@ -274,7 +274,8 @@ def test_ddp_ranks_read_disjoint_rows_that_cover_the_store(setup, small_store):
     read = []
     for rank in range(2):
         iterator = BatchIterator(dataset, BATCH, seed=5, rank=rank, world_size=2, num_epochs=1)
-        with open_store_teacher(small_store, "cpu", (TopK(8),), dataset=dataset, data_path=setup["data"]) as source:
+        with open_store_teacher(small_store, "cpu", (TopK(8),), dataset=dataset, data_path=setup["data"],
+                                record_reads=True) as source:
             for batch in iterator:
                 source.submit(batch["input_ids"], batch["attention_mask"]).result(timeout=30)
         read.append(source.read_locations)
@@ -306,14 +307,18 @@ def test_write_through_fills_exactly_the_missing_batches(setup, tmp_path):
 
     def run(rows, teacher=None):
         with open_store_teacher(directory, "cpu", (TopK(8),), dataset=dataset, data_path=setup["data"],
-                                teacher=teacher, model_name="tiny", rows_per_shard=5) as source:
+                                teacher=teacher, model_name="tiny", rows_per_shard=5, record_reads=True) as source:
             outs = [source.submit(b["input_ids"], b["attention_mask"]) for b in rows]
             outs = [future.result(timeout=30) for future in outs]
         return source, outs
 
     counting = CountingTeacher(live)
-    source, outs = run(first_half, counting)  # the store is created from the teacher and filled
+    # The store is created from the teacher and filled; the second time round the rows are read back
+    # from the writer (fewer than a shard's rows: not yet written).
+    source, outs = run(first_half + first_half, counting)
     assert len(counting.asked) == len(first_half) and source.rows_written_through == BATCH * len(first_half)
+    for a, b in zip(outs, outs[len(first_half):]):
+        assert torch.equal(a.topk_values, b.topk_values) and torch.equal(a.topk_indices, b.topk_indices)
 
     counting = CountingTeacher(live)
     source, outs = run(epoch, counting)  # a whole epoch: only the batches of the second half are missing
