@@ -341,7 +341,8 @@ class DistillationTrainer(Trainer):
                     self._teacher = open_store_teacher(
                         self.teacher_outputs, self.args.device, self._teacher_outputs(), tokenizer=tokenizer,
                         vocab_size=self._student_vocab_size, teacher=live,
-                        model_name=live.info.model_name if live is not None else "", seq_len=seq_len)
+                        model_name=live.info.model_name if live is not None else "", seq_len=seq_len,
+                        timeout_s=self.teacher_timeout_s)
                 except BaseException:
                     if live is not None:
                         live.close()

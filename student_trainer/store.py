@@ -483,10 +483,12 @@ class StoreTeacher:
     """Teacher outputs read from a store, with TeacherClient's interface (see the module's docstring)."""
 
     def __init__(self, store: TeacherStore, device: str | torch.device, asked: OutputRequest, *,
-                 teacher=None, model_name: str = "", rows_per_shard: int = 256, record_reads: bool = False):
+                 teacher=None, model_name: str = "", rows_per_shard: int = 256, record_reads: bool = False,
+                 timeout_s: float = 900.0):
         """`asked`: the outputs the run reads (resolved against the store's teacher). `teacher`: a
         TeacherClient or LocalTeacher asked for what the store lacks, which is written through.
-        `record_reads`: keep where every row read lay (`read_locations`, for tests)."""
+        `record_reads`: keep where every row read lay (`read_locations`, for tests). `timeout_s`: the
+        longest wait for the teacher's outputs of one batch to write through."""
         self.store = store
         self.device = torch.device(device)
         self.outputs = asked
@@ -497,7 +499,7 @@ class StoreTeacher:
         self.joined = JoinData(head=None if head is None else OutputHead(
             head.weight.to(self.device), None if head.bias is None else head.bias.to(self.device),
             head.final_logit_softcapping, head.logit_scale))
-        self.teacher = teacher
+        self.teacher, self.timeout_s = teacher, timeout_s
         if teacher is not None:
             store.check_teacher(teacher.outputs, model_name)
         self.writer = ShardWriter(store, rows_per_shard) if teacher is not None else None
@@ -584,7 +586,7 @@ class StoreTeacher:
 
     def _write_through(self, batch_id: int, live: Future, keys, missing, tokens) -> TeacherOutput:
         try:
-            out = live.result()
+            out = live.result(timeout=self.timeout_s)
             self.writer.add(keys, self.store.request.disassemble(out), tokens, rows=missing)
         finally:
             self._through.difference_update(keys[i] for i in missing)
@@ -638,7 +640,8 @@ class StoreTeacher:
 def open_store_teacher(directory: str | Path, device, outputs: Iterable[Output], *, dtype: str | None = None,
                        dataset=None, data_path: str | Path | None = None, tokenizer=None, vocab_size: int = 0,
                        teacher=None, model_name: str = "", rows_per_shard: int = 256,
-                       seq_len: int | None = None, record_reads: bool = False) -> StoreTeacher:
+                       seq_len: int | None = None, record_reads: bool = False,
+                       timeout_s: float = 900.0) -> StoreTeacher:
     """The trainer's StoreTeacher over `directory`, checked against the run: its data (`dataset`
     read from `data_path`), the outputs it asks (`outputs` in `dtype`, None: whatever the store
     holds), the student's vocabulary and tokenizer, and the `teacher` that fills what it lacks
@@ -672,7 +675,7 @@ def open_store_teacher(directory: str | Path, device, outputs: Iterable[Output],
     except ValueError as e:
         raise StoreMismatch(f"{directory / fmt.MANIFEST}: {e}") from e
     return StoreTeacher(store, device, asked, teacher=teacher, model_name=model_name, rows_per_shard=rows_per_shard,
-                        record_reads=record_reads)
+                        record_reads=record_reads, timeout_s=timeout_s)
 
 
 # ---- student-trainer dump ----------------------------------------------------------------------

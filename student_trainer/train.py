@@ -126,7 +126,8 @@ def open_teacher(cfg, device: torch.device, outputs: tuple[Output, ...], *, toke
     try:
         return open_store_teacher(cfg.teacher_outputs, device, outputs, dtype=dtype, dataset=dataset,
                                   data_path=cfg.data, tokenizer=tokenizer, vocab_size=vocab_size, teacher=live,
-                                  model_name=live.info.model_name if live is not None else "")
+                                  model_name=live.info.model_name if live is not None else "",
+                                  timeout_s=cfg.teacher_timeout_s + cfg.teacher_reconnect_timeout_s)
     except BaseException:
         if live is not None:
             live.close(timeout_s=5)

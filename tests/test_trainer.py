@@ -434,3 +434,9 @@ def test_training_from_the_store_repeats_the_live_run(server, models, corpus, tm
     assert [r["step"] for r in stored["history"]] == [1, 2, 3]
     for a, b in zip(live["history"], stored["history"]):
         assert (a["loss"], a["kd"], a["ce"]) == (b["loss"], b["kd"], b["ce"]), (a, b)
+    # Stopped after a step and resumed: the same batches' rows, so the same losses.
+    resumed = tmp_path / "resumed"
+    run_training(TrainConfig(**common, output_dir=str(resumed), stop_after_steps=1, save_every=1))
+    rest = run_training(TrainConfig(**common, output_dir=str(resumed), resume=True))
+    assert [r["step"] for r in rest["history"]] == [2, 3]
+    assert_same_run(stored["history"][1:], rest["history"], rtol=1e-6)
