@@ -350,3 +350,16 @@ def test_an_eagle3_draft_trains_from_a_store_dumped_for_it(setup, tmp_path):
     result = train_eagle3(config)
     assert result["step"] == 2 and all(math.isfinite(record["loss"]) for record in result["history"])
     assert (tmp_path / "run" / "draft" / "config.json").exists()
+
+
+def test_zstd_without_the_package_is_refused_by_its_flag(setup, tmp_path):
+    from distill_common.settings import ConfigError
+
+    try:
+        import zstandard  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match=r"--zstd-level: zstd compression needs the zstandard package: pip "
+                                              r"install 'teacher-service\[store-zstd\]'"):
+            dump_config(setup, tmp_path / "s", zstd_level=3)
+    else:
+        assert dump_config(setup, tmp_path / "s", zstd_level=3).zstd_level == 3
