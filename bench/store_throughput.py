@@ -43,7 +43,7 @@ SHAPES = {
     # make demo's teacher (distill_demo/config.py: TEACHER, its 1024-token BPE vocabulary).
     "demo": dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=8, max_position_embeddings=512),
-    "tiny": dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+    "tiny": dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=512),
 }
 DTYPES = {"llama3-8b": torch.bfloat16, "demo": torch.float32, "tiny": torch.float32}
@@ -72,7 +72,8 @@ def stored_kinds(facts: TeacherFacts) -> list[tuple[str, tuple, bool]]:
             ("attention inputs, 1 layer", (AttentionInputs((last // 2,)),), True),
             ("next-token log-probabilities", (NextTokenLogprobs(),), True),
             ("EAGLE-3 inputs (aux x3, argmax, final hidden)",
-             (FinalHidden(), AuxHiddenStates(default_aux_layers(last)), Argmax()), True)]
+             (FinalHidden(), AuxHiddenStates(default_aux_layers(last) if last >= 7 else (0, 1, last)), Argmax()),
+             True)]
 
 
 def bytes_per_token(shape: str) -> list[dict]:
