@@ -94,12 +94,14 @@ def row_key(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bytes:
 # ---- ids packed to the vocabulary's bits (on the device that holds them) ------------------------
 
 
-def pack_ids(ids: torch.Tensor, bits: int) -> torch.Tensor:
-    """int ids [rows, n] (each in [0, 2**bits)) -> uint8 [rows, ceil(n * bits / 8)], as the module says."""
+def pack_ids(ids: torch.Tensor, bits: int, check: bool = True) -> torch.Tensor:
+    """int ids [rows, n] (each in [0, 2**bits)) -> uint8 [rows, ceil(n * bits / 8)], as the module says.
+
+    `check=False` leaves the range check to the caller (`ids_out_of_range`), so that packing on a GPU
+    does not wait for the device."""
     rows, n = ids.shape
-    if n and (int(ids.min()) < 0 or int(ids.max()) >= 1 << bits):
-        raise StoreError(f"ids outside [0, 2**{bits}) cannot be packed to {bits} bits: the outputs do not match the "
-                         "vocabulary the store was made for")
+    if check and n and bool(ids_out_of_range(ids, bits)):
+        raise StoreError(ids_error(bits))
     shifts = torch.arange(bits, device=ids.device, dtype=torch.int32)
     stream = ((ids.to(torch.int32)[..., None] >> shifts) & 1).to(torch.uint8).reshape(rows, n * bits)
     pad = (-n * bits) % 8
@@ -107,6 +109,16 @@ def pack_ids(ids: torch.Tensor, bits: int) -> torch.Tensor:
         stream = torch.nn.functional.pad(stream, (0, pad))
     weights = (1 << torch.arange(8, device=ids.device, dtype=torch.int32))
     return (stream.reshape(rows, -1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
+
+
+def ids_out_of_range(ids: torch.Tensor, bits: int) -> torch.Tensor:
+    """A 0-d bool tensor on the ids' device: whether any lies outside [0, 2**bits)."""
+    return ((ids < 0) | (ids >= 1 << bits)).any()
+
+
+def ids_error(bits: int) -> str:
+    return (f"ids outside [0, 2**{bits}) cannot be packed to {bits} bits: the outputs do not match the vocabulary the "
+            "store was made for")
 
 
 def unpack_ids(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
@@ -149,8 +161,8 @@ class TensorCodec:
     def encode(self, tensor: torch.Tensor) -> torch.Tensor:
         """A batch's tensor as the layout gives it -> its rows as stored before zstd (on its device)."""
         rows = tensor.movedim(self.batch_axis, 0)
-        if self.bits:
-            return pack_ids(rows.reshape(rows.shape[0], -1), self.bits)
+        if self.bits:  # the range is checked by the writer, once the device is done (ids_out_of_range)
+            return pack_ids(rows.reshape(rows.shape[0], -1), self.bits, check=False)
         return rows.contiguous()
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:

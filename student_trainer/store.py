@@ -362,6 +362,7 @@ class _Rows:
     tokens: int
     first_row: int | None
     ready: object = None  # a CUDA event after the copies to the host, or None
+    out_of_range: torch.Tensor | None = None  # whether an id did not fit its bits (read once `ready`)
 
 
 class ShardWriter:
@@ -389,17 +390,21 @@ class ShardWriter:
             rows: list[int] | None = None) -> None:
         """The batch's layout tensors (`tensors`, in send order), its rows `rows` (default: all)."""
         self._raise_if_failed()
-        encoded = {}
+        encoded, out_of_range = {}, []
         for codec, tensor in zip(self.store.codecs, tensors):
             stored = codec.encode(tensor)
+            if codec.bits:
+                out_of_range.append(fmt.ids_out_of_range(tensor, codec.bits))
             if rows is not None:
                 stored = stored[torch.tensor(rows, device=stored.device)]
+            # On a GPU: into pinned memory, without waiting; the writer's thread waits for `ready`.
             encoded[codec.name] = stored.to("cpu", non_blocking=stored.is_cuda)
+        bad = torch.stack(out_of_range).any().to("cpu", non_blocking=True) if out_of_range else None
         ready = None
         if any(t.is_cuda for t in tensors):
             ready = torch.cuda.Event()
             ready.record()
-        item = _Rows(keys if rows is None else [keys[i] for i in rows], encoded, tokens, first_row, ready)
+        item = _Rows(keys if rows is None else [keys[i] for i in rows], encoded, tokens, first_row, ready, bad)
         with self._lock:
             for index, key in enumerate(item.keys):
                 self._pending.setdefault(key, (item, index))
@@ -441,6 +446,8 @@ class ShardWriter:
                 if item is not None:
                     if item.ready is not None:
                         item.ready.synchronize()
+                    if item.out_of_range is not None and bool(item.out_of_range):
+                        raise StoreError(fmt.ids_error(fmt.id_bits(self.store.facts.vocab_size)))
                     batches.append(item)
                     rows += len(item.keys)
                 if batches and (rows >= self.rows_per_shard or (item is None and self._write_rest)):
