@@ -162,11 +162,46 @@ def shard_bytes(directory: Path) -> dict[str, bytes]:
     return {entry["file"]: (directory / entry["file"]).read_bytes() for entry in manifest["shards"]}
 
 
-def test_a_dump_killed_mid_way_continues_to_the_same_bytes(setup, tmp_path):
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
-    one_row_shards = dict(batch_size=1, rows_per_shard=1)  # many shards: the kill lands mid-dump
-    complete = dump(dump_config(setup, reference, **one_row_shards))
+ONE_ROW_SHARDS = dict(batch_size=1, rows_per_shard=1)  # many shards: a kill lands mid-dump
+
+
+@pytest.fixture(scope="module")
+def reference_dump(setup) -> Path:
+    """An uninterrupted dump of one-row shards."""
+    directory = setup["root"] / "reference"
+    complete = dump(dump_config(setup, directory, **ONE_ROW_SHARDS))
     assert complete.rows == len(setup["dataset"]) and complete.shards_written == len(setup["dataset"])
+    return directory
+
+
+def test_a_dump_stopped_mid_way_continues_to_the_same_bytes(setup, reference_dump, tmp_path):
+    """What a dump killed at any moment leaves (the manifest is replaced atomically): a manifest naming
+    the shards complete before the kill, maybe the next shard renamed but not yet named, maybe a
+    temporary file. The next dump continues from there to the same bytes."""
+    import shutil
+
+    stopped = Path(shutil.copytree(reference_dump, tmp_path / "stopped"))
+    manifest = json.loads((stopped / fmt.MANIFEST).read_text())
+    kept = 5
+    for entry in manifest["shards"][kept + 1:]:
+        (stopped / entry["file"]).unlink()
+    (stopped / manifest["shards"][kept]["file"]).write_bytes(b"half a shard")  # renamed, not yet named
+    (stopped / f".shard-{kept + 1:06d}.safetensors.tmp-1").write_bytes(b"half")
+    manifest["shards"] = manifest["shards"][:kept]
+    fmt.write_manifest(stopped, manifest)
+
+    resumed = dump(dump_config(setup, stopped, **ONE_ROW_SHARDS))
+    assert resumed.resumed_at_row == kept and resumed.rows_written == len(setup["dataset"]) - kept
+    assert shard_bytes(stopped) == shard_bytes(reference_dump)
+    assert (stopped / fmt.MANIFEST).read_bytes() == (reference_dump / fmt.MANIFEST).read_bytes()
+    with pytest.raises(StoreMismatch, match=r"was dumped with .*rows_per_shard.*continue it with the same settings"):
+        dump(dump_config(setup, stopped, batch_size=1, rows_per_shard=2))
+
+
+@pytest.mark.slow
+def test_a_dump_killed_with_sigkill_continues_to_the_same_bytes(setup, reference_dump, tmp_path):
+    """The same with a real `student-trainer dump` process killed with SIGKILL while it writes."""
+    reference, killed = reference_dump, tmp_path / "killed"
 
     command = [sys.executable, "-m", "student_trainer", "dump", "--model", str(setup["teacher"]), "--data",
                str(setup["data"]), "--teacher-outputs", str(killed), "--seq-len", str(SEQ), "--topk", "8",
@@ -190,13 +225,10 @@ def test_a_dump_killed_mid_way_continues_to_the_same_bytes(setup, tmp_path):
     (killed / f"shard-{len(kept):06d}.safetensors").write_bytes(b"half a shard")
     (killed / f".shard-{len(kept) + 1:06d}.safetensors.tmp-1").write_bytes(b"half")
 
-    resumed = dump(dump_config(setup, killed, **one_row_shards))
+    resumed = dump(dump_config(setup, killed, **ONE_ROW_SHARDS))
     assert resumed.resumed_at_row == sum(entry["rows"] for entry in kept)
     assert shard_bytes(killed) == shard_bytes(reference)
     assert (killed / fmt.MANIFEST).read_bytes() == (reference / fmt.MANIFEST).read_bytes()
-
-    with pytest.raises(StoreMismatch, match=r"was dumped with .*rows_per_shard.*continue it with the same settings"):
-        dump(dump_config(setup, killed, batch_size=1, rows_per_shard=2))
 
 
 # ---- refusals -------------------------------------------------------------------------------------

@@ -440,3 +440,25 @@ def test_training_from_the_store_repeats_the_live_run(server, models, corpus, tm
     rest = run_training(TrainConfig(**common, output_dir=str(resumed), resume=True))
     assert [r["step"] for r in rest["history"]] == [2, 3]
     assert_same_run(stored["history"][1:], rest["history"], rtol=1e-6)
+
+
+def test_a_store_dumped_from_the_served_teacher_trains_as_the_teacher_does(server, models, corpus, tmp_path):
+    """`student-trainer dump --teacher` (its code, in this process), then training from the store: the
+    losses of training from the teacher but for the last bits (the teacher computed the rows in other
+    batches than the training's)."""
+    from student_trainer.config import DumpConfig, TrainConfig
+    from student_trainer.store import dump
+    from student_trainer.train import train as run_training
+
+    common = dict(model=str(models["student"]), batch_size=BATCH, seq_len=SEQ_LEN, device="cpu", kd_weight=0.5,
+                  topk=8, max_steps=3, lr=3e-3, teacher_timeout_s=60, log_level="WARNING")
+    small = tmp_path / "small.jsonl"  # a few batches' rows: the dump asks for every row of the data
+    small.write_text("".join(corpus["train"].read_text().splitlines(keepends=True)[:2]))
+    dumped = dump(DumpConfig(data=str(small), teacher_outputs=str(tmp_path / "dumped"), teacher=server.address,
+                             tokenizer=str(models["student"]), seq_len=SEQ_LEN, topk=8, batch_size=8,
+                             rows_per_shard=16, device="cpu", log_level="WARNING"))
+    assert dumped.rows == dumped.rows_written >= 3 * BATCH
+    runs = [run_training(TrainConfig(**common, data=str(small), teacher_outputs=store, teacher=address,
+                                     output_dir=str(tmp_path / name)))
+            for name, store, address in (("live", "", server.address), ("from-dump", str(tmp_path / "dumped"), ""))]
+    assert_same_run(runs[0]["history"], runs[1]["history"])
