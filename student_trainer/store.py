@@ -85,12 +85,15 @@ def teacher_facts(source, model_name: str, architecture: str = "", quantization:
 # ---- one store directory -------------------------------------------------------------------------
 
 
+# Shards whose memory-mapped readers stay open at once (one file descriptor each).
+OPEN_SHARDS = 64
+
+
 @dataclass
 class _Shard:
     path: Path
     entry: dict
-    verified: bool = False
-    handle: object = None  # safetensors' memory-mapped reader, once verified
+    verified: bool = False  # its digest was checked
 
 
 class TeacherStore:
@@ -120,6 +123,7 @@ class TeacherStore:
         self._lock = threading.Lock()  # the index and the shards, read by one thread, added to by another
         self.shards: list[_Shard] = []
         self.index: dict[bytes, tuple[int, int]] = {}
+        self._handles: dict[int, object] = {}  # shard number -> its open reader, least recently read first
         self.head = self._read_head()
         self._manifest_mtime_ns = 0
         self._add_shards(manifest["shards"])
@@ -171,8 +175,12 @@ class TeacherStore:
         for entry in entries[len(self.shards):]:
             path = self.directory / entry["file"]
             self._check_file(path, entry, digest=False)  # sizes at once; digests at a shard's first read
-            with safe_open(path, "pt") as handle:
-                keys = handle.get_tensor(fmt.ROW_KEY)
+            try:
+                with safe_open(path, "pt") as handle:
+                    keys = handle.get_tensor(fmt.ROW_KEY)
+            except Exception as e:  # noqa: BLE001 - safetensors' own error types differ between versions
+                raise StoreCorrupt(f"{path}: not a shard this store wrote ({type(e).__name__}: {e}); nothing of it "
+                                   "is read (dump it again into a new directory)") from e
             if hashlib.sha256(keys.numpy().tobytes()).hexdigest() != entry["row_keys_sha256"]:
                 raise StoreCorrupt(f"{path}: its row keys differ from what {self.directory / fmt.MANIFEST} records "
                                    "(row_keys_sha256): the file changed after it was written")
@@ -202,8 +210,8 @@ class TeacherStore:
     def check_data(self, dataset, data_path: str | Path) -> None:
         """StoreMismatch naming what differs when `dataset` is not the data the rows come from."""
         stored, manifest_path = self.manifest["data"], self.directory / fmt.MANIFEST
-        if stored["fingerprint"] == dataset.fingerprint:
-            return
+        if stored["fingerprint"] in (None, dataset.fingerprint):
+            return  # the same data, or rows from batches of no data file (the HF Trainer's): found by their keys
         differs = []
         if stored["seq_len"] != dataset.seq_len:
             differs.append(f"--seq-len {stored['seq_len']} there, {dataset.seq_len} here")
@@ -254,14 +262,21 @@ class TeacherStore:
     # ---- reading rows ----------------------------------------------------------------------
 
     def _open(self, number: int):
+        """The shard's memory-mapped reader; its digest is checked the first time. At most
+        OPEN_SHARDS stay open (a store of thousands of shards would run out of file descriptors)."""
         shard = self.shards[number]
         if not shard.verified:
             self._check_file(shard.path, shard.entry)
+            shard.verified = True
+        handle = self._handles.pop(number, None)
+        if handle is None:
             from safetensors import safe_open
 
-            shard.handle = safe_open(shard.path, "pt")
-            shard.verified = True
-        return shard.handle
+            handle = safe_open(shard.path, "pt")
+            if len(self._handles) >= OPEN_SHARDS:
+                self._handles.pop(next(iter(self._handles)))  # the least recently read; closed when collected
+        self._handles[number] = handle
+        return handle
 
     def read(self, locations: list[tuple[int, int]], device: torch.device | str = "cpu") -> list[torch.Tensor]:
         """The rows at `locations` as the layout's tensors of one batch, on `device` (ids unpacked
