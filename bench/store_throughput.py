@@ -1,4 +1,4 @@
-"""The store of teacher outputs (student_trainer/store.py): what it costs on disk, to write and to read.
+"""The store of teacher outputs (student_trainer/store/): what it costs on disk, to write and to read.
 
     python3 -m bench.store_throughput --out store.md     # one GPU: a Llama-3-8B-shaped teacher, bf16
     python3 -m bench.store_throughput --tiny             # the CPU check: every code path, tiny sizes

@@ -329,7 +329,7 @@ class Output(abc.ABC):
     @abc.abstractmethod
     def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
         """The inverse of `assemble`: this kind's tensors, as `layout` says, from a TeacherOutput
-        (what a store of teacher outputs keeps of it, student_trainer/store.py)."""
+        (what a store of teacher outputs keeps of it, student_trainer/store/)."""
 
     def join_layout(self, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
         """The tensors this kind sends once, right after the handshake (none by default)."""

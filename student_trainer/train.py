@@ -4,7 +4,7 @@ One process per student rank (torchrun for several: DDP across ranks, each rank 
 own teacher session). The teacher's outputs for the next `--prefetch` micro-batches
 are requested while the current one trains, so a step costs max(teacher, student),
 not their sum. They come from a teacher server, or from a store of them computed once
-(`--teacher-outputs`, student_trainer/store.py), read the same way. With `--on-policy-fraction` the batches are prompts the student completes
+(`--teacher-outputs`, student_trainer/store/), read the same way. With `--on-policy-fraction` the batches are prompts the student completes
 and their losses those of student_trainer/onpolicy.py; the loop is the same.
 """
 
@@ -108,7 +108,7 @@ def load_dataset(cfg: TrainConfig, tokenizer, path: str, skip_bad_lines: bool = 
 def open_teacher(cfg, device: torch.device, outputs: tuple[Output, ...], *, tokenizer, vocab_size: int, dataset,
                  job_id: str, rank: int, dtype: str | None = None):
     """Where a run's teacher outputs come from (the trainer's, EAGLE-3's `cfg`): the teacher server
-    (`--teacher`), a store of them (`--teacher-outputs`, student_trainer/store.py), or both: the
+    (`--teacher`), a store of them (`--teacher-outputs`, student_trainer/store/), or both: the
     store, and the teacher for what it lacks, written through. Either way a source with
     TeacherClient's interface, asked for `outputs` in `dtype` (None: the teacher's, or the store's)."""
     live = None

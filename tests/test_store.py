@@ -1,4 +1,4 @@
-"""The store of teacher outputs (student_trainer/store.py, distill_common/store.py) on CPU: a real
+"""The store of teacher outputs (student_trainer/store/, distill_common/store.py) on CPU: a real
 tiny teacher (LocalTeacher), the trainer's own data pipeline, real files; one `student-trainer
 dump` in a child process killed with SIGKILL. Training from a store against a served teacher is
 in tests/test_trainer.py."""
@@ -302,9 +302,9 @@ def test_a_store_for_other_data_settings_or_outputs_is_refused(setup, small_stor
 
 
 def test_ddp_ranks_read_disjoint_rows_that_cover_the_store(setup, small_store, monkeypatch):
-    import student_trainer.store
+    import student_trainer.store.directory
 
-    monkeypatch.setattr(student_trainer.store, "OPEN_SHARDS", 1)  # shards closed and opened again as rows need
+    monkeypatch.setattr(student_trainer.store.directory, "OPEN_SHARDS", 1)  # shards closed and opened again as rows need
     dataset = setup["dataset"]
     read = []
     for rank in range(2):
