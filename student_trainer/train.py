@@ -4,8 +4,9 @@ One process per student rank (torchrun for several: DDP across ranks, each rank 
 own teacher session). The teacher's outputs for the next `--prefetch` micro-batches
 are requested while the current one trains, so a step costs max(teacher, student),
 not their sum. They come from a teacher server, or from a store of them computed once
-(`--teacher-outputs`, student_trainer/store/), read the same way. With `--on-policy-fraction` the batches are prompts the student completes
-and their losses those of student_trainer/onpolicy.py; the loop is the same.
+(`--teacher-outputs`, student_trainer/store/), read the same way. With
+`--on-policy-fraction` the batches are prompts the student completes and their losses
+those of student_trainer/onpolicy.py; the loop is the same.
 """
 
 from __future__ import annotations
