@@ -16,24 +16,26 @@ stored row can never be read for other tokens.
 Encodings (each tensor's `encoding` in the manifest):
 
 - `raw`: the tensor as the teacher produced it (float32, bfloat16, float16, int32).
-- `bits`: int32 vocabulary ids (top-k ids, the argmax) packed to `bits = ceil(log2(vocab))`
-  bits each, row by row: uint8 `[rows, ceil(n * bits / 8)]` where n is the row's id count.
-  Id i of a row occupies bits `[i * bits, (i + 1) * bits)` of the row's bit stream, least
+- `bitsB`: int32 vocabulary ids (top-k ids, the argmax) packed to `B = ceil(log2(vocab))`
+  bits each, row by row: uint8 `[rows, ceil(n * B / 8)]` where n is the row's id count.
+  Id i of a row occupies bits `[i * B, (i + 1) * B)` of the row's bit stream, least
   significant bit first, and bit j of the stream is bit `j % 8` of byte `j // 8`
   (numpy's `bitorder="little"`).
 - `zstd` on top of either (`"compression": "zstd"`): every row's bytes are one zstd frame;
   the tensor is uint8 `[total]` (the frames end to end) and `NAME.offsets` int64 `[rows + 1]`
   says where row r's frame lies: `[offsets[r], offsets[r + 1])`.
 
-Reading a shard without this project (docs/training.md#the-stores-format says the same):
+Reading top-k ids without this project (docs/training.md#the-stores-format has the whole
+example; `seq`, `k` and `B` from the manifest's `outputs.tensors`):
 
-    from safetensors.torch import safe_open   # memory-mapped
-    import numpy as np, torch
+    from safetensors import safe_open   # memory-mapped
+    import numpy as np
     with safe_open("shard-000000.safetensors", "pt") as f:
         values = f.get_tensor("TopK.0")          # [rows, seq, k] in the manifest's dtype
-        packed = f.get_tensor("TopK.1").numpy()   # [rows, ceil(seq * k * bits / 8)] uint8
-    bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :seq * k * b].reshape(rows, seq * k, b)
-    ids = (bits.astype(np.int64) << np.arange(b)).sum(-1).reshape(rows, seq, k)
+        packed = f.get_tensor("TopK.1").numpy()   # [rows, ceil(seq * k * B / 8)] uint8
+    rows = packed.shape[0]
+    bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :seq * k * B].reshape(rows, seq * k, B)
+    ids = (bits.astype(np.int64) << np.arange(B)).sum(-1).reshape(rows, seq, k)
 
 Safety. A shard is written under a temporary name, synced and renamed before the manifest
 names it; the manifest is replaced atomically the same way. The manifest records each
