@@ -162,15 +162,15 @@ def shard_bytes(directory: Path) -> dict[str, bytes]:
     return {entry["file"]: (directory / entry["file"]).read_bytes() for entry in manifest["shards"]}
 
 
-ONE_ROW_SHARDS = dict(batch_size=1, rows_per_shard=1)  # many shards: a kill lands mid-dump
+TWO_ROW_SHARDS = dict(batch_size=2, rows_per_shard=2)
 
 
 @pytest.fixture(scope="module")
 def reference_dump(setup) -> Path:
-    """An uninterrupted dump of one-row shards."""
+    """An uninterrupted dump of two-row shards."""
     directory = setup["root"] / "reference"
-    complete = dump(dump_config(setup, directory, **ONE_ROW_SHARDS))
-    assert complete.rows == len(setup["dataset"]) and complete.shards_written == len(setup["dataset"])
+    complete = dump(dump_config(setup, directory, **TWO_ROW_SHARDS))
+    assert complete.rows == len(setup["dataset"]) and complete.shards_written == -(-len(setup["dataset"]) // 2)
     return directory
 
 
@@ -182,7 +182,7 @@ def test_a_dump_stopped_mid_way_continues_to_the_same_bytes(setup, reference_dum
 
     stopped = Path(shutil.copytree(reference_dump, tmp_path / "stopped"))
     manifest = json.loads((stopped / fmt.MANIFEST).read_text())
-    kept = 5
+    kept = 3
     for entry in manifest["shards"][kept + 1:]:
         (stopped / entry["file"]).unlink()
     (stopped / manifest["shards"][kept]["file"]).write_bytes(b"half a shard")  # renamed, not yet named
@@ -190,18 +190,20 @@ def test_a_dump_stopped_mid_way_continues_to_the_same_bytes(setup, reference_dum
     manifest["shards"] = manifest["shards"][:kept]
     fmt.write_manifest(stopped, manifest)
 
-    resumed = dump(dump_config(setup, stopped, **ONE_ROW_SHARDS))
-    assert resumed.resumed_at_row == kept and resumed.rows_written == len(setup["dataset"]) - kept
+    resumed = dump(dump_config(setup, stopped, **TWO_ROW_SHARDS))
+    assert resumed.resumed_at_row == 2 * kept and resumed.rows_written == len(setup["dataset"]) - 2 * kept
     assert shard_bytes(stopped) == shard_bytes(reference_dump)
     assert (stopped / fmt.MANIFEST).read_bytes() == (reference_dump / fmt.MANIFEST).read_bytes()
     with pytest.raises(StoreMismatch, match=r"was dumped with .*rows_per_shard.*continue it with the same settings"):
-        dump(dump_config(setup, stopped, batch_size=1, rows_per_shard=2))
+        dump(dump_config(setup, stopped, batch_size=2, rows_per_shard=4))
 
 
 @pytest.mark.slow
-def test_a_dump_killed_with_sigkill_continues_to_the_same_bytes(setup, reference_dump, tmp_path):
+def test_a_dump_killed_with_sigkill_continues_to_the_same_bytes(setup, tmp_path):
     """The same with a real `student-trainer dump` process killed with SIGKILL while it writes."""
-    reference, killed = reference_dump, tmp_path / "killed"
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    one_row_shards = dict(batch_size=1, rows_per_shard=1)  # many shards: the kill lands mid-dump
+    dump(dump_config(setup, reference, **one_row_shards))
 
     command = [sys.executable, "-m", "student_trainer", "dump", "--model", str(setup["teacher"]), "--data",
                str(setup["data"]), "--teacher-outputs", str(killed), "--seq-len", str(SEQ), "--topk", "8",
@@ -225,7 +227,7 @@ def test_a_dump_killed_with_sigkill_continues_to_the_same_bytes(setup, reference
     (killed / f"shard-{len(kept):06d}.safetensors").write_bytes(b"half a shard")
     (killed / f".shard-{len(kept) + 1:06d}.safetensors.tmp-1").write_bytes(b"half")
 
-    resumed = dump(dump_config(setup, killed, **ONE_ROW_SHARDS))
+    resumed = dump(dump_config(setup, killed, **one_row_shards))
     assert resumed.resumed_at_row == sum(entry["rows"] for entry in kept)
     assert shard_bytes(killed) == shard_bytes(reference)
     assert (killed / fmt.MANIFEST).read_bytes() == (reference / fmt.MANIFEST).read_bytes()
