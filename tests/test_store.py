@@ -6,6 +6,7 @@ in tests/test_trainer.py."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -400,3 +401,17 @@ def test_zstd_without_the_package_is_refused_by_its_flag(setup, tmp_path):
             dump_config(setup, tmp_path / "s", zstd_level=3)
     else:
         assert dump_config(setup, tmp_path / "s", zstd_level=3).zstd_level == 3
+
+
+def test_the_dump_command_says_what_to_change(setup, small_store, capsys, caplog):
+    from student_trainer.__main__ import main
+
+    common = ["dump", "--data", str(setup["data"]), "--seq-len", str(SEQ), "--device", "cpu", "--batch-size", "4",
+              "--rows-per-shard", "8"]
+    with pytest.raises(SystemExit):
+        main([*common, "--teacher-outputs", str(small_store), "--topk", "8"])  # neither --teacher nor --model
+    assert "give --teacher HOST:PORT (a served teacher) or --model (one loaded here)" in capsys.readouterr().err
+    # Another k than the store holds: refused naming the manifest, exit status 1, no traceback.
+    assert main([*common, "--teacher-outputs", str(small_store), "--model", str(setup["teacher"]), "--topk", "4"]) == 1
+    assert re.search(r"StoreMismatch: .*manifest\.json was made with another teacher or outputs than the one given to "
+                     r"fill it: outputs topk=8 in float32 there, topk=4 in float32 here", caplog.text), caplog.text

@@ -266,9 +266,9 @@ class TeacherStore:
     # ---- writing rows ----------------------------------------------------------------------
 
     def write_shard(self, keys: list[bytes], rows: dict[str, torch.Tensor], tokens: int,
-                    first_row: int | None = None, number: int | None = None) -> dict:
+                    first_row: int | None = None) -> dict:
         """One shard of `rows` (each codec's encoded rows, on the host), written and then named in the
-        manifest. `number`: the shard's place (a dump's; None: the next). Returns its manifest entry."""
+        manifest as the next shard (`first_row`: where a dump's rows start). Returns its manifest entry."""
         tensors = {fmt.ROW_KEY: torch.tensor([list(key) for key in keys], dtype=torch.uint8)}
         for codec in self.codecs:
             stored = rows[codec.name]
@@ -284,11 +284,11 @@ class TeacherStore:
             entry["first_row"] = first_row
         with fmt.locked(self.directory):
             manifest = fmt.read_manifest(self.directory)
-            number = len(manifest["shards"]) if number is None else number
-            if number != len(manifest["shards"]):
-                raise StoreError(f"{self.directory}: shard {number} would not follow the manifest's "
-                                 f"{len(manifest['shards'])} shards (another dump writing into the same directory?)")
-            entry = {"file": f"shard-{number:06d}.safetensors", **entry}
+            held = sum(shard["rows"] for shard in manifest["shards"])
+            if first_row is not None and first_row != held:
+                raise StoreError(f"{self.directory}: a dump's rows from {first_row} would follow the {held} rows its "
+                                 "manifest holds (another process writing into the same directory?)")
+            entry = {"file": f"shard-{len(manifest['shards']):06d}.safetensors", **entry}
             fmt.write_atomic(self.directory / entry["file"], data)  # complete before the manifest names it
             manifest["shards"].append(entry)
             fmt.write_manifest(self.directory, manifest)
