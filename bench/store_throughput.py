@@ -212,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
               "read / student |", "|---|---:|---:|---:|---:|---:|---:|"]
     for row in measured:
         lines.append(f"| {row['kind']} | {row['alone_tokens_per_s']:,.0f} | {row['dump_tokens_per_s']:,.0f} | "
-                     f"{row['dump_share']:.1%} | {row['disk_bytes_per_token']:,.1f} | {row['read_tokens_per_s']:,.0f} | "
-                     f"{row['read_tokens_per_s'] / STUDENT_TOKENS_PER_S:.1f}x |")
+                     f"{row['dump_share']:.1%} | {row['disk_bytes_per_token']:,.1f} | "
+                     f"{row['read_tokens_per_s']:,.0f} | {row['read_tokens_per_s'] / STUDENT_TOKENS_PER_S:.1f}x |")
     emit(lines, args.out, {"bytes_per_token": sizes, "measured": measured})
     return 0
 

@@ -307,7 +307,8 @@ def test_a_store_for_other_data_settings_or_outputs_is_refused(setup, small_stor
 def test_ddp_ranks_read_disjoint_rows_that_cover_the_store(setup, small_store, monkeypatch):
     import student_trainer.store.directory
 
-    monkeypatch.setattr(student_trainer.store.directory, "OPEN_SHARDS", 1)  # shards closed and opened again as rows need
+    # One shard open at a time: shards are closed and opened again as the rows need them.
+    monkeypatch.setattr(student_trainer.store.directory, "OPEN_SHARDS", 1)
     dataset = setup["dataset"]
     read = []
     for rank in range(2):

@@ -11,7 +11,8 @@ import torch
 
 from distill_common import store as fmt
 from distill_common import wire
-from distill_common.outputs import FinalHidden, JoinData, Output, OutputHead, OutputRequest, SubsetLogits, TeacherOutput, output_spec
+from distill_common.outputs import (FinalHidden, JoinData, Output, OutputHead, OutputRequest, SubsetLogits,
+                                    TeacherOutput, output_spec)
 from distill_common.store import StoreError, StoreMismatch, StoreMissing
 from student_trainer.store.directory import TeacherStore, data_facts, teacher_facts
 from student_trainer.store.writer import ShardWriter
@@ -62,8 +63,8 @@ class StoreTeacher:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
         if input_ids.shape[1] != self.store.seq_len:
-            raise StoreMismatch(f"{self.store.directory / fmt.MANIFEST} holds rows of {self.store.seq_len} tokens, this "
-                                f"batch has {input_ids.shape[1]}: train with the --seq-len it was dumped with")
+            raise StoreMismatch(f"{self.store.directory / fmt.MANIFEST} holds rows of {self.store.seq_len} tokens, "
+                                f"this batch has {input_ids.shape[1]}: train with the --seq-len it was dumped with")
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         keys = [fmt.row_key(input_ids[row], mask[row]) for row in range(input_ids.shape[0])]
         batch_id, self._next_batch_id = self._next_batch_id, self._next_batch_id + 1
