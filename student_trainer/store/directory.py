@@ -13,8 +13,8 @@ import torch
 
 from distill_common import store as fmt
 from distill_common import wire
-from distill_common.outputs import (FinalHidden, JoinData, Output, OutputHead, OutputRequest, SubsetLogits, TeacherFacts,
-                                    output_spec)
+from distill_common.outputs import (FinalHidden, JoinData, Output, OutputHead, OutputRequest, SubsetLogits,
+                                    TeacherFacts, output_spec)
 from distill_common.store import StoreCorrupt, StoreError, StoreMismatch, StoreMissing
 
 
