@@ -149,7 +149,7 @@ def measure_kind(model, kinds: tuple, ids: torch.Tensor, mask: torch.Tensor, row
     start = time.perf_counter()
     dump_rows(teacher, store, ids, mask, batch_size=rows, rows_per_shard=4 * rows, prefetch=0)
     dump_s = time.perf_counter() - start
-    disk_bytes = sum(entry["bytes"] for entry in TeacherStore(directory).manifest["shards"])
+    disk_bytes = sum(entry["bytes"] for entry in fmt.read_manifest(directory)["shards"])
 
     drop_from_page_cache(directory)
     reader = StoreTeacher(TeacherStore(directory), device, store.request)
