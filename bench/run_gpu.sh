@@ -4,7 +4,8 @@
 #   bash bench/run_gpu.sh stubs e2e tp tpforward transport
 # tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs, dataplane, isolation, logprobs.
 # Benches: transport, transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, connect, scorecost;
-# one GPU: launch, recipe (the seed recipe's student side), eagle3 (EAGLE-3 with a colocated target);
+# one GPU: launch, recipe (the seed recipe's student side), eagle3 (EAGLE-3 with a colocated target),
+# store (the store of teacher outputs: bytes per token, dump against the forward alone, reads);
 # two GPUs: recipeserved (the seed recipe with its teacher served, and colocated), eagle3served and
 # eagle3servedlong (EAGLE-3 from a served target, with the colocated baseline).
 # Investigations (bench/investigations/): tpsend.
@@ -67,6 +68,8 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     # EAGLE-3 draft training with a Llama-3-8B-shaped target in the same process (one GPU):
     # tokens/s and peak memory at 2k .. 32k tokens per sequence (docs/eagle3.md).
     eagle3) timeout 200 python3 -m bench.eagle3_colocated --out "$out/eagle3_colocated.md" 2>&1 | quiet | tail -15 ;;
+    # The stores are written under /tmp (local disk) and removed after.
+    store) timeout 400 python3 -m bench.store_throughput --out "$out/store.md" 2>&1 | quiet | tail -40 ;;
     # EAGLE-3 draft training from a served Llama-3-8B-shaped target (GPU 0) on GPU 1 at 2k .. 32k tokens: target
     # alone, draft alone, served, then the colocated baseline on GPU 1, one run (about 5 minutes estimated from the
     # colocated figures: 3 timed steps of the draft's, alone and served, dominate).

@@ -341,6 +341,11 @@ class Output(abc.ABC):
     def assemble(self, tensors: list[torch.Tensor]) -> dict:
         """The TeacherOutput fields this kind fills from its received tensors."""
 
+    @abc.abstractmethod
+    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
+        """The inverse of `assemble`: this kind's tensors, as `layout` says, from a TeacherOutput
+        (what a store of teacher outputs keeps of it, student_trainer/store/)."""
+
     def join_layout(self, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
         """The tensors this kind sends once, right after the handshake (none by default)."""
         return []
@@ -392,6 +397,9 @@ class Logits(Output):
         (logits,) = tensors
         return {"logits": logits}
 
+    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
+        return [out.logits]
+
     def __str__(self) -> str:
         return "logits"
 
@@ -432,6 +440,9 @@ class TopK(Output):
     def assemble(self, tensors: list[torch.Tensor]) -> dict:
         values, indices = tensors
         return {"topk_values": values, "topk_indices": indices}
+
+    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
+        return [out.topk_values, out.topk_indices]
 
     def __str__(self) -> str:
         return f"topk={self.k}"
@@ -477,6 +488,9 @@ class HiddenStates(Output):
         (stacked,) = tensors
         return {"hidden_states": {layer: stacked[i] for i, layer in enumerate(self.layers)}}
 
+    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
+        return [torch.stack([out.hidden_states[layer] for layer in self.layers])]
+
     def __str__(self) -> str:
         return f"hidden_layers={self.layers}"
 
@@ -516,6 +530,9 @@ class FinalHidden(Output):
     def assemble(self, tensors: list[torch.Tensor]) -> dict:
         (final_hidden,) = tensors
         return {"final_hidden": final_hidden}
+
+    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
+        return [out.final_hidden]
 
     def join_layout(self, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
         weight = TensorSpec((teacher.vocab_size, teacher.hidden_size), dtype)
@@ -581,6 +598,9 @@ class AttentionInputs(Output):
         queries, keys, values = tensors
         return {"attention_inputs": {layer: (queries[i], keys[i], values[i]) for i, layer in enumerate(self.layers)}}
 
+    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
+        return [torch.stack([out.attention_inputs[layer][part] for layer in self.layers]) for part in range(3)]
+
     def __str__(self) -> str:
         return f"attention_layers={self.layers}"
 
@@ -642,6 +662,9 @@ class SubsetLogits(Output):
     def assemble(self, tensors: list[torch.Tensor]) -> dict:
         (logits,) = tensors
         return {"subset_logits": logits}
+
+    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
+        return [out.subset_logits]
 
     def _index(self, device: torch.device) -> torch.Tensor:
         index = self._indices.get(device)
@@ -734,6 +757,9 @@ class AuxHiddenStates(Output):
         (concatenated,) = tensors
         return {"aux_hidden_states": concatenated}
 
+    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
+        return [out.aux_hidden_states]
+
     def __str__(self) -> str:
         return f"aux_hidden_states={self.layers}"
 
@@ -765,6 +791,9 @@ class Argmax(Output):
     def assemble(self, tensors: list[torch.Tensor]) -> dict:
         (ids,) = tensors
         return {"argmax": ids}
+
+    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
+        return [out.argmax]
 
     def __str__(self) -> str:
         return "argmax"
@@ -886,6 +915,9 @@ class NextTokenLogprobs(Output):
         (values,) = tensors
         return {"next_token_logprobs": values}
 
+    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
+        return [out.next_token_logprobs]
+
     def __str__(self) -> str:
         return f"next_token_logprobs(T={self.temperature:g})"
 
@@ -943,6 +975,9 @@ class ScoredLogprobs(Output):
     def assemble(self, tensors: list[torch.Tensor]) -> dict:
         (values,) = tensors
         return {"scored_logprobs": values}
+
+    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
+        return [out.scored_logprobs]
 
     def _expected_shape(self, batch: int, seq: int) -> list[int]:
         return [batch, seq, self.k]
@@ -1328,6 +1363,10 @@ class OutputRequest:
             fields.update(kind.assemble(tensors[start:start + count]))
             start += count
         return TeacherOutput(batch_id=batch_id, **fields)
+
+    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
+        """The inverse of `assemble`: the tensors of `out`, in send order."""
+        return [tensor for kind in self for tensor in kind.disassemble(out)]
 
     # ---- once, at join: sent right after the handshake, before any batch -----------------
 

@@ -1,4 +1,4 @@
-"""`python -m student_trainer train|eagle3|eagle3-eval ...` (`student-trainer ...`): parse, build, run."""
+"""`python -m student_trainer train|dump|eagle3|eagle3-eval ...` (`student-trainer ...`): parse, build, run."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import HfArgumentParser
 
     from distill_common.settings import ConfigError, parser_options, settings_from
-    from student_trainer.config import TrainConfig
+    from student_trainer.config import DumpConfig, TrainConfig
     from student_trainer.eagle3.config import Eagle3Config, Eagle3EvalConfig
 
     parser = argparse.ArgumentParser(prog="student-trainer", description="Distil a student from a teacher server.")
@@ -25,6 +25,14 @@ def main(argv: list[str] | None = None) -> int:
         **parser_options(usage="%(prog)s --model MODEL --data DATA [options]",
                          description="Train a student against a running teacher server (or with plain "
                                      "cross-entropy: --kd-weight 0)."))
+    dump_parser = commands.add_parser(
+        "dump", dataclass_types=DumpConfig, help="compute the teacher's outputs once, into a store train reads",
+        **parser_options(usage="%(prog)s (--teacher HOST:PORT --tokenizer DIR | --model DIR) --data DATA "
+                               "--teacher-outputs DIR (--topk K | --logits | ...) [options]",
+                         description="Write the teacher's outputs for every example of --data (tokenized and packed "
+                                     "as train does) into a store: safetensors shards and a manifest "
+                                     "(docs/training.md#teacher-outputs-computed-once). train --teacher-outputs DIR "
+                                     "reads it; a dump killed and started again continues."))
     eagle3_parser = commands.add_parser(
         "eagle3", dataclass_types=Eagle3Config, help="train an EAGLE-3 draft for the teacher's model",
         **parser_options(usage="%(prog)s --teacher HOST:PORT --target-model DIR --data DATA [options]",
@@ -38,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "proposals; print the acceptance rate per position and the mean acceptance "
                                      "length."))
     args = parser.parse_args(argv)
-    settings, command_parser = {"train": (TrainConfig, train_parser), "eagle3": (Eagle3Config, eagle3_parser),
+    settings, command_parser = {"train": (TrainConfig, train_parser), "dump": (DumpConfig, dump_parser),
+                                "eagle3": (Eagle3Config, eagle3_parser),
                                 "eagle3-eval": (Eagle3EvalConfig, eval_parser)}[args.command]
     try:
         config = settings_from(settings, args)
@@ -51,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from student_trainer.data import DataError
     from student_trainer.errors import TeacherError
     from student_trainer.eagle3.model import DraftFormatError
+    from distill_common.store import StoreError
 
     try:
         if args.command == "eagle3-eval":
@@ -58,12 +68,19 @@ def main(argv: list[str] | None = None) -> int:
 
             print(evaluate_acceptance(config).report(), flush=True)
             return 0
+        if args.command == "dump":
+            from student_trainer.store import dump
+
+            result = dump(config)
+            print(f"dumped {result.rows_written} rows ({result.tokens_written} tokens) in {result.shards_written} "
+                  f"shards to {config.teacher_outputs}: it holds {result.rows} rows", flush=True)
+            return 0
         if args.command == "eagle3":
             from student_trainer.eagle3.train import train_eagle3 as run
         else:
             from student_trainer.train import train as run
         result = run(config)
-    except (ConfigError, DataError, TeacherError, DraftFormatError) as e:
+    except (ConfigError, DataError, TeacherError, DraftFormatError, StoreError) as e:
         # The message says what to change; a traceback would only bury it.
         logging.getLogger("student_trainer").error("%s: %s", type(e).__name__, e)
         return 1

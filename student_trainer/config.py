@@ -27,7 +27,11 @@ class TrainConfig:
     model: str = field(metadata=_help("the student: a HF directory, a hub id, builtin:NAME or random:CONFIG_DIR"))
     data: str = field(metadata=_help("JSONL: {text}, {prompt, completion} or {messages}"))
     teacher: str = field(default="", metadata=_help(
-        "the teacher server's gRPC address, HOST:PORT (needed unless --kd-weight 0 without --hidden-layers)"))
+        "the teacher server's gRPC address, HOST:PORT (needed unless --kd-weight 0 without --hidden-layers, or "
+        "--teacher-outputs)"))
+    teacher_outputs: str = field(default="", metadata=_help(
+        "read the teacher's outputs from this store (student-trainer dump) instead of a live teacher; with "
+        "--teacher too, what the store lacks is asked of the teacher and written into it"))
     output_dir: str = field(default="runs/student", metadata=_help(
         "checkpoints, metrics.jsonl and the final model"))
     tokenizer: str = field(default="", metadata=_help("default: the --model directory"))
@@ -148,9 +152,15 @@ class TrainConfig:
         for name in ("model", "data"):
             if not getattr(self, name):
                 raise ConfigError(f"{flag(name)} is required")
-        if not self.teacher and self.needs_teacher:
-            raise ConfigError("--teacher HOST:PORT is required (only --kd-weight 0 without --hidden-layers and "
-                              "--attention-layers, plain cross-entropy, runs without one)")
+        if not self.teacher and not self.teacher_outputs and self.needs_teacher:
+            raise ConfigError("--teacher HOST:PORT (or --teacher-outputs DIR) is required (only --kd-weight 0 "
+                              "without --hidden-layers and --attention-layers, plain cross-entropy, runs without one)")
+        if self.teacher_outputs and not self.teacher and self.eval_data and self.uses_logits:
+            raise ConfigError("--eval-data scores KD against the teacher's outputs of the held-out data, which "
+                              "--teacher-outputs does not hold: give --teacher too, or leave out --eval-data")
+        if self.teacher_outputs and self.on_policy:
+            raise ConfigError("--teacher-outputs holds outputs for the data's own tokens; on-policy training "
+                              "(--on-policy-fraction) samples new completions each step: use --teacher")
         if self.max_steps < 0 or (self.max_steps == 0 and self.epochs < 1):
             raise ConfigError("give --max-steps N (> 0) or --epochs N (>= 1)")
         for name in ("batch_size", "grad_accum", "seq_len"):
@@ -279,3 +289,112 @@ class TrainConfig:
     def ce_factor(self) -> float:
         """The CE term's weight: --ce-weight, else 1 - --kd-weight."""
         return 1.0 - self.kd_weight if self.ce_weight is None else self.ce_weight
+
+
+def _as_in_train(name: str):
+    """TrainConfig's field `name` (its default and help): the dump reads the data as training does."""
+    original = TrainConfig.__dataclass_fields__[name]
+    return field(default=original.default, metadata=original.metadata)
+
+
+@dataclass
+class DumpConfig:
+    """`student-trainer dump`: the teacher's outputs for every example of --data, into a store."""
+
+    data: str = field(metadata=_help("JSONL, as `train --data` reads it: the store's rows are its examples"))
+    teacher_outputs: str = field(metadata=_help(
+        "the store's directory (created; a dump there with the same settings is continued)"))
+    teacher: str = field(default="", metadata=_help(
+        "the teacher server's gRPC address, HOST:PORT (or --model: the teacher in this process)"))
+    model: str = field(default="", metadata=_help(
+        "a teacher loaded in this process: a HF directory, a hub id, builtin:NAME or random:CONFIG_DIR"))
+    model_dtype: Literal["", "float32", "bfloat16", "float16"] = field(default="", metadata=_help(
+        "--model's dtype (default: its own)"))
+    tokenizer: str = field(default="", metadata=_help(
+        "the tokenizer training uses (default: the --model directory; required with --teacher)"))
+    seq_len: int = _as_in_train("seq_len")
+    pack_mode: PackMode = _as_in_train("pack_mode")
+    logits: bool = field(default=False, metadata=_help("store the full logits (what train reads without --topk)"))
+    topk: int = field(default=0, metadata=_help("store the top-k logits (train --topk K)"))
+    final_hidden: bool = field(default=False, metadata=_help(
+        "store the final hidden state, and the output head once (train --head-on-student)"))
+    hidden_layers: IntTuple = field(default=(), metadata=_help("store these layers' hidden states"))
+    attention_layers: IntTuple = field(default=(), metadata=_help("store these layers' attention inputs"))
+    next_token_logprobs: bool = field(default=False, metadata=_help(
+        "store the log-probability of each next token (4 bytes a token)"))
+    eagle3: bool = field(default=False, metadata=_help(
+        "store what `student-trainer eagle3` reads: the three aux layers, the argmax and the final hidden state "
+        "(with the head: the draft vocabulary's logits are computed from it when read)"))
+    aux_layers: IntTuple = field(default=(), metadata=_help("with --eagle3: the three layers (default: the teacher's)"))
+    dtype: Literal["", "float32", "bfloat16", "float16"] = field(default="", metadata=_help(
+        "the dtype the outputs are stored in (default: the teacher's); bfloat16 or float16 halve float32's bytes"))
+    raw_ids: bool = field(default=False, metadata=_help(
+        "store ids as int32 (default: packed to the vocabulary's bits, 17 for 128k)"))
+    zstd_level: int = field(default=0, metadata=_help(
+        "compress each row with zstd at this level (0: off; needs the zstandard package)"))
+    batch_size: int = field(default=8, metadata=_help("examples per teacher batch"))
+    rows_per_shard: int = field(default=256, metadata=_help("examples per shard (a multiple of --batch-size)"))
+    prefetch: int = field(default=2, metadata=_help("batches asked of the teacher ahead of the one written"))
+    device: str = field(default="", metadata=_help("default: cuda:LOCAL_RANK if CUDA is available, else cpu"))
+    skip_bad_lines: bool = _as_in_train("skip_bad_lines")
+    teacher_timeout_s: float = _as_in_train("teacher_timeout_s")
+    teacher_reconnect_timeout_s: float = _as_in_train("teacher_reconnect_timeout_s")
+    teacher_max_resubmits: int = _as_in_train("teacher_max_resubmits")
+    teacher_weight: float = _as_in_train("teacher_weight")
+    job_id: str = field(default="", metadata=_help("shown in the teacher's status (default: dump-DIRNAME)"))
+    teacher_tls_ca: str = _as_in_train("teacher_tls_ca")
+    teacher_tls_cert: str = _as_in_train("teacher_tls_cert")
+    teacher_tls_key: str = _as_in_train("teacher_tls_key")
+    log_level: str = _as_in_train("log_level")
+
+    def __post_init__(self) -> None:
+        self.hidden_layers = IntTuple(self.hidden_layers)
+        self.attention_layers = IntTuple(self.attention_layers)
+        self.aux_layers = IntTuple(self.aux_layers)
+        check_choices(self)
+        for name in ("data", "teacher_outputs"):
+            if not getattr(self, name):
+                raise ConfigError(f"{flag(name)} is required")
+        if bool(self.teacher) == bool(self.model):
+            raise ConfigError("give --teacher HOST:PORT (a served teacher) or --model (one loaded here), one of them")
+        if self.teacher and not self.tokenizer:
+            raise ConfigError("--teacher needs --tokenizer: the tokenizer training uses, so the rows match its batches")
+        for name in ("seq_len", "batch_size", "rows_per_shard"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{flag(name)} must be >= 1")
+        if self.rows_per_shard % self.batch_size:
+            raise ConfigError(f"--rows-per-shard {self.rows_per_shard} must be a multiple of --batch-size "
+                              f"{self.batch_size} (a batch never spans two shards)")
+        if self.topk < 0 or self.zstd_level < 0 or self.prefetch < 0:
+            raise ConfigError("--topk, --zstd-level and --prefetch must be >= 0")
+        if self.aux_layers and not self.eagle3:
+            raise ConfigError("--aux-layers goes with --eagle3")
+        if self.aux_layers and len(self.aux_layers) != 3:
+            raise ConfigError("--aux-layers: name exactly three layers, or leave it out for the teacher's default")
+        if not self.outputs():
+            raise ConfigError("store something: --logits, --topk K, --final-hidden, --hidden-layers, "
+                              "--attention-layers, --next-token-logprobs or --eagle3")
+        if self.zstd_level:
+            from distill_common.store import StoreError, zstd_module
+
+            try:
+                zstd_module()
+            except StoreError as e:
+                raise ConfigError(f"--zstd-level: {e}") from None
+        TrainConfig._check_teacher_connection(self)
+
+    teacher_tls = TrainConfig.teacher_tls
+
+    def outputs(self) -> tuple:
+        """The kinds stored, as the trainer asks them (student_trainer/train.py: teacher_outputs)."""
+        from distill_common.outputs import (Argmax, AttentionInputs, AuxHiddenStates, FinalHidden, HiddenStates,
+                                            Logits, NextTokenLogprobs, TopK)
+
+        kinds = [Logits()] if self.logits else []
+        kinds += [TopK(self.topk)] if self.topk else []
+        kinds += [FinalHidden()] if self.final_hidden or self.eagle3 else []
+        kinds += [HiddenStates(self.hidden_layers)] if self.hidden_layers else []
+        kinds += [AttentionInputs(self.attention_layers)] if self.attention_layers else []
+        kinds += [NextTokenLogprobs()] if self.next_token_logprobs else []
+        kinds += [AuxHiddenStates(self.aux_layers), Argmax()] if self.eagle3 else []
+        return tuple(kinds)

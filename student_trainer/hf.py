@@ -66,6 +66,10 @@ class DistillationTrainer(Trainer):
     """A `transformers.Trainer` whose loss mixes KD from a remote teacher with the model's CE.
 
     teacher_address: host:port of a running teacher server.
+    teacher_outputs: a store of the teacher's outputs (`student-trainer dump`, docs/training.md),
+        read instead of a live teacher; rows are found by their ids and mask, so the batches must be
+        fixed-length rows the store holds. With teacher_address too, a batch with rows the store
+        lacks is asked of the teacher and written into it.
     kd_weight: alpha in alpha * KD + (1 - alpha) * CE; 0 trains as the plain Trainer and never
         contacts the teacher.
     kd_loss, temperature, jsd_beta, kd_chunk_tokens: see `student_trainer.losses.kd_loss`.
@@ -82,14 +86,18 @@ class DistillationTrainer(Trainer):
     attention_relation_heads, attention_block_rows: see `student_trainer.losses.relation_kl`.
     """
 
-    def __init__(self, *args, teacher_address: str, kd_weight: float = 0.5, kd_loss: str = "forward_kl",
+    def __init__(self, *args, teacher_address: str | None = None, teacher_outputs: str | None = None,
+                 kd_weight: float = 0.5, kd_loss: str = "forward_kl",
                  temperature: float = 1.0, jsd_beta: float = 0.5, topk: int = 0, teacher_timeout_s: float = 600.0,
                  kd_chunk_tokens: int = 1024, teacher_auth_token: str | None = None,
                  teacher_client_options: dict | None = None, head_on_student: bool = False,
                  attention_layers: tuple[int, ...] = (), attention_weight: float = 0.0,
                  attention_relation_heads: int = 8, attention_block_rows: int = 256, **kwargs):
-        if not isinstance(teacher_address, str) or not teacher_address:
+        if teacher_address is not None and (not isinstance(teacher_address, str) or not teacher_address):
             raise ValueError(f"teacher_address must be 'host:port' of a running teacher, got {teacher_address!r}")
+        if not teacher_address and not teacher_outputs:
+            raise ValueError("give teacher_address='host:port' of a running teacher, or teacher_outputs=DIR, a store "
+                             "of its outputs (student-trainer dump), or both (the store, filled by the teacher)")
         if not 0.0 <= kd_weight <= 1.0:
             raise ValueError(f"kd_weight must lie in [0, 1] (the loss is kd_weight * KD + (1 - kd_weight) * CE), "
                              f"got {kd_weight!r}")
@@ -113,6 +121,7 @@ class DistillationTrainer(Trainer):
                              "its own arguments, e.g. topk=, teacher_timeout_s=, teacher_auth_token=)")
         super().__init__(*args, **kwargs)
         self.teacher_address = teacher_address
+        self.teacher_outputs = teacher_outputs
         self.kd_weight = float(kd_weight)
         self.kd_loss_kind = kd_loss
         self.temperature = float(temperature)
@@ -295,31 +304,51 @@ class DistillationTrainer(Trainer):
         if "input_ids" not in batch:
             raise ValueError(f"DistillationTrainer sends the batch's input_ids to the teacher, but the batch has only "
                              f"{sorted(batch)}")
-        return self._teacher_client().submit(batch["input_ids"], batch.get("attention_mask"),
-                                             timeout_s=self.teacher_timeout_s)
+        return self._teacher_client(batch["input_ids"].shape[-1]).submit(
+            batch["input_ids"], batch.get("attention_mask"), timeout_s=self.teacher_timeout_s)
 
     def _wait(self, future: Future) -> TeacherOutput:
         try:
             return future.result(timeout=self.teacher_timeout_s)
         except FutureTimeout:
-            raise TeacherUnavailable(f"the teacher at {self.teacher_address} sent no outputs for a batch within "
+            raise TeacherUnavailable(f"{self._teacher.address if self._teacher else self.teacher_address} sent no "
+                                     f"outputs for a batch within "
                                      f"{self.teacher_timeout_s:.0f}s: it is overloaded or stuck (see its log), or "
                                      "raise teacher_timeout_s") from None
 
-    def _teacher_client(self) -> TeacherClient:
+    def _teacher_client(self, seq_len: int | None = None):
+        """The source of teacher outputs: a TeacherClient, or (teacher_outputs) a StoreTeacher over the
+        store, filled by the TeacherClient when there is one. `seq_len`: the first batch's, the length
+        of a store's rows when the teacher creates it."""
         if self._teacher is None:
             # A processor (multimodal) carries its tokenizer; the teacher compares fingerprints.
             tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+            tokenizer = tokenizer if hasattr(tokenizer, "get_vocab") else None
             job_id = self.args.run_name or os.path.basename(os.path.normpath(self.args.output_dir))
-            self._teacher = TeacherClient(
+            live = TeacherClient(
                 self.teacher_address, self.args.device, outputs=self._teacher_outputs(),
-                tokenizer=tokenizer if hasattr(tokenizer, "get_vocab") else None,
-                vocab_size=self._student_vocab_size, max_inflight=PREFETCH_MICRO_BATCHES + 1, job_id=job_id,
-                job_rank=self.args.process_index, auth_token=self.teacher_auth_token,
+                tokenizer=tokenizer, vocab_size=self._student_vocab_size, max_inflight=PREFETCH_MICRO_BATCHES + 1,
+                job_id=job_id, job_rank=self.args.process_index, auth_token=self.teacher_auth_token,
                 join_timeout_s=self.teacher_timeout_s, transfer_timeout_s=self.teacher_timeout_s,
-                **self.teacher_client_options)
+                **self.teacher_client_options) if self.teacher_address else None
+            self._teacher = live
+            if self.teacher_outputs:
+                from student_trainer.store import open_store_teacher
+
+                try:
+                    # Rows are found by their ids and mask: the batches must be those the store was
+                    # dumped from (fixed-length rows), or a teacher given to compute the others.
+                    self._teacher = open_store_teacher(
+                        self.teacher_outputs, self.args.device, self._teacher_outputs(), tokenizer=tokenizer,
+                        vocab_size=self._student_vocab_size, teacher=live,
+                        model_name=live.info.model_name if live is not None else "", seq_len=seq_len,
+                        timeout_s=self.teacher_timeout_s)
+                except BaseException:
+                    if live is not None:
+                        live.close()
+                    raise
             log.info("rank %d distils from %s (%s): kd_weight %g, %s, temperature %g%s%s%s", self.args.process_index,
-                     self.teacher_address, self._teacher.info.model_name, self.kd_weight, self.kd_loss_kind,
+                     self._teacher.address, self._teacher.info.model_name, self.kd_weight, self.kd_loss_kind,
                      self.temperature, f", top-{self.topk}" if self.topk else "",
                      ", the teacher's head on the student" if self.head_on_student else "",
                      f", attention layers {list(self.attention_layers)} weight {self.attention_weight:g}"

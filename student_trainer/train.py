@@ -3,8 +3,10 @@
 One process per student rank (torchrun for several: DDP across ranks, each rank its
 own teacher session). The teacher's outputs for the next `--prefetch` micro-batches
 are requested while the current one trains, so a step costs max(teacher, student),
-not their sum. With `--on-policy-fraction` the batches are prompts the student completes
-and their losses those of student_trainer/onpolicy.py; the loop is the same.
+not their sum. They come from a teacher server, or from a store of them computed once
+(`--teacher-outputs`, student_trainer/store/), read the same way. With
+`--on-policy-fraction` the batches are prompts the student completes and their losses
+those of student_trainer/onpolicy.py; the loop is the same.
 """
 
 from __future__ import annotations
@@ -103,6 +105,35 @@ def load_dataset(cfg: TrainConfig, tokenizer, path: str, skip_bad_lines: bool = 
         return PromptDataset(path, tokenizer, cfg.seq_len, min_new_tokens=cfg.max_new_tokens,
                              skip_bad_lines=skip_bad_lines)
     return PackedDataset(path, tokenizer, cfg.seq_len, mode=cfg.pack_mode, skip_bad_lines=skip_bad_lines)
+
+
+def open_teacher(cfg, device: torch.device, outputs: tuple[Output, ...], *, tokenizer, vocab_size: int, dataset,
+                 job_id: str, rank: int, dtype: str | None = None):
+    """Where a run's teacher outputs come from (the trainer's, EAGLE-3's `cfg`): the teacher server
+    (`--teacher`), a store of them (`--teacher-outputs`, student_trainer/store/), or both: the
+    store, and the teacher for what it lacks, written through. Either way a source with
+    TeacherClient's interface, asked for `outputs` in `dtype` (None: the teacher's, or the store's)."""
+    live = None
+    if cfg.teacher:
+        live = TeacherClient(
+            cfg.teacher, device, outputs=outputs, dtype=dtype, tokenizer=tokenizer, vocab_size=vocab_size,
+            max_inflight=cfg.prefetch + 1, job_id=job_id, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s,
+            reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, max_resubmits=cfg.teacher_max_resubmits,
+            weight=cfg.teacher_weight,
+            tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
+    if not cfg.teacher_outputs:
+        return live
+    from student_trainer.store import open_store_teacher
+
+    try:
+        return open_store_teacher(cfg.teacher_outputs, device, outputs, dtype=dtype, dataset=dataset,
+                                  data_path=cfg.data, tokenizer=tokenizer, vocab_size=vocab_size, teacher=live,
+                                  model_name=live.info.model_name if live is not None else "",
+                                  timeout_s=cfg.teacher_timeout_s + cfg.teacher_reconnect_timeout_s)
+    except BaseException:
+        if live is not None:
+            live.close(timeout_s=5)
+        raise
 
 
 def teacher_result(teacher: TeacherClient, future: Future, timeout_s: float) -> TeacherOutput:
@@ -407,13 +438,9 @@ def train(cfg: TrainConfig) -> dict:
     teacher = None
     if cfg.needs_teacher:
         student_vocab = model.get_output_embeddings().weight.shape[0]
-        teacher = TeacherClient(
-            cfg.teacher, device, outputs=teacher_outputs(cfg), tokenizer=tokenizer if cfg.uses_logits else None,
-            vocab_size=student_vocab if cfg.uses_logits else 0, max_inflight=cfg.prefetch + 1,
-            job_id=cfg.job_id or output_dir.name, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s,
-            reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, max_resubmits=cfg.teacher_max_resubmits,
-            weight=cfg.teacher_weight,
-            tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
+        teacher = open_teacher(cfg, device, teacher_outputs(cfg), tokenizer=tokenizer if cfg.uses_logits else None,
+                               vocab_size=student_vocab if cfg.uses_logits else 0, dataset=dataset,
+                               job_id=cfg.job_id or output_dir.name, rank=rank)
     maps, capture = (build_maps(cfg, model, teacher.info.num_layers, teacher.info.hidden_size, teacher.joined.head,
                                 device) if teacher is not None else (StudentMaps(), None))
     projections = maps.projections
@@ -508,7 +535,9 @@ def train(cfg: TrainConfig) -> dict:
                 if cfg.on_policy:
                     record.update(onpolicy.evaluate(model, eval_set, cfg, device, stop_ids, pad_id))
                 else:
-                    record.update(evaluate(model, eval_set, cfg, device, teacher, outputs_timeout_s))
+                    # Held-out rows are asked of the live teacher, never written into the store.
+                    record.update(evaluate(model, eval_set, cfg, device, getattr(teacher, "teacher", teacher),
+                                           outputs_timeout_s))
                 log.info("step %d held-out: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in record.items()
                                                                 if k.startswith("eval_")))
             history.append(record)

@@ -207,6 +207,20 @@ def test_gradient_accumulation_counts_every_target_token_once(setup, server, tmp
     assert logged(trainer, "ce_loss") == [pytest.approx(sum(ce for _, ce in halves) / 2, abs=1e-4)]
 
 
+def test_a_store_filled_by_the_teacher_gives_the_same_step(setup, server, tmp_path):
+    """teacher_outputs with teacher_address writes the teacher's outputs into the store; teacher_outputs
+    alone reads them back: the same step's loss, bit for bit."""
+    rows, store = setup["uneven_rows"], tmp_path / "store"
+    losses = []
+    for run, address in (("live", server.address), ("stored", None)):
+        args = training_args(tmp_path / run, max_steps=1, gradient_accumulation_steps=2)
+        trainer = distillation_trainer(setup, "student", args, InOrder(rows), teacher_address=address,
+                                       teacher_outputs=str(store), kd_weight=0.5, topk=8)
+        trainer.train()
+        losses.append(logged(trainer, "loss"))
+    assert losses[0] == losses[1] and len(losses[0]) == 1
+
+
 def test_topk_distils_on_the_teachers_top_k(setup, server, tmp_path):
     trainer = distillation_trainer(setup, "student", training_args(tmp_path), Rows(setup["rows"]),
                                    teacher_address=server.address, kd_weight=1.0, topk=8, temperature=2.0)

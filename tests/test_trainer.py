@@ -534,3 +534,52 @@ def test_a_student_with_another_tokenizer_trains_with_loss_gold(server, models, 
     assert all(value > 0 for value in kd)
     assert any("eval_kd" in record for record in records)
     assert any("projected(rest_topk=4)" in rest for _, _, rest in joined_lines(server, "gold-job"))
+
+
+def test_training_from_the_store_repeats_the_live_run(server, models, corpus, tmp_path):
+    """A run given --teacher and --teacher-outputs trains on the teacher's outputs and writes them
+    into the store; a run from the store alone then has the same per-step losses, bit for bit. In
+    this process: two trainer processes would cost the suite their start-up twice."""
+    from student_trainer.config import TrainConfig
+    from student_trainer.train import train as run_training
+
+    store = tmp_path / "store"
+    common = dict(model=str(models["student"]), data=str(corpus["train"]), batch_size=BATCH, seq_len=SEQ_LEN,
+                  device="cpu", kd_weight=0.5, topk=8, max_steps=3, lr=3e-3, teacher_outputs=str(store),
+                  teacher_timeout_s=60, log_level="WARNING")
+    live = run_training(TrainConfig(**common, teacher=server.address, output_dir=str(tmp_path / "live")))
+    manifest = json.loads((store / "manifest.json").read_text())
+    # The rows of the 3 batches trained on and of the 2 prefetched (--prefetch), written through.
+    assert sum(shard["rows"] for shard in manifest["shards"]) == (3 + 2) * BATCH
+    stored = run_training(TrainConfig(**common, output_dir=str(tmp_path / "stored")))
+    assert [r["step"] for r in stored["history"]] == [1, 2, 3]
+    for a, b in zip(live["history"], stored["history"]):
+        assert (a["loss"], a["kd"], a["ce"]) == (b["loss"], b["kd"], b["ce"]), (a, b)
+    # Stopped after a step and resumed: the same batches' rows, so the same losses.
+    resumed = tmp_path / "resumed"
+    run_training(TrainConfig(**common, output_dir=str(resumed), stop_after_steps=1, save_every=1))
+    rest = run_training(TrainConfig(**common, output_dir=str(resumed), resume=True))
+    assert [r["step"] for r in rest["history"]] == [2, 3]
+    assert_same_run(stored["history"][1:], rest["history"], rtol=1e-6)
+
+
+def test_a_store_dumped_from_the_served_teacher_trains_as_the_teacher_does(server, models, corpus, tmp_path):
+    """`student-trainer dump --teacher` (its code, in this process), then training from the store: the
+    losses of training from the teacher but for the last bits (the teacher computed the rows in other
+    batches than the training's)."""
+    from student_trainer.config import DumpConfig, TrainConfig
+    from student_trainer.store import dump
+    from student_trainer.train import train as run_training
+
+    common = dict(model=str(models["student"]), batch_size=BATCH, seq_len=SEQ_LEN, device="cpu", kd_weight=0.5,
+                  topk=8, max_steps=3, lr=3e-3, teacher_timeout_s=60, log_level="WARNING")
+    small = tmp_path / "small.jsonl"  # a few batches' rows: the dump asks for every row of the data
+    small.write_text("".join(corpus["train"].read_text().splitlines(keepends=True)[:2]))
+    dumped = dump(DumpConfig(data=str(small), teacher_outputs=str(tmp_path / "dumped"), teacher=server.address,
+                             tokenizer=str(models["student"]), seq_len=SEQ_LEN, topk=8, batch_size=8,
+                             rows_per_shard=16, device="cpu", log_level="WARNING"))
+    assert dumped.rows == dumped.rows_written >= 3 * BATCH
+    runs = [run_training(TrainConfig(**common, data=str(small), teacher_outputs=store, teacher=address,
+                                     output_dir=str(tmp_path / name)))
+            for name, store, address in (("live", "", server.address), ("from-dump", str(tmp_path / "dumped"), ""))]
+    assert_same_run(runs[0]["history"], runs[1]["history"])

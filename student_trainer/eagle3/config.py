@@ -35,7 +35,11 @@ class Eagle3Config:
         "the teacher's model directory (what the teacher server was started with): the draft takes its token "
         "embedding, its shape and its tokenizer from there"))
     data: str = _as_in_train("data")
-    teacher: str = field(default="", metadata=_help("the teacher server's gRPC address, HOST:PORT"))
+    teacher: str = field(default="", metadata=_help(
+        "the teacher server's gRPC address, HOST:PORT (or --teacher-outputs)"))
+    teacher_outputs: str = field(default="", metadata=_help(
+        "read the teacher's outputs from this store (student-trainer dump --eagle3) instead of a live teacher; "
+        "with --teacher too, what the store lacks is asked of the teacher and written into it"))
     output_dir: str = field(default="runs/eagle3", metadata=_help(
         "checkpoints, metrics.jsonl and the exported draft (OUTPUT_DIR/draft)"))
     tokenizer: str = field(default="", metadata=_help("default: --target-model"))
@@ -85,9 +89,11 @@ class Eagle3Config:
     def __post_init__(self) -> None:
         self.aux_layers = IntTuple(self.aux_layers)
         check_choices(self)
-        for name in ("target_model", "data", "teacher"):
+        for name in ("target_model", "data"):
             if not getattr(self, name):
                 raise ConfigError(f"{flag(name)} is required")
+        if not self.teacher and not self.teacher_outputs:
+            raise ConfigError("--teacher HOST:PORT (or --teacher-outputs DIR) is required")
         if self.max_steps < 0 or (self.max_steps == 0 and self.epochs < 1):
             raise ConfigError("give --max-steps N (> 0) or --epochs N (>= 1)")
         for name in ("batch_size", "grad_accum", "seq_len", "draft_vocab_size", "ttt_steps"):

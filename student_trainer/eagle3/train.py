@@ -1,4 +1,4 @@
-"""EAGLE-3 draft training against a served teacher, top to bottom.
+"""EAGLE-3 draft training against a served teacher (or a store of its outputs), top to bottom.
 
 One process per rank (torchrun for several: DDP, each rank its own teacher session), the KD
 trainer's machinery throughout: the same JSONL data and packing (student_trainer/data.py), the
@@ -33,7 +33,7 @@ from student_trainer.eagle3.loss import Eagle3Training, StepResults, TeacherTarg
 from student_trainer.eagle3.model import Eagle3Draft, aux_layers_of
 from student_trainer.eagle3.target import target_config, target_embedding
 from student_trainer.eagle3.vocab import draft_vocabulary
-from student_trainer.train import MetricsWriter, TeacherPrefetcher, lr_lambda, set_up_rank
+from student_trainer.train import MetricsWriter, TeacherPrefetcher, lr_lambda, open_teacher, set_up_rank
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +115,9 @@ def train_eagle3(cfg: Eagle3Config) -> dict:
                      "of %s", size, embedding.shape[0], 100 * vocab.coverage, cfg.data)
         target_ids, aux_layers = vocab.target_ids, tuple(cfg.aux_layers)
 
-    teacher = TeacherClient(
-        cfg.teacher, device, outputs=teacher_outputs(target_ids, aux_layers), dtype=cfg.teacher_dtype or None,
-        tokenizer=tokenizer, vocab_size=embedding.shape[0], max_inflight=cfg.prefetch + 1,
-        job_id=cfg.job_id or output_dir.name, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s,
-        reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, max_resubmits=cfg.teacher_max_resubmits,
-        weight=cfg.teacher_weight, tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
+    teacher = open_teacher(cfg, device, teacher_outputs(target_ids, aux_layers), dtype=cfg.teacher_dtype or None,
+                           tokenizer=tokenizer, vocab_size=embedding.shape[0], dataset=dataset,
+                           job_id=cfg.job_id or output_dir.name, rank=rank)
     try:
         check_target(teacher, embedding, cfg.target_model)
         if checkpoint is None:

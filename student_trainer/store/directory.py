@@ -1,0 +1,333 @@
+"""One store directory: its manifest checked against a run, its index of rows, its shards read
+(memory-mapped, each digest checked at its first read) and written (atomically, then named in
+the manifest)."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from distill_common import store as fmt
+from distill_common import wire
+from distill_common.outputs import (FinalHidden, JoinData, Output, OutputHead, OutputRequest, SubsetLogits,
+                                    TeacherFacts, output_spec)
+from distill_common.store import StoreCorrupt, StoreError, StoreMismatch, StoreMissing
+
+
+@dataclass
+class StoreInfo:
+    """What a store says of its teacher, as `TeacherClient.info` says it of a live one."""
+
+    model_name: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    dtype: str
+    tokenizer_fingerprint: str
+    max_batch_tokens: int = 0
+    max_seq_len: int = 0
+
+
+def data_facts(dataset, data_path: str | Path) -> dict:
+    """What the manifest records of the data a store's rows come from."""
+    return {"file": str(data_path), "sha256": fmt.sha256_of(Path(data_path)), "fingerprint": dataset.fingerprint,
+            "rows": len(dataset), "seq_len": dataset.seq_len, "pack_mode": dataset.mode}
+
+
+def teacher_facts(source, model_name: str, architecture: str = "", quantization: str = "") -> dict:
+    """What the manifest records of the teacher: its model, dtype, quantization ("" when it does
+    not report one) and what its outputs' shapes depend on (TeacherFacts)."""
+    facts = source.outputs.teacher
+    return {"model": model_name, "architecture": architecture, "dtype": wire.dtype_name(facts.dtype),
+            "quantization": quantization, "tokenizer_fingerprint": facts.tokenizer_fingerprint,
+            "facts": fmt.facts_to_json(facts)}
+
+
+# ---- one store directory -------------------------------------------------------------------------
+
+
+# Shards whose memory-mapped readers stay open at once (one file descriptor each).
+OPEN_SHARDS = 64
+
+
+@dataclass
+class _Shard:
+    path: Path
+    entry: dict
+    verified: bool = False  # its digest was checked
+
+
+class TeacherStore:
+    """A store directory: its manifest, its index, its rows (see the module's docstring)."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        manifest = fmt.read_manifest(self.directory)
+        if manifest is None:
+            raise StoreMissing(f"{self.directory / fmt.MANIFEST} does not exist: dump the teacher's outputs first "
+                               "(student-trainer dump --teacher-outputs DIR ...), or give --teacher too to fill the "
+                               "store while training")
+        self.manifest = manifest
+        try:
+            outputs = manifest["outputs"]
+            self.facts: TeacherFacts = fmt.facts_from_json(manifest["teacher"]["facts"])
+            spec = fmt.spec_from_json(outputs["spec"])
+            self.request = OutputRequest.resolve(spec, self.facts)
+            self.seq_len = int(manifest["data"]["seq_len"])
+            self.codecs = fmt.codecs_for(self.request, self.seq_len, pack=outputs["pack_ids"],
+                                         zstd_level=int(outputs["zstd_level"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise StoreCorrupt(f"{self.directory / fmt.MANIFEST}: malformed ({type(e).__name__}: {e})") from e
+        if [codec.to_json() for codec in self.codecs] != outputs["tensors"]:
+            raise StoreCorrupt(f"{self.directory / fmt.MANIFEST}: its tensors {outputs['tensors']} are not what its "
+                               f"outputs ({self.request}) store")
+        self._lock = threading.Lock()  # the index and the shards, read by one thread, added to by another
+        self.shards: list[_Shard] = []
+        self.index: dict[bytes, tuple[int, int]] = {}
+        self._handles: dict[int, object] = {}  # shard number -> its open reader, least recently read first
+        self.head = self._read_head()
+        self._manifest_mtime_ns = 0
+        self._add_shards(manifest["shards"])
+
+    # ---- what the store holds --------------------------------------------------------------
+
+    @property
+    def rows(self) -> int:
+        return sum(shard.entry["rows"] for shard in self.shards)
+
+    @property
+    def info(self) -> StoreInfo:
+        teacher = self.manifest["teacher"]
+        return StoreInfo(model_name=teacher["model"], architecture=teacher.get("architecture", ""),
+                         vocab_size=self.facts.vocab_size, hidden_size=self.facts.hidden_size,
+                         num_layers=self.facts.num_layers, dtype=teacher["dtype"],
+                         tokenizer_fingerprint=self.facts.tokenizer_fingerprint)
+
+    def _read_head(self) -> OutputHead | None:
+        entry = self.manifest.get("head")
+        if not entry:
+            return None
+        path = self.directory / entry["file"]
+        self._check_file(path, entry)
+        from safetensors.torch import load_file
+
+        tensors = load_file(path)
+        joined = self.request.join_assemble([tensors[f"join.{i}"] for i in range(len(tensors))])
+        return joined.head
+
+    def _check_file(self, path: Path, entry: dict, *, digest: bool = True) -> None:
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise StoreCorrupt(f"{path} is missing: {self.directory / fmt.MANIFEST} names it ({entry['bytes']} "
+                               "bytes); the store is incomplete (dump it again into a new directory)") from None
+        if size != entry["bytes"]:
+            raise StoreCorrupt(f"{path} has {size} bytes, the manifest records {entry['bytes']}: the file is "
+                               f"{'truncated' if size < entry['bytes'] else 'longer than written'}; nothing of it is "
+                               "read (dump it again into a new directory)")
+        if digest and fmt.sha256_of(path) != entry["sha256"]:
+            raise StoreCorrupt(f"{path}: its sha256 differs from the one {self.directory / fmt.MANIFEST} records: "
+                               "the file changed after it was written (a flipped byte, a copy gone wrong); nothing of "
+                               "it is read (dump it again into a new directory)")
+
+    def _add_shards(self, entries: list[dict]) -> None:
+        from safetensors import safe_open
+
+        for entry in entries[len(self.shards):]:
+            path = self.directory / entry["file"]
+            self._check_file(path, entry, digest=False)  # sizes at once; digests at a shard's first read
+            try:
+                with safe_open(path, "pt") as handle:
+                    keys = handle.get_tensor(fmt.ROW_KEY)
+            except Exception as e:  # noqa: BLE001 - safetensors' own error types differ between versions
+                raise StoreCorrupt(f"{path}: not a shard this store wrote ({type(e).__name__}: {e}); nothing of it "
+                                   "is read (dump it again into a new directory)") from e
+            if hashlib.sha256(keys.numpy().tobytes()).hexdigest() != entry["row_keys_sha256"]:
+                raise StoreCorrupt(f"{path}: its row keys differ from what {self.directory / fmt.MANIFEST} records "
+                                   "(row_keys_sha256): the file changed after it was written")
+            number = len(self.shards)
+            self.shards.append(_Shard(path, entry))
+            for row, key in enumerate(keys.numpy()):
+                self.index.setdefault(key.tobytes(), (number, row))
+
+    def refresh(self) -> None:
+        """Takes in the shards written since this store was opened (by another rank, say)."""
+        changed = (self.directory / fmt.MANIFEST).stat().st_mtime_ns
+        if changed == self._manifest_mtime_ns:
+            return
+        self._manifest_mtime_ns = changed
+        manifest = fmt.read_manifest(self.directory)
+        with self._lock:
+            if manifest is not None and len(manifest["shards"]) > len(self.shards):
+                self.manifest["shards"] = manifest["shards"]
+                self._add_shards(manifest["shards"])
+
+    def locate(self, keys: list[bytes]) -> list[tuple[int, int] | None]:
+        with self._lock:
+            return [self.index.get(key) for key in keys]
+
+    # ---- checks against what a run asks ----------------------------------------------------
+
+    def check_data(self, dataset, data_path: str | Path) -> None:
+        """StoreMismatch naming what differs when `dataset` is not the data the rows come from."""
+        stored, manifest_path = self.manifest["data"], self.directory / fmt.MANIFEST
+        if stored["fingerprint"] in (None, dataset.fingerprint):
+            return  # the same data, or rows from batches of no data file (the HF Trainer's): found by their keys
+        differs = []
+        if stored["seq_len"] != dataset.seq_len:
+            differs.append(f"--seq-len {stored['seq_len']} there, {dataset.seq_len} here")
+        if stored["pack_mode"] != dataset.mode:
+            differs.append(f"--pack-mode {stored['pack_mode']} there, {dataset.mode} here")
+        digest = fmt.sha256_of(Path(data_path))
+        if stored["sha256"] != digest:
+            differs.append(f"the data file: {stored['file']} (sha256 {stored['sha256'][:12]}) there, {data_path} "
+                           f"(sha256 {digest[:12]}) here")
+        if not differs:
+            differs.append("the tokenized examples (another tokenizer?)")
+        raise StoreMismatch(f"{manifest_path} was dumped from other data: {'; '.join(differs)}. Train on the data and "
+                            "settings it was dumped with, or dump again into a new directory")
+
+    def check_outputs(self, asked: OutputRequest) -> None:
+        """StoreMismatch when the store cannot give what `asked` asks (a kind it lacks, another dtype)."""
+        stored = set(self.request.kinds)
+        missing = [kind for kind in asked if kind not in stored and not self._derivable(kind)]
+        problems = []
+        if missing:
+            problems.append(f"this run asks for {', '.join(map(str, missing))}, which it does not hold")
+        if asked.dtype != self.request.dtype:
+            problems.append(f"this run asks for them in {wire.dtype_name(asked.dtype)}, it holds "
+                            f"{wire.dtype_name(self.request.dtype)}")
+        if problems:
+            raise StoreMismatch(f"{self.directory / fmt.MANIFEST} holds {self.request}: {'; '.join(problems)}. Dump "
+                                "what this run asks into a new directory, or train with the outputs it holds")
+
+    def _derivable(self, kind: Output) -> bool:
+        # An EAGLE-3 draft's subset logits come from the final hidden state and the head's rows.
+        return isinstance(kind, SubsetLogits) and FinalHidden() in set(self.request.kinds) and self.head is not None
+
+    def check_teacher(self, request: OutputRequest, model_name: str) -> None:
+        """StoreMismatch when a live teacher (to write through) is not the one the store was made with."""
+        theirs, ours = request.teacher, self.facts
+        differs = [f"{name} {getattr(ours, name)} there, {getattr(theirs, name)} here"
+                   for name in ("vocab_size", "hidden_size", "num_layers", "dtype", "tokenizer_fingerprint")
+                   if getattr(theirs, name) != getattr(ours, name)]
+        if request.kinds != self.request.kinds or request.dtype != self.request.dtype:
+            differs.append(f"outputs {self.request} there, {request} here")
+        if model_name != self.manifest["teacher"]["model"]:
+            differs.append(f"model {self.manifest['teacher']['model']} there, {model_name} here")
+        if differs:
+            raise StoreMismatch(f"{self.directory / fmt.MANIFEST} was made with another teacher or outputs than the "
+                                f"one given to fill it: {'; '.join(differs)}. Give the same teacher, or a new "
+                                "directory")
+
+    # ---- reading rows ----------------------------------------------------------------------
+
+    def _open(self, number: int):
+        """The shard's memory-mapped reader; its digest is checked the first time. At most
+        OPEN_SHARDS stay open (a store of thousands of shards would run out of file descriptors)."""
+        shard = self.shards[number]
+        if not shard.verified:
+            self._check_file(shard.path, shard.entry)
+            shard.verified = True
+        handle = self._handles.pop(number, None)
+        if handle is None:
+            from safetensors import safe_open
+
+            handle = safe_open(shard.path, "pt")
+            if len(self._handles) >= OPEN_SHARDS:
+                self._handles.pop(next(iter(self._handles)))  # the least recently read; closed when collected
+        self._handles[number] = handle
+        return handle
+
+    def read(self, locations: list[tuple[int, int]], device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        """The rows at `locations` as the layout's tensors of one batch, on `device` (ids unpacked
+        there: on a GPU the unpacking costs the host nothing)."""
+        return [codec.decode(stored.to(device, non_blocking=True))
+                for codec, stored in zip(self.codecs, self.read_stored(locations))]
+
+    def read_stored(self, locations: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """The rows at `locations` as stored (before unpacking), one tensor per codec, on the host."""
+        columns: list[list[torch.Tensor]] = [[] for _ in self.codecs]
+        for number, row in locations:
+            handle = self._open(number)
+            for column, codec in zip(columns, self.codecs):
+                if codec.zstd_level:
+                    offsets = handle.get_slice(f"{codec.name}.offsets")[row:row + 2].tolist()
+                    frame = handle.get_slice(codec.name)[offsets[0]:offsets[1]].numpy().tobytes()
+                    column.append(fmt.decompress_row(frame, codec))
+                else:
+                    column.append(handle.get_slice(codec.name)[row:row + 1])
+        return [torch.cat(column) for column in columns]
+
+    # ---- writing rows ----------------------------------------------------------------------
+
+    def write_shard(self, keys: list[bytes], rows: dict[str, torch.Tensor], tokens: int,
+                    first_row: int | None = None) -> dict:
+        """One shard of `rows` (each codec's encoded rows, on the host), written and then named in the
+        manifest as the next shard (`first_row`: where a dump's rows start). Returns its manifest entry."""
+        tensors = {fmt.ROW_KEY: torch.tensor([list(key) for key in keys], dtype=torch.uint8)}
+        for codec in self.codecs:
+            stored = rows[codec.name]
+            if codec.zstd_level:
+                tensors[codec.name], tensors[f"{codec.name}.offsets"] = fmt.compress_rows(stored, codec.zstd_level)
+            else:
+                tensors[codec.name] = stored
+        data = fmt.serialize_shard(tensors)
+        entry = {"rows": len(keys), "tokens": int(tokens), "bytes": len(data),
+                 "sha256": hashlib.sha256(data).hexdigest(),
+                 "row_keys_sha256": hashlib.sha256(tensors[fmt.ROW_KEY].numpy().tobytes()).hexdigest()}
+        if first_row is not None:
+            entry["first_row"] = first_row
+        with fmt.locked(self.directory):
+            manifest = fmt.read_manifest(self.directory)
+            held = sum(shard["rows"] for shard in manifest["shards"])
+            if first_row is not None and first_row != held:
+                raise StoreError(f"{self.directory}: a dump's rows from {first_row} would follow the {held} rows its "
+                                 "manifest holds (another process writing into the same directory?)")
+            entry = {"file": f"shard-{len(manifest['shards']):06d}.safetensors", **entry}
+            fmt.write_atomic(self.directory / entry["file"], data)  # complete before the manifest names it
+            manifest["shards"].append(entry)
+            fmt.write_manifest(self.directory, manifest)
+        with self._lock:
+            self.manifest["shards"] = manifest["shards"]
+            self._add_shards(manifest["shards"])
+        return entry
+
+    @staticmethod
+    def create(directory: str | Path, request: OutputRequest, *, teacher: dict, data: dict,
+               pack_ids: bool = True, zstd_level: int = 0, head: JoinData | None = None,
+               dump: dict | None = None, exist_ok: bool = False) -> None:
+        """A new, empty store: its manifest (and the head, once). Refuses a directory that holds one,
+        unless `exist_ok` (several ranks creating the same store: the first does, the others open
+        it and check it against their run)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if zstd_level:
+            fmt.zstd_module()  # refused now, not at the first shard
+        if any(isinstance(kind, Output) and kind.batch_field for kind in request):
+            raise StoreError(f"{request} reads data the student sends with each batch (ids to score), which change "
+                             "every step: it cannot be stored")
+        codecs = fmt.codecs_for(request, data["seq_len"], pack=pack_ids, zstd_level=zstd_level)
+        manifest = {"format": fmt.FORMAT, "teacher": teacher,
+                    "outputs": {"spec": fmt.spec_to_json(output_spec(request.kinds, wire.dtype_name(request.dtype))),
+                                "kinds": [str(kind) for kind in request], "dtype": wire.dtype_name(request.dtype),
+                                "pack_ids": pack_ids, "zstd_level": zstd_level,
+                                "tensors": [codec.to_json() for codec in codecs]},
+                    "data": data, "dump": dump, "head": None, "shards": []}
+        with fmt.locked(directory):
+            if fmt.read_manifest(directory) is not None:
+                if exist_ok:
+                    return
+                raise StoreError(f"{directory / fmt.MANIFEST} exists already")
+            join_tensors = request.join_derive(head) if head is not None and request.join_layout() else []
+            if join_tensors:
+                data_bytes = fmt.serialize_shard({f"join.{i}": t.detach().cpu() for i, t in enumerate(join_tensors)})
+                fmt.write_atomic(directory / fmt.HEAD_FILE, data_bytes)
+                manifest["head"] = {"file": fmt.HEAD_FILE, "bytes": len(data_bytes),
+                                    "sha256": hashlib.sha256(data_bytes).hexdigest()}
+            fmt.write_manifest(directory, manifest)

@@ -1,0 +1,418 @@
+"""The store of teacher outputs (student_trainer/store/, distill_common/store.py) on CPU: a real
+tiny teacher (LocalTeacher), the trainer's own data pipeline, real files; one `student-trainer
+dump` in a child process killed with SIGKILL. Training from a store against a served teacher is
+in tests/test_trainer.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from distill_common import store as fmt
+from distill_common.outputs import (Argmax, AttentionInputs, AuxHiddenStates, FinalHidden, HiddenStates, Logits,
+                                    NextTokenLogprobs, SubsetLogits, TopK)
+from student_trainer.config import DumpConfig
+from student_trainer.data import BatchIterator, PackedDataset
+from student_trainer.store import (StoreCorrupt, StoreError, StoreMismatch, StoreMissing, StoreTeacher, TeacherStore,
+                                   dump, open_store_teacher)
+from tests.helpers import ROOT, build_tiny_model
+
+VOCAB = 300
+SEQ = 24
+BATCH = 4
+ALL_KINDS = (Logits(), TopK(8), HiddenStates((0, 2)), FinalHidden(), AttentionInputs((1,)),
+             AuxHiddenStates((0, 1, 2)), Argmax(), NextTokenLogprobs())
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from distill_demo.corpus import write_jsonl_corpus
+    from distill_demo.tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("store")
+    corpus, _ = write_jsonl_corpus(root / "corpus", max_files=1, seq_chars=600)
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    tokenizer = train_tokenizer(texts, vocab_size=VOCAB)
+    teacher = build_tiny_model(root / "teacher", vocab_size=VOCAB, layers=2)
+    tokenizer.save_pretrained(teacher)
+    # A few hundred tokens, some 14 rows: DDP steps of 2 x 4 with rows left over.
+    train = root / "train.jsonl"
+    train.write_text("".join(json.dumps({"text": text[:160]}) + "\n" for text in texts[:3]))
+    dataset = PackedDataset(train, tokenizer, SEQ)
+    assert 12 <= len(dataset) <= 24 and len(dataset) % (2 * BATCH), len(dataset)
+    return {"root": root, "data": train, "tokenizer": tokenizer, "teacher": teacher, "dataset": dataset}
+
+
+def local_teacher(setup, kinds, dtype=None):
+    from distill_common.models import load_causal_lm
+    from student_trainer.local_teacher import LocalTeacher
+
+    model = load_causal_lm(str(setup["teacher"]), device=torch.device("cpu"))
+    return LocalTeacher(model, kinds, dtype)
+
+
+def dump_config(setup, directory: Path, **changes) -> DumpConfig:
+    options = dict(data=str(setup["data"]), teacher_outputs=str(directory), model=str(setup["teacher"]),
+                   seq_len=SEQ, batch_size=BATCH, rows_per_shard=2 * BATCH, topk=8, device="cpu")
+    return DumpConfig(**{**options, **changes})
+
+
+def batches(dataset, rows_per_batch=BATCH, seed=1):
+    it = BatchIterator(dataset, rows_per_batch, seed=seed, num_epochs=1)
+    return list(it)
+
+
+# ---- the format's parts ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits,count", [(17, 64 * 3), (9, 7), (1, 5)])
+def test_ids_pack_to_the_vocabularys_bits_as_the_docs_read_them(bits, count):
+    generator = torch.Generator().manual_seed(bits)
+    ids = torch.randint(0, 1 << bits, (3, count), generator=generator)
+    packed = fmt.pack_ids(ids, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, -(-count * bits // 8))
+    assert torch.equal(fmt.unpack_ids(packed, count, bits), ids.to(torch.int32))
+    # The reader the docs give, with numpy alone.
+    stream = np.unpackbits(packed.numpy(), axis=1, bitorder="little")[:, :count * bits].reshape(3, count, bits)
+    assert np.array_equal((stream.astype(np.int64) << np.arange(bits)).sum(-1), ids.numpy())
+    assert fmt.id_bits(128_256) == 17 and fmt.id_bits(VOCAB) == 9
+    with pytest.raises(StoreError, match="cannot be packed to 9 bits"):
+        fmt.pack_ids(torch.tensor([[512]]), 9)
+
+
+# ---- every kind, written and read back ------------------------------------------------------------
+
+
+def fill(store_dir: Path, setup, teacher, rows: list[dict], **create) -> None:
+    """A store of `rows` (batches) written from `teacher`'s outputs, as write-through writes them."""
+    from student_trainer.store import ShardWriter, data_facts, teacher_facts
+
+    TeacherStore.create(store_dir, teacher.outputs, teacher=teacher_facts(teacher, "tiny"),
+                        data=data_facts(setup["dataset"], setup["data"]), head=teacher.joined, **create)
+    store = TeacherStore(store_dir)
+    writer = ShardWriter(store, rows_per_shard=6)
+    for batch in rows:
+        out = teacher.submit(batch["input_ids"], batch["attention_mask"]).result()
+        keys = [fmt.row_key(i, m) for i, m in zip(batch["input_ids"], batch["attention_mask"])]
+        writer.add(keys, teacher.outputs.disassemble(out), int(batch["attention_mask"].sum()))
+    writer.close()
+
+
+@pytest.mark.parametrize("variant", ["float32", "bfloat16 raw ids", "zstd"])
+def test_every_kind_round_trips(setup, tmp_path, variant):
+    create, dtype = {}, None
+    if variant == "bfloat16 raw ids":
+        create, dtype = {"pack_ids": False}, torch.bfloat16
+    if variant == "zstd":
+        pytest.importorskip("zstandard", reason="the store-zstd extra")
+        create = {"zstd_level": 3}
+    teacher = local_teacher(setup, ALL_KINDS, dtype)
+    written = batches(setup["dataset"])[:3]
+    fill(tmp_path / "s", setup, teacher, written, **create)
+
+    # Read in another grouping than written: rows are found by their ids.
+    rows = {key: torch.cat([b[key] for b in written]) for key in ("input_ids", "attention_mask")}
+    order = torch.randperm(len(rows["input_ids"]), generator=torch.Generator().manual_seed(0))[:5]
+    with open_store_teacher(tmp_path / "s", "cpu", ALL_KINDS, dtype=dtype and "bfloat16",
+                            dataset=setup["dataset"], data_path=setup["data"]) as source:
+        got = source.submit(rows["input_ids"][order], rows["attention_mask"][order]).result(timeout=30)
+        head = source.joined.head
+    live = teacher.submit(rows["input_ids"][order], rows["attention_mask"][order]).result()
+    assert got.logits.dtype == live.logits.dtype == (dtype or torch.float32)
+    for name in ("logits", "topk_values", "topk_indices", "final_hidden", "aux_hidden_states", "argmax",
+                 "next_token_logprobs"):
+        assert torch.equal(getattr(got, name), getattr(live, name)), name
+    assert got.hidden_states.keys() == live.hidden_states.keys() == {0, 2}
+    for layer in (0, 2):
+        assert torch.equal(got.hidden_states[layer], live.hidden_states[layer])
+    for a, b in zip(got.attention_inputs[1], live.attention_inputs[1]):
+        assert torch.equal(a, b)
+    assert torch.equal(head.weight, teacher.joined.head.weight)  # the head, stored once
+
+
+def test_subset_logits_come_from_the_final_hidden_state_and_the_heads_rows(setup, tmp_path):
+    """What `student-trainer eagle3` reads of a store dumped with --eagle3."""
+    kinds = (FinalHidden(), AuxHiddenStates((0, 1, 2)), Argmax())
+    teacher = local_teacher(setup, kinds)
+    written = batches(setup["dataset"])[:1]
+    fill(tmp_path / "s", setup, teacher, written)
+    subset = SubsetLogits((5, 0, 77, 299))
+    asked = (subset, AuxHiddenStates((0, 1, 2)), Argmax())
+    with open_store_teacher(tmp_path / "s", "cpu", asked) as source:
+        got = source.submit(written[0]["input_ids"], written[0]["attention_mask"]).result(timeout=30)
+    live = local_teacher(setup, asked).submit(written[0]["input_ids"], written[0]["attention_mask"]).result()
+    torch.testing.assert_close(got.subset_logits, live.subset_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.aux_hidden_states, live.aux_hidden_states) and torch.equal(got.argmax, live.argmax)
+
+
+# ---- dump: SIGKILL, resume, the same bytes ----------------------------------------------------------
+
+
+def shard_bytes(directory: Path) -> dict[str, bytes]:
+    manifest = json.loads((directory / fmt.MANIFEST).read_text())
+    return {entry["file"]: (directory / entry["file"]).read_bytes() for entry in manifest["shards"]}
+
+
+TWO_ROW_SHARDS = dict(batch_size=2, rows_per_shard=2)
+
+
+@pytest.fixture(scope="module")
+def reference_dump(setup) -> Path:
+    """An uninterrupted dump of two-row shards."""
+    directory = setup["root"] / "reference"
+    complete = dump(dump_config(setup, directory, **TWO_ROW_SHARDS))
+    assert complete.rows == len(setup["dataset"]) and complete.shards_written == -(-len(setup["dataset"]) // 2)
+    return directory
+
+
+def test_a_dump_stopped_mid_way_continues_to_the_same_bytes(setup, reference_dump, tmp_path):
+    """What a dump killed at any moment leaves (the manifest is replaced atomically): a manifest naming
+    the shards complete before the kill, maybe the next shard renamed but not yet named, maybe a
+    temporary file. The next dump continues from there to the same bytes."""
+    import shutil
+
+    stopped = Path(shutil.copytree(reference_dump, tmp_path / "stopped"))
+    manifest = json.loads((stopped / fmt.MANIFEST).read_text())
+    kept = 3
+    for entry in manifest["shards"][kept + 1:]:
+        (stopped / entry["file"]).unlink()
+    (stopped / manifest["shards"][kept]["file"]).write_bytes(b"half a shard")  # renamed, not yet named
+    (stopped / f".shard-{kept + 1:06d}.safetensors.tmp-1").write_bytes(b"half")
+    manifest["shards"] = manifest["shards"][:kept]
+    fmt.write_manifest(stopped, manifest)
+
+    resumed = dump(dump_config(setup, stopped, **TWO_ROW_SHARDS))
+    assert resumed.resumed_at_row == 2 * kept and resumed.rows_written == len(setup["dataset"]) - 2 * kept
+    assert shard_bytes(stopped) == shard_bytes(reference_dump)
+    assert (stopped / fmt.MANIFEST).read_bytes() == (reference_dump / fmt.MANIFEST).read_bytes()
+    with pytest.raises(StoreMismatch, match=r"was dumped with .*rows_per_shard.*continue it with the same settings"):
+        dump(dump_config(setup, stopped, batch_size=2, rows_per_shard=4))
+
+
+@pytest.mark.slow
+def test_a_dump_killed_with_sigkill_continues_to_the_same_bytes(setup, tmp_path):
+    """The same with a real `student-trainer dump` process killed with SIGKILL while it writes."""
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    one_row_shards = dict(batch_size=1, rows_per_shard=1)  # many shards: the kill lands mid-dump
+    dump(dump_config(setup, reference, **one_row_shards))
+
+    command = [sys.executable, "-m", "student_trainer", "dump", "--model", str(setup["teacher"]), "--data",
+               str(setup["data"]), "--teacher-outputs", str(killed), "--seq-len", str(SEQ), "--topk", "8",
+               "--batch-size", "1", "--rows-per-shard", "1", "--device", "cpu"]
+    child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 120
+        while not (killed / fmt.MANIFEST).exists() or not json.loads((killed / fmt.MANIFEST).read_text())["shards"]:
+            assert child.poll() is None, child.stderr.read().decode()
+            assert time.monotonic() < deadline, "the dump wrote no shard within 120 s"
+            time.sleep(0.005)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    kept = json.loads((killed / fmt.MANIFEST).read_text())["shards"]
+    assert 0 < len(kept) < len(setup["dataset"]), "the kill came after the dump ended: nothing was tested"
+    # A shard renamed when the kill came, before the manifest named it, and a half-written temporary
+    # file: neither is part of the store, and the dump started again replaces them.
+    (killed / f"shard-{len(kept):06d}.safetensors").write_bytes(b"half a shard")
+    (killed / f".shard-{len(kept) + 1:06d}.safetensors.tmp-1").write_bytes(b"half")
+
+    resumed = dump(dump_config(setup, killed, **one_row_shards))
+    assert resumed.resumed_at_row == sum(entry["rows"] for entry in kept)
+    assert shard_bytes(killed) == shard_bytes(reference)
+    assert (killed / fmt.MANIFEST).read_bytes() == (reference / fmt.MANIFEST).read_bytes()
+
+
+# ---- refusals -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dumped(setup) -> Path:
+    directory = setup["root"] / "dumped"
+    dump(dump_config(setup, directory))
+    return directory
+
+
+@pytest.fixture
+def small_store(dumped, tmp_path) -> Path:
+    """A copy of a dumped store, for a test to change."""
+    import shutil
+
+    return Path(shutil.copytree(dumped, tmp_path / "store"))
+
+
+def read_all(directory: Path, setup, **options):
+    with open_store_teacher(directory, "cpu", (TopK(8),), dataset=setup["dataset"], data_path=setup["data"],
+                            **options) as source:
+        for batch in batches(setup["dataset"]):
+            source.submit(batch["input_ids"], batch["attention_mask"]).result(timeout=30)
+
+
+def test_a_flipped_byte_is_refused_naming_the_shard(setup, small_store):
+    shard = small_store / "shard-000000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10  # in the top-k values, past the header
+    shard.write_bytes(bytes(data))
+    with pytest.raises(StoreCorrupt, match=r"shard-000000\.safetensors: its sha256 differs"):
+        read_all(small_store, setup)
+
+
+def test_a_truncated_shard_is_refused_naming_it(setup, small_store):
+    shard = small_store / "shard-000001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(StoreCorrupt, match=r"shard-000001\.safetensors has \d+ bytes, the manifest records \d+: the "
+                                           r"file is truncated"):
+        read_all(small_store, setup)
+
+
+def test_a_store_for_other_data_settings_or_outputs_is_refused(setup, small_store, tmp_path):
+    manifest = str(small_store / fmt.MANIFEST)
+    other = tmp_path / "other.jsonl"
+    records = [json.loads(line) for line in setup["data"].read_text().splitlines()]
+    other.write_text("".join(json.dumps({"text": r["text"].replace("e", "a")}) + "\n" for r in records))
+    other_data = PackedDataset(other, setup["tokenizer"], SEQ)
+    with pytest.raises(StoreMismatch, match=rf"{manifest} was dumped from other data: the data file: .*sha256"):
+        open_store_teacher(small_store, "cpu", (TopK(8),), dataset=other_data, data_path=other)
+    longer = PackedDataset(setup["data"], setup["tokenizer"], 2 * SEQ)
+    with pytest.raises(StoreMismatch, match=rf"--seq-len {SEQ} there, {2 * SEQ} here"):
+        open_store_teacher(small_store, "cpu", (TopK(8),), dataset=longer, data_path=setup["data"])
+    with pytest.raises(StoreMismatch, match=rf"{manifest} holds topk=8 in float32: this run asks for logits, which "
+                                            "it does not hold"):
+        open_store_teacher(small_store, "cpu", (Logits(),), dataset=setup["dataset"], data_path=setup["data"])
+    with pytest.raises(StoreMismatch, match="asks for them in bfloat16, it holds float32"):
+        open_store_teacher(small_store, "cpu", (TopK(8),), dtype="bfloat16")
+    # A batch the store lacks, with no teacher to ask: the run stops, saying so.
+    with open_store_teacher(small_store, "cpu", (TopK(8),)) as source:
+        ids = torch.zeros(2, SEQ, dtype=torch.int64)
+        with pytest.raises(StoreMissing, match="lacks 2 of this batch's 2 rows"):
+            source.submit(ids, torch.ones_like(ids)).result(timeout=30)
+    with pytest.raises(StoreMissing, match="manifest.json does not exist: dump the teacher's outputs first"):
+        open_store_teacher(tmp_path / "nothing", "cpu", (TopK(8),))
+
+
+# ---- DDP and write-through ---------------------------------------------------------------------------
+
+
+def test_ddp_ranks_read_disjoint_rows_that_cover_the_store(setup, small_store, monkeypatch):
+    import student_trainer.store.directory
+
+    # One shard open at a time: shards are closed and opened again as the rows need them.
+    monkeypatch.setattr(student_trainer.store.directory, "OPEN_SHARDS", 1)
+    dataset = setup["dataset"]
+    read = []
+    for rank in range(2):
+        iterator = BatchIterator(dataset, BATCH, seed=5, rank=rank, world_size=2, num_epochs=1)
+        with open_store_teacher(small_store, "cpu", (TopK(8),), dataset=dataset, data_path=setup["data"],
+                                record_reads=True) as source:
+            for batch in iterator:
+                source.submit(batch["input_ids"], batch["attention_mask"]).result(timeout=30)
+        read.append(source.read_locations)
+    first, second = (set(locations) for locations in read)
+    assert len(first) == len(read[0]) and len(second) == len(read[1]) and not first & second
+    every = {(entry["file"], row) for entry in json.loads((small_store / fmt.MANIFEST).read_text())["shards"]
+             for row in range(entry["rows"])}
+    dropped = len(dataset) % (2 * BATCH)  # BatchIterator's remainder of the epoch, the same on both ranks
+    assert first | second <= every and len(every - (first | second)) == dropped
+
+
+class CountingTeacher:
+    """A LocalTeacher that records the batches it is asked for."""
+
+    def __init__(self, teacher):
+        self.teacher, self.asked = teacher, []
+        self.outputs, self.joined, self.address = teacher.outputs, teacher.joined, "local"
+
+    def submit(self, input_ids, attention_mask=None, **kwargs):
+        self.asked.append(input_ids.clone())
+        return self.teacher.submit(input_ids, attention_mask, **kwargs)
+
+
+def test_write_through_fills_exactly_the_missing_batches(setup, tmp_path):
+    dataset, directory = setup["dataset"], tmp_path / "store"
+    live = local_teacher(setup, (TopK(8),))
+    epoch = batches(dataset, seed=2)
+    first_half = epoch[: len(epoch) // 2]
+
+    def run(rows, teacher=None):
+        with open_store_teacher(directory, "cpu", (TopK(8),), dataset=dataset, data_path=setup["data"],
+                                teacher=teacher, model_name="tiny", rows_per_shard=5, record_reads=True) as source:
+            outs = [source.submit(b["input_ids"], b["attention_mask"]) for b in rows]
+            outs = [future.result(timeout=30) for future in outs]
+        return source, outs
+
+    counting = CountingTeacher(live)
+    # The store is created from the teacher and filled; the second time round the rows are read back
+    # from the writer (fewer than a shard's rows: not yet written).
+    source, outs = run(first_half + first_half, counting)
+    assert len(counting.asked) == len(first_half) and source.rows_written_through == BATCH * len(first_half)
+    for a, b in zip(outs, outs[len(first_half):]):
+        assert torch.equal(a.topk_values, b.topk_values) and torch.equal(a.topk_indices, b.topk_indices)
+
+    counting = CountingTeacher(live)
+    source, outs = run(epoch, counting)  # a whole epoch: only the batches of the second half are missing
+    assert [ids.tolist() for ids in counting.asked] == [b["input_ids"].tolist() for b in epoch[len(first_half):]]
+    assert source.rows_written_through == BATCH * (len(epoch) - len(first_half))
+    for batch, out in zip(epoch, outs):  # read or asked, the outputs are the teacher's
+        ref = live.submit(batch["input_ids"], batch["attention_mask"]).result()
+        assert torch.equal(out.topk_indices, ref.topk_indices) and torch.equal(out.topk_values, ref.topk_values)
+
+    source, _ = run(epoch)  # and now without a teacher
+    assert len(source.read_locations) == BATCH * len(epoch)
+    with pytest.raises(StoreMismatch, match="made with another teacher or outputs"):
+        run(epoch, CountingTeacher(local_teacher(setup, (TopK(4),))))
+
+
+def test_an_eagle3_draft_trains_from_a_store_dumped_for_it(setup, tmp_path):
+    """`dump --eagle3` stores the final hidden state (and the head), the aux layers and the argmax;
+    `eagle3 --teacher-outputs` reads its draft vocabulary's logits from them."""
+    import math
+
+    from student_trainer.eagle3.config import Eagle3Config
+    from student_trainer.eagle3.train import train_eagle3
+
+    store = tmp_path / "store"
+    dump(dump_config(setup, store, topk=0, eagle3=True, aux_layers=(0, 1, 2)))
+    config = Eagle3Config(target_model=str(setup["teacher"]), data=str(setup["data"]), teacher_outputs=str(store),
+                          output_dir=str(tmp_path / "run"), seq_len=SEQ, batch_size=2, max_steps=1, ttt_steps=2,
+                          aux_layers=(0, 1, 2), draft_vocab_size=64, device="cpu", log_level="WARNING")
+    result = train_eagle3(config)
+    assert result["step"] == 1 and all(math.isfinite(record["loss"]) for record in result["history"])
+    assert (tmp_path / "run" / "draft" / "config.json").exists()
+
+
+def test_zstd_without_the_package_is_refused_by_its_flag(setup, tmp_path):
+    from distill_common.settings import ConfigError
+
+    try:
+        import zstandard  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match=r"--zstd-level: zstd compression needs the zstandard package: pip "
+                                              r"install 'teacher-service\[store-zstd\]'"):
+            dump_config(setup, tmp_path / "s", zstd_level=3)
+    else:
+        assert dump_config(setup, tmp_path / "s", zstd_level=3).zstd_level == 3
+
+
+def test_the_dump_command_says_what_to_change(setup, small_store, capsys, caplog):
+    from student_trainer.__main__ import main
+
+    common = ["dump", "--data", str(setup["data"]), "--seq-len", str(SEQ), "--device", "cpu", "--batch-size", "4",
+              "--rows-per-shard", "8"]
+    with pytest.raises(SystemExit):
+        main([*common, "--teacher-outputs", str(small_store), "--topk", "8"])  # neither --teacher nor --model
+    assert "give --teacher HOST:PORT (a served teacher) or --model (one loaded here)" in capsys.readouterr().err
+    # Another k than the store holds: refused naming the manifest, exit status 1, no traceback.
+    assert main([*common, "--teacher-outputs", str(small_store), "--model", str(setup["teacher"]), "--topk", "4"]) == 1
+    assert re.search(r"StoreMismatch: .*manifest\.json was made with another teacher or outputs than the one given to "
+                     r"fill it: outputs topk=8 in float32 there, topk=4 in float32 here", caplog.text), caplog.text
