@@ -1098,6 +1098,9 @@ class SpanLogprobs(CrossTokenizerKind):
         values, exact = tensors
         return {"span_logprobs": values, "span_exact": exact.bool()}
 
+    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
+        return [out.span_logprobs, out.span_exact.to(torch.uint8)]
+
     def __str__(self) -> str:
         return "span_logprobs"
 
@@ -1166,6 +1169,10 @@ class ProjectedNext(CrossTokenizerKind):
         probs, mass, *rest = tensors
         return {"projected_probs": probs, "unmatched_mass": mass, "unmatched_topk": rest[0] if rest else None}
 
+    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
+        rest = [out.unmatched_topk] if out.unmatched_topk is not None else []
+        return [out.projected_probs, out.unmatched_mass, *rest]
+
     def __str__(self) -> str:
         return f"projected(rest_topk={self.rest_topk}{', by prefix' if self.by_prefix else ''})"
 
@@ -1204,6 +1211,9 @@ class SortedProbs(CrossTokenizerKind):
     def assemble(self, tensors: list[torch.Tensor]) -> dict:
         (values,) = tensors
         return {"sorted_probs": values}
+
+    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
+        return [out.sorted_probs]
 
     def __str__(self) -> str:
         return f"sorted_topk={self.k}"

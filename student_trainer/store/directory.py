@@ -309,9 +309,11 @@ class TeacherStore:
         directory.mkdir(parents=True, exist_ok=True)
         if zstd_level:
             fmt.zstd_module()  # refused now, not at the first shard
-        if any(isinstance(kind, Output) and kind.batch_field for kind in request):
-            raise StoreError(f"{request} reads data the student sends with each batch (ids to score), which change "
-                             "every step: it cannot be stored")
+        per_batch = [kind for kind in request if isinstance(kind, Output) and kind.batch_field]
+        if per_batch:
+            raise StoreError(f"{request} reads data the student sends with each batch "
+                             f"({', '.join(kind.batch_field for kind in per_batch)}): it cannot be stored; "
+                             "ask the teacher for these outputs while training")
         codecs = fmt.codecs_for(request, data["seq_len"], pack=pack_ids, zstd_level=zstd_level)
         manifest = {"format": fmt.FORMAT, "teacher": teacher,
                     "outputs": {"spec": fmt.spec_to_json(output_spec(request.kinds, wire.dtype_name(request.dtype))),
