@@ -28,6 +28,8 @@ class Batch:
     data: dict[str, torch.Tensor] = field(default_factory=dict, compare=False)
     # Handed to delivery (its sends posted, or failed): its student hears of it once.
     handed: bool = field(default=False, compare=False)
+    # What its outputs take in teacher memory until the student has them (the scheduler's budget).
+    output_bytes: int = field(default=0, compare=False)
 
     @functools.cached_property
     def key(self) -> bytes:
