@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import multiprocessing
 import resource
 import socket
 import threading
@@ -20,7 +21,6 @@ from pathlib import Path
 
 import grpc
 import requests
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from distill_common.channel import SESSION_SECRET_KEY
@@ -240,6 +240,8 @@ class RendezvousWaits(_AsyncAttack):
         self.job_id, self.calls, self.keys = job_id, calls, keys
 
     async def attack(self, stop: threading.Event) -> None:
+        import torch
+
         channel = self.channel()
         join = channel.unary_unary(SERVICE + "Join", request_serializer=pb.JoinRequest.SerializeToString,
                                    response_deserializer=pb.JoinResponse.FromString)
@@ -302,6 +304,8 @@ class SlowConsumers(Attack):
         self.address, self.token, self.job_id, self.sessions, self.shape = address, token, job_id, sessions, shape
 
     def run(self, stop: threading.Event) -> None:
+        import torch
+
         from student_trainer import TeacherClient
         from student_trainer.session import Session
 
@@ -337,58 +341,36 @@ class SlowConsumers(Attack):
 
 class Watch:
     """What honest parties see while an attack runs: every `interval_s` a liveness probe
-    (GET /healthz) and the operator's GetInfo (on the operator's connection), and a grpc
-    health check on a new connection; the teacher's RSS and descriptors at their highest."""
+    (GET /healthz) and the operator's GetInfo (on the operator's connection), and each second a
+    grpc health check on a new connection; the teacher's RSS and descriptors at their highest.
+
+    It runs in a process of its own, as an operator's tools would: in the test's process it
+    would wait for the interpreter lock behind the attacks' threads.
+    """
 
     def __init__(self, server, operator_token: str, interval_s: float = 0.25):
-        self.server, self.token, self.interval_s = server, operator_token, interval_s
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        self._results = context.Queue()
+        self._process = context.Process(target=_watch, daemon=True, args=(
+            server.address, server.http, server.proc.pid, operator_token, interval_s, self._stop, self._results))
         self.probes = Counter()
         self.get_info_s: list[float] = []
         self.peak_rss_mib = 0.0
         self.peak_descriptors = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="watch", daemon=True)
 
     def __enter__(self):
-        self._thread.start()
+        self._process.start()
+        assert self._results.get(timeout=60) == "watching"
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(30)
-
-    def _run(self) -> None:
-        pid = self.server.proc.pid
-        get_info_call = None
-        with grpc.insecure_channel(self.server.address) as channel:
-            get_info_call = channel.unary_unary(SERVICE + "GetInfo")
-            last_health = 0.0
-            while not self._stop.is_set():
-                started = time.monotonic()
-                try:
-                    ok = requests.get(f"{self.server.http}/healthz", timeout=2).status_code == 200
-                except requests.RequestException:
-                    ok = False
-                self.probes["healthz ok" if ok else "healthz failed"] += 1
-                started_info = time.monotonic()
-                try:
-                    get_info_call(pb.GetInfoRequest().SerializeToString(), metadata=bearer(self.token), timeout=5)
-                    self.get_info_s.append(time.monotonic() - started_info)
-                except grpc.RpcError as e:
-                    self.probes[f"GetInfo {e.code().name}"] += 1
-                    self.get_info_s.append(float("inf"))
-                if started - last_health >= 1.0:
-                    last_health = started
-                    try:
-                        with grpc.insecure_channel(self.server.address) as fresh:
-                            reply = health_pb2_grpc.HealthStub(fresh).Check(health_pb2.HealthCheckRequest(), timeout=3)
-                        self.probes["grpc health ok" if reply.status == health_pb2.HealthCheckResponse.SERVING
-                                    else "grpc health not serving"] += 1
-                    except grpc.RpcError as e:
-                        self.probes[f"grpc health {e.code().name}"] += 1
-                self.peak_rss_mib = max(self.peak_rss_mib, rss_mib(pid))
-                self.peak_descriptors = max(self.peak_descriptors, descriptors(pid))
-                self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
+        seen = self._results.get(timeout=60)
+        self._process.join(30)
+        self.probes = Counter(seen["probes"])
+        self.get_info_s = seen["get_info_s"]
+        self.peak_rss_mib, self.peak_descriptors = seen["peak_rss_mib"], seen["peak_descriptors"]
 
     @property
     def healthz_fraction(self) -> float:
@@ -405,3 +387,42 @@ class Watch:
                 f"GetInfo p99 {self.get_info_p99_s * 1000:.0f} ms of {len(self.get_info_s)}, "
                 f"probes {dict(self.probes)}, peak RSS {self.peak_rss_mib:.0f} MiB, "
                 f"peak descriptors {self.peak_descriptors}")
+
+
+def _watch(address: str, http: str, pid: int, token: str, interval_s: float, stop, results) -> None:
+    """Watch's process: probes until `stop`, then puts what it saw on `results`."""
+    probes: Counter = Counter()
+    get_info_s: list[float] = []
+    peak_rss, peak_descriptors = 0.0, 0
+    last_health = 0.0
+    with grpc.insecure_channel(address) as channel, requests.Session() as http_session:
+        get_info = channel.unary_unary(SERVICE + "GetInfo")
+        results.put("watching")
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                ok = http_session.get(f"{http}/healthz", timeout=2).status_code == 200
+            except requests.RequestException:
+                ok = False
+            probes["healthz ok" if ok else "healthz failed"] += 1
+            started_info = time.monotonic()
+            try:
+                get_info(pb.GetInfoRequest().SerializeToString(), metadata=bearer(token), timeout=5)
+                get_info_s.append(time.monotonic() - started_info)
+            except grpc.RpcError as e:
+                probes[f"GetInfo {e.code().name}"] += 1
+                get_info_s.append(float("inf"))
+            if started - last_health >= 1.0:
+                last_health = started
+                try:
+                    with grpc.insecure_channel(address) as fresh:
+                        reply = health_pb2_grpc.HealthStub(fresh).Check(health_pb2.HealthCheckRequest(), timeout=3)
+                    probes["grpc health ok" if reply.status == health_pb2.HealthCheckResponse.SERVING
+                           else "grpc health not serving"] += 1
+                except grpc.RpcError as e:
+                    probes[f"grpc health {e.code().name}"] += 1
+            peak_rss = max(peak_rss, rss_mib(pid))
+            peak_descriptors = max(peak_descriptors, descriptors(pid))
+            stop.wait(max(0.0, interval_s - (time.monotonic() - started)))
+    results.put({"probes": dict(probes), "get_info_s": get_info_s, "peak_rss_mib": peak_rss,
+                 "peak_descriptors": peak_descriptors})
