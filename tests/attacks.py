@@ -216,6 +216,7 @@ class HalfOpenCalls(_AsyncAttack):
                 try:
                     code = await call.code()
                     self.note(code)
+                    self.details.setdefault(code.name, (await call.details() or "")[:200])
                 finally:
                     calls.remove(call)
                 await asyncio.sleep(0.05)

@@ -133,6 +133,7 @@ def test_half_open_calls_of_one_job_refuse_only_that_job(server, honest):
     attack = ATTACKS["half_open_calls"](server)
     under_attack(attack, server, honest, SHORT_S)
     assert attack.counts["RESOURCE_EXHAUSTED"] > 100, attack.counts
+    assert "job 'attacker' has" in attack.details["RESOURCE_EXHAUSTED"], attack.details
 
 
 def test_sessions_that_never_receive_hold_their_share_only(server, honest):
