@@ -2,9 +2,9 @@
 
 Each attack is a context manager: entering starts it (threads of the test process, an
 asyncio loop for the gRPC ones), leaving stops it and closes what it opened; `counts` says
-what it did and what the teacher answered. `Watch` is the honest side's view: the
-liveness probe, the operator's GetInfo, a grpc health check on a new connection each
-time, and the teacher's memory.
+what it did and what the teacher answered. `Observer.watch()` is the honest side's view:
+the liveness probe, the operator's GetInfo, a grpc health check on a new connection each
+second, and the teacher's memory.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import multiprocessing
+import queue
 import resource
 import socket
 import threading
@@ -340,35 +341,47 @@ class SlowConsumers(Attack):
             Session._post_announced = original
 
 
-class Watch:
-    """What honest parties see while an attack runs: every `interval_s` a liveness probe
-    (GET /healthz) and the operator's GetInfo (on the operator's connection), and each second a
-    grpc health check on a new connection; the teacher's RSS and descriptors at their highest.
-
-    It runs in a process of its own, as an operator's tools would: in the test's process it
-    would wait for the interpreter lock behind the attacks' threads.
-    """
+class Observer:
+    """The honest side's tools, in a process of their own (as an operator's would be: in the
+    test's process they would wait for the interpreter lock behind the attacks' threads),
+    started once; `watch()` is one window of watching."""
 
     def __init__(self, server, operator_token: str, interval_s: float = 0.25):
         context = multiprocessing.get_context("spawn")
-        self._stop = context.Event()
-        self._results = context.Queue()
-        self._process = context.Process(target=_watch, daemon=True, args=(
-            server.address, server.http, server.proc.pid, operator_token, interval_s, self._stop, self._results))
+        self.commands, self.results = context.Queue(), context.Queue()
+        self._process = context.Process(target=_observe, daemon=True, args=(
+            server.address, server.http, server.proc.pid, operator_token, interval_s, self.commands, self.results))
+        self._process.start()
+        assert self.results.get(timeout=60) == "ready"
+
+    def watch(self) -> Watch:
+        return Watch(self)
+
+    def close(self) -> None:
+        self.commands.put(None)
+        self._process.join(30)
+
+
+class Watch:
+    """What honest parties saw in one window: every `interval_s` a liveness probe (GET
+    /healthz) and the operator's GetInfo (on the operator's connection), each second a grpc
+    health check on a new connection; the teacher's RSS and descriptors at their highest."""
+
+    def __init__(self, observer: Observer):
+        self._observer = observer
         self.probes = Counter()
         self.get_info_s: list[float] = []
         self.peak_rss_mib = 0.0
         self.peak_descriptors = 0
 
     def __enter__(self):
-        self._process.start()
-        assert self._results.get(timeout=60) == "watching"
+        self._observer.commands.put("start")
+        assert self._observer.results.get(timeout=30) == "watching"
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        seen = self._results.get(timeout=60)
-        self._process.join(30)
+        self._observer.commands.put("stop")
+        seen = self._observer.results.get(timeout=60)
         self.probes = Counter(seen["probes"])
         self.get_info_s = seen["get_info_s"]
         self.peak_rss_mib, self.peak_descriptors = seen["peak_rss_mib"], seen["peak_descriptors"]
@@ -390,40 +403,46 @@ class Watch:
                 f"peak descriptors {self.peak_descriptors}")
 
 
-def _watch(address: str, http: str, pid: int, token: str, interval_s: float, stop, results) -> None:
-    """Watch's process: probes until `stop`, then puts what it saw on `results`."""
-    probes: Counter = Counter()
-    get_info_s: list[float] = []
-    peak_rss, peak_descriptors = 0.0, 0
-    last_health = 0.0
+def _observe(address: str, http: str, pid: int, token: str, interval_s: float, commands, results) -> None:
+    """Observer's process: a window of probes from each "start" to its "stop", put on `results`."""
     with grpc.insecure_channel(address) as channel, requests.Session() as http_session:
         get_info = channel.unary_unary(SERVICE + "GetInfo")
-        results.put("watching")
-        while not stop.is_set():
-            started = time.monotonic()
-            try:
-                ok = http_session.get(f"{http}/healthz", timeout=2).status_code == 200
-            except requests.RequestException:
-                ok = False
-            probes["healthz ok" if ok else "healthz failed"] += 1
-            started_info = time.monotonic()
-            try:
-                get_info(pb.GetInfoRequest().SerializeToString(), metadata=bearer(token), timeout=5)
-                get_info_s.append(time.monotonic() - started_info)
-            except grpc.RpcError as e:
-                probes[f"GetInfo {e.code().name}"] += 1
-                get_info_s.append(float("inf"))
-            if started - last_health >= 1.0:
-                last_health = started
+        results.put("ready")
+        while commands.get() == "start":
+            probes: Counter = Counter()
+            get_info_s: list[float] = []
+            peak_rss, peak_descriptors = 0.0, 0
+            last_health = 0.0
+            results.put("watching")
+            while True:
+                started = time.monotonic()
                 try:
-                    with grpc.insecure_channel(address) as fresh:
-                        reply = health_pb2_grpc.HealthStub(fresh).Check(health_pb2.HealthCheckRequest(), timeout=3)
-                    probes["grpc health ok" if reply.status == health_pb2.HealthCheckResponse.SERVING
-                           else "grpc health not serving"] += 1
+                    ok = http_session.get(f"{http}/healthz", timeout=2).status_code == 200
+                except requests.RequestException:
+                    ok = False
+                probes["healthz ok" if ok else "healthz failed"] += 1
+                started_info = time.monotonic()
+                try:
+                    get_info(pb.GetInfoRequest().SerializeToString(), metadata=bearer(token), timeout=5)
+                    get_info_s.append(time.monotonic() - started_info)
                 except grpc.RpcError as e:
-                    probes[f"grpc health {e.code().name}"] += 1
-            peak_rss = max(peak_rss, rss_mib(pid))
-            peak_descriptors = max(peak_descriptors, descriptors(pid))
-            stop.wait(max(0.0, interval_s - (time.monotonic() - started)))
-    results.put({"probes": dict(probes), "get_info_s": get_info_s, "peak_rss_mib": peak_rss,
-                 "peak_descriptors": peak_descriptors})
+                    probes[f"GetInfo {e.code().name}"] += 1
+                    get_info_s.append(float("inf"))
+                if started - last_health >= 1.0:
+                    last_health = started
+                    try:
+                        with grpc.insecure_channel(address) as fresh:
+                            reply = health_pb2_grpc.HealthStub(fresh).Check(health_pb2.HealthCheckRequest(), timeout=3)
+                        probes["grpc health ok" if reply.status == health_pb2.HealthCheckResponse.SERVING
+                               else "grpc health not serving"] += 1
+                    except grpc.RpcError as e:
+                        probes[f"grpc health {e.code().name}"] += 1
+                peak_rss = max(peak_rss, rss_mib(pid))
+                peak_descriptors = max(peak_descriptors, descriptors(pid))
+                try:
+                    if commands.get(timeout=max(0.001, interval_s - (time.monotonic() - started))) == "stop":
+                        break
+                except queue.Empty:
+                    pass
+            results.put({"probes": dict(probes), "get_info_s": get_info_s, "peak_rss_mib": peak_rss,
+                         "peak_descriptors": peak_descriptors})

@@ -22,9 +22,9 @@ import torch
 
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from teacher_server.launcher import ServerProcess, child_env
-from tests.attacks import (HalfOpenCalls, IdleConnections, RendezvousWaits, SlowBodies, SlowConsumers, Watch, bearer,
-                           rss_mib)
-from tests.helpers import build_tiny_model, finish_student, start_student, wait_for_line
+from tests.attacks import (HalfOpenCalls, IdleConnections, Observer, RendezvousWaits, SlowBodies, SlowConsumers, Watch,
+                           bearer, rss_mib)
+from tests.helpers import build_tiny_model, finish_student, free_port, start_student, wait_for_line
 
 OPERATOR = "availability-operator-token"
 ATTACKER = "attacker-job-token-0123456789"
@@ -46,30 +46,42 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
+    """The teacher, and the honest student started just before it on the same ports (it loads
+    its model while the teacher starts, then joins): see `honest`."""
     tokens = tmp_path_factory.mktemp("tokens") / "tokens.json"
     tokens.write_text(json.dumps({"attacker": {"token": ATTACKER, "max_sessions": 3},
                                   "honest": {"token": HONEST, "max_sessions": 2}}))
-    server = ServerProcess("--model", str(model_dir), "--max-sessions", "8", "--max-batch-tokens", "2048",
-                           "--max-seq-len", "512", "--lease-s", str(LEASE_S), "--heartbeat-interval-s", "0.5",
-                           "--join-timeout-s", "5", "--job-tokens", str(tokens),
-                           "--http-max-connections", "32", "--http-header-timeout-s", "2",
-                           "--grpc-idle-timeout-s", "2", "--request-timeout-s", "3",
-                           "--grpc-max-connections", str(GRPC_MAX_CONNECTIONS),
-                           "--max-held-bytes", str(HELD_LIMIT_BYTES), "--transfer-timeout-s", "60",
-                           env=child_env(TEACHER_AUTH_TOKEN=OPERATOR))
+    grpc_port, http_port = free_port(), free_port()
+    work = tmp_path_factory.mktemp("honest")
+    stop, out = work / "stop", work / "report.json"
+    student = start_student(f"127.0.0.1:{grpc_port}", model_dir, out, "--batches", "0", "--stop-file", str(stop),
+                            "--topk", "5", "--hidden-layers", "0,2", "--max-len", "24", "--job-id", "honest",
+                            "--pause-s", "0.02", env=child_env(TEACHER_AUTH_TOKEN=HONEST))
+    try:
+        server = ServerProcess("--model", str(model_dir), "--port", str(grpc_port), "--http-port", str(http_port),
+                               "--max-sessions", "8", "--max-batch-tokens", "2048",
+                               "--max-seq-len", "512", "--lease-s", str(LEASE_S), "--heartbeat-interval-s", "0.5",
+                               "--join-timeout-s", "5", "--job-tokens", str(tokens),
+                               "--http-max-connections", "32", "--http-header-timeout-s", "2",
+                               "--grpc-idle-timeout-s", "2", "--request-timeout-s", "3",
+                               "--grpc-max-connections", str(GRPC_MAX_CONNECTIONS),
+                               "--max-held-bytes", str(HELD_LIMIT_BYTES), "--transfer-timeout-s", "60",
+                               env=child_env(TEACHER_AUTH_TOKEN=OPERATOR))
+    except BaseException:
+        student.kill()
+        raise
+    server.honest_student = (student, out, stop)
     yield server
+    if student.poll() is None:
+        student.kill()
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def honest(server, model_dir, tmp_path_factory):
+def honest(server):
     """An honest student through every attack: at the end, every batch it received equals the
-    local model's, and it kept its first session throughout."""
-    work = tmp_path_factory.mktemp("honest")
-    stop, out = work / "stop", work / "report.json"
-    proc = start_student(server.address, model_dir, out, "--batches", "0", "--stop-file", str(stop),
-                         "--topk", "5", "--hidden-layers", "0,2", "--max-len", "24", "--job-id", "honest",
-                         "--pause-s", "0.02", env=child_env(TEACHER_AUTH_TOKEN=HONEST))
+    local model's, and it kept its first session throughout. Its session id."""
+    proc, out, stop = server.honest_student
     session_id = wait_for_line(proc, "JOINED").split()[1]
     yield session_id
     stop.touch()
@@ -77,6 +89,13 @@ def honest(server, model_dir, tmp_path_factory):
     assert report["reconnects"] == 0 and report["session_id"] == session_id, report
     assert report["checked"] == len(report["received"]) > 0
     assert all(value < TOLERANCE for value in report["worst"].values()), report["worst"]
+
+
+@pytest.fixture(scope="module")
+def observer(server):
+    observer = Observer(server, OPERATOR)
+    yield observer
+    observer.close()
 
 
 def honest_batches_sent(server, session_id: str) -> int:
@@ -88,10 +107,10 @@ def honest_batches_sent(server, session_id: str) -> int:
     return session["batches_sent"]
 
 
-def under_attack(attack, server, honest: str, seconds: float, during=None) -> Watch:
+def under_attack(attack, observer: Observer, server, honest: str, seconds: float, during=None) -> Watch:
     """Runs `attack` for `seconds` with the honest side watching; checks what it saw."""
     sent_before = honest_batches_sent(server, honest)
-    with Watch(server, OPERATOR) as watch, attack:
+    with observer.watch() as watch, attack:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             if during is not None:
@@ -112,31 +131,31 @@ ATTACKS = {
 }
 
 
-def test_http_bodies_trickled_a_byte_a_second(server, honest):
+def test_http_bodies_trickled_a_byte_a_second(server, observer, honest):
     attack = ATTACKS["slow_bodies"](server)
-    watch = under_attack(attack, server, honest, SHORT_S)
+    watch = under_attack(attack, observer, server, honest, SHORT_S)
     # Gigabyte bodies are refused at their headers; the others end at the request deadline
     # (2 s) or when a newer connection displaces them.
     assert attack.counts["413"] > 0 and attack.counts["closed by the teacher"] > 40, attack.counts
     assert watch.peak_descriptors < 400, watch.summary()
 
 
-def test_idle_grpc_connections_past_the_cap(server, honest):
+def test_idle_grpc_connections_past_the_cap(server, observer, honest):
     attack = ATTACKS["idle_connections"](server)
-    watch = under_attack(attack, server, honest, SHORT_S)
+    watch = under_attack(attack, observer, server, honest, SHORT_S)
     # Past the cap new connections close at once; the rest after the idle timeout (2 s).
     assert attack.counts["closed by the teacher"] > 200, attack.counts
     assert watch.peak_descriptors < GRPC_MAX_CONNECTIONS + 600, watch.summary()
 
 
-def test_half_open_calls_of_one_job_refuse_only_that_job(server, honest):
+def test_half_open_calls_of_one_job_refuse_only_that_job(server, observer, honest):
     attack = ATTACKS["half_open_calls"](server)
-    under_attack(attack, server, honest, SHORT_S)
+    under_attack(attack, observer, server, honest, SHORT_S)
     assert attack.counts["RESOURCE_EXHAUSTED"] > 100, attack.counts
     assert "job 'attacker' has" in attack.details["RESOURCE_EXHAUSTED"], attack.details
 
 
-def test_sessions_that_never_receive_hold_their_share_only(server, honest):
+def test_sessions_that_never_receive_hold_their_share_only(server, observer, honest):
     attack = ATTACKS["slow_consumers"](server)
     held = []
 
@@ -146,16 +165,16 @@ def test_sessions_that_never_receive_hold_their_share_only(server, honest):
         held.append(status["held_bytes"])
         assert status["held_bytes_limit"] == HELD_LIMIT_BYTES
 
-    under_attack(attack, server, honest, SHORT_S, during=sample)
+    under_attack(attack, observer, server, honest, SHORT_S, during=sample)
     assert attack.counts["submitted"] == 16, attack.counts
     # At most the limit plus one batch (a session holding nothing may take one past its share).
     batch_bytes = ATTACK_SHAPE[0] * ATTACK_SHAPE[1] * 384 * 4
     assert 0 < max(held) <= HELD_LIMIT_BYTES + batch_bytes, held
 
 
-def test_rendezvous_waits_with_many_keys(server, honest):
+def test_rendezvous_waits_with_many_keys(server, observer, honest):
     attack = ATTACKS["rendezvous_waits"](server)
-    under_attack(attack, server, honest, SHORT_S)
+    under_attack(attack, observer, server, honest, SHORT_S)
     assert attack.counts["INVALID_ARGUMENT"] > 0 and attack.counts["joined"] >= 1, (attack.counts, attack.details)
     assert "more than the 8 a call may" in attack.details["INVALID_ARGUMENT"], attack.details
 
@@ -176,7 +195,7 @@ def test_control_characters_in_client_strings_are_refused_at_join(server):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(ATTACKS))
-def test_five_rounds_of_each_attack_for_a_minute(server, honest, kind):
+def test_five_rounds_of_each_attack_for_a_minute(server, observer, honest, kind):
     """Five rounds of 12 s: the bounds hold throughout, and after each round the teacher's RSS
     comes back within 100 MB of where it started, no higher after the fifth than the first."""
     pid = server.proc.pid
@@ -184,7 +203,7 @@ def test_five_rounds_of_each_attack_for_a_minute(server, honest, kind):
     after_mib = []
     for round_ in range(5):
         attack = ATTACKS[kind](server)
-        watch = under_attack(attack, server, honest, 12.0)
+        watch = under_attack(attack, observer, server, honest, 12.0)
         deadline = time.monotonic() + 20  # closed connections and ended sessions give their memory back
         while rss_mib(pid) > start_mib + 50 and time.monotonic() < deadline:
             time.sleep(0.5)
