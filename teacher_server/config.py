@@ -95,16 +95,17 @@ class ServerConfig:
         "--max-batch-tokens needs, or a Join whose logit subset is the whole vocabulary, whichever is larger)")})
     # Room for a reconnecting student whose old stream has not ended yet.
     max_streams: int = field(default=0, metadata=_help(
-        "submit streams (and grpc.health Watch streams) open at once (0: 2 x --max-sessions)"))
+        "submit streams (and grpc.health Watch streams) open at once with the operator's token (every caller "
+        "without a job token); a job's: 2 per session it may hold, at most this (0: 2 x --max-sessions)"))
     max_rpcs: int = field(default=0, metadata=_help(
-        "other calls in progress at once, and health checks waiting for their request "
-        "(0: 4 x --max-sessions + 16)"))
+        "other calls in progress at once with the operator's token (heartbeats and leaves as many again), the "
+        "most --max-job-rpcs may be, and health checks waiting for their request (0: 4 x --max-sessions + 16)"))
     # Heartbeat and Leave of a job draw from a budget of their own (of the same size), so that
     # the job's other calls cannot stop its sessions' upkeep.
     max_job_rpcs: int = field(default=0, metadata=_help(
-        "calls one job (or the callers without a job token, together) may have in progress at once, each kind "
-        "of budget on its own: streams at most --max-streams, other calls at most this, heartbeats and leaves "
-        "at most this again (0: 4 x the job's max_sessions + 16, at most --max-rpcs)"))
+        "calls other than streams one job (by its job token) may have in progress at once, its heartbeats and "
+        "leaves as many again apart; other jobs' and the operator's calls have budgets of their own "
+        "(0: 4 x the job's max_sessions + 16, at most --max-rpcs)"))
     request_timeout_s: float = field(default=10.0, metadata=_help(
         "a unary gRPC call whose request has not arrived within this long of its headers is refused"))
     # A connection without a call holds a descriptor and ~14 KiB of grpc's memory; it is closed

@@ -252,9 +252,6 @@ class CallGuard(grpc.aio.ServerInterceptor):
             return c.rpcs_limit, "--max-rpcs"
         return c.job_rpcs_limit(caller.max_sessions), "--max-job-rpcs"
 
-    def in_progress(self, job_id: str | None, budget: str) -> int:
-        return self._in_progress.get((job_id, budget), 0)
-
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None:
