@@ -405,7 +405,7 @@ class Watch:
 
 def _observe(address: str, http: str, pid: int, token: str, interval_s: float, commands, results) -> None:
     """Observer's process: a window of probes from each "start" to its "stop", put on `results`."""
-    with grpc.insecure_channel(address) as channel, requests.Session() as http_session:
+    with grpc.insecure_channel(address) as channel:
         get_info = channel.unary_unary(SERVICE + "GetInfo")
         results.put("ready")
         while commands.get() == "start":
@@ -416,8 +416,8 @@ def _observe(address: str, http: str, pid: int, token: str, interval_s: float, c
             results.put("watching")
             while True:
                 started = time.monotonic()
-                try:
-                    ok = http_session.get(f"{http}/healthz", timeout=2).status_code == 200
+                try:  # a connection of its own each time, as kubelet's probes
+                    ok = requests.get(f"{http}/healthz", timeout=2, headers={"Connection": "close"}).status_code == 200
                 except requests.RequestException:
                     ok = False
                 probes["healthz ok" if ok else "healthz failed"] += 1
