@@ -31,7 +31,7 @@ import grpc
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from distill_common.settings import ConfigError, flag
+from distill_common.settings import flag
 from teacher_server.config import ServerConfig
 from teacher_server.errors import ResourceExhausted, ServiceError, Unauthenticated
 from teacher_server.metrics import Metrics
@@ -175,14 +175,17 @@ def raise_descriptor_limit() -> int:
 def grpc_connections_limit(config: ServerConfig, descriptors: int) -> int:
     """How many gRPC connections may be open: --grpc-max-connections (0: 8192), at most what the
     descriptor limit leaves once HTTP (its cap and accept backlog), the sessions' data planes
-    and the process itself have theirs."""
+    and the process itself have theirs. With too few descriptors for all of that, a quarter of
+    them, and a warning that says what to raise."""
     reserved = (2 * config.http_max_connections + DESCRIPTORS_PER_SESSION * config.max_sessions
                 + DESCRIPTORS_FOR_THE_PROCESS)
     room = descriptors - reserved
-    if room < 16:
-        raise ConfigError(f"the descriptor limit {descriptors} (ulimit -n) leaves {room} for gRPC connections once "
-                          f"HTTP, {config.max_sessions} sessions' data planes and the process have theirs "
-                          f"({reserved}): raise the limit, or lower --max-sessions or --http-max-connections")
+    if room < 64:
+        room = max(16, descriptors // 4)
+        log.warning("the descriptor limit %d (ulimit -n) leaves too few for gRPC connections once HTTP, %d sessions' "
+                    "data planes and the process have theirs (%d): gRPC connections are capped at %d; raise the "
+                    "limit, or lower --max-sessions or --http-max-connections", descriptors, config.max_sessions,
+                    reserved, room)
     return min(config.grpc_max_connections or DEFAULT_GRPC_MAX_CONNECTIONS, room)
 
 
