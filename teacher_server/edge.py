@@ -207,7 +207,6 @@ def grpc_server_options(config: ServerConfig, max_connections: int) -> list[tupl
             ("grpc.max_concurrent_streams", config.grpc_max_streams_per_connection)]
 
 
-
 # Calls that keep a session alive or end it: a budget of their own, so that a job's other
 # calls (a burst of submits, a stuck status poll) cannot make its sessions expire.
 _UPKEEP_METHODS = frozenset({"/teacher.v1.TeacherService/Heartbeat", "/teacher.v1.TeacherService/Leave"})

@@ -181,7 +181,8 @@ def test_rendezvous_waits_with_many_keys(server, observer, honest):
 
 def test_control_characters_in_client_strings_are_refused_at_join(server):
     with grpc.insecure_channel(server.address) as channel:
-        join = channel.unary_unary("/teacher.v1.TeacherService/Join", request_serializer=pb.JoinRequest.SerializeToString,
+        join = channel.unary_unary("/teacher.v1.TeacherService/Join",
+                                   request_serializer=pb.JoinRequest.SerializeToString,
                                    response_deserializer=pb.JoinResponse.FromString)
         for job_id, peer_uuid in (("ok\n2026-12-03 INFO session forged joined", ""), ("fine", "GPU-\x1b[2J")):
             peer = pb.PeerInfo(device_type="cpu", torch_version=torch.__version__, device_uuid=peer_uuid)
