@@ -20,8 +20,11 @@ calls it makes from C++ threads can run.
 
 Bounds, each a refusal that names the limit: a session's store holds at most
 `MAX_KEYS` keys and `MAX_BYTES` bytes written by its student (a gloo or NCCL group
-needs a handful of keys and well under a KiB); a call waits at most `MAX_WAIT_S` (the
-student asks again until its own deadline).
+needs a handful of keys and well under a KiB); a call names at most `MAX_KEYS_PER_CALL`
+keys and waits at most `MAX_WAIT_S` (the student asks again until its own deadline). A
+waiting call costs nothing until one of its keys is written: every write, the student's
+through the RPC and the teacher's own end's from the threads that build its group, wakes
+the calls waiting on that key (`_NotifyingStore`), which then check their keys once.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 MAX_KEYS = 64
 MAX_BYTES = 64 << 10
 MAX_WAIT_S = 5.0
+MAX_KEYS_PER_CALL = 8
 _Op = pb.RendezvousRequest.Op
 
 
@@ -61,11 +65,12 @@ class SessionStore:
 
     def __init__(self, timeout_s: float):
         """`timeout_s`: how long the teacher's own waits on the store last (its join timeout)."""
-        self.store = dist.HashStore()
-        self.store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        self.store = _NotifyingStore(timeout_s, self._written_to)
         self._written: dict[str, int] = {}  # by key: the bytes the student's calls hold there
         self._closed = False
-        self._lock = threading.Lock()  # the quota's count; the store itself is thread-safe
+        self._lock = threading.Lock()  # the quota's count and the waiters; the store itself is thread-safe
+        # By key: the (loop, event) of each call waiting on it.
+        self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
 
     async def serve(self, request: pb.RendezvousRequest) -> pb.RendezvousResponse:
         """One call, whose session secret the service checked. Raises RendezvousError."""
@@ -108,12 +113,15 @@ class SessionStore:
         raise RendezvousError("invalid", f"unknown rendezvous operation {op}")  # new in the proto, not served here
 
     def close(self) -> None:
-        """The session ended: its keys are deleted and later calls refused."""
+        """The session ended: its keys are deleted, later calls refused, waiting ones woken (to be refused)."""
         with self._lock:
             self._closed = True
             self._written.clear()
-        for key in self.store.list_keys():
-            self.store.delete_key(key)
+            waiters = {waiter for by_key in self._waiters.values() for waiter in by_key}
+        for key in self.store.inner.list_keys():
+            self.store.inner.delete_key(key)
+        for loop, event in waiters:
+            _wake(loop, event)
 
     # ---- helpers -------------------------------------------------------------------
 
@@ -128,6 +136,9 @@ class SessionStore:
         if not keys or (one and len(keys) != 1) or any(not key for key in keys):
             raise RendezvousError("invalid", f"rendezvous {_op_name(request.op)} needs {'one key' if one else 'keys'}, "
                                   f"got {len(keys)}")
+        if len(keys) > MAX_KEYS_PER_CALL:
+            raise RendezvousError("invalid", f"rendezvous {_op_name(request.op)} names {len(keys)} keys, more than the "
+                                  f"{MAX_KEYS_PER_CALL} a call may (a process group waits on one or two at a time)")
         return keys
 
     def _account(self, key: str, value: bytes) -> None:
@@ -144,15 +155,95 @@ class SessionStore:
             self._written[key] = written
 
     async def _wait(self, keys: list[str], wait_s: float) -> bool:
-        """Whether `keys` are all set within `wait_s` (at most MAX_WAIT_S), polled without a thread held."""
+        """Whether `keys` are all set within `wait_s` (at most MAX_WAIT_S); checked again only
+        when one of them is written."""
         deadline = time.monotonic() + (min(max(wait_s, 0.0), MAX_WAIT_S) if math.isfinite(wait_s) else 0.0)
-        pause_s = 0.001
-        while not self._store().check(keys):
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(pause_s)
-            pause_s = min(2 * pause_s, 0.02)
-        return True
+        waiter = (asyncio.get_running_loop(), asyncio.Event())
+        with self._lock:  # registered before the first check: a write between the two still wakes it
+            for key in keys:
+                self._waiters.setdefault(key, set()).add(waiter)
+        try:
+            while not self._store().check(keys):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                try:
+                    await asyncio.wait_for(waiter[1].wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass
+                waiter[1].clear()
+            return True
+        finally:
+            with self._lock:
+                for key in keys:
+                    by_key = self._waiters.get(key)
+                    if by_key is not None:
+                        by_key.discard(waiter)
+                        if not by_key:
+                            del self._waiters[key]
+
+    def _written_to(self, key: str) -> None:
+        """A key was written (from any thread): the calls waiting on it check their keys."""
+        with self._lock:
+            waiters = list(self._waiters.get(key, ()))
+        for loop, event in waiters:
+            _wake(loop, event)
+
+
+def _wake(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    try:
+        loop.call_soon_threadsafe(event.set)
+    except RuntimeError:  # the loop closed: the server is gone, and the call with it
+        pass
+
+
+class _NotifyingStore(dist.Store):
+    """The teacher's end of a session's store: a `dist.HashStore` (`inner`) that reports each
+    key written, so that calls waiting on it wake then instead of polling.
+
+    The group constructors call it from C++ threads (as they call `RendezvousStore`); the
+    same two facts hold: the owner (SessionStore) keeps it alive, and the interpreter lock is
+    released while C++ waits.
+    """
+
+    def __init__(self, timeout_s: float, written: Callable[[str], None]):
+        super().__init__()
+        self.inner = dist.HashStore()
+        self.inner.set_timeout(datetime.timedelta(seconds=timeout_s))
+        self.set_timeout(datetime.timedelta(seconds=timeout_s))
+        self._written = written
+
+    def set(self, key: str, value) -> None:
+        self.inner.set(key, value)
+        self._written(key)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        number = self.inner.add(key, amount)
+        self._written(key)
+        return number
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        value = self.inner.compare_set(key, expected, desired)
+        self._written(key)
+        return value
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        if timeout is None:
+            self.inner.wait(list(keys))
+        else:
+            self.inner.wait(list(keys), timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(list(keys))
+
+    def delete_key(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
 
 
 class RendezvousStore(dist.Store):

@@ -22,7 +22,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from distill_common.channel import read_pem
 from teacher_server.config import ServerConfig
-from teacher_server.edge import CallGuard, Callers, GuardedH11Protocol, HttpConnections, install_accept_error_log
+from teacher_server.edge import (CallGuard, Callers, GuardedH11Protocol, HttpConnections, grpc_connections_limit,
+                                 grpc_server_options, install_accept_error_log, raise_descriptor_limit)
 from teacher_server.engine import Engine
 from teacher_server.http_app import create_app
 from teacher_server.metrics import Metrics
@@ -69,6 +70,9 @@ class TeacherServer:
             cache_bytes=config.cache_bytes)
         self.callers = Callers(config)  # the operator's token and the job tokens: who may do what
         self.service = TeacherService(self.engine, config, self.metrics, self.advertise_host, self.callers)
+        # The budget of outputs held for students depends on what a batch's outputs can take,
+        # which the service knows from the model.
+        self.engine.scheduler.held_bytes_limit = config.held_bytes_limit(self.service.facts)
         self.health = health.aio.HealthServicer()
         self._shutting_down = False
         self.grpc_port = 0
@@ -87,10 +91,10 @@ class TeacherServer:
         # any handler runs: the refusal is grpc's own RESOURCE_EXHAUSTED ("Received message
         # larger than max (N vs. LIMIT)"); docs/security.md names the flag. The CallGuard runs
         # first on every call, so a call without the token is refused before its request is read.
+        descriptors = raise_descriptor_limit()
+        self.grpc_max_connections = grpc_connections_limit(c, descriptors)
         server = grpc.aio.server(interceptors=[CallGuard(self.callers, c, self.metrics)],
-                                 options=[("grpc.max_receive_message_length", c.request_limit_bytes),
-                                          # Answers are the teacher's own (a status of many sessions may be large).
-                                          ("grpc.max_send_message_length", 64 << 20)])
+                                 options=grpc_server_options(c, self.grpc_max_connections))
         server.add_generic_rpc_handlers((generic_handler(self.service, self.metrics),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if c.tls:
@@ -111,7 +115,8 @@ class TeacherServer:
         # the next before a flood's later connections can push it out as the oldest idle one;
         # and a flood holds at most cap + backlog descriptors.
         protocol = functools.partial(GuardedH11Protocol,
-                                     connections=HttpConnections(c.http_max_connections, c.http_header_timeout_s))
+                                     connections=HttpConnections(c.http_max_connections, c.http_header_timeout_s,
+                                                                 c.http_max_body_bytes))
         http = uvicorn.Server(uvicorn.Config(create_app(self.engine, self.metrics, self.ready, c.auth_token), host=c.host,
                                              port=c.http_port, log_level="warning", lifespan="off", http=protocol,
                                              backlog=max(8, c.http_max_connections // 4),
@@ -133,8 +138,9 @@ class TeacherServer:
         gc.collect()
         gc.freeze()
         log.info("teacher ready: gRPC%s %s:%d, HTTP%s :%d, data plane at %s, model %s, requests up to %d bytes "
-                 "(--max-request-bytes)", " (TLS)" if c.tls else "", c.host, self.grpc_port, "S" if c.tls else "",
-                 self.http_port, self.advertise_host, c.model, c.request_limit_bytes)
+                 "(--max-request-bytes), up to %d gRPC connections (descriptor limit %d)", " (TLS)" if c.tls else "",
+                 c.host, self.grpc_port, "S" if c.tls else "", self.http_port, self.advertise_host, c.model,
+                 c.request_limit_bytes, self.grpc_max_connections, descriptors)
         print(f"READY grpc={self.grpc_port} http={self.http_port}", flush=True)
 
         await stop.wait()

@@ -95,16 +95,38 @@ class ServerConfig:
         "--max-batch-tokens needs, or a Join whose logit subset is the whole vocabulary, whichever is larger)")})
     # Room for a reconnecting student whose old stream has not ended yet.
     max_streams: int = field(default=0, metadata=_help(
-        "submit streams (and grpc.health Watch streams) open at once (0: 2 x --max-sessions)"))
+        "submit streams (and grpc.health Watch streams) open at once with the operator's token (every caller "
+        "without a job token); a job's: 2 per session it may hold, at most this (0: 2 x --max-sessions)"))
     max_rpcs: int = field(default=0, metadata=_help(
-        "other calls in progress at once, and health checks waiting for their request "
-        "(0: 4 x --max-sessions + 16)"))
+        "other calls in progress at once with the operator's token (heartbeats and leaves as many again), the "
+        "most --max-job-rpcs may be, and health checks waiting for their request (0: 4 x --max-sessions + 16)"))
+    # Heartbeat and Leave of a job draw from a budget of their own (of the same size), so that
+    # the job's other calls cannot stop its sessions' upkeep.
+    max_job_rpcs: int = field(default=0, metadata=_help(
+        "calls other than streams one job (by its job token) may have in progress at once, its heartbeats and "
+        "leaves as many again apart; other jobs' and the operator's calls have budgets of their own "
+        "(0: 4 x the job's max_sessions + 16, at most --max-rpcs)"))
+    request_timeout_s: float = field(default=10.0, metadata=_help(
+        "a unary gRPC call whose request has not arrived within this long of its headers is refused"))
+    # A connection without a call holds a descriptor and ~14 KiB of grpc's memory; it is closed
+    # after this (grpc.max_connection_idle_ms), one that never completes its handshake too.
+    grpc_idle_timeout_s: float = field(default=10.0, metadata=_help(
+        "close a gRPC connection that has had no call in progress for this long (clients reconnect on their "
+        "next call), or that has not finished its handshake within this long"))
+    grpc_max_connections: int = field(default=0, metadata=_help(
+        "gRPC connections open at once; past it new ones are closed at once (0: 8192, at most the descriptor "
+        "limit, raised to its hard limit at start-up, less what HTTP, health and the sessions' data planes need)"))
+    grpc_max_streams_per_connection: int = field(default=256, metadata=_help(
+        "calls in progress on one gRPC connection (grpc.max_concurrent_streams)"))
     # Past the cap the oldest connection without a complete request closes, so idle sockets cannot lock probes out.
     http_max_connections: int = field(default=64, metadata=_help(
-        "HTTP connections open at once; a new one closes the oldest idle one"))
+        "HTTP connections open at once; a new one closes the oldest one without a complete request"))
     http_header_timeout_s: float = field(default=10.0, metadata=_help(
-        "close a HTTP connection that has not sent its request headers within this long of opening "
-        "(or of its previous response)"))
+        "close a HTTP connection that has not sent a whole request (headers and body) within this long of "
+        "opening (or of its previous response)"))
+    # No endpoint reads a body: one is a request no probe or scraper sends.
+    http_max_body_bytes: int = field(default=1024, metadata=_help(
+        "largest HTTP request body accepted (413 beyond; no endpoint reads one)"))
     # Part of every request's size bound (--max-request-bytes), which a caller can fill before its token is checked.
     max_score_ids: int = field(default=8, metadata=_help(
         "most ids per position a session may have scored (OutputSpec.score_ids): each request carries up to "
@@ -132,6 +154,12 @@ class ServerConfig:
         "largest size of the outputs one session asks for its largest batch, plus what it is sent once at join "
         "(the output head), e.g. 2GiB (0: what full logits, top-k of --max-topk, every hidden state and the "
         "log-probability outputs of --max-batch-tokens tokens take in float32)")})
+    # Outputs wait in teacher memory until their student receives them: a session that stops
+    # receiving must not make the teacher hold more than its share of this.
+    max_held_bytes: ByteCount = field(default=0, metadata={"metavar": "BYTES", "help": (
+        "outputs computed and not yet received that the teacher holds, all sessions together, e.g. 8GiB; each "
+        "job holds at most its share by weight, its sessions that reach it are not scheduled until their students "
+        "receive (0: --max-inflight batches of the largest outputs --max-output-bytes allows)")})
 
     # The model's hard limit on sequence length (a distill_common.models.PositionLimit), set by
     # fit_model; None: it has none. Not annotated: not a setting.
@@ -178,13 +206,17 @@ class ServerConfig:
                               f"--max-batch-tokens {self.max_batch_tokens} (int64 ids and mask, int32 score ids): "
                               f"use at least "
                               f"{self.full_batch_bytes} (or 0 for that)")
-        for name in ("max_request_bytes", "max_streams", "max_rpcs"):
+        for name in ("max_request_bytes", "max_streams", "max_rpcs", "max_job_rpcs", "grpc_max_connections",
+                     "max_held_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{flag(name)} {getattr(self, name)} must be >= 0 (0: derived from the other limits)")
         if self.http_max_connections < 1:
             raise ConfigError(f"--http-max-connections {self.http_max_connections} must be >= 1")
-        if not self.http_header_timeout_s > 0:
-            raise ConfigError(f"--http-header-timeout-s {self.http_header_timeout_s} must be > 0")
+        for name in ("http_header_timeout_s", "request_timeout_s", "grpc_idle_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{flag(name)} {getattr(self, name)} must be > 0")
+        if self.http_max_body_bytes < 0 or self.grpc_max_streams_per_connection < 1:
+            raise ConfigError("--http-max-body-bytes must be >= 0 and --grpc-max-streams-per-connection >= 1")
         if self.max_topk < 0:
             raise ConfigError(f"--max-topk {self.max_topk} must be >= 0 (0: up to the vocabulary size)")
         if self.max_output_bytes < 0:
@@ -297,6 +329,19 @@ class ServerConfig:
     @property
     def rpcs_limit(self) -> int:
         return self.max_rpcs or 4 * self.max_sessions + 16
+
+    def job_rpcs_limit(self, job_sessions: int) -> int:
+        """Calls one job may have in progress (each of its budgets): --max-job-rpcs, or what
+        `job_sessions` sessions need (0: as many as --max-sessions), at most --max-rpcs."""
+        return min(self.max_job_rpcs or 4 * (job_sessions or self.max_sessions) + 16, self.rpcs_limit)
+
+    def job_streams_limit(self, job_sessions: int) -> int:
+        """Streams one job may have open: two per session it may hold (one more while a
+        reconnecting student's old stream ends), at most --max-streams."""
+        return min(2 * (job_sessions or self.max_sessions), self.streams_limit)
+
+    def held_bytes_limit(self, teacher: TeacherFacts) -> int:
+        return self.max_held_bytes or self.max_inflight * self.output_bytes_limit(teacher)
 
 
 

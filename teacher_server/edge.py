@@ -2,13 +2,15 @@
 token is checked, so that nobody without it can make the teacher buffer, hold or log much.
 
 - gRPC, `CallGuard`: an interceptor, which grpc runs when a call's headers arrive, before
-  its request is read. It checks the token, then the call's budget (--max-streams,
-  --max-rpcs); only then is the request read and the handler run. Requests are also capped
-  by grpc itself (--max-request-bytes, set on the server in app.py).
+  its request is read. It checks the token, then the budget of the caller's job (streams,
+  calls, heartbeats); only then is the request read (within --request-timeout-s) and the
+  handler run. Requests are also capped by grpc itself (--max-request-bytes), and
+  connections by grpc's server options (`grpc_server_options`: idle ones closed, a cap on
+  their number below the descriptor limit).
 - Who a token belongs to, `Callers`: the operator (--auth-token) or one job (--job-tokens),
   and what that caller may use; the handlers ask it with `Callers.of(context)`.
-- HTTP, `GuardedH11Protocol`: uvicorn's h11 protocol with a deadline for request headers
-  and a cap on open connections.
+- HTTP, `GuardedH11Protocol`: uvicorn's h11 protocol with a deadline for whole requests
+  (headers and body), a cap on request bodies and a cap on open connections.
 - `install_accept_error_log`: out of descriptors, asyncio's accept loop logs a traceback
   per failed attempt (thousands a second on Python 3.11); one line every 10 s says it instead.
 """
@@ -21,6 +23,7 @@ import hashlib
 import hmac
 import inspect
 import logging
+import resource
 import time
 from dataclasses import dataclass
 
@@ -146,6 +149,70 @@ def install_accept_error_log(loop: asyncio.AbstractEventLoop) -> None:
 # ---- gRPC ---------------------------------------------------------------------------------
 
 
+# Descriptors kept for what is not a gRPC connection: per session its data plane (a gloo pair
+# or NCCL's sockets and the threads' pipes), and for the process itself (model files, logs,
+# the engine's and grpc's own pipes and epoll).
+DESCRIPTORS_PER_SESSION = 16
+DESCRIPTORS_FOR_THE_PROCESS = 256
+DEFAULT_GRPC_MAX_CONNECTIONS = 8192
+
+
+def raise_descriptor_limit() -> int:
+    """Raises the soft RLIMIT_NOFILE to the hard limit (at most 2**20) and returns it: every
+    bound below is set against it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard if hard != resource.RLIM_INFINITY else 1 << 20, 1 << 20)
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft if soft != resource.RLIM_INFINITY else want
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError) as e:
+        log.warning("cannot raise the descriptor limit from %d to %d: %s", soft, want, e)
+        return soft
+    return want
+
+
+def grpc_connections_limit(config: ServerConfig, descriptors: int) -> int:
+    """How many gRPC connections may be open: --grpc-max-connections (0: 8192), at most what the
+    descriptor limit leaves once HTTP (its cap and accept backlog), the sessions' data planes
+    and the process itself have theirs. With too few descriptors for all of that, a quarter of
+    them, and a warning that says what to raise."""
+    reserved = (2 * config.http_max_connections + DESCRIPTORS_PER_SESSION * config.max_sessions
+                + DESCRIPTORS_FOR_THE_PROCESS)
+    room = descriptors - reserved
+    if room < 64:
+        room = max(16, descriptors // 4)
+        log.warning("the descriptor limit %d (ulimit -n) leaves too few for gRPC connections once HTTP, %d sessions' "
+                    "data planes and the process have theirs (%d): gRPC connections are capped at %d; raise the "
+                    "limit, or lower --max-sessions or --http-max-connections", descriptors, config.max_sessions,
+                    reserved, room)
+    return min(config.grpc_max_connections or DEFAULT_GRPC_MAX_CONNECTIONS, room)
+
+
+def grpc_server_options(config: ServerConfig, max_connections: int) -> list[tuple[str, int]]:
+    """grpc's own bounds on connections, which hold before any call reaches `CallGuard`.
+
+    A connection with no call in progress for --grpc-idle-timeout-s is closed (a GOAWAY: a
+    client reconnects on its next call), and so is one that has not finished its handshake by
+    then; past `max_connections`, new connections are closed at once. A submit stream lives as
+    long as its session, so connections have no maximum age.
+    """
+    idle_ms = int(config.grpc_idle_timeout_s * 1000)
+    return [("grpc.max_receive_message_length", config.request_limit_bytes),
+            # Answers are the teacher's own (a status of many sessions may be large).
+            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.max_connection_idle_ms", idle_ms),
+            ("grpc.server_handshake_timeout_ms", idle_ms),
+            ("grpc.max_allowed_incoming_connections", max_connections),
+            ("grpc.max_concurrent_streams", config.grpc_max_streams_per_connection)]
+
+
+# Calls that keep a session alive or end it: a budget of their own, so that a job's other
+# calls (a burst of submits, a stuck status poll) cannot make its sessions expire.
+_UPKEEP_METHODS = frozenset({"/teacher.v1.TeacherService/Heartbeat", "/teacher.v1.TeacherService/Leave"})
+_BUDGET_NAMES = {"stream": "streams", "rpc": "calls", "upkeep": "heartbeats and leaves"}
+
+
 class CallGuard(grpc.aio.ServerInterceptor):
     """Token first, then a budget, then the request: per call, in that order.
 
@@ -153,6 +220,13 @@ class CallGuard(grpc.aio.ServerInterceptor):
     request still unread); unary and streaming calls look the same on the wire. That is
     what lets a refusal go out without the request being read, and what makes the budget
     of a call end in one `finally`, also for a call cancelled before it sent anything.
+
+    Budgets are per caller, once the token is read: each job (by its job token) and the
+    operator's token (every caller when the teacher has no token) has its own streams, calls,
+    and heartbeats-and-leaves, so calls held open by one job, however many, refuse only that
+    job's further calls (`ServerConfig.job_rpcs_limit`, `job_streams_limit`). A unary call
+    whose request does not come within --request-timeout-s is refused, so a half-open call
+    holds its budget for that long at most.
 
     Health checks carry no token (probes): a check holds no budget once its request is
     read, as it is answered at once; of those still waiting for their request at most
@@ -163,10 +237,22 @@ class CallGuard(grpc.aio.ServerInterceptor):
     def __init__(self, callers: Callers, config: ServerConfig, metrics: Metrics):
         self.metrics = metrics
         self._callers = callers
-        self._limits = {"stream": (config.streams_limit, "--max-streams"), "rpc": (config.rpcs_limit, "--max-rpcs")}
-        self._in_progress = {"stream": 0, "rpc": 0}
+        self._config = config
+        self._request_timeout_s = config.request_timeout_s
+        self._in_progress: dict[tuple[str | None, str], int] = {}  # (job id, budget) -> calls; None: the operator
         self._waiting_checks: dict[asyncio.Future, None] = {}  # oldest first
         self._displaced: set[asyncio.Future] = set()
+
+    def limit(self, caller: Caller, budget: str) -> tuple[int, str]:
+        """How many calls of `budget` the caller may have in progress, and the flag that says so."""
+        c = self._config
+        if budget == "stream":
+            if caller.job_id is None:
+                return c.streams_limit, "--max-streams"
+            return c.job_streams_limit(caller.max_sessions), "2 per session the job may hold, at most --max-streams"
+        if caller.job_id is None:
+            return c.rpcs_limit, "--max-rpcs"
+        return c.job_rpcs_limit(caller.max_sessions), "--max-job-rpcs"
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
@@ -174,13 +260,17 @@ class CallGuard(grpc.aio.ServerInterceptor):
             return None  # grpc answers UNIMPLEMENTED
         name = details.method.rsplit("/", 1)[-1]
         if details.method in _OPEN_METHODS:
-            return self._guarded(handler, name, budget=None)
-        if self._callers.caller(_metadata_value(details.invocation_metadata, "authorization")) is None:
+            return self._guarded(handler, name, None, None)
+        caller = self._callers.caller(_metadata_value(details.invocation_metadata, "authorization"))
+        if caller is None:
             return self._refusal(handler, name, Unauthenticated(
                 "missing or wrong auth token: pass the teacher's token to the client "
                 "(TeacherClient(auth_token=...) or TEACHER_AUTH_TOKEN)"))
-        budget = "stream" if handler.request_streaming or handler.response_streaming else "rpc"
-        return self._guarded(handler, name, budget)
+        if handler.request_streaming or handler.response_streaming:
+            budget = "stream"
+        else:
+            budget = "upkeep" if details.method in _UPKEEP_METHODS else "rpc"
+        return self._guarded(handler, name, caller, budget)
 
     def _count(self, name: str, error: ServiceError) -> None:
         self.metrics.rpc_errors.labels(name, error.code.name).inc()
@@ -192,18 +282,21 @@ class CallGuard(grpc.aio.ServerInterceptor):
 
         return _streaming_handler(handler, refuse)
 
-    def _guarded(self, handler: grpc.RpcMethodHandler, name: str, budget: str | None) -> grpc.RpcMethodHandler:
+    def _guarded(self, handler: grpc.RpcMethodHandler, name: str, caller: Caller | None,
+                 budget: str | None) -> grpc.RpcMethodHandler:
         method = handler.stream_stream or handler.stream_unary or handler.unary_stream or handler.unary_unary
+        key = (caller.job_id if caller is not None else None, budget)
 
         async def guarded(requests, context):
             if budget is not None:
-                limit, flag = self._limits[budget]
-                if self._in_progress[budget] >= limit:
-                    error = ResourceExhausted(f"the teacher has {limit} {'streams' if budget == 'stream' else 'calls'} "
-                                              f"in progress, its {flag} limit: retry later, or raise {flag}")
+                limit, flag = self.limit(caller, budget)
+                if self._in_progress.get(key, 0) >= limit:
+                    who = "the operator's token" if caller.job_id is None else f"job {caller.job_id!r}"
+                    error = ResourceExhausted(f"{who} has {limit} {_BUDGET_NAMES[budget]} in progress, its limit "
+                                              f"({flag}): end some, retry later, or raise that limit")
                     self._count(name, error)
                     await context.abort(error.code, str(error))
-                self._in_progress[budget] += 1
+                self._in_progress[key] = self._in_progress.get(key, 0) + 1
             try:
                 request = requests if handler.request_streaming else await self._read(name, context, budget is None)
                 result = method(request, context)
@@ -217,27 +310,37 @@ class CallGuard(grpc.aio.ServerInterceptor):
                 return None
             finally:
                 if budget is not None:
-                    self._in_progress[budget] -= 1
+                    left = self._in_progress[key] - 1
+                    if left:
+                        self._in_progress[key] = left
+                    else:
+                        del self._in_progress[key]  # a job's entries go with its last call
 
         return _streaming_handler(handler, guarded)
 
     async def _read(self, name: str, context: grpc.aio.ServicerContext, displaceable: bool):
-        """The request of a unary call; for an open call, displaced by newer ones past --max-rpcs."""
+        """The request of a unary call, within --request-timeout-s; for an open call, displaced
+        by newer ones past --max-rpcs."""
         read = asyncio.ensure_future(context.read())
         if displaceable:
             self._waiting_checks[read] = None
-            if len(self._waiting_checks) > self._limits["rpc"][0]:
+            if len(self._waiting_checks) > self._config.rpcs_limit:
                 oldest = next(iter(self._waiting_checks))
                 del self._waiting_checks[oldest]
                 if oldest.cancel():  # else its request has just come: it is answered
                     self._displaced.add(oldest)
         try:
-            request = await read
+            request = await asyncio.wait_for(read, self._request_timeout_s)
+        except asyncio.TimeoutError:
+            error = ResourceExhausted(f"{name}: the request did not arrive within {self._request_timeout_s:g} s of the "
+                                      "call's headers (--request-timeout-s)")
+            self._count(name, error)
+            await context.abort(error.code, str(error))
         except asyncio.CancelledError:
             if read not in self._displaced:
                 raise
             self._displaced.discard(read)
-            error = ResourceExhausted(f"more than {self._limits['rpc'][0]} health checks were waiting for their "
+            error = ResourceExhausted(f"more than {self._config.rpcs_limit} health checks were waiting for their "
                                       "request (--max-rpcs); this one, the oldest, was dropped")
             self._count(name, error)
             await context.abort(error.code, str(error))
@@ -259,29 +362,34 @@ def _streaming_handler(handler: grpc.RpcMethodHandler, behaviour) -> grpc.RpcMet
 
 
 class HttpConnections:
-    """The open connections of one HTTP server, and those waiting for a request, oldest first."""
+    """The open connections of one HTTP server, and those without a complete request, oldest first."""
 
-    def __init__(self, max_connections: int, header_timeout_s: float):
+    def __init__(self, max_connections: int, header_timeout_s: float, max_body_bytes: int = 1024):
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
+        self.max_body_bytes = max_body_bytes
         self.open: set[GuardedH11Protocol] = set()
         self.waiting: dict[GuardedH11Protocol, None] = {}  # by when they began to wait
         self.displaced_log = RateLimitedLog()
         self.timed_out_log = RateLimitedLog()
+        self.body_log = RateLimitedLog()
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with the two bounds uvicorn lacks.
+    """uvicorn's h11 protocol with the bounds uvicorn lacks.
 
-    - A deadline for request headers: uvicorn's keep-alive timeout starts only after a
-      response, so a connection that never completes a request stays open for good. Here a
-      connection must complete its request headers within --http-header-timeout-s of
-      opening (or of its previous response), however slowly it trickles them.
+    - A deadline for the whole request, headers and body: uvicorn's keep-alive timeout
+      starts only after a response, and a request's body has no deadline at all, so a
+      connection that never completes a request stays open for good. Here a connection
+      must complete its request within --http-header-timeout-s of opening (or of its
+      previous response), however slowly it trickles it.
     - A cap on open connections, --http-max-connections: a new connection past it closes
-      the oldest connection still waiting for a request (itself if every other one has a
-      request in progress). A probe sends its request as soon as it connects, so sockets
-      held open by others cannot lock it out, as a plain refusal past the cap would; the
-      cap also keeps descriptors for the gRPC port and the data plane.
+      the oldest connection without a complete request (headers or body still coming; itself
+      if every other one has a request in progress). A probe sends its request as soon as
+      it connects, so sockets held open by others cannot lock it out, as a plain refusal
+      past the cap would; the cap also keeps descriptors for the gRPC port and the data plane.
+    - A cap on request bodies, --http-max-body-bytes (no endpoint reads one): a larger one,
+      declared or sent, is answered 413 and the connection closed.
 
     The headers' size is h11's limit (16 KiB, a 400 beyond), so a connection buffers little.
     Built with functools.partial(GuardedH11Protocol, connections=HttpConnections(...)).
@@ -291,6 +399,7 @@ class GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self.guard = connections
         self._deadline: asyncio.TimerHandle | None = None
+        self._body_bytes = 0  # of the request whose body is coming
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -298,12 +407,18 @@ class GuardedH11Protocol(H11Protocol):
         self._track()
         if len(self.guard.open) > self.guard.max_connections:
             oldest = next((c for c in self.guard.waiting if c is not self), self)
-            self.guard.displaced_log.warning("closed a HTTP connection waiting for a request: %d open, the "
-                                      "--http-max-connections limit", len(self.guard.open) - 1)
+            self.guard.displaced_log.warning("closed a HTTP connection without a complete request: %d open, the "
+                                             "--http-max-connections limit", len(self.guard.open) - 1)
             oldest._close()
 
     def data_received(self, data: bytes) -> None:
+        in_body = self.conn.their_state is h11.SEND_BODY
         super().data_received(data)
+        if self.conn.their_state is h11.SEND_BODY:
+            self._body_bytes = self._body_bytes + len(data) if in_body else 0
+            if self._body_too_large():
+                self._refuse_body()
+                return
         self._track()
 
     def on_response_complete(self) -> None:
@@ -315,9 +430,29 @@ class GuardedH11Protocol(H11Protocol):
         self.guard.open.discard(self)
         super().connection_lost(exc)
 
+    def _body_too_large(self) -> bool:
+        declared = next((value for name, value in self.headers if name == b"content-length"), b"0")
+        try:
+            declared_bytes = int(declared)
+        except ValueError:  # h11 refuses such a header before this
+            declared_bytes = 0
+        return max(declared_bytes, self._body_bytes) > self.guard.max_body_bytes
+
+    def _refuse_body(self) -> None:
+        self.guard.body_log.warning("refused a HTTP request body over %d bytes (--http-max-body-bytes)",
+                                    self.guard.max_body_bytes)
+        if self.cycle is None or not self.cycle.response_started:
+            text = f"request bodies are limited to {self.guard.max_body_bytes} bytes (--http-max-body-bytes)\n"
+            self.transport.write(b"HTTP/1.1 413 Content Too Large\r\ncontent-type: text/plain\r\n"
+                                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+                                 % (len(text), text.encode()))
+        if self.cycle is not None:
+            self.cycle.disconnected = True  # the app's response, if it comes, goes nowhere
+        self._close()
+
     def _track(self) -> None:
-        """Starts or stops the header deadline as the connection waits for a request or not."""
-        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+        """Starts or stops the request deadline as the connection waits for a whole request or not."""
+        if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY) or self.transport.is_closing():
             self._stop_waiting()
         elif self not in self.guard.waiting:
             self.guard.waiting[self] = None
@@ -331,7 +466,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _header_timeout(self) -> None:
         self.guard.timed_out_log.warning("closed a HTTP connection with no complete request after %.0f s "
-                                  "(--http-header-timeout-s)", self.guard.header_timeout_s)
+                                         "(--http-header-timeout-s)", self.guard.header_timeout_s)
         self._close()
 
     def _close(self) -> None:

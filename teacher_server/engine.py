@@ -214,6 +214,11 @@ class Engine:
         with self._cond:
             return self.scheduler.queue_depth()
 
+    def held_bytes(self) -> int:
+        """Outputs computed (or planned) and not yet received by their students."""
+        with self._cond:
+            return self.scheduler.held_bytes()
+
     # ---- session lifecycle, from delivery and the engine thread ---------------------
 
     def _formed(self, session: Session) -> bool:
@@ -237,7 +242,7 @@ class Engine:
             session.batches_sent += 1
             session.tokens_served += batch.tokens
             session.bytes_sent += nbytes
-            self.scheduler.sent(session)
+            self.scheduler.sent(session, batch)
             finished = session.state == "draining" and session.inflight == 0
             self._cond.notify_all()
         self.metrics.batches.labels(*labels).inc()
@@ -251,7 +256,7 @@ class Engine:
         """One batch of the session will never be sent (Delivery.fail): it is no longer in flight."""
         with self._cond:
             session.batches_failed += 1
-            self.scheduler.sent(session)
+            self.scheduler.sent(session, batch)
             finished = session.state == "draining" and session.inflight == 0
             self._cond.notify_all()
         self.metrics.batches_failed.inc()

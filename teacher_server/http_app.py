@@ -76,6 +76,8 @@ def create_app(engine: Engine, metrics: Metrics, ready: Callable[[], bool], auth
             "attention_inputs": dataclasses.asdict(info.attention),
             "ready": ready(),
             "queue_depth": engine.queue_depth(),
+            # Outputs computed and not yet received, and their bound (--max-held-bytes).
+            "held_bytes": engine.held_bytes(), "held_bytes_limit": engine.scheduler.held_bytes_limit,
             "busy_fraction": metrics.busy_clock.fraction(),
             # Shared work: hits/misses/evictions of the output cache (--cache-bytes), batches
             # served by an identical batch of the same forward, bytes held on the device.

@@ -5,11 +5,18 @@ divided by its weight, and the least-served job goes first; within a job, the ra
 (session) with the fewest tokens scheduled goes first. A forward holds batches up to a
 token budget, and a session at most `max_inflight` batches planned or still being sent.
 
+Outputs planned and not yet received wait in teacher memory: with a `held_bytes_limit`,
+each job may hold its share of it by weight (split evenly among its sessions), and a
+session at its share is not planned until its student receives (backpressure). A session
+holding nothing may take one batch over its share while the total stays within the limit,
+or whatever it needs when nothing is held at all, so that a batch larger than a share is
+still served; the total held is at most the limit plus one batch.
+
 No threads, no torch, no I/O: the engine calls it under its own lock, and tests drive
 it directly. A session is the engine's object, of which the scheduler reads
 `session_id`, `job_id`, `weight` and `max_inflight` and which it hands back in plans; a
 batch is opaque but for `key` (a content digest: equal keys, equal outputs), `rows`,
-`seq_len` and `tokens`.
+`seq_len`, `tokens` and `output_bytes` (what its outputs take until received).
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ class _Queue:
     session: object
     pending: deque = field(default_factory=deque)  # batches submitted, not yet planned
     sending: int = 0  # planned, sends not yet complete
+    held: deque = field(default_factory=deque)  # (batch, output bytes) of those, in plan order
+    held_bytes: int = 0
     # Tokens scheduled for this session (unweighted): orders the ranks of one job.
     virtual_tokens: float = 0.0
     ready: bool = False  # its group formed: its batches may be planned
@@ -63,9 +72,10 @@ def _no_cache(session, batch) -> None:
 
 
 class Scheduler:
-    def __init__(self, *, max_batch_tokens: int, max_sessions: int):
+    def __init__(self, *, max_batch_tokens: int, max_sessions: int, held_bytes_limit: int = 0):
         self.max_batch_tokens = max_batch_tokens
         self.max_sessions = max_sessions
+        self.held_bytes_limit = held_bytes_limit  # 0: outputs held are bounded by max_inflight only
         self._jobs: dict[str, _Job] = {}
         self._queues: dict[str, _Queue] = {}  # by session_id, in admission order
 
@@ -102,11 +112,40 @@ class Scheduler:
         self._wake_job(session.job_id)
         self._queues[session.session_id].pending.append(batch)
 
-    def sent(self, session) -> None:
-        """One planned batch of the session finished sending (nothing for a session removed)."""
+    def sent(self, session, batch=None) -> None:
+        """A planned batch of the session (`batch`; None: the oldest) finished sending or
+        failed: its outputs are no longer held (nothing for a session removed)."""
         queue = self._queues.get(session.session_id)
-        if queue is not None:
-            queue.sending -= 1
+        if queue is None:
+            return
+        queue.sending -= 1
+        entry = next((e for e in queue.held if e[0] is batch), None) if batch is not None else None
+        if entry is None and queue.held:
+            entry = queue.held[0]
+        if entry is not None:
+            queue.held.remove(entry)
+            queue.held_bytes -= entry[1]
+
+    def held_bytes(self) -> int:
+        """Bytes of outputs planned and not yet received, all sessions together."""
+        return sum(q.held_bytes for q in self._queues.values())
+
+    def held_share(self, session) -> float:
+        """The bytes of outputs the session may hold: its job's share of `held_bytes_limit` by
+        weight, split evenly among the job's sessions."""
+        job = self._jobs[session.job_id]
+        total_weight = sum(j.weight for j in self._jobs.values())
+        return self.held_bytes_limit * job.weight / total_weight / job.sessions
+
+    def _may_hold(self, queue: _Queue, planning: int, total: int, need: int) -> bool:
+        """Whether a batch whose outputs take `need` bytes may be planned for `queue`'s session,
+        which holds `planning` more in this plan, while `total` are held in all."""
+        if not self.held_bytes_limit:
+            return True
+        held = queue.held_bytes + planning
+        if held + need <= self.held_share(queue.session):
+            return True
+        return held == 0 and (total + need <= self.held_bytes_limit or total == 0)
 
     def remove(self, session) -> None:
         """Forgets the session and its queued batches; a job goes with its last session."""
@@ -148,6 +187,8 @@ class Scheduler:
         budget alone runs alone.
         """
         taken: dict[str, int] = {}
+        planning: dict[str, int] = {}  # by session: output bytes this plan adds
+        total_held = self.held_bytes() if self.held_bytes_limit else 0
         plan: list[Planned] = []
         in_forward: dict[bytes, Planned] = {}
         rows = seq = 0
@@ -163,6 +204,9 @@ class Scheduler:
                 candidates.pop(0)
                 continue
             batch = queue.pending[index]
+            if not self._may_hold(queue, planning.get(session.session_id, 0), total_held, batch.output_bytes):
+                candidates.pop(0)  # at its share of held outputs: planned again once its student receives
+                continue
             b, s = batch.rows, batch.seq_len
             twin = in_forward.get(batch.key)
             cached = None if twin is not None else lookup(session, batch)
@@ -179,6 +223,8 @@ class Scheduler:
                 in_forward[batch.key] = planned
                 rows, seq = rows + b, max(seq, s)
             taken[session.session_id] = index + 1
+            planning[session.session_id] = planning.get(session.session_id, 0) + batch.output_bytes
+            total_held += batch.output_bytes
             job = self._jobs[session.job_id]
             job.virtual_tokens += batch.tokens / job.weight
             queue.virtual_tokens += batch.tokens
@@ -186,4 +232,6 @@ class Scheduler:
             queue = self._queues[planned.session.session_id]
             queue.pending.popleft()
             queue.sending += 1
+            queue.held.append((planned.batch, planned.batch.output_bytes))
+            queue.held_bytes += planned.batch.output_bytes
         return plan

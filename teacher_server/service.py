@@ -71,6 +71,9 @@ class TeacherService:
 
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
         caller = self.callers.of(context)
+        _check_printable("job_id", request.job_id)
+        for name in ("device_type", "device_uuid", "torch_version", "nccl_version"):
+            _check_printable(f"peer.{name}", getattr(request.peer, name))
         job_id = request.job_id[:128]
         if caller.job_id is not None and job_id not in ("", caller.job_id):
             raise PermissionDenied(f"this job token may join only as job {caller.job_id!r}, not {job_id!r}: set the "
@@ -217,7 +220,12 @@ class TeacherService:
             batch.data = session.outputs.read_batch(request, batch.rows, batch.seq_len)
         except BatchDataError as e:
             raise InvalidArgument(str(e)) from e
+        # What its outputs take in teacher memory until the student has them (the scheduler's budget):
+        # shaped to the ids the student sent, whatever the teacher's tokens are.
+        output_bytes = sum(math.prod(spec.shape) * spec.dtype.itemsize
+                           for spec in session.outputs.layout(batch.rows, batch.seq_len))
         if alignment is None:
+            batch.output_bytes = output_bytes
             inflight = self.engine.submit(session, batch)
         else:
             # Re-tokenizing takes ~5 ms per 1,000 tokens: in a thread, so that one session's batches do not
@@ -225,6 +233,7 @@ class TeacherService:
             # taken above, before the first await, and the lock hands itself on first come, first served.
             async with session.submit_order:
                 batch = await asyncio.to_thread(self._retokenized, batch, alignment)
+                batch.output_bytes = output_bytes
                 inflight = self.engine.submit(session, batch)
         return session, pb.SubmitResponse(batch_id=request.batch_id, inflight=inflight)
 
@@ -451,6 +460,14 @@ class TeacherService:
             raise InvalidArgument("every row of attention_mask needs at least one 1 (a row of padding only)")
         ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
         return Batch(batch_id=request.batch_id, input_ids=ids, attention_mask=mask)
+
+
+def _check_printable(name: str, value: str) -> None:
+    """Refuses a client's string with control characters: it goes into log lines and status,
+    where a newline would forge a line of its own."""
+    bad = next((c for c in value if not c.isprintable()), None)
+    if bad is not None:
+        raise InvalidArgument(f"{name} contains the control character {bad!r}: use printable characters only")
 
 
 def _mib(nbytes: int) -> str:

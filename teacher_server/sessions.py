@@ -34,6 +34,8 @@ class Batch:
     # sent, which its outputs are shaped to, and their digest, which its header names.
     student_shape: tuple[int, int] | None = field(default=None, compare=False)
     student_key: bytes | None = field(default=None, compare=False)
+    # What its outputs take in teacher memory until the student has them (the scheduler's budget).
+    output_bytes: int = field(default=0, compare=False)
 
     @functools.cached_property
     def key(self) -> bytes:

@@ -199,7 +199,8 @@ def main() -> int:
                 fut.result(timeout=120)
                 saturated += 1
         backend = teacher.backend
-    report = {"received": received, "worst": worst, "seconds": time.monotonic() - start, "backend": backend,
+        reconnects, session_id = teacher.reconnects, teacher.session_id
+    report = {"reconnects": reconnects, "session_id": session_id, "received": received, "worst": worst, "seconds": time.monotonic() - start, "backend": backend,
               "tokens": tokens, "saturated_batches": saturated, "received_at": received_at, "checked": checked}
     Path(args.out).write_text(json.dumps(report))
     print(f"DONE {json.dumps(report)}", flush=True)

@@ -303,3 +303,16 @@ def test_accept_errors_are_logged_a_line_at_a_time(server):
     new = "".join(server.log_lines[start:])
     assert 1 <= new.count("Too many open files") <= 2 and "Traceback" not in new, new[:3000]
     assert "cannot accept connections" in new
+
+
+def test_grpc_connections_are_capped_below_the_descriptor_limit():
+    from teacher_server.config import ServerConfig
+    from teacher_server.edge import DEFAULT_GRPC_MAX_CONNECTIONS, grpc_connections_limit
+
+    config = ServerConfig(max_sessions=64, http_max_connections=64)
+    kept = 2 * 64 + 16 * 64 + 256  # HTTP and its backlog, the sessions' data planes, the process
+    assert grpc_connections_limit(config, 1 << 20) == DEFAULT_GRPC_MAX_CONNECTIONS
+    assert grpc_connections_limit(config, 4096) == 4096 - kept
+    assert grpc_connections_limit(ServerConfig(grpc_max_connections=100), 1 << 20) == 100
+    # Too few descriptors for everything: a quarter of them, not a teacher that will not start.
+    assert grpc_connections_limit(config, 1024) == 256

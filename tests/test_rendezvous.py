@@ -112,3 +112,67 @@ def test_malformed_calls_are_refused():
     assert info.value.kind == "invalid"
     for wait_s in (float("nan"), float("-inf"), -1.0):  # answered at once, not waited on forever
         assert not serve(store, Op.WAIT, "absent", wait_s=wait_s).found
+
+
+def test_a_call_names_a_handful_of_keys_at_most():
+    store = SessionStore(timeout_s=5.0)
+    keys = [f"k{i}" for i in range(rendezvous.MAX_KEYS_PER_CALL + 1)]
+    for op in (Op.WAIT, Op.CHECK):
+        with pytest.raises(RendezvousError, match=f"more than the {rendezvous.MAX_KEYS_PER_CALL} a call may") as info:
+            serve(store, op, *keys, wait_s=1)
+        assert info.value.kind == "invalid"
+    assert not serve(store, Op.CHECK, *keys[:-1]).found
+
+
+def test_waits_wake_when_a_key_is_written_and_never_poll():
+    """A wait is woken by writes to its keys only: the teacher's end writing from a thread
+    (the group's constructor), the student's through the RPC; other writes and time alone
+    leave it asleep (its keys are checked once per wake)."""
+    store = SessionStore(timeout_s=5.0)
+    checks = []
+    inner_check = store.store.check
+
+    def counted_check(keys):
+        checks.append(list(keys))
+        return inner_check(keys)
+
+    store.store.check = counted_check
+
+    async def scenario():
+        waits = [asyncio.create_task(store.serve(pb.RendezvousRequest(op=Op.WAIT, keys=[f"k{i}", "shared"], wait_s=5)))
+                 for i in range(50)]
+        await asyncio.sleep(0.5)
+        assert len(checks) == 50, "waiting calls checked their keys again without a write"
+        await store.serve(pb.RendezvousRequest(op=Op.SET, keys=["unrelated"], value=b"x"))
+        await asyncio.sleep(0.1)
+        assert len(checks) == 50, "a write to another key woke the waits"
+        for i in range(50):
+            await store.serve(pb.RendezvousRequest(op=Op.SET, keys=[f"k{i}"], value=b"x"))
+        started = time.monotonic()
+        # The teacher's own end, from a thread of its own, as the group constructor writes.
+        await asyncio.to_thread(store.store.set, "shared", b"teacher")
+        answers = await asyncio.wait_for(asyncio.gather(*waits), 2)
+        return answers, time.monotonic() - started
+
+    answers, woke_after_s = asyncio.run(scenario())
+    assert all(answer.found for answer in answers)
+    assert woke_after_s < 0.5
+    # 50 first checks, then one per wake: after its own key's write and the shared key's, or once
+    # for both when they come before the wait runs again.
+    assert 100 <= len(checks) <= 150, len(checks)
+
+
+def test_closing_the_session_wakes_its_waits():
+    store = SessionStore(timeout_s=5.0)
+
+    async def scenario():
+        wait = asyncio.create_task(store.serve(pb.RendezvousRequest(op=Op.WAIT, keys=["never"], wait_s=5)))
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        store.close()
+        with pytest.raises(RendezvousError) as info:
+            await asyncio.wait_for(wait, 2)
+        return info.value.kind, time.monotonic() - started
+
+    kind, after_s = asyncio.run(scenario())
+    assert kind == "ended" and after_s < 0.5

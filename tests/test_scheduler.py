@@ -37,6 +37,7 @@ class FakeBatch:
     key: bytes
     rows: int = ROWS
     seq_len: int = SEQ
+    output_bytes: int = 0
 
     @property
     def tokens(self) -> int:
@@ -290,3 +291,82 @@ def test_cache_hits_need_no_rows():
     assert not plan["a"].computed and plan["a"].cached == "outputs"
     assert plan["b"].computed and plan["b"].row == 0
     assert sorted(asked) == ["a", "b"]
+
+
+# ---- outputs held for students (held_bytes_limit) --------------------------------------------
+
+MIB = 1 << 20
+
+
+def sized(output_bytes: int) -> FakeBatch:
+    return FakeBatch(f"batch-{next(_keys)}".encode(), ROWS, SEQ, output_bytes)
+
+
+def test_a_session_that_does_not_receive_stops_at_its_share_and_the_others_go_on():
+    scheduler = Scheduler(max_batch_tokens=64 * ROWS * SEQ, max_sessions=8, held_bytes_limit=40 * MIB)
+    slow, honest = joined(scheduler, FakeSession("slow", "job-slow", max_inflight=8),
+                          FakeSession("honest", "job-honest", max_inflight=8))
+    for _ in range(8):
+        scheduler.submit(slow, sized(4 * MIB))
+    planned = [p.session.session_id for p in scheduler.plan()]
+    # Its share: half of 40 MiB by equal weights, five batches of 4 MiB.
+    assert planned.count("slow") == 5 and scheduler.held_bytes() == 20 * MIB
+    assert scheduler.plan() == [] and scheduler.queued(slow) == 3, "planned past its share"
+    # The honest session receives what it is sent and is served all along.
+    served = 0
+    for _ in range(20):
+        scheduler.submit(honest, sized(4 * MIB))
+        plan = scheduler.plan()
+        assert [p.session.session_id for p in plan] == ["honest"]
+        scheduler.sent(honest, plan[0].batch)
+        served += 1
+    assert served == 20 and scheduler.held_bytes() == 20 * MIB
+    # Once the slow student receives, it is planned again, one batch per batch received.
+    scheduler.sent(slow)
+    assert [p.session.session_id for p in scheduler.plan()] == ["slow"]
+    assert scheduler.held_bytes() == 20 * MIB
+
+
+def test_shares_follow_the_jobs_weights_and_split_among_a_jobs_sessions():
+    scheduler = Scheduler(max_batch_tokens=64 * ROWS * SEQ, max_sessions=8, held_bytes_limit=60 * MIB)
+    heavy = joined(scheduler, FakeSession("h0", "heavy", weight=2.0, max_inflight=64),
+                   FakeSession("h1", "heavy", weight=2.0, max_inflight=64))
+    light = joined(scheduler, FakeSession("l0", "light", weight=1.0, max_inflight=64))[0]
+    for session in (*heavy, light):
+        for _ in range(40):
+            scheduler.submit(session, sized(1 * MIB))
+    while scheduler.plan():
+        pass
+    counts = {s.session_id: 40 - scheduler.queued(s) for s in (*heavy, light)}
+    # heavy: 2/3 of 60 MiB, 20 MiB per rank; light: 1/3, 20 MiB.
+    assert counts == {"h0": 20, "h1": 20, "l0": 20}, counts
+    assert scheduler.held_bytes() == 60 * MIB
+
+
+def test_a_batch_larger_than_a_share_is_served_alone_and_the_total_stays_bounded():
+    scheduler = Scheduler(max_batch_tokens=64 * ROWS * SEQ, max_sessions=8, held_bytes_limit=10 * MIB)
+    a, b = joined(scheduler, FakeSession("a", "job-a", max_inflight=8), FakeSession("b", "job-b", max_inflight=8))
+    scheduler.submit(a, sized(12 * MIB))  # more than the whole limit
+    scheduler.submit(b, sized(3 * MIB))
+    scheduler.submit(b, sized(3 * MIB))
+    first = [p.session.session_id for p in scheduler.plan()]
+    # Nothing held yet: both may start (b within its 5 MiB share: one batch of 3).
+    assert sorted(first) == ["a", "b"] and scheduler.held_bytes() == 15 * MIB
+    assert scheduler.plan() == []
+    scheduler.sent(a)
+    assert [p.session.session_id for p in scheduler.plan()] == [], "b's second batch is over its share"
+    scheduler.sent(b)
+    assert [p.session.session_id for p in scheduler.plan()] == ["b"]
+    # A session holding nothing takes a batch past its share only while the total allows it.
+    scheduler.submit(a, sized(12 * MIB))
+    assert scheduler.plan() == [], "planned 12 MiB over a 10 MiB limit with 3 MiB held"
+    scheduler.sent(b)
+    assert [p.session.session_id for p in scheduler.plan()] == ["a"]
+
+
+def test_without_a_limit_outputs_held_are_bounded_by_max_inflight_only():
+    scheduler = Scheduler(max_batch_tokens=64 * ROWS * SEQ, max_sessions=8)
+    (a,) = joined(scheduler, FakeSession("a", "job-a", max_inflight=4))
+    for _ in range(6):
+        scheduler.submit(a, sized(100 * MIB))
+    assert len(scheduler.plan()) == 4 and scheduler.held_bytes() == 400 * MIB

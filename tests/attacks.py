@@ -1,0 +1,448 @@
+"""Attacks on a running teacher, and what honest parties see while one runs.
+
+Each attack is a context manager: entering starts it (threads of the test process, an
+asyncio loop for the gRPC ones), leaving stops it and closes what it opened; `counts` says
+what it did and what the teacher answered. `Observer.watch()` is the honest side's view:
+the liveness probe, the operator's GetInfo, a grpc health check on a new connection each
+second, and the teacher's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import multiprocessing
+import queue
+import resource
+import socket
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import requests
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from distill_common.channel import SESSION_SECRET_KEY
+from distill_common.proto.teacher.v1 import teacher_pb2 as pb
+
+# What a HTTP/2 client sends first: the preface and an empty SETTINGS frame.
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+SERVICE = "/teacher.v1.TeacherService/"
+
+
+def rss_mib(pid: int) -> float:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return next(int(line.split()[1]) for line in text.splitlines() if line.startswith("VmRSS:")) / 1024
+
+
+def descriptors(pid: int) -> int:
+    return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
+def allow_descriptors(count: int) -> None:
+    """Raises this process's soft descriptor limit to hold `count` more sockets."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = count + 512
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+
+
+def bearer(token: str) -> tuple:
+    return (("authorization", f"Bearer {token}"),)
+
+
+class Attack:
+    """Runs `run(stop)` in a thread until the context exits."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+        self.details: dict[str, str] = {}  # by status code: the first message the teacher sent with it
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def run(self, stop: threading.Event) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.run(self._stop)
+        except Exception as e:  # the attack's own failure: reported, not hidden
+            self.counts[f"attack failed: {e!r}"] += 1
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+class _Sockets(Attack):
+    """Keeps `connections` sockets open to a port, each opened with `opening()` bytes, and
+    opens a new one for each the teacher closes (at most `per_pass` a pass)."""
+
+    def __init__(self, port: int, connections: int, per_pass: int = 200):
+        super().__init__()
+        self.port, self.connections, self.per_pass = port, connections, per_pass
+        allow_descriptors(connections)
+
+    def opening(self, index: int) -> bytes:
+        return b""
+
+    def every_second(self, sock: socket.socket, index: int) -> None:
+        """Called once a second for each open socket."""
+
+    def run(self, stop: threading.Event) -> None:
+        sockets: dict[int, socket.socket] = {}
+        unsent: set[int] = set()  # connecting: the opening bytes not sent yet
+        index = 0
+        next_tick = time.monotonic() + 1
+        try:
+            while not stop.is_set():
+                opened = 0
+                while len(sockets) < self.connections and opened < self.per_pass:
+                    sock = socket.socket()
+                    sock.setblocking(False)
+                    sock.connect_ex(("127.0.0.1", self.port))
+                    sockets[index] = sock
+                    unsent.add(index)
+                    index += 1
+                    opened += 1
+                    self.counts["opened"] += 1
+                tick = time.monotonic() >= next_tick
+                if tick:
+                    next_tick += 1
+                for i, sock in list(sockets.items()):
+                    closed = False
+                    try:
+                        if i in unsent:
+                            sock.send(self.opening(i))  # ENOTCONN/EAGAIN while connecting
+                            unsent.discard(i)
+                            continue
+                        data = sock.recv(65536)
+                        self.counts["413"] += data.startswith(b"HTTP/1.1 413")
+                        closed = data == b""
+                    except (BlockingIOError, InterruptedError):
+                        if tick and i not in unsent:
+                            try:
+                                self.every_second(sock, i)
+                            except BlockingIOError:
+                                pass
+                            except OSError:
+                                closed = True
+                    except OSError as e:
+                        closed = not (i in unsent and e.errno in (errno.ENOTCONN, errno.EINPROGRESS, errno.EALREADY))
+                    if closed:
+                        self.counts["closed by the teacher"] += 1
+                        sock.close()
+                        del sockets[i]
+                        unsent.discard(i)
+                stop.wait(0.1)
+        finally:
+            for sock in sockets.values():
+                sock.close()
+
+
+class SlowBodies(_Sockets):
+    """HTTP requests whose body comes a byte a second: half declare a gigabyte, half 1000 bytes
+    (under the body cap, so only the request deadline and the connection cap end them)."""
+
+    def opening(self, index: int) -> bytes:
+        length = 1_000_000_000 if index % 2 else 1000
+        return (b"POST /healthz HTTP/1.1\r\nHost: teacher\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % length)
+
+    def every_second(self, sock: socket.socket, index: int) -> None:
+        sock.send(b"x")
+
+
+class IdleConnections(_Sockets):
+    """gRPC connections that send the HTTP/2 preface and SETTINGS, then nothing."""
+
+    def opening(self, index: int) -> bytes:
+        return H2_PREFACE
+
+
+class _AsyncAttack(Attack):
+    """Runs `attack(stop)` on an asyncio loop of its own."""
+
+    def __init__(self, address: str, token: str):
+        super().__init__()
+        self.address, self.token = address, token
+
+    async def attack(self, stop: threading.Event) -> None:
+        raise NotImplementedError
+
+    def run(self, stop: threading.Event) -> None:
+        asyncio.run(self.attack(stop))
+
+    def channel(self, index: int = 0) -> grpc.aio.Channel:
+        # A connection of its own (no subchannel shared with the other channels).
+        return grpc.aio.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1),
+                                                                ("grpc.attacker_channel", index),
+                                                                ("grpc.max_send_message_length", 64 << 20)])
+
+    def note(self, call_or_error) -> None:
+        code = call_or_error.code() if isinstance(call_or_error, grpc.RpcError) else call_or_error
+        name = getattr(code, "name", str(code))
+        self.counts[name] += 1
+        if isinstance(call_or_error, grpc.RpcError):
+            self.details.setdefault(name, (call_or_error.details() or "")[:200])
+
+
+class HalfOpenCalls(_AsyncAttack):
+    """Heartbeats and submit streams whose request never comes, over `channels` connections, with
+    a job token: replaced as soon as the teacher ends one."""
+
+    def __init__(self, address: str, token: str, heartbeats: int = 280, streams: int = 130, channels: int = 9):
+        super().__init__(address, token)
+        self.heartbeats, self.streams, self.channels = heartbeats, streams, channels
+
+    async def attack(self, stop: threading.Event) -> None:
+        channels = [self.channel(i) for i in range(self.channels)]
+        calls: list = []
+
+        async def hold(index: int, stream: bool) -> None:
+            channel = channels[index % len(channels)]
+            while not stop.is_set():
+                if stream:
+                    call = channel.stream_stream(SERVICE + "SubmitStream")(metadata=bearer(self.token))
+                else:
+                    call = channel.stream_unary(SERVICE + "Heartbeat")(metadata=bearer(self.token))
+                calls.append(call)
+                try:
+                    code = await call.code()
+                    self.note(code)
+                    self.details.setdefault(code.name, (await call.details() or "")[:200])
+                finally:
+                    calls.remove(call)
+                await asyncio.sleep(0.05)
+
+        tasks = [asyncio.create_task(hold(i, False)) for i in range(self.heartbeats)]
+        tasks += [asyncio.create_task(hold(i, True)) for i in range(self.streams)]
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+        for call in list(calls):
+            call.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for channel in channels:
+            await channel.close()
+
+
+class RendezvousWaits(_AsyncAttack):
+    """The attacker's own session (a job token's Join, no group formed): `calls` WAITs at once,
+    each naming `keys` keys none of which is set, and as many naming a handful."""
+
+    def __init__(self, address: str, token: str, job_id: str, calls: int = 128, keys: int = 50_000):
+        super().__init__(address, token)
+        self.job_id, self.calls, self.keys = job_id, calls, keys
+
+    async def attack(self, stop: threading.Event) -> None:
+        import torch
+
+        channel = self.channel()
+        join = channel.unary_unary(SERVICE + "Join", request_serializer=pb.JoinRequest.SerializeToString,
+                                   response_deserializer=pb.JoinResponse.FromString)
+        rendezvous = channel.unary_unary(SERVICE + "Rendezvous",
+                                         request_serializer=pb.RendezvousRequest.SerializeToString,
+                                         response_deserializer=pb.RendezvousResponse.FromString)
+        joined: list[pb.JoinResponse | None] = [None]
+        joining = asyncio.Lock()
+
+        async def session() -> pb.JoinResponse | None:
+            async with joining:
+                while joined[0] is None and not stop.is_set():
+                    peer = pb.PeerInfo(device_type="cpu", torch_version=torch.__version__)
+                    try:
+                        joined[0] = await join(pb.JoinRequest(job_id=self.job_id, outputs=pb.OutputSpec(logits=True),
+                                                              peer=peer), metadata=bearer(self.token), timeout=10)
+                        self.counts["joined"] += 1
+                    except grpc.RpcError as e:
+                        self.note(e)
+                        await asyncio.sleep(0.5)
+                return joined[0]
+
+        async def wait(index: int) -> None:
+            many = [f"never-set-{index}-{k}" for k in range(self.keys)]
+            few = many[:4]
+            while not stop.is_set():
+                current = await session()
+                if current is None:
+                    return
+                keys = many if index % 2 else few
+                started = time.monotonic()
+                try:
+                    await rendezvous(pb.RendezvousRequest(session_id=current.session_id, op=pb.RendezvousRequest.WAIT,
+                                                          keys=keys, wait_s=5.0),
+                                     metadata=bearer(self.token) + ((SESSION_SECRET_KEY, current.session_secret),),
+                                     timeout=15)
+                    self.note("OK")
+                except grpc.RpcError as e:
+                    self.note(e)
+                    if e.code() == grpc.StatusCode.NOT_FOUND and joined[0] is current:
+                        joined[0] = None  # it ended (its group never formed): join again
+                if time.monotonic() - started < 0.05:
+                    await asyncio.sleep(0.05)
+
+        tasks = [asyncio.create_task(wait(i)) for i in range(self.calls)]
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await channel.close()
+
+
+class SlowConsumers(Attack):
+    """`sessions` real clients (the job token's) that submit their max_inflight batches of
+    `shape` and never post a receive."""
+
+    def __init__(self, address: str, token: str, job_id: str, sessions: int = 2, shape: tuple = (4, 256)):
+        super().__init__()
+        self.address, self.token, self.job_id, self.sessions, self.shape = address, token, job_id, sessions, shape
+
+    def run(self, stop: threading.Event) -> None:
+        import torch
+
+        from student_trainer import TeacherClient
+        from student_trainer.session import Session
+
+        def never_receive(session: Session) -> None:  # posts no receive, ever
+            while True:
+                pending = session._to_receive.get()
+                if pending is None or session._stopped:
+                    break
+            session._posted.put(None)
+
+        original = Session._post_announced
+        Session._post_announced = never_receive  # this process's clients from now on
+        clients = []
+        try:
+            for _ in range(self.sessions):
+                client = TeacherClient(self.address, "cpu", auth_token=self.token, job_id=self.job_id,
+                                       max_inflight=8, join_timeout_s=30)
+                clients.append(client)
+                self.counts["joined"] += 1
+                for _ in range(8):
+                    client.submit(torch.randint(0, client.info.vocab_size, self.shape))
+                    self.counts["submitted"] += 1
+            stop.wait()
+        finally:
+            closing = [threading.Thread(target=client.close, kwargs={"timeout_s": 0.5}, daemon=True)
+                       for client in clients]
+            for thread in closing:
+                thread.start()
+            for thread in closing:
+                thread.join(20)
+            Session._post_announced = original
+
+
+class Observer:
+    """The honest side's tools, in a process of their own (as an operator's would be: in the
+    test's process they would wait for the interpreter lock behind the attacks' threads),
+    started once; `watch()` is one window of watching."""
+
+    def __init__(self, server, operator_token: str, interval_s: float = 0.25):
+        context = multiprocessing.get_context("spawn")
+        self.commands, self.results = context.Queue(), context.Queue()
+        self._process = context.Process(target=_observe, daemon=True, args=(
+            server.address, server.http, server.proc.pid, operator_token, interval_s, self.commands, self.results))
+        self._process.start()
+        assert self.results.get(timeout=60) == "ready"
+
+    def watch(self) -> Watch:
+        return Watch(self)
+
+    def close(self) -> None:
+        self.commands.put(None)
+        self._process.join(30)
+
+
+class Watch:
+    """What honest parties saw in one window: every `interval_s` a liveness probe (GET
+    /healthz) and the operator's GetInfo (on the operator's connection), each second a grpc
+    health check on a new connection; the teacher's RSS and descriptors at their highest."""
+
+    def __init__(self, observer: Observer):
+        self._observer = observer
+        self.probes = Counter()
+        self.get_info_s: list[float] = []
+        self.peak_rss_mib = 0.0
+        self.peak_descriptors = 0
+
+    def __enter__(self):
+        self._observer.commands.put("start")
+        assert self._observer.results.get(timeout=30) == "watching"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._observer.commands.put("stop")
+        seen = self._observer.results.get(timeout=60)
+        self.probes = Counter(seen["probes"])
+        self.get_info_s = seen["get_info_s"]
+        self.peak_rss_mib, self.peak_descriptors = seen["peak_rss_mib"], seen["peak_descriptors"]
+
+    @property
+    def healthz_fraction(self) -> float:
+        total = self.probes["healthz ok"] + self.probes["healthz failed"]
+        return self.probes["healthz ok"] / max(1, total)
+
+    @property
+    def get_info_p99_s(self) -> float:
+        times = sorted(self.get_info_s)
+        return times[min(len(times) - 1, int(0.99 * len(times)))] if times else float("inf")
+
+    def summary(self) -> str:
+        return (f"/healthz {self.healthz_fraction:.1%} of {sum(v for k, v in self.probes.items() if 'healthz' in k)}, "
+                f"GetInfo p99 {self.get_info_p99_s * 1000:.0f} ms of {len(self.get_info_s)}, "
+                f"probes {dict(self.probes)}, peak RSS {self.peak_rss_mib:.0f} MiB, "
+                f"peak descriptors {self.peak_descriptors}")
+
+
+def _observe(address: str, http: str, pid: int, token: str, interval_s: float, commands, results) -> None:
+    """Observer's process: a window of probes from each "start" to its "stop", put on `results`."""
+    with grpc.insecure_channel(address) as channel:
+        get_info = channel.unary_unary(SERVICE + "GetInfo")
+        results.put("ready")
+        while commands.get() == "start":
+            probes: Counter = Counter()
+            get_info_s: list[float] = []
+            peak_rss, peak_descriptors = 0.0, 0
+            last_health = 0.0
+            results.put("watching")
+            while True:
+                started = time.monotonic()
+                try:  # a connection of its own each time, as kubelet's probes
+                    ok = requests.get(f"{http}/healthz", timeout=2, headers={"Connection": "close"}).status_code == 200
+                except requests.RequestException:
+                    ok = False
+                probes["healthz ok" if ok else "healthz failed"] += 1
+                started_info = time.monotonic()
+                try:
+                    get_info(pb.GetInfoRequest().SerializeToString(), metadata=bearer(token), timeout=5)
+                    get_info_s.append(time.monotonic() - started_info)
+                except grpc.RpcError as e:
+                    probes[f"GetInfo {e.code().name}"] += 1
+                    get_info_s.append(float("inf"))
+                if started - last_health >= 1.0:
+                    last_health = started
+                    try:
+                        with grpc.insecure_channel(address) as fresh:
+                            reply = health_pb2_grpc.HealthStub(fresh).Check(health_pb2.HealthCheckRequest(), timeout=3)
+                        probes["grpc health ok" if reply.status == health_pb2.HealthCheckResponse.SERVING
+                               else "grpc health not serving"] += 1
+                    except grpc.RpcError as e:
+                        probes[f"grpc health {e.code().name}"] += 1
+                peak_rss = max(peak_rss, rss_mib(pid))
+                peak_descriptors = max(peak_descriptors, descriptors(pid))
+                try:
+                    if commands.get(timeout=max(0.001, interval_s - (time.monotonic() - started))) == "stop":
+                        break
+                except queue.Empty:
+                    pass
+            results.put({"probes": dict(probes), "get_info_s": get_info_s, "peak_rss_mib": peak_rss,
+                         "peak_descriptors": peak_descriptors})

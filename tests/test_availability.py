@@ -1,0 +1,215 @@
+"""Nothing a client can do stops the teacher for the others: each attack that once did, run
+beside an honest student (a real process that compares every batch with the local model).
+
+Attacks (tests/attacks.py): HTTP bodies trickled a byte a second, idle gRPC connections past
+the connection cap, half-open calls of one job, rendezvous waits naming thousands of keys,
+and sessions that never receive. While each runs: /healthz answers at least 95% of probes,
+the operator's GetInfo answers within 1 s at the 99th percentile, and the honest session is
+served and neither expires nor reconnects (checked at the end: its report). The default
+suite runs each for a few seconds on one shared teacher; the slow version runs each for five
+rounds of 12 s and checks that the teacher's memory comes back after each round.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import pytest
+import requests
+import torch
+
+from distill_common.proto.teacher.v1 import teacher_pb2 as pb
+from teacher_server.launcher import ServerProcess, child_env
+from tests.attacks import (HalfOpenCalls, IdleConnections, Observer, RendezvousWaits, SlowBodies, SlowConsumers, Watch,
+                           bearer, rss_mib)
+from tests.helpers import build_tiny_model, finish_student, free_port, start_student, wait_for_line
+
+OPERATOR = "availability-operator-token"
+ATTACKER = "attacker-job-token-0123456789"
+HONEST = "honest-job-token-0123456789ab"
+GRPC_MAX_CONNECTIONS = 1024
+HELD_LIMIT_BYTES = 4 << 20
+# As many keys as fit a request (--max-request-bytes: 160 KiB for --max-batch-tokens 2048).
+RENDEZVOUS_KEYS = 6000
+ATTACK_SHAPE = (4, 256)  # a slow consumer's batch: 1024 tokens of float32 logits, 1.5 MiB
+SHORT_S = 2.0
+LEASE_S = 4.0
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("teacher") / "model")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """The teacher, and the honest student started just before it on the same ports (it loads
+    its model while the teacher starts, then joins): see `honest`."""
+    tokens = tmp_path_factory.mktemp("tokens") / "tokens.json"
+    tokens.write_text(json.dumps({"attacker": {"token": ATTACKER, "max_sessions": 3},
+                                  "honest": {"token": HONEST, "max_sessions": 2}}))
+    grpc_port, http_port = free_port(), free_port()
+    work = tmp_path_factory.mktemp("honest")
+    stop, out = work / "stop", work / "report.json"
+    student = start_student(f"127.0.0.1:{grpc_port}", model_dir, out, "--batches", "0", "--stop-file", str(stop),
+                            "--topk", "5", "--hidden-layers", "0,2", "--max-len", "24", "--job-id", "honest",
+                            "--pause-s", "0.02", env=child_env(TEACHER_AUTH_TOKEN=HONEST))
+    try:
+        server = ServerProcess("--model", str(model_dir), "--port", str(grpc_port), "--http-port", str(http_port),
+                               "--max-sessions", "8", "--max-batch-tokens", "2048",
+                               "--max-seq-len", "512", "--lease-s", str(LEASE_S), "--heartbeat-interval-s", "0.5",
+                               "--join-timeout-s", "5", "--job-tokens", str(tokens),
+                               "--http-max-connections", "32", "--http-header-timeout-s", "2",
+                               "--grpc-idle-timeout-s", "2", "--request-timeout-s", "3",
+                               "--grpc-max-connections", str(GRPC_MAX_CONNECTIONS),
+                               "--max-held-bytes", str(HELD_LIMIT_BYTES), "--transfer-timeout-s", "60",
+                               env=child_env(TEACHER_AUTH_TOKEN=OPERATOR))
+    except BaseException:
+        student.kill()
+        raise
+    server.honest_student = (student, out, stop)
+    yield server
+    if student.poll() is None:
+        student.kill()
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def honest(server):
+    """An honest student through every attack: at the end, every batch it received equals the
+    local model's, and it kept its first session throughout. Its session id."""
+    proc, out, stop = server.honest_student
+    session_id = wait_for_line(proc, "JOINED").split()[1]
+    yield session_id
+    stop.touch()
+    report = finish_student(proc, out)
+    assert report["reconnects"] == 0 and report["session_id"] == session_id, report
+    assert report["checked"] == len(report["received"]) > 0
+    assert all(value < TOLERANCE for value in report["worst"].values()), report["worst"]
+
+
+@pytest.fixture(scope="module")
+def observer(server):
+    observer = Observer(server, OPERATOR)
+    yield observer
+    observer.close()
+
+
+def honest_batches_sent(server, session_id: str) -> int:
+    """The honest session's batches sent so far; fails if it is gone (expired)."""
+    status = requests.get(f"{server.http}/v1/status", headers={"Authorization": f"Bearer {OPERATOR}"},
+                          timeout=10).json()
+    session = next((s for s in status["sessions"] if s["session_id"] == session_id), None)
+    assert session is not None, f"the honest session {session_id} is gone: {status['sessions']}"
+    return session["batches_sent"]
+
+
+def under_attack(attack, observer: Observer, server, honest: str, seconds: float, during=None) -> Watch:
+    """Runs `attack` for `seconds` with the honest side watching; checks what it saw."""
+    sent_before = honest_batches_sent(server, honest)
+    with observer.watch() as watch, attack:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if during is not None:
+                during()
+            time.sleep(0.2)
+    assert watch.healthz_fraction >= 0.95, watch.summary()
+    assert watch.get_info_p99_s < 1.0, watch.summary()
+    assert honest_batches_sent(server, honest) > sent_before, f"the honest session was not served: {watch.summary()}"
+    return watch
+
+
+ATTACKS = {
+    "slow_bodies": lambda server: SlowBodies(server.http_port, 80),
+    "idle_connections": lambda server: IdleConnections(server.grpc_port, GRPC_MAX_CONNECTIONS + 200),
+    "half_open_calls": lambda server: HalfOpenCalls(server.address, ATTACKER),
+    "slow_consumers": lambda server: SlowConsumers(server.address, ATTACKER, "attacker", shape=ATTACK_SHAPE),
+    "rendezvous_waits": lambda server: RendezvousWaits(server.address, ATTACKER, "attacker", keys=RENDEZVOUS_KEYS),
+}
+
+
+def test_http_bodies_trickled_a_byte_a_second(server, observer, honest):
+    attack = ATTACKS["slow_bodies"](server)
+    watch = under_attack(attack, observer, server, honest, SHORT_S)
+    # Gigabyte bodies are refused at their headers; the others end at the request deadline
+    # (2 s) or when a newer connection displaces them.
+    assert attack.counts["413"] > 0 and attack.counts["closed by the teacher"] > 40, attack.counts
+    assert watch.peak_descriptors < 400, watch.summary()
+
+
+def test_idle_grpc_connections_past_the_cap(server, observer, honest):
+    attack = ATTACKS["idle_connections"](server)
+    watch = under_attack(attack, observer, server, honest, SHORT_S)
+    # Past the cap new connections close at once; the rest after the idle timeout (2 s).
+    assert attack.counts["closed by the teacher"] > 200, attack.counts
+    assert watch.peak_descriptors < GRPC_MAX_CONNECTIONS + 600, watch.summary()
+
+
+def test_half_open_calls_of_one_job_refuse_only_that_job(server, observer, honest):
+    attack = ATTACKS["half_open_calls"](server)
+    under_attack(attack, observer, server, honest, SHORT_S)
+    assert attack.counts["RESOURCE_EXHAUSTED"] > 100, attack.counts
+    assert "job 'attacker' has" in attack.details["RESOURCE_EXHAUSTED"], attack.details
+
+
+def test_sessions_that_never_receive_hold_their_share_only(server, observer, honest):
+    attack = ATTACKS["slow_consumers"](server)
+    held = []
+
+    def sample() -> None:
+        status = requests.get(f"{server.http}/v1/status", headers={"Authorization": f"Bearer {OPERATOR}"},
+                              timeout=10).json()
+        held.append(status["held_bytes"])
+        assert status["held_bytes_limit"] == HELD_LIMIT_BYTES
+
+    under_attack(attack, observer, server, honest, SHORT_S, during=sample)
+    assert attack.counts["submitted"] == 16, attack.counts
+    # At most the limit plus one batch (a session holding nothing may take one past its share).
+    batch_bytes = ATTACK_SHAPE[0] * ATTACK_SHAPE[1] * 384 * 4
+    assert 0 < max(held) <= HELD_LIMIT_BYTES + batch_bytes, held
+
+
+def test_rendezvous_waits_with_many_keys(server, observer, honest):
+    attack = ATTACKS["rendezvous_waits"](server)
+    under_attack(attack, observer, server, honest, SHORT_S)
+    assert attack.counts["INVALID_ARGUMENT"] > 0 and attack.counts["joined"] >= 1, (attack.counts, attack.details)
+    assert "more than the 8 a call may" in attack.details["INVALID_ARGUMENT"], attack.details
+
+
+def test_control_characters_in_client_strings_are_refused_at_join(server):
+    with grpc.insecure_channel(server.address) as channel:
+        join = channel.unary_unary("/teacher.v1.TeacherService/Join",
+                                   request_serializer=pb.JoinRequest.SerializeToString,
+                                   response_deserializer=pb.JoinResponse.FromString)
+        for job_id, peer_uuid in (("ok\n2026-12-03 INFO session forged joined", ""), ("fine", "GPU-\x1b[2J")):
+            peer = pb.PeerInfo(device_type="cpu", torch_version=torch.__version__, device_uuid=peer_uuid)
+            with pytest.raises(grpc.RpcError) as info:
+                join(pb.JoinRequest(job_id=job_id, outputs=pb.OutputSpec(logits=True), peer=peer),
+                     metadata=bearer(OPERATOR), timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+            assert "control character" in info.value.details()
+    assert "forged" not in server.log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(ATTACKS))
+def test_five_rounds_of_each_attack_for_a_minute(server, observer, honest, kind):
+    """Five rounds of 12 s: the bounds hold throughout, and after each round the teacher's RSS
+    comes back within 100 MB of where it started, no higher after the fifth than the first."""
+    pid = server.proc.pid
+    start_mib = rss_mib(pid)
+    after_mib = []
+    for round_ in range(5):
+        attack = ATTACKS[kind](server)
+        watch = under_attack(attack, observer, server, honest, 12.0)
+        deadline = time.monotonic() + 20  # closed connections and ended sessions give their memory back
+        while rss_mib(pid) > start_mib + 50 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        after_mib.append(rss_mib(pid))
+        print(f"{kind} round {round_ + 1}: {watch.summary()}; RSS after {after_mib[-1]:.0f} MiB "
+              f"(start {start_mib:.0f}); attack {dict(attack.counts)}")
+        assert after_mib[-1] <= start_mib + 100, after_mib
+    assert after_mib[-1] <= after_mib[0] + 30, f"RSS grew round after round: {after_mib}"
