@@ -1,0 +1,267 @@
+"""The teacher's decoder in FP8 (e4m3): a bf16 checkpoint quantized at load (`--quantize fp8`),
+or a published FP8 checkpoint (transformers' fine-grained FP8, 128 x 128 weight blocks) served
+as it is stored.
+
+What is quantized: the decoder's linear layers (q/k/v/o, gate/up/down). The embedding, the
+norms, the attention itself and the output head stay in the model's dtype: the head decides the
+distribution a student learns from, and it is a small share of the FLOPs.
+
+Two scalings, both through `torch._scaled_mm` (FP8 products accumulated in float32, the
+output in the model's dtype):
+
+    row     weights per output channel (one scale per row of W), activations per row (one
+            scale per token), computed from the activation at each forward
+    block   weights per 128 x 128 tile, activations per 1 x 128 block of each row (the format
+            of DeepSeek-V3 and the Qwen3 FP8 releases): finer, so an outlier costs the
+            precision of 128 values instead of a whole row
+
+A scale here is the dequantization multiplier: x ≈ q * scale, with q = x / scale in e4m3
+(|q| <= 448). The slow, obvious version of every product is `reference_linear` (dequantize
+to float32, multiply): the tests hold the fast one to it.
+
+Speed: the matmul alone runs 1.7-1.9x bf16 on an H200, but each activation's quantization is
+a read of the bf16 activation, a row reduction and a write of FP8; as separate kernels they
+cost more than the matmul saves. `compile_layers` compiles each decoder layer, so that the
+quantization fuses into the kernel that produces its input (the RMSNorm before q/k/v and
+gate/up, the SwiGLU product before down). bench/fp8_teacher.py measures each variant.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+BLOCK = 128
+SCALINGS = ("row", "block")
+# The smallest scale: an all-zero row quantizes to zeros instead of dividing by zero.
+_MIN_SCALE = 1e-12
+# The linear layers of a Llama-family decoder layer that are quantized.
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class FP8Unsupported(ValueError):
+    """This device cannot run the FP8 teacher asked for; the message says what to do instead."""
+
+
+def fp8_device_problem(device: torch.device, scaling: str = "row") -> str:
+    """Why `device` cannot run FP8 matmuls of `scaling`, or "" when it can."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            return (f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has no FP8 matrix "
+                    "units: FP8 needs compute capability 8.9 or later (Ada, Hopper, Blackwell)")
+        if scaling == "block" and major != 9:
+            return (f"block-wise FP8 scales run through cuBLAS on compute capability 9.0 (Hopper) only, not "
+                    f"{major}.{minor}")
+        return ""
+    if device.type == "cpu" and scaling == "row":
+        return ""  # torch's CPU _scaled_mm runs row-wise scales (slowly: for tests, not for speed)
+    return f"FP8 with {scaling}-wise scales does not run on {device.type}: it needs a GPU of compute capability 8.9+"
+
+
+# ---- quantization: the arithmetic ---------------------------------------------------------
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (e4m3 [M, K], float32 scale [M, 1]): one scale per row."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_row_blocks(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (e4m3 [M, K], float32 scale [M, K / block]): one scale per 1 x block of a row."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // block, block)
+    scale = (blocks.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.reshape(m, k), scale.reshape(m, k // block)
+
+
+def quantize_tiles(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (e4m3 [N, K], float32 scale [N / block, K / block]): one scale per block x block tile
+    (a partial last tile where N is not a multiple of the block)."""
+    n, k = w.shape
+    rows = math.ceil(n / block) * block
+    padded = torch.zeros(rows, k, dtype=torch.float32, device=w.device)
+    padded[:n] = w.float()
+    tiles = padded.reshape(rows // block, block, k // block, block)
+    scale = (tiles.abs().amax(dim=(1, 3), keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    q = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(rows, k)[:n]
+    return q.contiguous(), scale.reshape(rows // block, k // block)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 values of `q` [R, C] under `scale`: [R, 1] (rows), [R, C / b] (1 x b blocks) or
+    [ceil(R / b), C / b] (b x b tiles)."""
+    r, c = q.shape
+    values = q.float()
+    if scale.shape[0] == r:
+        return (values.reshape(r, scale.shape[1], -1) * scale.unsqueeze(-1)).reshape(r, c)
+    block = c // scale.shape[1]
+    full = scale.repeat_interleave(block, dim=0)[:r].repeat_interleave(block, dim=1)
+    return values * full
+
+
+def reference_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Tensor, scaling: str,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The straightforward FP8 linear, the tests' reference: the activation quantized as the fast
+    path does, both operands dequantized to float32, multiplied in float32."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_rows(x2) if scaling == "row" else quantize_row_blocks(x2)
+    out = dequantize(xq, xs) @ dequantize(weight_q, weight_scale).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight_q.shape[0])
+
+
+# ---- the layer ------------------------------------------------------------------------------
+
+class FP8Linear(nn.Module):
+    """A Linear whose weight is e4m3 with `scaling` scales; its input is quantized at each call."""
+
+    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, scaling: str,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        if scaling not in SCALINGS:
+            raise ValueError(f"FP8 scaling {scaling!r}: choose one of {', '.join(SCALINGS)}")
+        self.scaling = scaling
+        self.out_features, self.in_features = weight_q.shape
+        self.register_buffer("weight", weight_q)
+        self.register_buffer("weight_scale", weight_scale.float())
+        if scaling == "row":
+            # _scaled_mm takes the weight's scales as one row [1, N], float32, contiguous.
+            self.register_buffer("_scale_b", weight_scale.float().reshape(1, -1), persistent=False)
+        else:
+            # cuBLAS reads 128 x 128 scales K-major with the K-block count padded to a multiple of 4.
+            tiles = weight_scale.float()
+            pad = (-tiles.shape[1]) % 4
+            if pad:
+                tiles = torch.nn.functional.pad(tiles, (0, pad))
+            self.register_buffer("_scale_b", tiles.contiguous().t(), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scaling: str) -> "FP8Linear":
+        weight = linear.weight.detach()
+        if weight.shape[1] % BLOCK and scaling == "block":
+            raise ValueError(f"block-wise FP8 needs in_features divisible by {BLOCK}, not {weight.shape[1]}")
+        q, scale = quantize_rows(weight) if scaling == "row" else quantize_tiles(weight)
+        layer = cls(q, scale, scaling, linear.bias)
+        # Hooks that parallelize_module put on the Linear (the TP collectives) move with it.
+        layer._forward_hooks.update(linear._forward_hooks)
+        layer._forward_pre_hooks.update(linear._forward_pre_hooks)
+        return layer
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.weight, self.weight_scale).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.scaling == "row":
+            xq, xs = quantize_rows(x2)
+        else:
+            xq, xs = quantize_row_blocks(x2)
+            xs = xs.t().contiguous().t()  # cuBLAS reads 1 x 128 scales M-major
+        out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self._scale_b, bias=self.bias,
+                               out_dtype=x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scaling={self.scaling}"
+
+
+# ---- a model quantized at load ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Fp8Plan:
+    scaling: str = "row"
+    keep_layers: tuple[int, ...] = ()  # decoder layers left in the model's dtype (negative: from the end)
+
+
+def decoder_layers(model) -> nn.ModuleList:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no decoder.layers list: FP8 quantization at load knows "
+                         "Llama-family decoders (q/k/v/o_proj, gate/up/down_proj)")
+    return layers
+
+
+def quantize_model(model, plan: Fp8Plan) -> int:
+    """Replaces the decoder layers' linears by FP8Linear in place (but those of `plan.keep_layers`);
+    returns how many were replaced."""
+    layers = decoder_layers(model)
+    keep = {i % len(layers) for i in plan.keep_layers}
+    replaced = 0
+    for index, layer in enumerate(layers):
+        if index in keep:
+            continue
+        for parent in layer.modules():
+            for name, child in list(parent.named_children()):
+                if name in LINEAR_NAMES and isinstance(child, nn.Linear):
+                    setattr(parent, name, FP8Linear.from_linear(child, plan.scaling))
+                    replaced += 1
+    if not replaced:
+        raise ValueError(f"{type(model).__name__}: no decoder linear ({', '.join(LINEAR_NAMES)}) to quantize")
+    return replaced
+
+
+def compile_layers(model) -> None:
+    """Compiles each decoder layer (dynamic shapes: one graph serves every pack shape), so that an
+    activation's quantization fuses into the kernel that produces it."""
+    for layer in decoder_layers(model):
+        layer.compile(dynamic=True)
+
+
+# ---- published FP8 checkpoints ----------------------------------------------------------------
+
+def checkpoint_quantization(config) -> dict | None:
+    """The FP8 quantization_config a model's config.json declares, or None (not FP8)."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    return qc if qc.get("quant_method") == "fp8" else None
+
+
+def adopt_published(model) -> int:
+    """Replaces the FP8 linears transformers' loader built (a weight in e4m3 and its `weight_scale_inv`
+    per 128 x 128 tile) by FP8Linear over the same tensors; returns how many. transformers' own
+    forward for them runs a kernel fetched from the hub at first use, which a teacher without
+    internet access cannot; `_scaled_mm` computes the same block-scaled product."""
+    replaced = 0
+    for parent in model.modules():
+        for name, child in list(parent.named_children()):
+            scale = getattr(child, "weight_scale_inv", None)
+            weight = getattr(child, "weight", None)
+            if scale is None or weight is None or weight.dtype != FP8:
+                continue
+            block = getattr(child, "block_size", None)
+            if scale.dim() != 2 or tuple(block or ()) != (BLOCK, BLOCK):
+                raise ValueError(f"{name}: FP8 weight scales of block {block}; the teacher serves 128 x 128 blocks "
+                                 "(transformers' FineGrainedFP8Config with weight_block_size [128, 128])")
+            layer = FP8Linear(weight.detach(), scale.detach(), "block", getattr(child, "bias", None))
+            setattr(parent, name, layer)
+            replaced += 1
+    return replaced
+
+
+def dense_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A linear's weight in `dtype`, dequantized when it is stored in FP8."""
+    if isinstance(module, FP8Linear):
+        return module.dense_weight(dtype)
+    weight = module.weight
+    scale = getattr(module, "weight_scale_inv", None)
+    if weight.dtype == FP8 and scale is not None:
+        if scale.numel() == 1:
+            return (weight.float() * scale.float()).to(dtype)
+        return dequantize(weight, scale).to(dtype)
+    return weight
