@@ -96,11 +96,9 @@ def time_forward(model, rows: int, seq: int, vocab: int, iters: int) -> tuple[fl
 def speed(args, rows_out: list, figures: dict) -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     variants = args.variants.split(",")
-    eager_quantize = (fp8.quantize_rows, fp8.quantize_row_blocks)
     baseline = {}
     for variant in variants:
         torch._dynamo.reset()
-        fp8.quantize_rows, fp8.quantize_row_blocks = eager_quantize
         model = llama(LLAMA3_8B, torch.bfloat16, "cuda")
         scaling, _, mode = variant.partition("-") if variant.startswith(("row", "block")) else ("", "", variant)
         quantized = 0
@@ -109,8 +107,7 @@ def speed(args, rows_out: list, figures: dict) -> None:
             quantized = fp8.quantize_model(model, fp8.Fp8Plan(scaling, keep)) // len(fp8.LINEAR_NAMES)
             mode = mode.removesuffix("keep").rstrip("+") or "eager"
         if mode == "qcompile":
-            fp8.quantize_rows = torch.compile(eager_quantize[0], dynamic=True)
-            fp8.quantize_row_blocks = torch.compile(eager_quantize[1], dynamic=True)
+            fp8.compile_quantization(model)
         elif mode in ("layers", "bf16c"):
             fp8.compile_layers(model)
         started = time.perf_counter()
@@ -134,7 +131,6 @@ def speed(args, rows_out: list, figures: dict) -> None:
             profile(model, shapes[0], args.out_dir)
         del model
         torch.cuda.empty_cache()
-    fp8.quantize_rows, fp8.quantize_row_blocks = eager_quantize
 
 
 def profile(model, shape, out_dir: str) -> None:

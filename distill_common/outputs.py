@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from distill_common import wire
+from distill_common.quantization import Quantization
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 
 
@@ -131,6 +132,7 @@ class TeacherFacts:
     head: HeadFacts = HeadFacts()
     attention: AttentionFacts = AttentionFacts()
     max_score_ids: int = 0  # the teacher's --max-score-ids
+    quantization: Quantization = Quantization()  # what the teacher's decoder linears run in
 
     @classmethod
     def from_info(cls, info: pb.TeacherInfo) -> "TeacherFacts":
@@ -139,7 +141,9 @@ class TeacherFacts:
                    head=HeadFacts.from_info(info.head) if info.HasField("head") else HeadFacts(),
                    attention=(AttentionFacts.from_info(info.attention) if info.HasField("attention")
                               else AttentionFacts()),
-                   max_score_ids=info.max_score_ids)
+                   max_score_ids=info.max_score_ids,
+                   quantization=(Quantization.from_info(info.quantization) if info.HasField("quantization")
+                                 else Quantization()))
 
 
 @dataclass

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from distill_common.quantization import FP8_E4M3, Quantization  # noqa: F401  (what the runner reports)
+
 log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
@@ -122,6 +124,35 @@ def reference_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torc
     return out.to(x.dtype).reshape(*x.shape[:-1], weight_q.shape[0])
 
 
+_PADDED_STRIDE: dict[str, bool] = {}
+
+
+def _tile_scales_view(padded: torch.Tensor, k_blocks: int) -> torch.Tensor:
+    """The [K / 128, N / 128] view of 128 x 128 weight scales that `_scaled_mm` takes. Where the
+    K-block count is not a multiple of 4, newer torch reads rows of the padded buffer (its stride)
+    and older torch a dense [N / 128, K / 128]: which one is asked of this torch once."""
+    if padded.shape[1] == k_blocks:
+        return padded.t()
+    key = str(padded.device)
+    if key not in _PADDED_STRIDE:
+        _PADDED_STRIDE[key] = _padded_stride_accepted(padded.device)
+    tiles = padded[:, :k_blocks]
+    return (tiles if _PADDED_STRIDE[key] else tiles.contiguous()).t()
+
+
+def _padded_stride_accepted(device: torch.device) -> bool:
+    k_blocks = 2
+    a = torch.ones(16, k_blocks * BLOCK, device=device).to(FP8)
+    b = torch.ones(BLOCK, k_blocks * BLOCK, device=device).to(FP8)
+    scale_a = torch.ones(k_blocks, 16, device=device).t()
+    padded = torch.ones(1, 4, device=device)
+    try:
+        torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=padded[:, :k_blocks].t(), out_dtype=torch.bfloat16)
+        return True
+    except RuntimeError:
+        return False
+
+
 # ---- the layer ------------------------------------------------------------------------------
 
 class FP8Linear(nn.Module):
@@ -140,17 +171,21 @@ class FP8Linear(nn.Module):
             # _scaled_mm takes the weight's scales as one row [1, N], float32, contiguous.
             self.register_buffer("_scale_b", weight_scale.float().reshape(1, -1), persistent=False)
         else:
-            # cuBLAS reads 128 x 128 scales K-major with the K-block count padded to a multiple of 4.
+            # cuBLAS reads 128 x 128 scales K-major, each row of K-blocks padded to a multiple of 4
+            # (torch versions differ on whether the padding is in the stride: `_tile_scales_view`).
             tiles = weight_scale.float()
-            pad = (-tiles.shape[1]) % 4
-            if pad:
-                tiles = torch.nn.functional.pad(tiles, (0, pad))
-            self.register_buffer("_scale_b", tiles.contiguous().t(), persistent=False)
+            self._k_blocks = tiles.shape[1]
+            self.register_buffer("_scale_b", torch.nn.functional.pad(tiles, (0, (-tiles.shape[1]) % 4)).contiguous(),
+                                 persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.quantize = quantize_rows if scaling == "row" else quantize_row_blocks
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scaling: str) -> "FP8Linear":
         weight = linear.weight.detach()
+        if hasattr(weight, "full_tensor"):
+            raise ValueError("FP8 quantization at load needs plain weight tensors, not DTensors (transformers' "
+                             "tensor-parallel plan): the teacher shards with its own plan when --quantize fp8 is set")
         if weight.shape[1] % BLOCK and scaling == "block":
             raise ValueError(f"block-wise FP8 needs in_features divisible by {BLOCK}, not {weight.shape[1]}")
         q, scale = quantize_rows(weight) if scaling == "row" else quantize_tiles(weight)
@@ -165,13 +200,13 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
+        xq, xs = self.quantize(x2)
         if self.scaling == "row":
-            xq, xs = quantize_rows(x2)
+            scale_b = self._scale_b
         else:
-            xq, xs = quantize_row_blocks(x2)
             xs = xs.t().contiguous().t()  # cuBLAS reads 1 x 128 scales M-major
-        out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self._scale_b, bias=self.bias,
-                               out_dtype=x.dtype)
+            scale_b = _tile_scales_view(self._scale_b, self._k_blocks)
+        out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=scale_b, bias=self.bias, out_dtype=x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -180,10 +215,16 @@ class FP8Linear(nn.Module):
 
 # ---- a model quantized at load ------------------------------------------------------------
 
+COMPILE_MODES = ("auto", "layers", "quantize", "off")
+
+
 @dataclass(frozen=True)
 class Fp8Plan:
+    """How a bf16 checkpoint is quantized at load (--quantize fp8), and how FP8 layers are compiled."""
+
     scaling: str = "row"
     keep_layers: tuple[int, ...] = ()  # decoder layers left in the model's dtype (negative: from the end)
+    compile: str = "auto"  # COMPILE_MODES: auto is layers on one process, quantize under tensor parallelism
 
 
 def decoder_layers(model) -> nn.ModuleList:
@@ -199,6 +240,10 @@ def quantize_model(model, plan: Fp8Plan) -> int:
     """Replaces the decoder layers' linears by FP8Linear in place (but those of `plan.keep_layers`);
     returns how many were replaced."""
     layers = decoder_layers(model)
+    outside = [i for i in plan.keep_layers if not -len(layers) <= i < len(layers)]
+    if outside:
+        raise ValueError(f"--fp8-keep-layers {','.join(map(str, outside))}: the model has {len(layers)} decoder "
+                         f"layers (0..{len(layers) - 1}, or -1 for the last)")
     keep = {i % len(layers) for i in plan.keep_layers}
     replaced = 0
     for index, layer in enumerate(layers):
@@ -219,6 +264,17 @@ def compile_layers(model) -> None:
     activation's quantization fuses into the kernel that produces it."""
     for layer in decoder_layers(model):
         layer.compile(dynamic=True)
+
+
+def compile_quantization(model) -> None:
+    """Compiles each FP8 layer's activation quantization alone (one fused kernel per activation
+    instead of five), for a forward that cannot be compiled whole: under tensor parallelism the
+    layers' collectives run in hooks between the linears."""
+    compiled = {"row": torch.compile(quantize_rows, dynamic=True),
+                "block": torch.compile(quantize_row_blocks, dynamic=True)}
+    for module in model.modules():
+        if isinstance(module, FP8Linear):
+            module.quantize = compiled[module.scaling]
 
 
 # ---- published FP8 checkpoints ----------------------------------------------------------------
