@@ -266,8 +266,9 @@ def quality(args, rows_out: list, figures: dict) -> None:
         try:
             fp8.quantize_model(model, plan)
             got = compare(ref, log_probs(model, heldout), labels)
-        except Exception as e:
+        except Exception as e:  # a scaling this torch or GPU cannot run: its row says why
             rows_out.append(f"| {name} | failed: {str(e)[:100]} | | | | |")
+            print(f"{name} failed: {e}", flush=True)
             continue
         teachers[name] = model
         figures[f"kl/{name}"] = got
