@@ -108,7 +108,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if scale.shape[0] == r:
         return (values.reshape(r, scale.shape[1], -1) * scale.unsqueeze(-1)).reshape(r, c)
     block = c // scale.shape[1]
-    full = scale.repeat_interleave(block, dim=0)[:r].repeat_interleave(block, dim=1)
+    full = scale.repeat_interleave(block, dim=0)[:r].repeat_interleave(block, dim=1)[:, :c]
     return values * full
 
 
@@ -127,25 +127,28 @@ def reference_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torc
 _PADDED_STRIDE: dict[str, bool] = {}
 
 
-def _tile_scales_view(padded: torch.Tensor, k_blocks: int) -> torch.Tensor:
-    """The [K / 128, N / 128] view of 128 x 128 weight scales that `_scaled_mm` takes. Where the
-    K-block count is not a multiple of 4, newer torch reads rows of the padded buffer (its stride)
-    and older torch a dense [N / 128, K / 128]: which one is asked of this torch once."""
-    if padded.shape[1] == k_blocks:
-        return padded.t()
-    key = str(padded.device)
+def _tile_scales_buffer(tiles: torch.Tensor) -> torch.Tensor:
+    """The 128 x 128 weight scales [N / 128, K / 128] laid out as this torch's `_scaled_mm` reads
+    them: cuBLAS reads each row of K-blocks padded to a multiple of 4; newer torch takes that
+    padding in the buffer (the row stride), older torch a dense [N / 128, K / 128]. Which one is
+    asked of this torch once per device; the forward takes `buffer[:, :K / 128].t()`."""
+    k_blocks = tiles.shape[1]
+    if k_blocks % 4 == 0 or tiles.device.type != "cuda":
+        return tiles.contiguous()
+    key = str(tiles.device)
     if key not in _PADDED_STRIDE:
-        _PADDED_STRIDE[key] = _padded_stride_accepted(padded.device)
-    tiles = padded[:, :k_blocks]
-    return (tiles if _PADDED_STRIDE[key] else tiles.contiguous()).t()
+        _PADDED_STRIDE[key] = _padded_stride_accepted(tiles.device)
+    if not _PADDED_STRIDE[key]:
+        return tiles.contiguous()
+    return torch.nn.functional.pad(tiles, (0, (-k_blocks) % 4)).contiguous()
 
 
 def _padded_stride_accepted(device: torch.device) -> bool:
-    k_blocks = 2
+    k_blocks, n = 2, 2 * BLOCK  # two rows of tiles: the row stride matters
     a = torch.ones(16, k_blocks * BLOCK, device=device).to(FP8)
-    b = torch.ones(BLOCK, k_blocks * BLOCK, device=device).to(FP8)
+    b = torch.ones(n, k_blocks * BLOCK, device=device).to(FP8)
     scale_a = torch.ones(k_blocks, 16, device=device).t()
-    padded = torch.ones(1, 4, device=device)
+    padded = torch.ones(n // BLOCK, 4, device=device)
     try:
         torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=padded[:, :k_blocks].t(), out_dtype=torch.bfloat16)
         return True
@@ -171,12 +174,8 @@ class FP8Linear(nn.Module):
             # _scaled_mm takes the weight's scales as one row [1, N], float32, contiguous.
             self.register_buffer("_scale_b", weight_scale.float().reshape(1, -1), persistent=False)
         else:
-            # cuBLAS reads 128 x 128 scales K-major, each row of K-blocks padded to a multiple of 4
-            # (torch versions differ on whether the padding is in the stride: `_tile_scales_view`).
-            tiles = weight_scale.float()
-            self._k_blocks = tiles.shape[1]
-            self.register_buffer("_scale_b", torch.nn.functional.pad(tiles, (0, (-tiles.shape[1]) % 4)).contiguous(),
-                                 persistent=False)
+            self._k_blocks = weight_scale.shape[1]
+            self.register_buffer("_scale_b", _tile_scales_buffer(weight_scale.float()), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.quantize = quantize_rows if scaling == "row" else quantize_row_blocks
 
@@ -205,7 +204,7 @@ class FP8Linear(nn.Module):
             scale_b = self._scale_b
         else:
             xs = xs.t().contiguous().t()  # cuBLAS reads 1 x 128 scales M-major
-            scale_b = _tile_scales_view(self._scale_b, self._k_blocks)
+            scale_b = self._scale_b[:, :self._k_blocks].t()
         out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=scale_b, bias=self.bias, out_dtype=x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
