@@ -106,6 +106,14 @@ def speed(args, rows_out: list, figures: dict) -> None:
             keep = tuple(range(args.keep)) if args.keep and mode.endswith("keep") else ()
             quantized = fp8.quantize_model(model, fp8.Fp8Plan(scaling, keep)) // len(fp8.LINEAR_NAMES)
             mode = mode.removesuffix("keep").rstrip("+") or "eager"
+            try:
+                fp8.verify(model, torch.bfloat16)  # a wrong product would time as fast as a right one
+            except fp8.FP8Unsupported as e:
+                rows_out.append(f"| {variant} | | failed: {str(e)[:160]} | | | | |")
+                print(rows_out[-1], flush=True)
+                del model
+                torch.cuda.empty_cache()
+                continue
         if mode == "qcompile":
             fp8.compile_quantization(model)
         elif mode in ("layers", "bf16c"):
@@ -265,6 +273,7 @@ def quality(args, rows_out: list, figures: dict) -> None:
         model = copy.deepcopy(teacher)
         try:
             fp8.quantize_model(model, plan)
+            fp8.verify(model, torch.bfloat16)
             got = compare(ref, log_probs(model, heldout), labels)
         except Exception as e:  # a scaling this torch or GPU cannot run: its row says why
             rows_out.append(f"| {name} | failed: {str(e)[:100]} | | | | |")

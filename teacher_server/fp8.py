@@ -124,36 +124,12 @@ def reference_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torc
     return out.to(x.dtype).reshape(*x.shape[:-1], weight_q.shape[0])
 
 
-_PADDED_STRIDE: dict[str, bool] = {}
-
-
-def _tile_scales_buffer(tiles: torch.Tensor) -> torch.Tensor:
-    """The 128 x 128 weight scales [N / 128, K / 128] laid out as this torch's `_scaled_mm` reads
-    them: cuBLAS reads each row of K-blocks padded to a multiple of 4; newer torch takes that
-    padding in the buffer (the row stride), older torch a dense [N / 128, K / 128]. Which one is
-    asked of this torch once per device; the forward takes `buffer[:, :K / 128].t()`."""
-    k_blocks = tiles.shape[1]
-    if k_blocks % 4 == 0 or tiles.device.type != "cuda":
-        return tiles.contiguous()
-    key = str(tiles.device)
-    if key not in _PADDED_STRIDE:
-        _PADDED_STRIDE[key] = _padded_stride_accepted(tiles.device)
-    if not _PADDED_STRIDE[key]:
-        return tiles.contiguous()
-    return torch.nn.functional.pad(tiles, (0, (-k_blocks) % 4)).contiguous()
-
-
-def _padded_stride_accepted(device: torch.device) -> bool:
-    k_blocks, n = 2, 2 * BLOCK  # two rows of tiles: the row stride matters
-    a = torch.ones(16, k_blocks * BLOCK, device=device).to(FP8)
-    b = torch.ones(n, k_blocks * BLOCK, device=device).to(FP8)
-    scale_a = torch.ones(k_blocks, 16, device=device).t()
-    padded = torch.ones(n // BLOCK, 4, device=device)
-    try:
-        torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=padded[:, :k_blocks].t(), out_dtype=torch.bfloat16)
-        return True
-    except RuntimeError:
-        return False
+# cuBLAS reads each row of 128 x 128 weight scales as a multiple of 4 K-blocks: a layer with
+# another count is padded with zero columns (and its input with zeros) to the next multiple.
+_K_BLOCK_MULTIPLE = 4
+# The self-check's bound on |FP8Linear - reference| / |reference|: the bf16 rounding of the
+# output and the float32 sums' order, far under any layout or scale error (which gives ~1).
+_CHECK_RTOL = 1e-2
 
 
 # ---- the layer ------------------------------------------------------------------------------
@@ -168,14 +144,21 @@ class FP8Linear(nn.Module):
             raise ValueError(f"FP8 scaling {scaling!r}: choose one of {', '.join(SCALINGS)}")
         self.scaling = scaling
         self.out_features, self.in_features = weight_q.shape
-        self.register_buffer("weight", weight_q)
-        self.register_buffer("weight_scale", weight_scale.float())
-        if scaling == "row":
-            # _scaled_mm takes the weight's scales as one row [1, N], float32, contiguous.
-            self.register_buffer("_scale_b", weight_scale.float().reshape(1, -1), persistent=False)
-        else:
-            self._k_blocks = weight_scale.shape[1]
-            self.register_buffer("_scale_b", _tile_scales_buffer(weight_scale.float()), persistent=False)
+        weight_scale = weight_scale.float()
+        self._k_pad = 0
+        if scaling == "block" and weight_scale.shape[1] % _K_BLOCK_MULTIPLE:
+            blocks = weight_scale.shape[1] + (-weight_scale.shape[1]) % _K_BLOCK_MULTIPLE
+            self._k_pad = blocks * BLOCK - self.in_features
+            padded = torch.zeros(self.out_features, blocks * BLOCK, dtype=torch.uint8, device=weight_q.device)
+            padded[:, :self.in_features] = weight_q.view(torch.uint8)  # byte 0 is +0.0 in e4m3
+            weight_q = padded.view(FP8)
+            weight_scale = torch.cat([weight_scale, weight_scale.new_ones(weight_scale.shape[0], blocks -
+                                                                          weight_scale.shape[1])], dim=1)
+        self.register_buffer("weight", weight_q.contiguous())  # [N, K (+ padding)]
+        self.register_buffer("weight_scale", weight_scale.contiguous())  # [N, 1] or [N / 128, K / 128 (+ padding)]
+        # _scaled_mm takes row scales as one row [1, N], and 128 x 128 scales K-major [K / 128, N / 128].
+        self.register_buffer("_scale_b", self.weight_scale.reshape(1, -1) if scaling == "row"
+                             else self.weight_scale.t(), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.quantize = quantize_rows if scaling == "row" else quantize_row_blocks
 
@@ -194,22 +177,60 @@ class FP8Linear(nn.Module):
         layer._forward_pre_hooks.update(linear._forward_pre_hooks)
         return layer
 
+    def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The e4m3 weight [N, K] and its scales, without the padding."""
+        if not self._k_pad:
+            return self.weight, self.weight_scale
+        return self.weight[:, :self.in_features], self.weight_scale[:, :math.ceil(self.in_features / BLOCK)]
+
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize(self.weight, self.weight_scale).to(dtype)
+        return dequantize(*self.stored()).to(dtype)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The same product, computed the straightforward way (`reference_linear`)."""
+        return reference_linear(x, *self.stored(), self.scaling, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
+        if self._k_pad:
+            x2 = torch.nn.functional.pad(x2, (0, self._k_pad))
         xq, xs = self.quantize(x2)
-        if self.scaling == "row":
-            scale_b = self._scale_b
-        else:
+        if self.scaling == "block":
             xs = xs.t().contiguous().t()  # cuBLAS reads 1 x 128 scales M-major
-            scale_b = self._scale_b[:, :self._k_blocks].t()
-        out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=scale_b, bias=self.bias, out_dtype=x.dtype)
+        out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self._scale_b, bias=self.bias,
+                               out_dtype=x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scaling={self.scaling}"
+
+
+def verify(model, dtype: torch.dtype, rows: int = 64) -> int:
+    """Checks one FP8Linear of each shape against `FP8Linear.reference` on random heavy-tailed
+    inputs, on the layers' own device, before the teacher serves anything: a torch whose
+    `_scaled_mm` reads a scale layout otherwise than it is written here would give wrong
+    outputs without an error. Returns how many shapes were checked; raises FP8Unsupported."""
+    checked: set[tuple] = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, FP8Linear):
+            continue
+        key = (module.scaling, module.in_features, module.out_features)
+        if key in checked:
+            continue
+        checked.add(key)
+        generator = torch.Generator(device=module.weight.device).manual_seed(len(checked))
+        x = torch.randn(rows, module.in_features, generator=generator, device=module.weight.device).pow(3).to(dtype)
+        with torch.inference_mode():
+            got = module.forward(x).float()  # forward, not __call__: no tensor-parallel hook runs
+            want = module.reference(x).float()
+        error = ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
+        if not error < _CHECK_RTOL:
+            raise FP8Unsupported(
+                f"FP8 self-check failed: {name} ({module.in_features} -> {module.out_features}, {module.scaling} "
+                f"scales) differs from the dequantize-then-multiply reference by {error:.3g} (relative), more than "
+                f"{_CHECK_RTOL:g}: this torch ({torch.__version__}) computes its scaled matmul otherwise than "
+                "teacher_server/fp8.py lays it out. Serve with --fp8-scaling row, or without FP8")
+    return len(checked)
 
 
 # ---- a model quantized at load ------------------------------------------------------------

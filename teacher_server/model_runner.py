@@ -197,6 +197,9 @@ class ModelRunner:
             self.quantization = fp8.Quantization(fp8.FP8_E4M3, quantize.scaling, "quantized at load", tuple(
                 sorted({i % len(layers) for i in quantize.keep_layers})))
         if self.quantization.format:
+            dtype = next(p.dtype for p in model.parameters() if p.dtype != fp8.FP8)
+            log.info("FP8 self-check: %d layer shapes match the dequantize-then-multiply reference",
+                     fp8.verify(model, dtype))
             self._compile_fp8(model, quantize.compile if quantize is not None else "auto")
         return model
 

@@ -117,6 +117,40 @@ def test_block_reference_linear_is_the_blockwise_product():
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-6 * expected.abs().max().item())
 
 
+def test_block_layers_pad_k_to_four_blocks_without_changing_the_product():
+    """cuBLAS reads 128 x 128 scales in rows of a multiple of 4 K-blocks: 6 blocks become 8, the
+    weight's new columns zero, and the product over the padded operands (computed here from
+    _scaled_mm's definition, block by block) is the unpadded one."""
+    w = _heavy_tailed(200, 768, seed=10)
+    layer = fp8.FP8Linear(*fp8.quantize_tiles(w), "block")
+    assert layer.weight.shape == (200, 1024) and layer.weight_scale.shape == (2, 8)
+    assert layer._scale_b.shape == (8, 2) and layer._scale_b.stride() == (1, 8)  # K-major
+    assert torch.equal(layer.weight[:, 768:].float(), torch.zeros(200, 256))
+    q, scale = fp8.quantize_tiles(w)
+    stored_q, stored_scale = layer.stored()
+    assert torch.equal(stored_q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(stored_scale, scale)
+    x = _heavy_tailed(5, 768, seed=11)
+    xq, xs = fp8.quantize_row_blocks(torch.nn.functional.pad(x, (0, 256)))
+    padded = torch.zeros(5, 200, dtype=torch.float64)
+    for k in range(8):
+        cols = slice(k * 128, (k + 1) * 128)
+        tile = layer.weight_scale[:, k].repeat_interleave(128)[:200].double()
+        padded += (xq[:, cols].double() @ layer.weight[:, cols].double().t()) * xs[:, k:k + 1].double() * tile
+    unpadded = fp8.reference_linear(x, q, scale, "block").double()
+    torch.testing.assert_close(padded, unpadded, rtol=0, atol=1e-6 * unpadded.abs().max().item())
+
+
+def test_the_self_check_catches_a_wrong_product():
+    torch.manual_seed(12)
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 64)).to(torch.bfloat16)
+    model[0] = fp8.FP8Linear.from_linear(model[0], "row")
+    model[1] = fp8.FP8Linear.from_linear(model[1], "row")
+    assert fp8.verify(model, torch.bfloat16) == 2
+    model[1]._scale_b = model[1]._scale_b.flip(1)  # scales read in the wrong order
+    with pytest.raises(fp8.FP8Unsupported, match=r"FP8 self-check failed: 1 \(32 -> 64, row scales\)"):
+        fp8.verify(model, torch.bfloat16)
+
+
 def test_quantize_model_keeps_layers_and_carries_hooks():
     from transformers import LlamaConfig, LlamaForCausalLM
 
