@@ -109,7 +109,7 @@ def speed(args, rows_out: list, figures: dict) -> None:
             try:
                 fp8.verify(model, torch.bfloat16)  # a wrong product would time as fast as a right one
             except fp8.FP8Unsupported as e:
-                rows_out.append(f"| {variant} | | failed: {str(e)[:160]} | | | | |")
+                rows_out.append(f"| {variant} | | failed: {str(e).splitlines()[0][:160]} | | | | |")
                 print(rows_out[-1], flush=True)
                 del model
                 torch.cuda.empty_cache()
@@ -123,7 +123,7 @@ def speed(args, rows_out: list, figures: dict) -> None:
             try:
                 ms, gib = time_forward(model, rows, seq, LLAMA3_8B["vocab_size"], args.iters)
             except Exception as e:  # a variant this torch cannot run: its row says why
-                rows_out.append(f"| {variant} | {rows} x {seq} | failed: {str(e)[:120]} | | | | |")
+                rows_out.append(f"| {variant} | {rows} x {seq} | failed: {str(e).splitlines()[0][:120]} | | | | |")
                 print(f"{variant} {rows}x{seq} failed: {e}", flush=True)
                 continue
             fast, slow = flops(LLAMA3_8B, rows, seq, quantized)
@@ -176,6 +176,12 @@ def corpus_ids(vocab: int):
         return torch.tensor(ids, dtype=torch.long)
 
     return stream(set(texts) - heldout), stream(heldout), len(tokenizer)
+
+
+def llama_shape(layers: int, hidden: int) -> dict:
+    """A Llama of `layers` x `hidden`: heads of 64, SwiGLU width 8/3 of hidden (a multiple of 64)."""
+    return dict(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64, num_hidden_layers=layers,
+                num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64)
 
 
 def batches(ids: torch.Tensor, rows: int, seq: int, generator: torch.Generator):
@@ -238,9 +244,7 @@ def quality(args, rows_out: list, figures: dict) -> None:
     seq = args.seq
     n = min(args.heldout_rows, (len(heldout_ids) - 1) // (seq + 1))
     heldout = heldout_ids[:n * (seq + 1)].reshape(n, seq + 1).to(DEVICE)
-    shape = dict(vocab_size=vocab, hidden_size=args.teacher_hidden, intermediate_size=args.teacher_hidden * 8 // 3 // 64 * 64,
-                 num_hidden_layers=args.teacher_layers, num_attention_heads=args.teacher_hidden // 64,
-                 num_key_value_heads=args.teacher_hidden // 64, max_position_embeddings=seq)
+    shape = dict(vocab_size=vocab, max_position_embeddings=seq, **llama_shape(args.teacher_layers, args.teacher_hidden))
     teacher32 = llama(shape, torch.float32, DEVICE)
     steps = train(teacher32, batches(train_ids, args.batch_rows, seq, torch.Generator().manual_seed(0)),
                   args.train_s, lr=1e-3)
@@ -249,8 +253,8 @@ def quality(args, rows_out: list, figures: dict) -> None:
     ref = log_probs(teacher, heldout)
     floor = compare(log_probs(teacher32, heldout), ref, labels)
     del teacher32
-    print(f"teacher {args.teacher_layers} x {args.teacher_hidden}, vocab {vocab}: {steps} steps in {args.train_s:.0f} s, "
-          f"held-out CE bf16 {compare(ref, ref, labels)['ce']:.3f}", flush=True)
+    print(f"teacher {args.teacher_layers} x {args.teacher_hidden}, vocab {vocab}: {steps} steps in "
+          f"{args.train_s:.0f} s, held-out CE bf16 {compare(ref, ref, labels)['ce']:.3f}", flush=True)
     rows_out.append(f"| bf16 vs float32 (floor) | {floor['kl_mean']:.2e} | {floor['kl_p99']:.2e} | "
                     f"{floor['kl_max']:.2e} | {floor['top1']:.2%} | {compare(ref, ref, labels)['ce']:.4f} |")
     figures["floor"] = floor
@@ -276,7 +280,7 @@ def quality(args, rows_out: list, figures: dict) -> None:
             fp8.verify(model, torch.bfloat16)
             got = compare(ref, log_probs(model, heldout), labels)
         except Exception as e:  # a scaling this torch or GPU cannot run: its row says why
-            rows_out.append(f"| {name} | failed: {str(e)[:100]} | | | | |")
+            rows_out.append(f"| {name} | failed: {str(e).splitlines()[0][:100]} | | | | |")
             print(f"{name} failed: {e}", flush=True)
             continue
         teachers[name] = model
@@ -285,9 +289,7 @@ def quality(args, rows_out: list, figures: dict) -> None:
                         f"{got['top1']:.2%} | {got['ce']:.4f} |")
         print(rows_out[-1], flush=True)
     # Students distilled from each teacher: same seeds, same batches, same steps.
-    student_shape = dict(shape, hidden_size=args.student_hidden, intermediate_size=args.student_hidden * 8 // 3 // 64 * 64,
-                         num_hidden_layers=args.student_layers, num_attention_heads=args.student_hidden // 64,
-                         num_key_value_heads=args.student_hidden // 64)
+    student_shape = dict(shape, **llama_shape(args.student_layers, args.student_hidden))
     rows_out.append("")
     rows_out.append(f"Students ({args.student_layers} x {args.student_hidden}, {args.student_steps} steps of "
                     f"{args.batch_rows} x {seq} tokens, forward KL to the teacher): held-out CE per seed")
@@ -313,7 +315,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", default="speed,quality")
     parser.add_argument("--shapes", default="2x4096,4x8192", help="ROWSxSEQ,... of the 8B-shaped forward")
-    parser.add_argument("--variants", default="bf16,bf16c,row-eager,row-qcompile,row-layers,block-layers,row-layers+keep")
+    parser.add_argument("--variants", help="bf16, bf16c (layers compiled), SCALING-MODE[+keep]",
+                        default="bf16,bf16c,row-eager,row-qcompile,row-layers,block-layers,row-layers+keep")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--keep", type=int, default=2, help="decoder layers kept in bf16 by the '+keep' plans")
     parser.add_argument("--profile", default="", help="a variant to profile at the first shape")
@@ -343,7 +346,8 @@ def main() -> None:
         speed(args, table, figures)
         lines += ["Llama-3-8B-shaped forward (random weights), logits out:", ""] + table + [""]
     if "quality" in args.sections:
-        table = ["| teacher vs bf16 | KL mean | KL p99 | KL max | top-1 agree | held-out CE |", "|---|---|---|---|---|---|"]
+        table = ["| teacher vs bf16 | KL mean | KL p99 | KL max | top-1 agree | held-out CE |",
+                 "|---|---|---|---|---|---|"]
         quality(args, table, figures)
         lines += [f"Trained {args.teacher_layers} x {args.teacher_hidden} Llama, {args.heldout_rows} held-out "
                   f"sequences of {args.seq} tokens (nats per token, float32):", ""] + table

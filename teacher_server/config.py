@@ -176,7 +176,8 @@ class ServerConfig:
             raise ConfigError(f"--cuda-graphs {self.cuda_graphs} must be >= 0 (0 turns CUDA graphs off)")
         self.fp8_keep_layer_list  # parses, or names the flag
         if not self.quantize and (self.fp8_keep_layers or self.fp8_scaling != "row"):
-            raise ConfigError("--fp8-scaling and --fp8-keep-layers set how --quantize fp8 quantizes: add --quantize fp8")
+            raise ConfigError("--fp8-scaling and --fp8-keep-layers set how --quantize fp8 quantizes: add "
+                              "--quantize fp8")
         if self.lease_s <= self.heartbeat_interval_s:
             raise ConfigError(f"--lease-s ({self.lease_s}) must exceed --heartbeat-interval-s "
                               f"({self.heartbeat_interval_s})")

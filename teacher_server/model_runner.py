@@ -198,8 +198,15 @@ class ModelRunner:
                 sorted({i % len(layers) for i in quantize.keep_layers})))
         if self.quantization.format:
             dtype = next(p.dtype for p in model.parameters() if p.dtype != fp8.FP8)
-            log.info("FP8 self-check: %d layer shapes match the dequantize-then-multiply reference",
-                     fp8.verify(model, dtype))
+            try:
+                checked = fp8.verify(model, dtype)
+            except fp8.FP8Unsupported as e:
+                if not published:
+                    raise
+                raise fp8.FP8Unsupported(f"--model {model_name}: {e}. To serve this FP8 checkpoint, dequantize it "
+                                         "(transformers' FineGrainedFP8Config(dequantize=True), save_pretrained) and "
+                                         "serve that directory") from e
+            log.info("FP8 self-check: %d layer shapes match the dequantize-then-multiply reference", checked)
             self._compile_fp8(model, quantize.compile if quantize is not None else "auto")
         return model
 
