@@ -24,11 +24,15 @@ a read of the bf16 activation, a row reduction and a write of FP8; as separate k
 cost more than the matmul saves. `compile_layers` compiles each decoder layer, so that the
 quantization fuses into the kernel that produces its input (the RMSNorm before q/k/v and
 gate/up, the SwiGLU product before down). bench/fp8_teacher.py measures each variant.
+
+Before a model quantized here serves, `verify` runs one layer of each shape against the
+reference on its own device: a scale layout that this torch's `_scaled_mm` reads otherwise
+(cuBLAS reads 128 x 128 scale rows in multiples of 4 blocks, hence the K padding below) would
+otherwise give wrong outputs without an error.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
@@ -36,8 +40,6 @@ import torch
 from torch import nn
 
 from distill_common.quantization import FP8_E4M3, Quantization  # noqa: F401  (what the runner reports)
-
-log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
