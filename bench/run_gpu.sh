@@ -2,10 +2,11 @@
 # One call on the GPU machine: the GPU tests and benches named as arguments, each under its
 # own timeout, each output kept under $OUT:
 #   bash bench/run_gpu.sh stubs e2e tp tpforward transport
-# tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs, dataplane, isolation, logprobs.
+# tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs, dataplane, isolation, logprobs, fp8.
 # Benches: transport, transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, connect, scorecost;
 # one GPU: launch, recipe (the seed recipe's student side), eagle3 (EAGLE-3 with a colocated target),
 # store (the store of teacher outputs: bytes per token, dump against the forward alone, reads);
+# fp8speed and fp8quality (the FP8 teacher: bench/fp8_teacher.py's two halves);
 # two GPUs: recipeserved (the seed recipe with its teacher served, and colocated), eagle3served and
 # eagle3servedlong (EAGLE-3 from a served target, with the colocated baseline).
 # Investigations (bench/investigations/): tpsend.
@@ -41,6 +42,14 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     isolation) gpu_test test_isolation_gpu 150 ;;
     # Log-probabilities at given tokens over NCCL, a 128k vocabulary in row chunks on the device.
     logprobs) gpu_test test_logprobs_gpu 200 ;;
+    # A published-format FP8 checkpoint and --quantize fp8 (with CUDA graphs) against dequantized references.
+    fp8) gpu_test test_fp8_gpu 200 ;;
+    # The FP8 teacher's forward against bf16, 8B-shaped at 2 x 4096 and 4 x 8192 (docs/performance.md).
+    fp8speed) timeout 300 python3 -m bench.fp8_teacher --sections speed --iters 5 --profile row-layers \
+                --variants bf16,row-layers,row-eager,row-qcompile,block-layers --out "$out/fp8_speed.md" 2>&1 | quiet | tail -60 ;;
+    # What FP8 does to a trained teacher's distribution, and to students distilled from it.
+    fp8quality) timeout 400 python3 -m bench.fp8_teacher --sections quality --train-s "${FP8_TRAIN_S:-120}" \
+                  --out "$out/fp8_quality.md" 2>&1 | quiet | tail -30 ;;
     # The engine's host time per forward of the bench model, eager and with CUDA graphs (one GPU).
     launch) timeout 300 python3 -m bench.forward_launch --cuda-graphs 16 --side-threads 0,3 --out "$out/launch.md" 2>&1 | quiet | tail -40 ;;
     transport) timeout 400 python3 -m bench.transport_throughput --inflight 8,16 --out "$out/transport.md" 2>&1 | quiet | tail -12 ;;

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from distill_common import wire
+from distill_common.quantization import Quantization
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 
 
@@ -136,6 +137,7 @@ class TeacherFacts:
     # many of them some teacher id spells exactly (the columns of ProjectedNext), found at Join.
     student_vocab_size: int = 0
     matched_entries: int = 0
+    quantization: Quantization = Quantization()  # what the teacher's decoder linears run in
 
     @classmethod
     def from_info(cls, info: pb.TeacherInfo) -> "TeacherFacts":
@@ -144,7 +146,9 @@ class TeacherFacts:
                    head=HeadFacts.from_info(info.head) if info.HasField("head") else HeadFacts(),
                    attention=(AttentionFacts.from_info(info.attention) if info.HasField("attention")
                               else AttentionFacts()),
-                   max_score_ids=info.max_score_ids)
+                   max_score_ids=info.max_score_ids,
+                   quantization=(Quantization.from_info(info.quantization) if info.HasField("quantization")
+                                 else Quantization()))
 
 
 @dataclass

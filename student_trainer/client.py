@@ -52,6 +52,7 @@ from distill_common.channel import (SESSION_SECRET_KEY, TeacherUnreachable, chan
 from distill_common.outputs import JoinData, Logits, Output, OutputRequest, output_spec
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
+from distill_common.quantization import Quantization
 from distill_common.rendezvous import RendezvousStore
 from distill_common.session_group import (STUDENT_RANK, build_group, device_uuid, handshake, local_address_towards,
                                           nccl_version)
@@ -75,13 +76,14 @@ class TeacherInfo:
     tokenizer_fingerprint: str
     max_batch_tokens: int
     max_seq_len: int
+    quantization: Quantization = Quantization()  # what the teacher's decoder linears run in (FP8, or its dtype)
 
     @classmethod
     def from_proto(cls, info: pb.TeacherInfo) -> "TeacherInfo":
         return cls(model_name=info.model_name, architecture=info.architecture, vocab_size=info.vocab_size,
                    hidden_size=info.hidden_size, num_layers=info.num_layers, dtype=info.dtype,
                    tokenizer_fingerprint=info.tokenizer_fingerprint, max_batch_tokens=info.max_batch_tokens,
-                   max_seq_len=info.max_seq_len)
+                   max_seq_len=info.max_seq_len, quantization=Quantization.from_info(info.quantization))
 
 
 def _grpc_options() -> list:
@@ -98,7 +100,8 @@ class TeacherClient:
                  rpc_timeout_s: float = 30.0, auth_token: str | None = None,
                  join_timeout_s: float = 120.0, transfer_timeout_s: float | None = None,
                  tls_ca: str | bool | None = None, tls_cert: str | None = None, tls_key: str | None = None,
-                 reconnect_timeout_s: float = 300.0, max_resubmits: int = MAX_RESUBMITS):
+                 reconnect_timeout_s: float = 300.0, max_resubmits: int = MAX_RESUBMITS,
+                 refuse_quantized: bool = False):
         """`outputs`: the kinds of teacher output to receive (distill_common.outputs: Logits(),
         TopK(k), HiddenStates(layers), NextTokenLogprobs(), ScoredLogprobs(k)), in `dtype`
         (None: the teacher's; log-probabilities are float32).
@@ -112,7 +115,9 @@ class TeacherClient:
         with TeacherUnavailable; 0 fails them at once. The default, 5 minutes, covers a
         restart that reloads a large model; a job that would rather fail fast lowers it.
         `max_resubmits`: how many times a batch is sent again after the session holding it
-        ended; past that it fails with BatchNotServed, naming why each session ended."""
+        ended; past that it fails with BatchNotServed, naming why each session ended.
+        `refuse_quantized`: refuse a teacher whose decoder runs in FP8 (TeacherInfo.quantization)
+        at join, with Incompatible, for a student that must learn the full-precision distribution."""
         self.address = address
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -160,6 +165,13 @@ class TeacherClient:
         self._wait_for_server(join_timeout_s)
         joined = self._join_first(first_join)
         self.info = TeacherInfo.from_proto(joined.info)
+        if refuse_quantized and self.info.quantization.format:
+            self._leave(joined)
+            self._channel.close()
+            raise Incompatible(f"teacher {address} runs its decoder in {self.info.quantization}, and this student "
+                               "refuses a quantized teacher (--refuse-fp8-teacher): serve the teacher without "
+                               "--quantize and from a checkpoint in its full dtype, or drop the flag",
+                               grpc.StatusCode.FAILED_PRECONDITION)
         self.backend = joined.backend
         self.max_inflight = joined.max_inflight
         self.output_dtype = wire.parse_output_dtype(joined.output_dtype)
@@ -188,8 +200,9 @@ class TeacherClient:
         self._start(session)
         self._heartbeat_thread = threading.Thread(target=self._send_heartbeats, name="send-heartbeats", daemon=True)
         self._heartbeat_thread.start()
-        log.info("joined teacher %s as session %s (%s, %s)", address, self.session_id, self.backend,
-                 self.info.model_name)
+        log.info("joined teacher %s as session %s (%s, %s, %s; decoder linears: %s)", address, self.session_id,
+                 self.backend, self.info.model_name, self.info.dtype,
+                 self.info.quantization if self.info.quantization.format else f"{self.info.dtype}, not quantized")
 
     # ---- public ------------------------------------------------------------------
 
@@ -496,6 +509,8 @@ class TeacherClient:
                    if getattr(info, name) != getattr(self.info, name)]
         if joined.backend != self.backend:
             changed.append(f"backend {self.backend} -> {joined.backend}")
+        if info.quantization != self.info.quantization:  # another precision is another distribution
+            changed.append(f"decoder linears {self.info.quantization} -> {info.quantization}")
         if wire.parse_output_dtype(joined.output_dtype) != self.output_dtype:
             changed.append(f"output dtype {self.output_dtype} -> {joined.output_dtype}")
         if self.matched_student_ids is not None:  # a projection onto other columns would be read as this one

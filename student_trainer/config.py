@@ -136,6 +136,9 @@ class TrainConfig:
         "the run stops with BatchNotServed, which says why each session ended"))
     teacher_weight: float = field(default=1.0, metadata=_help(
         "this job's share of a busy teacher relative to other jobs (every rank gives the same)"))
+    refuse_fp8_teacher: bool = field(default=False, metadata=_help(
+        "refuse, at join, a teacher whose decoder runs in FP8 (its --quantize fp8, or an FP8 checkpoint): the KL "
+        "it adds to the distribution is in docs/performance.md (default: accept it; the log says what it runs in)"))
     job_id: str = field(default="", metadata=_help("shown in the teacher's status (default: the run directory)"))
     teacher_tls_ca: str = field(default="", metadata=_help(
         "talk TLS to a teacher started with --tls-cert: the PEM CA that signed its certificate, or 'system' for "
@@ -341,6 +344,7 @@ class DumpConfig:
     teacher_reconnect_timeout_s: float = _as_in_train("teacher_reconnect_timeout_s")
     teacher_max_resubmits: int = _as_in_train("teacher_max_resubmits")
     teacher_weight: float = _as_in_train("teacher_weight")
+    refuse_fp8_teacher: bool = _as_in_train("refuse_fp8_teacher")
     job_id: str = field(default="", metadata=_help("shown in the teacher's status (default: dump-DIRNAME)"))
     teacher_tls_ca: str = _as_in_train("teacher_tls_ca")
     teacher_tls_cert: str = _as_in_train("teacher_tls_cert")

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         runner = ModelRunner(config.model, config.device, config.dtype, config.trust_remote_code, world=world,
-                             cuda_graphs=config.cuda_graphs)
+                             cuda_graphs=config.cuda_graphs, quantize=config.fp8_plan())
     except ValueError as e:  # a model that cannot be loaded, settings that do not fit it: say which flag
         parser.error(str(e))
     try:
@@ -137,7 +137,7 @@ def _follow(world, config: ServerConfig) -> NoReturn:
                                                           signal.Signals(signum).name))
     try:  # settings rank 0 refuses are refused here too, or this rank would wait for it in vain
         runner = ModelRunner(config.model, config.device, config.dtype, config.trust_remote_code, world=world,
-                             cuda_graphs=config.cuda_graphs)
+                             cuda_graphs=config.cuda_graphs, quantize=config.fp8_plan())
     except ValueError as e:
         log.error("rank %d: %s", world.rank, e)
         _exit_now(2)

@@ -14,6 +14,7 @@ import grpc
 from distill_common.channel import TlsFlags, channel_credentials, connection_hint, open_channel, tls_ca_arg
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
+from distill_common.quantization import Quantization
 from distill_common.settings import ConfigError
 
 TLS_FLAGS = TlsFlags(ca="--tls-ca", cert="--tls-cert", key="--tls-key")
@@ -55,6 +56,7 @@ def _bytes(n: int) -> str:
 def format_info(info: pb.TeacherInfo) -> str:
     rows = [
         ["model", info.model_name], ["architecture", info.architecture], ["dtype", info.dtype],
+        ["quantization", str(Quantization.from_info(info.quantization))],
         ["device", info.device_type], ["tensor parallel", str(info.tp_size)], ["vocab size", str(info.vocab_size)],
         ["hidden size", str(info.hidden_size)], ["layers", str(info.num_layers)],
         ["tokenizer", info.tokenizer_fingerprint[:16] or "(none: vocabularies are not checked)"],

@@ -58,6 +58,20 @@ class ServerConfig:
         "replay the model's decoder from CUDA graphs (teacher_server/cuda_graphs.py) for up to N pack shapes: "
         "for small teachers whose forward costs the host more than the device (one GPU, no tensor "
         "parallelism; 0: off)")})
+    quantize: Literal["", "fp8"] = field(default="", metadata=_help(
+        "fp8: quantize the decoder's linear layers to FP8 (e4m3) at load and run them through torch._scaled_mm "
+        "(1.6x the bf16 forward of an 8B model on an H200, docs/performance.md); the embedding, norms, attention "
+        "and output head keep --dtype. Needs a GPU of compute capability 8.9+ (CPU: row scaling only, for tests). "
+        "A published FP8 checkpoint (quantization_config in config.json) is served in FP8 without this flag"))
+    fp8_scaling: Literal["row", "block"] = field(default="row", metadata=_help(
+        "--quantize fp8 scales: row (one per output channel of a weight, one per token of an activation) or "
+        "block (128 x 128 weight tiles, 1 x 128 activation blocks: finer, slower; compute capability 9.0)"))
+    fp8_keep_layers: str = field(default="", metadata={"metavar": "I,J", "help": (
+        "--quantize fp8: decoder layers (0-based; -1 the last) whose linears keep --dtype, e.g. 0,-1")})
+    fp8_compile: Literal["auto", "layers", "quantize", "off"] = field(default="auto", metadata=_help(
+        "how FP8 layers are compiled: layers (each decoder layer, so the activation quantization fuses into the "
+        "norm or product before it), quantize (the quantization alone), off (eager: slower than bf16); auto: "
+        "layers on one GPU, quantize under tensor parallelism, off on CPU"))
     heartbeat_interval_s: float = field(default=2.0, metadata=_help(
         "students send a heartbeat this often (told at join)"))
     lease_s: float = field(default=30.0, metadata=_help("a session without a heartbeat for this long is dropped"))
@@ -195,6 +209,10 @@ class ServerConfig:
             raise ConfigError(f"--cache-bytes {self.cache_bytes} must be >= 0 (0 turns the output cache off)")
         if self.cuda_graphs < 0:
             raise ConfigError(f"--cuda-graphs {self.cuda_graphs} must be >= 0 (0 turns CUDA graphs off)")
+        self.fp8_keep_layer_list  # parses, or names the flag
+        if not self.quantize and (self.fp8_keep_layers or self.fp8_scaling != "row"):
+            raise ConfigError("--fp8-scaling and --fp8-keep-layers set how --quantize fp8 quantizes: add "
+                              "--quantize fp8")
         if self.lease_s <= self.heartbeat_interval_s:
             raise ConfigError(f"--lease-s ({self.lease_s}) must exceed --heartbeat-interval-s "
                               f"({self.heartbeat_interval_s})")
@@ -231,6 +249,20 @@ class ServerConfig:
                                   "which every caller without a job token must present")
             self.job_token_entries = read_job_tokens(self.job_tokens, self.auth_token)
         self._check_tls()
+
+    @property
+    def fp8_keep_layer_list(self) -> tuple[int, ...]:
+        try:
+            return tuple(int(part) for part in self.fp8_keep_layers.split(",") if part.strip())
+        except ValueError as e:
+            raise ConfigError(f"--fp8-keep-layers {self.fp8_keep_layers!r}: give decoder layer numbers separated "
+                              "by commas, e.g. 0,-1") from e
+
+    def fp8_plan(self):
+        """--quantize fp8's plan for the model runner (None: no quantization at load)."""
+        from teacher_server.fp8 import Fp8Plan
+
+        return Fp8Plan(self.fp8_scaling, self.fp8_keep_layer_list, self.fp8_compile) if self.quantize else None
 
     def _check_tls(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):

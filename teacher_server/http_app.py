@@ -66,6 +66,8 @@ def create_app(engine: Engine, metrics: Metrics, ready: Callable[[], bool], auth
             "model": info.model_name,
             "architecture": info.architecture,
             "dtype": wire.dtype_name(info.dtype),
+            # The decoder's linears in FP8 (--quantize fp8, or an FP8 checkpoint): format, scaling, source.
+            "quantization": dataclasses.asdict(info.quantization),
             "devices": [str(info.device)],
             "tp_size": info.tp_size,
             "vocab_size": info.vocab_size,

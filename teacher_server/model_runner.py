@@ -35,7 +35,7 @@ from distill_common.outputs import AttentionFacts, ForwardNeeds, HeadFacts, Join
 from distill_common.session_group import nccl_version
 from distill_common.vocab import tokenizer_fingerprint
 from distill_common.wire import dtype_name, parse_output_dtype
-from teacher_server import parallel
+from teacher_server import fp8, parallel
 from teacher_server.cuda_graphs import ForwardGraphs
 from teacher_server.parallel import TensorParallelError, World
 
@@ -85,6 +85,7 @@ class ModelInfo:
     nccl_version: str = ""
     head: HeadFacts = HeadFacts()  # what a student needs to apply the output head (probed at start-up)
     attention: AttentionFacts = AttentionFacts()  # the attention inputs' widths (probed at start-up)
+    quantization: fp8.Quantization = fp8.Quantization()  # what the decoder's linears run in
 
 
 @dataclass
@@ -112,7 +113,8 @@ def output_width(model) -> int:
 
 class ModelRunner:
     def __init__(self, model_name: str, device: str, dtype: str = "", trust_remote_code: bool = False,
-                 world: World | None = None, cuda_graphs: int = 0, model=None, outputs_for_autograd: bool = False):
+                 world: World | None = None, cuda_graphs: int = 0, model=None, outputs_for_autograd: bool = False,
+                 quantize: fp8.Fp8Plan | None = None):
         """`world`: this process's place in the TP world (None: one process, the plain path).
         `cuda_graphs`: capture the forward as CUDA graphs for up to this many pack shapes
         (teacher_server/cuda_graphs.py; 0: off). `model`: one already built on `device` (the
@@ -120,7 +122,8 @@ class ModelRunner:
         loading `model_name`, which then only names it. `outputs_for_autograd`: forwards run under
         no_grad instead of inference mode, for outputs that a training loop's losses use (autograd
         refuses to save an inference tensor for backward, and the closed-form KD and attention losses
-        save the teacher's side)."""
+        save the teacher's side). `quantize`: the decoder's linears in FP8, quantized at load
+        (--quantize fp8, teacher_server/fp8.py); a published FP8 checkpoint is served in FP8 without it."""
         self.world = world
         self._grad_free = torch.no_grad if outputs_for_autograd else torch.inference_mode
         _skip_packed_sequence_check()
@@ -134,7 +137,8 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         if model is not None and world is not None:
             raise ValueError("a model built by the caller runs on one process: leave `world` out")
-        self.model = model if model is not None else self._load(model_name, dtype, trust_remote_code)
+        self.quantization = fp8.Quantization()
+        self.model = model if model is not None else self._load(model_name, dtype, trust_remote_code, quantize)
         self.model.eval().requires_grad_(False)
         # The model directory's tokenizer (None without one): fingerprinted for students, and what
         # cross-tokenizer sessions' rows are re-tokenized with (rank 0 only).
@@ -147,15 +151,18 @@ class ModelRunner:
             vocab_size=output_width(self.model),
             hidden_size=int(text_config.hidden_size),
             num_layers=int(text_config.num_hidden_layers),
-            dtype=next(self.model.parameters()).dtype,
+            dtype=next(p.dtype for p in self.model.parameters() if p.dtype != fp8.FP8),
             device=self.device,
             tokenizer_fingerprint=tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else "",
             tp_size=world.size if world is not None else 1,
             nccl_version=nccl_version() if self.device.type == "cuda" else "",
+            quantization=self.quantization,
         )
         log.info("loaded %s (%s) on %s in %s: vocab %d, hidden %d, %d layers%s", model_name, self.info.architecture,
                  self.device, dtype_name(self.info.dtype), self.info.vocab_size, self.info.hidden_size,
                  self.info.num_layers, f", tensor parallel rank {world.rank} of {world.size}" if world else "")
+        if self.quantization.format:
+            log.info("decoder linears in FP8: %s", self.quantization)
         self.graphs = None
         self._captures: dict[frozenset[int], AttentionCapture] = {}
         # Every rank takes part (the head's gather and the probe forward are collective under TP).
@@ -167,16 +174,90 @@ class ModelRunner:
             world.start_keepalive()
         self.graphs = ForwardGraphs(self.model, self.device, cuda_graphs) if cuda_graphs else None
 
-    def _load(self, model_name: str, dtype: str, trust_remote_code: bool):
+    def _load(self, model_name: str, dtype: str, trust_remote_code: bool, quantize: fp8.Fp8Plan | None):
         torch_dtype = parse_output_dtype(dtype) if dtype else None
+        published = self._published_fp8(model_name, trust_remote_code, quantize)
         try:
             if self.world is not None:
-                return parallel.load_model(model_name, self.world, dtype=torch_dtype,
-                                           trust_remote_code=trust_remote_code)
-            return load_causal_lm(model_name, device=self.device, dtype=torch_dtype,
-                                  trust_remote_code=trust_remote_code)
+                model = parallel.load_model(model_name, self.world, dtype=torch_dtype,
+                                            trust_remote_code=trust_remote_code, own_plan=quantize is not None)
+            else:
+                model = load_causal_lm(model_name, device=self.device, dtype=torch_dtype,
+                                       trust_remote_code=trust_remote_code)
         except ValueError as e:
             raise ValueError(f"--model: {e}") from e
+        if published:
+            fp8.adopt_published(model)
+            self.quantization = fp8.Quantization(fp8.FP8_E4M3, "block", "checkpoint")
+        elif quantize is not None:
+            problem = fp8.fp8_device_problem(self.device, quantize.scaling)
+            if problem:
+                raise fp8.FP8Unsupported(f"--quantize fp8: {problem}. Serve the model in its dtype (leave --quantize "
+                                         "out) or on such a GPU" + (" (--fp8-scaling row runs on CPU)"
+                                                                    if quantize.scaling == "block" else ""))
+            fp8.quantize_model(model, quantize)
+            layers = fp8.decoder_layers(model)
+            self.quantization = fp8.Quantization(fp8.FP8_E4M3, quantize.scaling, "quantized at load", tuple(
+                sorted({i % len(layers) for i in quantize.keep_layers})))
+        if self.quantization.format:
+            dtype = next(p.dtype for p in model.parameters() if p.dtype != fp8.FP8)
+            try:
+                checked = fp8.verify(model, dtype)
+            except fp8.FP8Unsupported as e:
+                if not published:
+                    raise
+                raise fp8.FP8Unsupported(f"--model {model_name}: {e}. To serve this FP8 checkpoint, dequantize it "
+                                         "(transformers' FineGrainedFP8Config(dequantize=True), save_pretrained) and "
+                                         "serve that directory") from e
+            log.info("FP8 self-check: %d layer shapes match the dequantize-then-multiply reference", checked)
+            self._compile_fp8(model, quantize.compile if quantize is not None else "auto")
+        return model
+
+    def _published_fp8(self, model_name: str, trust_remote_code: bool, quantize: fp8.Fp8Plan | None) -> bool:
+        """Whether `model_name` is a published FP8 checkpoint (transformers' fine-grained FP8 in its
+        config.json); refuses one this teacher cannot serve, before anything is loaded."""
+        from distill_common.models import BUILTIN_PREFIX, RANDOM_PREFIX, model_config
+
+        if model_name.startswith((BUILTIN_PREFIX, RANDOM_PREFIX)):
+            return False
+        try:
+            config = model_config(model_name, trust_remote_code)
+        except ValueError:
+            return False  # the load that follows says why
+        declared = fp8.checkpoint_quantization(config)
+        if declared is None:
+            return False
+        if quantize is not None:
+            raise ValueError(f"--quantize fp8: {model_name} is an FP8 checkpoint already (its config.json has a "
+                             "quantization_config); leave --quantize out")
+        block = declared.get("weight_block_size")
+        if list(block or ()) != [fp8.BLOCK, fp8.BLOCK]:
+            raise fp8.FP8Unsupported(f"--model {model_name}: FP8 weights with blocks {block}; the teacher serves "
+                                     "128 x 128 blocks (transformers' FineGrainedFP8Config default)")
+        problem = fp8.fp8_device_problem(self.device, "block")
+        if problem:
+            raise fp8.FP8Unsupported(
+                f"--model {model_name} is an FP8 checkpoint (128 x 128 block scales) and {problem}. Serve it on a "
+                "GPU of compute capability 9.0 (H100, H200), or dequantize it first: load it with transformers' "
+                "FineGrainedFP8Config(dequantize=True), save_pretrained, and serve that directory")
+        if self.world is not None:
+            raise fp8.FP8Unsupported(f"--model {model_name} is an FP8 checkpoint, and tensor parallelism shards "
+                                     "plain Linear weights: serve it on one GPU")
+        return True
+
+    def _compile_fp8(self, model, mode: str) -> None:
+        """Fuses each activation's quantization into the kernel that produces it (the layers
+        compiled), or at least into one kernel (the quantization compiled) under tensor parallelism,
+        whose collectives run between the linears. Eager quantization is slower than bf16."""
+        if mode == "auto":  # on a CPU, FP8 is for tests: compiling costs more than it saves
+            mode = "off" if self.device.type != "cuda" else "layers" if self.world is None else "quantize"
+        if mode == "layers" and self.world is not None:
+            raise ValueError("--fp8-compile layers: under tensor parallelism the layers' collectives run in hooks "
+                             "that a compiled layer would not keep; use --fp8-compile quantize (or auto)")
+        if mode == "layers":
+            fp8.compile_layers(model)
+        elif mode == "quantize":
+            fp8.compile_quantization(model)
 
     @property
     def healthy(self) -> bool:
@@ -303,6 +384,7 @@ class ModelRunner:
         weight = getattr(head, "weight", None)
         if weight is None:
             return None
+        weight = fp8.dense_weight(head, self.info.dtype)  # sent in the output dtype, never as FP8
         bias = getattr(head, "bias", None)
         if self.world is not None:
             weight, bias = parallel.gather_rows(weight, self.info.vocab_size), (

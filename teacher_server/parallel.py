@@ -216,13 +216,15 @@ def _has(module, dotted: str) -> bool:
     return True
 
 
-def load_model(spec: str, world: "World", *, dtype: torch.dtype | None, trust_remote_code: bool = False):
+def load_model(spec: str, world: "World", *, dtype: torch.dtype | None, trust_remote_code: bool = False,
+               own_plan: bool = False):
     """The model named by `spec`, sharded over the TP world; every rank calls it (it is collective).
 
     Saved models whose architecture declares a plan load through transformers' own
     (`distributed_config=DistributedConfig(tp_plan="auto")`: each rank reads only its
-    shard); models built from a config, or without a declared plan, are built whole on
-    each rank and sharded with `apply_plan`.
+    shard); models built from a config, or without a declared plan, or with `own_plan` (the
+    FP8 quantization at load replaces plain-tensor Linears, not transformers' DTensors), are
+    built whole on each rank and sharded with `apply_plan`.
     """
     from distill_common.models import BUILTIN_PREFIX, RANDOM_PREFIX, load_causal_lm, model_config
 
@@ -232,7 +234,7 @@ def load_model(spec: str, world: "World", *, dtype: torch.dtype | None, trust_re
     # transformers places the shards on the machine's accelerator (cuda:LOCAL_RANK), whatever --device says.
     accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
     on_its_device = world.device.type == (accelerator.type if accelerator is not None else "cpu")
-    if not built_from_config and on_its_device and getattr(config, "base_model_tp_plan", None):
+    if not built_from_config and on_its_device and not own_plan and getattr(config, "base_model_tp_plan", None):
         from transformers import AutoModelForCausalLM
         from transformers.distributed import DistributedConfig
 

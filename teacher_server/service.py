@@ -354,7 +354,7 @@ class TeacherService:
             max_batch_tokens=c.max_batch_tokens, max_seq_len=c.max_seq_len, max_sessions=c.max_sessions,
             max_inflight=c.max_inflight, tokenizer_fingerprint=i.tokenizer_fingerprint,
             torch_version=i.torch_version, nccl_version=i.nccl_version, head=i.head.to_info(),
-            attention=i.attention.to_info(), max_score_ids=c.max_score_ids)
+            attention=i.attention.to_info(), max_score_ids=c.max_score_ids, quantization=i.quantization.to_info())
 
     def _check_output_bytes(self, outputs: OutputRequest) -> None:
         """Refuses outputs larger than --max-output-bytes for the largest batch the session may send

@@ -48,6 +48,7 @@ def test_status_lists_both_sessions_and_info_the_limits(server):
     rows = {line[:20].strip(): line[20:].strip() for line in info.stdout.splitlines()[2:]}
     assert rows["vocab size"] == "384" and rows["layers"] == "2" and rows["dtype"] == "float32"
     assert rows["--max-sessions"] == "7" and rows["architecture"] == "LlamaForCausalLM"
+    assert rows["quantization"] == "none"
 
 
 def test_status_of_an_unreachable_teacher_says_so():

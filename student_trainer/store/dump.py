@@ -123,7 +123,7 @@ def dump_rows(teacher, store: TeacherStore, input_ids: torch.Tensor, attention_m
 
 def _dump_teacher(cfg, device: torch.device, tokenizer):
     """The teacher a dump asks: a TeacherClient to `--teacher`, or `--model` loaded here (LocalTeacher).
-    Returns it, the model's name, its quantization ("" when not reported) and architecture."""
+    Returns it, the model's name, its quantization ("none" in its dtype) and architecture."""
     kinds = cfg.outputs()
     if cfg.teacher:
         from student_trainer.client import TeacherClient
@@ -132,9 +132,9 @@ def _dump_teacher(cfg, device: torch.device, tokenizer):
             cfg.teacher, device, outputs=kinds, dtype=cfg.dtype or None, tokenizer=tokenizer,
             max_inflight=cfg.prefetch + 1, job_id=cfg.job_id or f"dump-{Path(cfg.teacher_outputs).name}",
             transfer_timeout_s=cfg.teacher_timeout_s, reconnect_timeout_s=cfg.teacher_reconnect_timeout_s,
-            weight=cfg.teacher_weight, tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None,
-            tls_key=cfg.teacher_tls_key or None)
-        return client, client.info.model_name, "", client.info.architecture
+            weight=cfg.teacher_weight, refuse_quantized=cfg.refuse_fp8_teacher, tls_ca=cfg.teacher_tls,
+            tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
+        return client, client.info.model_name, str(client.info.quantization), client.info.architecture
     from distill_common.models import load_causal_lm
     from distill_common.vocab import tokenizer_fingerprint
     from student_trainer.local_teacher import LocalTeacher

@@ -22,7 +22,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TeacherInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "device_type", "tp_size", "max_batch_tokens", "max_seq_len", "max_sessions", "max_inflight", "tokenizer_fingerprint", "torch_version", "nccl_version", "head", "attention", "max_score_ids")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "device_type", "tp_size", "max_batch_tokens", "max_seq_len", "max_sessions", "max_inflight", "tokenizer_fingerprint", "torch_version", "nccl_version", "head", "attention", "max_score_ids", "quantization")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class TeacherInfo(_message.Message):
     HEAD_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     MAX_SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -59,7 +60,20 @@ class TeacherInfo(_message.Message):
     head: OutputHeadInfo
     attention: AttentionInputsInfo
     max_score_ids: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., head: _Optional[_Union[OutputHeadInfo, _Mapping]] = ..., attention: _Optional[_Union[AttentionInputsInfo, _Mapping]] = ..., max_score_ids: _Optional[int] = ...) -> None: ...
+    quantization: QuantizationInfo
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., head: _Optional[_Union[OutputHeadInfo, _Mapping]] = ..., attention: _Optional[_Union[AttentionInputsInfo, _Mapping]] = ..., max_score_ids: _Optional[int] = ..., quantization: _Optional[_Union[QuantizationInfo, _Mapping]] = ...) -> None: ...
+
+class QuantizationInfo(_message.Message):
+    __slots__ = ("format", "scaling", "source", "full_precision_layers")
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    SCALING_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FULL_PRECISION_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    format: str
+    scaling: str
+    source: str
+    full_precision_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, format: _Optional[str] = ..., scaling: _Optional[str] = ..., source: _Optional[str] = ..., full_precision_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OutputHeadInfo(_message.Message):
     __slots__ = ("bias", "final_logit_softcapping", "logit_scale", "unavailable")

@@ -1,0 +1,358 @@
+"""What serving the teacher in FP8 gains and costs, in one run on one GPU.
+
+    python3 -m bench.fp8_teacher --out fp8_teacher.md
+
+Speed: a Llama-3-8B-shaped teacher (random bf16 weights built on the GPU: speed does not
+depend on what the weights learned) at 2 x 4096 and 4 x 8192 tokens, forward as the server
+calls it (no mask, no cache, logits out): tokens/s, the share of the peak (model FLOPs as
+DESIGN.md counts them: 2 x linear parameters x tokens + 2 x S^2 x hidden per layer for causal
+attention; the FP8 linears against 2 x 790 TFLOP/s, the rest against 790) and peak memory, for
+bf16 (eager, and its decoder layers compiled) and the FP8 variants of teacher_server/fp8.py:
+
+  eager     the activation quantization as separate eager kernels
+  qcompile  the quantization function compiled on its own
+  layers    each decoder layer compiled, the quantization fused into what produces it (served)
+
+Quality: random weights say nothing about what FP8 does to a distribution, so a small Llama
+(--teacher-layers x --teacher-hidden) is trained for --train-s seconds on the demo's corpus (the
+Python standard library's source, distill_demo/corpus.py, held-out files apart) with the demo's
+tokenizer. On held-out text: per-token KL(bf16 || FP8) (mean, p99, max; float32 reductions),
+top-1 agreement and held-out CE for each scaling (and bf16 against float32, the floor), then the
+held-out CE of a student distilled from the bf16 teacher and from each FP8 one (same seeds,
+same steps, --seeds of them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from bench.table import emit
+from teacher_server import fp8
+
+DEVICE = "cuda"  # --device cpu: a smoke test of the quality section
+BF16_PEAK = 790e12  # H200 dense bf16, as measured here (DESIGN.md); FP8 is twice that
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=8192)
+
+
+def llama(shape: dict, dtype: torch.dtype, device: str, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**shape)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(config).eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+# ---- speed -----------------------------------------------------------------------------------
+
+def flops(shape: dict, rows: int, seq: int, fp8_layers: int) -> tuple[float, float]:
+    """(FLOPs at the FP8 rate, FLOPs at the bf16 rate) of one forward."""
+    h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i
+    tokens = rows * seq
+    linear = 2 * per_layer * tokens
+    attention = 2 * seq * seq * h * rows * layers
+    head = 2 * h * shape["vocab_size"] * tokens
+    return linear * fp8_layers, linear * (layers - fp8_layers) + attention + head
+
+
+def time_forward(model, rows: int, seq: int, vocab: int, iters: int) -> tuple[float, float]:
+    """(median ms, peak GiB) of the logits forward."""
+    ids = torch.randint(vocab, (rows, seq), device="cuda")
+
+    @torch.inference_mode()
+    def forward():
+        return model(input_ids=ids, use_cache=False, return_dict=True).logits
+
+    for _ in range(2):
+        forward()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        forward()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30
+
+
+def speed(args, rows_out: list, figures: dict) -> None:
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    variants = args.variants.split(",")
+    baseline = {}
+    for variant in variants:
+        torch._dynamo.reset()
+        model = llama(LLAMA3_8B, torch.bfloat16, "cuda")
+        scaling, _, mode = variant.partition("-") if variant.startswith(("row", "block")) else ("", "", variant)
+        quantized = 0
+        if scaling:
+            keep = tuple(range(args.keep)) if args.keep and mode.endswith("keep") else ()
+            quantized = fp8.quantize_model(model, fp8.Fp8Plan(scaling, keep)) // len(fp8.LINEAR_NAMES)
+            mode = mode.removesuffix("keep").rstrip("+") or "eager"
+            try:
+                fp8.verify(model, torch.bfloat16)  # a wrong product would time as fast as a right one
+            except fp8.FP8Unsupported as e:
+                rows_out.append(f"| {variant} | | failed: {str(e).splitlines()[0][:160]} | | | | |")
+                print(rows_out[-1], flush=True)
+                del model
+                torch.cuda.empty_cache()
+                continue
+        if mode == "qcompile":
+            fp8.compile_quantization(model)
+        elif mode in ("layers", "bf16c"):
+            fp8.compile_layers(model)
+        started = time.perf_counter()
+        for rows, seq in shapes:
+            try:
+                ms, gib = time_forward(model, rows, seq, LLAMA3_8B["vocab_size"], args.iters)
+            except Exception as e:  # a variant this torch cannot run: its row says why
+                rows_out.append(f"| {variant} | {rows} x {seq} | failed: {str(e).splitlines()[0][:120]} | | | | |")
+                print(f"{variant} {rows}x{seq} failed: {e}", flush=True)
+                continue
+            fast, slow = flops(LLAMA3_8B, rows, seq, quantized)
+            share = (fast / (2 * BF16_PEAK) + slow / BF16_PEAK) * 1e3 / ms
+            tokens_s = rows * seq / ms * 1e3
+            baseline.setdefault((rows, seq), tokens_s)
+            ratio = tokens_s / baseline[(rows, seq)]
+            rows_out.append(f"| {variant} | {rows} x {seq} | {ms:.1f} | {tokens_s / 1e3:.1f}k | {ratio:.2f}x | "
+                            f"{share:.0%} | {gib:.1f} |")
+            figures[f"{variant}/{rows}x{seq}"] = dict(ms=ms, tokens_s=tokens_s, ratio=ratio, share=share, gib=gib)
+            print(rows_out[-1], f"({time.perf_counter() - started:.0f} s with compile)", flush=True)
+        if args.profile and variant == args.profile:
+            profile(model, shapes[0], args.out_dir)
+        del model
+        torch.cuda.empty_cache()
+
+
+def profile(model, shape, out_dir: str) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    ids = torch.randint(LLAMA3_8B["vocab_size"], shape, device="cuda")
+    with torch.inference_mode(), torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model(input_ids=ids, use_cache=False)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+    print(table)
+    if out_dir:
+        with open(f"{out_dir}/fp8_profile.txt", "w") as f:
+            f.write(table)
+
+
+# ---- quality ---------------------------------------------------------------------------------
+
+def corpus_ids(vocab: int):
+    from distill_demo.corpus import split_files, stdlib_files, stdlib_root
+    from distill_demo.tokenizer import train_tokenizer
+
+    root = stdlib_root()
+    files = {str(p.relative_to(root)): p for p in stdlib_files()}
+    heldout = split_files(sorted(files), 0.05, seed=0)
+    texts = {name: path.read_text(errors="replace") for name, path in files.items()}
+    tokenizer = train_tokenizer([texts[n] for n in sorted(texts) if n not in heldout], vocab_size=vocab)
+    eos = tokenizer.convert_tokens_to_ids("<|eos|>")
+
+    def stream(names):
+        ids = []
+        for name in sorted(names):
+            ids.extend(tokenizer(texts[name], add_special_tokens=False)["input_ids"] + [eos])
+        return torch.tensor(ids, dtype=torch.long)
+
+    return stream(set(texts) - heldout), stream(heldout), len(tokenizer)
+
+
+def llama_shape(layers: int, hidden: int) -> dict:
+    """A Llama of `layers` x `hidden`: heads of 64, SwiGLU width 8/3 of hidden (a multiple of 64)."""
+    return dict(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64, num_hidden_layers=layers,
+                num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64)
+
+
+def batches(ids: torch.Tensor, rows: int, seq: int, generator: torch.Generator):
+    while True:
+        starts = torch.randint(len(ids) - seq - 1, (rows,), generator=generator)
+        yield torch.stack([ids[s:s + seq + 1] for s in starts.tolist()]).to(DEVICE)
+
+
+def train(model, data, seconds: float, lr: float, teacher=None, steps: int = 0) -> int:
+    """Trains `model` (float32 weights, bf16 autocast) on next tokens, or on `teacher`'s
+    distribution (forward KL) when given; for `steps` steps, else for `seconds`."""
+    model.train().requires_grad_(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    total = steps or 10**9
+    started, step = time.perf_counter(), 0
+    while step < total and (steps or time.perf_counter() - started < seconds):
+        warm = min(1.0, (step + 1) / 100)
+        decay = 0.5 * (1 + math.cos(math.pi * min(1.0, step / total))) if steps else 1.0
+        for group in opt.param_groups:
+            group["lr"] = lr * warm * max(decay, 0.1)
+        batch = next(data)
+        if teacher is not None:
+            with torch.no_grad():
+                target = teacher(input_ids=batch[:, :-1], use_cache=False).logits.float().log_softmax(-1)
+        with torch.autocast(batch.device.type, torch.bfloat16):
+            logits = model(input_ids=batch[:, :-1], use_cache=False).logits.float()
+        if teacher is None:
+            loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        else:
+            loss = F.kl_div(logits.log_softmax(-1), target, log_target=True, reduction="batchmean") / batch.shape[1]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+    model.eval().requires_grad_(False)
+    return step
+
+
+@torch.inference_mode()
+def log_probs(model, heldout: torch.Tensor) -> torch.Tensor:
+    return torch.cat([model(input_ids=heldout[i:i + 8, :-1], use_cache=False).logits.float().log_softmax(-1)
+                      for i in range(0, len(heldout), 8)])
+
+
+def compare(reference: torch.Tensor, other: torch.Tensor, labels: torch.Tensor) -> dict:
+    kl = (reference.exp() * (reference - other)).sum(-1).flatten()  # float32 throughout
+    return dict(kl_mean=kl.mean().item(), kl_p99=kl.quantile(0.99).item() if kl.numel() <= 2**24 else float("nan"),
+                kl_max=kl.max().item(), top1=(reference.argmax(-1) == other.argmax(-1)).float().mean().item(),
+                ce=F.nll_loss(other.flatten(0, 1), labels.flatten()).item())
+
+
+@torch.inference_mode()
+def held_out_ce(model, heldout: torch.Tensor) -> float:
+    return F.nll_loss(log_probs(model, heldout).flatten(0, 1), heldout[:, 1:].flatten()).item()
+
+
+def quality(args, rows_out: list, figures: dict) -> None:
+    train_ids, heldout_ids, vocab = corpus_ids(args.vocab)
+    seq = args.seq
+    n = min(args.heldout_rows, (len(heldout_ids) - 1) // (seq + 1))
+    heldout = heldout_ids[:n * (seq + 1)].reshape(n, seq + 1).to(DEVICE)
+    shape = dict(vocab_size=vocab, max_position_embeddings=seq, **llama_shape(args.teacher_layers, args.teacher_hidden))
+    teacher32 = llama(shape, torch.float32, DEVICE)
+    steps = train(teacher32, batches(train_ids, args.batch_rows, seq, torch.Generator().manual_seed(0)),
+                  args.train_s, lr=1e-3)
+    teacher = copy.deepcopy(teacher32).to(torch.bfloat16)
+    labels = heldout[:, 1:]
+    ref = log_probs(teacher, heldout)
+    floor = compare(log_probs(teacher32, heldout), ref, labels)
+    del teacher32
+    print(f"teacher {args.teacher_layers} x {args.teacher_hidden}, vocab {vocab}: {steps} steps in "
+          f"{args.train_s:.0f} s, held-out CE bf16 {compare(ref, ref, labels)['ce']:.3f}", flush=True)
+    rows_out.append(f"| bf16 vs float32 (floor) | {floor['kl_mean']:.2e} | {floor['kl_p99']:.2e} | "
+                    f"{floor['kl_max']:.2e} | {floor['top1']:.2%} | {compare(ref, ref, labels)['ce']:.4f} |")
+    figures["floor"] = floor
+    # The most sensitive layers: each quantized alone.
+    alone = []
+    for layer in range(args.teacher_layers):
+        model = copy.deepcopy(teacher)
+        keep = tuple(i for i in range(args.teacher_layers) if i != layer)
+        fp8.quantize_model(model, fp8.Fp8Plan("row", keep))
+        alone.append(compare(ref, log_probs(model, heldout), labels)["kl_mean"])
+    sensitive = tuple(sorted(range(args.teacher_layers), key=lambda i: -alone[i])[:args.keep])
+    print("KL with one layer in FP8 (row):", " ".join(f"{i}:{kl:.1e}" for i, kl in enumerate(alone)), flush=True)
+    figures["kl_one_layer"] = alone
+    plans = {"row": fp8.Fp8Plan("row"), "block": fp8.Fp8Plan("block"),
+             f"row, layers {','.join(map(str, sensitive))} bf16": fp8.Fp8Plan("row", sensitive),
+             f"row, first {args.keep} bf16": fp8.Fp8Plan("row", tuple(range(args.keep))),
+             f"block, layers {','.join(map(str, sensitive))} bf16": fp8.Fp8Plan("block", sensitive)}
+    teachers = {"bf16": teacher}
+    for name, plan in plans.items():
+        model = copy.deepcopy(teacher)
+        try:
+            fp8.quantize_model(model, plan)
+            fp8.verify(model, torch.bfloat16)
+            got = compare(ref, log_probs(model, heldout), labels)
+        except Exception as e:  # a scaling this torch or GPU cannot run: its row says why
+            rows_out.append(f"| {name} | failed: {str(e).splitlines()[0][:100]} | | | | |")
+            print(f"{name} failed: {e}", flush=True)
+            continue
+        teachers[name] = model
+        figures[f"kl/{name}"] = got
+        rows_out.append(f"| {name} | {got['kl_mean']:.2e} | {got['kl_p99']:.2e} | {got['kl_max']:.2e} | "
+                        f"{got['top1']:.2%} | {got['ce']:.4f} |")
+        print(rows_out[-1], flush=True)
+    # Students distilled from each teacher: same seeds, same batches, same steps.
+    student_shape = dict(shape, **llama_shape(args.student_layers, args.student_hidden))
+    rows_out.append("")
+    rows_out.append(f"Students ({args.student_layers} x {args.student_hidden}, {args.student_steps} steps of "
+                    f"{args.batch_rows} x {seq} tokens, forward KL to the teacher): held-out CE per seed")
+    rows_out.append("")
+    rows_out.append("| teacher | " + " | ".join(f"seed {s}" for s in range(args.seeds)) + " | mean | spread |")
+    rows_out.append("|---|" + "---|" * (args.seeds + 2))
+    ranked = sorted((n for n in teachers if n not in ("bf16", "row")), key=lambda n: figures[f"kl/{n}"]["kl_mean"])
+    for name in (["bf16", "row"] + ranked)[:args.students]:
+        ces = []
+        for seed in range(args.seeds):
+            student = llama(student_shape, torch.float32, DEVICE, seed=100 + seed)
+            train(student, batches(train_ids, args.batch_rows, seq, torch.Generator().manual_seed(100 + seed)), 0,
+                  lr=2e-3, teacher=teachers[name], steps=args.student_steps)
+            ces.append(held_out_ce(student, heldout))
+            del student
+        figures[f"student/{name}"] = ces
+        rows_out.append(f"| {name} | " + " | ".join(f"{c:.4f}" for c in ces) +
+                        f" | {sum(ces) / len(ces):.4f} | {max(ces) - min(ces):.4f} |")
+        print(rows_out[-1], flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", default="speed,quality")
+    parser.add_argument("--shapes", default="2x4096,4x8192", help="ROWSxSEQ,... of the 8B-shaped forward")
+    parser.add_argument("--variants", help="bf16, bf16c (layers compiled), SCALING-MODE[+keep]",
+                        default="bf16,bf16c,row-eager,row-qcompile,row-layers,block-layers,row-layers+keep")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--keep", type=int, default=2, help="decoder layers kept in bf16 by the '+keep' plans")
+    parser.add_argument("--profile", default="", help="a variant to profile at the first shape")
+    parser.add_argument("--train-s", type=float, default=100.0)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch-rows", type=int, default=32)
+    parser.add_argument("--heldout-rows", type=int, default=128)
+    parser.add_argument("--teacher-layers", type=int, default=12)
+    parser.add_argument("--teacher-hidden", type=int, default=768)
+    parser.add_argument("--student-layers", type=int, default=4)
+    parser.add_argument("--student-hidden", type=int, default=384)
+    parser.add_argument("--student-steps", type=int, default=300)
+    parser.add_argument("--students", type=int, default=3, help="teachers a student is distilled from (bf16 first)")
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    args.out_dir = str(__import__("pathlib").Path(args.out).parent) if args.out else ""
+    figures: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "torch": torch.__version__}
+    lines = [f"FP8 teacher on {figures['device']} (torch {torch.__version__})", ""]
+    if "speed" in args.sections:
+        table = ["| variant | tokens | ms | tokens/s | vs bf16 | share of peak | peak GiB |",
+                 "|---|---|---|---|---|---|---|"]
+        speed(args, table, figures)
+        lines += ["Llama-3-8B-shaped forward (random weights), logits out:", ""] + table + [""]
+    if "quality" in args.sections:
+        table = ["| teacher vs bf16 | KL mean | KL p99 | KL max | top-1 agree | held-out CE |",
+                 "|---|---|---|---|---|---|"]
+        quality(args, table, figures)
+        lines += [f"Trained {args.teacher_layers} x {args.teacher_hidden} Llama, {args.heldout_rows} held-out "
+                  f"sequences of {args.seq} tokens (nats per token, float32):", ""] + table
+    emit(lines, args.out, figures)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The FP8 teacher on a GPU of compute capability 9.0: a published-format FP8 checkpoint (written by
+transformers' FineGrainedFP8Config in the test) and --quantize fp8, against straightforward
+references: the checkpoint's weights dequantized by hand, and the dequantize-then-matmul product.
+The student runs on the CPU (gloo): one GPU is enough.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from student_trainer import (AttentionInputs, AuxHiddenStates, FinalHidden, HiddenStates, Logits, NextTokenLogprobs,
+                             TeacherClient, TopK)
+from teacher_server import fp8
+from teacher_server.launcher import ServerProcess
+from teacher_server.model_runner import ModelRunner
+from tests.helpers import build_tiny_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs a GPU of compute capability 9.0 (block-wise FP8 scales)")]
+
+VOCAB, HIDDEN = 384, 256  # 256 in-features: two 128-blocks, a count cuBLAS reads padded to four
+# FP8's error on these logits, relative to their norm (e4m3 keeps 3 mantissa bits; the weights'
+# rounding is in both sides of a comparison, the activations' in one).
+FP8_RTOL = 0.04
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("fp8gpu") / "bf16", vocab_size=VOCAB, hidden_size=HIDDEN,
+                            dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def fp8_dir(bf16_dir, tmp_path_factory):
+    """The bf16 model quantized by transformers' own FineGrainedFP8Config and saved: the format of
+    the published FP8 checkpoints (e4m3 weights, a weight_scale_inv per 128 x 128 tile)."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    path = tmp_path_factory.mktemp("fp8gpu") / "fp8"
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16, device_map="cuda:0",
+                                                 quantization_config=FineGrainedFP8Config(weight_block_size=[128, 128]))
+    model.save_pretrained(path)
+    del model
+    return path
+
+
+def _dequantized(fp8_dir, bf16_dir) -> torch.nn.Module:
+    """The checkpoint's FP8 weights dequantized by hand (value x its tile's scale) into the bf16 model."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    stored = {}
+    for file in sorted(fp8_dir.glob("*.safetensors")):
+        stored.update(load_file(file))
+    dense = {}
+    for name, value in stored.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if value.dtype == torch.float8_e4m3fn:
+            scale = stored[name + "_scale_inv"].float()
+            rows, cols = value.shape
+            tiles = scale.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+            value = value.float() * tiles
+        dense[name] = value.to(torch.bfloat16)
+    assert any(v.dtype == torch.float8_e4m3fn for v in stored.values())  # it is an FP8 checkpoint
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16).to("cuda:0").eval()
+    missing, unexpected = model.load_state_dict(dense, strict=False)
+    assert not unexpected and not [m for m in missing if "rotary" not in m], (missing, unexpected)
+    return model
+
+
+def test_fp8_block_linear_on_the_gpu_equals_dequantize_then_matmul():
+    torch.manual_seed(0)
+    for k in (256, 768, 1024):  # 2, 6 and 8 K-blocks: padded and unpadded scale rows
+        linear = torch.nn.Linear(k, 384, bias=False, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(37, k, device="cuda", dtype=torch.bfloat16).pow(3)
+        for scaling in fp8.SCALINGS:
+            layer = fp8.FP8Linear.from_linear(linear, scaling)
+            got = layer(x)
+            expected = layer.reference(x)  # dequantize, then multiply in float32
+            assert _rel(got, expected) < 1e-2, (k, scaling)  # bf16 output, float32 sums in another order
+
+
+def test_published_fp8_checkpoint_serves_the_dequantized_model(fp8_dir, bf16_dir):
+    reference = _dequantized(fp8_dir, bf16_dir)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = reference(input_ids=ids.cuda(), output_hidden_states=True)
+    kinds = (Logits(), TopK(4), HiddenStates((0, 1, 2)), FinalHidden(), AttentionInputs((0,)),
+             AuxHiddenStates((0, 1, 2)), NextTokenLogprobs())
+    with ServerProcess("--model", str(fp8_dir), "--device", "cuda:0", "--max-batch-tokens", "256",
+                       "--max-seq-len", "64") as server:
+        assert "decoder linears in FP8: fp8_e4m3 linears (1x128 activation, 128x128 weight scales; checkpoint)" \
+            in server.log, server.log
+        with TeacherClient(server.address, "cpu", outputs=kinds) as client:
+            assert client.info.quantization.source == "checkpoint"
+            out = client.submit(ids).result(timeout=120)
+            head = client.joined.head
+    logits = ref.logits.float().cpu()
+    assert _rel(out.logits, logits) < FP8_RTOL
+    assert (out.logits.argmax(-1) == logits.argmax(-1)).float().mean() > 0.9
+    assert (out.topk_indices[..., 0] == out.logits.argmax(-1)).all()
+    for layer in (0, 1, 2):
+        assert _rel(out.hidden_states[layer], ref.hidden_states[layer].cpu()) < FP8_RTOL, layer
+    # The head crosses in the output dtype, dequantized where stored quantized, and gives the logits.
+    assert head.weight.dtype == torch.bfloat16
+    assert torch.equal(head.weight, reference.lm_head.weight.cpu())
+    assert _rel(head.logits(out.final_hidden, torch.float32), out.logits) < 1e-2
+    q, k, v = out.attention_inputs[0]
+    assert q.shape[:2] == k.shape[:2] == v.shape[:2] == ids.shape and torch.isfinite(q).all()
+    assert out.aux_hidden_states.shape == (2, 24, 3 * HIDDEN)
+    want = logits.log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    assert (out.next_token_logprobs[:, :-1] - want).abs().mean() < 0.05
+
+
+def test_quantize_fp8_serves_within_fp8_of_bf16_and_replays_from_cuda_graphs(bf16_dir):
+    plan = fp8.Fp8Plan("row")
+    eager = ModelRunner(str(bf16_dir), "cuda:0", quantize=fp8.Fp8Plan("row", compile="off"))
+    compiled = ModelRunner(str(bf16_dir), "cuda:0", quantize=plan)
+    graphed = ModelRunner(str(bf16_dir), "cuda:0", quantize=plan, cuda_graphs=2)
+    plain = ModelRunner(str(bf16_dir), "cuda:0")
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    exact = plain.forward(ids, mask).logits.float()
+    base = eager.forward(ids, mask).logits.float()
+    assert 0 < _rel(base, exact) < FP8_RTOL
+    assert _rel(compiled.forward(ids, mask).logits, base) < 1e-2  # fused kernels round once less, or once more
+    first = graphed.forward(ids, mask).logits.float()
+    for _ in range(3):  # the second forward of a shape captures it, later ones replay
+        again = graphed.forward(ids, mask).logits.float()
+        assert torch.equal(again, first)
+    assert graphed.graphs.captured, graphed.graphs.status()
+    with ServerProcess("--model", str(bf16_dir), "--device", "cuda:0", "--quantize", "fp8", "--max-batch-tokens",
+                       "256", "--max-seq-len", "64") as server:
+        with TeacherClient(server.address, "cpu", outputs=(Logits(),), refuse_quantized=False) as client:
+            assert client.info.quantization.format == "fp8_e4m3"
+            served = client.submit(ids).result(timeout=120).logits.float()
+    assert _rel(served, base) < 1e-2
