@@ -14,7 +14,8 @@ This is SpecForge's `LlamaForCausalLMEagle3` (specforge/modeling/draft/llama3_ea
 `LlamaForCausalLMEagle3` (python/sglang/srt/models/llama_eagle3.py), with their weight names:
 `fc.weight`, `midlayer.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, input_layernorm,
 hidden_norm, post_attention_layernorm}.weight`, `norm.weight`, `lm_head.weight`,
-`embed_tokens.weight`, and the buffers `d2t` (int64 [N]) and `t2d` (bool [V]).
+`embed_tokens.weight`, and the buffers `d2t` (int64 [N]) and `t2d` (bool [V]), exported only when
+N is smaller than the target's vocabulary (`Eagle3Draft._identity_maps`).
 `save_pretrained` writes config.json and model.safetensors in that layout; docs/eagle3.md says
 which config keys each loader reads.
 """
@@ -266,6 +267,19 @@ class Eagle3Draft(nn.Module):
 
     # ---- the directory -----------------------------------------------------------------------
 
+    def _identity_maps(self) -> tuple[str, ...]:
+        """The maps the export leaves out: `d2t` and `t2d` when the draft vocabulary is the
+        target's whole vocabulary (then draft id i is target id i). vLLM creates its
+        `draft_id_to_target_id` only when the two sizes differ and refuses a weight it has no
+        parameter for; SGLang then decodes over the whole vocabulary with no `hot_token_id`.
+        `draft_vocab_size` in config.json says which case a directory is, either way."""
+        if self.config.draft_vocab_size != self.config.vocab_size:
+            return ()
+        if self.d2t.device.type != "meta" and bool(self.d2t.any()):
+            raise DraftFormatError("a draft vocabulary of the target's size must map draft id i to target id i "
+                                   "(d2t all zero)")
+        return ("d2t", "t2d")
+
     def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> Path:
         """config.json and model.safetensors (module docstring), in `dtype` (None: as trained)."""
         from safetensors.torch import save_file
@@ -274,7 +288,7 @@ class Eagle3Draft(nn.Module):
         path.mkdir(parents=True, exist_ok=True)
         floats = dtype or self.fc.weight.dtype
         state = {name: (t.to(floats) if t.is_floating_point() else t).detach().cpu().contiguous()
-                 for name, t in self.state_dict().items()}
+                 for name, t in self.state_dict().items() if name not in self._identity_maps()}
         save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
         config = self.config.to_dict()
         config["torch_dtype"] = config["dtype"] = str(floats).removeprefix("torch.")
@@ -305,6 +319,9 @@ class Eagle3Draft(nn.Module):
             draft = cls(config)
         saved_dtype = next(t.dtype for t in state.values() if t.is_floating_point())
         state = {name: (t.to(dtype) if dtype is not None and t.is_floating_point() else t) for name, t in state.items()}
+        if draft._identity_maps():  # written without them: the identity maps (`_identity_maps`)
+            state.setdefault("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            state.setdefault("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
         missing = sorted(set(draft.state_dict()) - set(state))
         unexpected = sorted(set(state) - set(draft.state_dict()))
         if missing or unexpected:
