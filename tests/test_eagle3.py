@@ -349,6 +349,32 @@ def test_the_unroll_attention_in_chunks_equals_one_softmax_over_all_keys(q_offse
     assert (got - want).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("later_steps", [0, 1, 3])
+def test_the_fused_unroll_attention_equals_the_chunked_reference(later_steps):
+    """merged_ttt_attention (the causal block through a kernel, the diagonal merged by log-sum-exp;
+    here the float32 "math" kernel the CPU runs) against ttt_attention in float32: values and
+    gradients, grouped key heads, and a right-padded row whose padded queries the loss ignores."""
+    from student_trainer.eagle3.attention import merged_ttt_attention, ttt_attention
+
+    torch.manual_seed(later_steps)
+    batch, heads, kv_heads, length, dim = 2, 4, 2, 10, 8
+    leaf = lambda h: torch.randn(batch, h, length, dim).requires_grad_()  # noqa: E731
+    q, k0, v0 = leaf(heads), leaf(heads), leaf(heads)
+    kd, vd = [leaf(kv_heads) for _ in range(later_steps)], [leaf(kv_heads) for _ in range(later_steps)]
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[1, -4:] = False
+    repeat = lambda x: x.repeat_interleave(heads // kv_heads, dim=1)  # noqa: E731
+    want = ttt_attention(q, k0, v0, [repeat(k) for k in kd], [repeat(v) for v in vd], valid)
+    got = merged_ttt_attention(q, k0, v0, kd, vd, kernel="math")
+    rows = valid[:, None, :, None]  # the padded queries' outputs differ (they see padded keys) and count nowhere
+    assert (got - want).mul(rows).abs().max() <= 1e-5
+    upstream = torch.randn_like(want) * rows
+    inputs = [q, k0, v0, *kd, *vd]
+    for i, (g, w) in enumerate(zip(torch.autograd.grad((got * upstream).sum(), inputs),
+                                   torch.autograd.grad((want * upstream).sum(), inputs))):
+        assert (g - w).abs().max() <= 1e-5, i
+
+
 @pytest.fixture(scope="module")
 def draft(local_teacher):
     torch.manual_seed(5)

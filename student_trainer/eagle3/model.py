@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from distill_common.outputs import AUX_LAYERS
-from student_trainer.eagle3.attention import CHUNK_SCORES, ttt_attention
+from student_trainer.eagle3.attention import CAUSAL_KERNELS, CHUNK_SCORES, merged_ttt_attention, ttt_attention
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +113,17 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         groups = self.heads // self.kv_heads
-        steps.append(k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
-        out = ttt_attention(q, steps.k0, steps.v0, steps.kd, steps.vd, steps.key_valid, steps.q_offset, chunk_scores)
+        if steps.k0 is None and steps.kernel in ("flash", "cudnn") and q.dtype not in (torch.float16, torch.bfloat16):
+            steps.kernel = None  # the CUDA kernels take half precision only: float32 training reads the reference
+        if steps.kernel is None:
+            steps.append(k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
+            out = ttt_attention(q, steps.k0, steps.v0, steps.kd, steps.vd, steps.key_valid, steps.q_offset,
+                                chunk_scores)
+        else:  # step 0's keys repeated once for the causal kernel; the later steps' stay grouped
+            first = steps.k0 is None
+            steps.append(k.repeat_interleave(groups, dim=1) if first else k,
+                         v.repeat_interleave(groups, dim=1) if first else v)
+            out = merged_ttt_attention(q, steps.k0, steps.v0, steps.kd, steps.vd, steps.kernel)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
 
 
@@ -125,6 +134,7 @@ class KeyValueSteps:
 
     key_valid: torch.Tensor | None  # [B, S] the step-0 columns that are not padding
     q_offset: int = 0
+    kernel: str | None = None  # merged_ttt_attention's causal kernel; None: ttt_attention (query chunks)
     k0: torch.Tensor | None = None
     v0: torch.Tensor | None = None
 
@@ -184,6 +194,10 @@ class Eagle3Draft(nn.Module):
         # and the positions would rotate differently from the target's and the serving engines'.
         object.__setattr__(self, "rotary", LlamaRotaryEmbedding(config))
         self.chunk_scores = CHUNK_SCORES
+        # The unroll's attention: "auto" is merged_ttt_attention over PyTorch's flash kernel on CUDA
+        # and the chunked ttt_attention elsewhere; "reference" the chunked one everywhere; or a
+        # causal kernel name (attention.CAUSAL_KERNELS).
+        self.attention = "auto"
         std = getattr(config, "initializer_range", 0.02)
         for module in (self.fc, self.lm_head, *self.midlayer.modules()):
             if isinstance(module, nn.Linear):  # as transformers' _init_weights: N(0, initializer_range)
@@ -231,11 +245,21 @@ class Eagle3Draft(nn.Module):
         """
         batch, length = input_ids.shape
         columns = torch.arange(length, device=input_ids.device).expand(batch, length)
-        kv = KeyValueSteps(attention_mask)
+        kv = KeyValueSteps(attention_mask, kernel=self.unroll_kernel(input_ids.device))
         hidden = self.fc(aux_hidden)
         for k in range(steps):
             hidden = self._step(shift_left(input_ids, 1 + k), hidden, columns + k, kv)
             yield self.logits(hidden)
+
+    def unroll_kernel(self, device: torch.device) -> str | None:
+        """The causal kernel the unroll's attention merges with its diagonal (None: the chunked reference)."""
+        if self.attention == "auto":
+            return "flash" if device.type == "cuda" else None
+        if self.attention == "reference":
+            return None
+        if self.attention not in CAUSAL_KERNELS:
+            raise ValueError(f"attention must be auto, reference or one of {CAUSAL_KERNELS}, not {self.attention!r}")
+        return self.attention
 
     def propose(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, count: int) -> torch.Tensor:
         """A chain of `count` greedy proposals (target ids [B, count]) after `input_ids` [B, n]."""
