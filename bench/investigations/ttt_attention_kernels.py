@@ -36,9 +36,15 @@ def timed_ms(fn, repeats: int = 5, warmup: int = 2) -> float:
 
 
 def unroll(kernel: str, length: int):
+    torch.manual_seed(length)
     leaf = lambda h: torch.randn(1, h, length, DIM, device="cuda", dtype=torch.bfloat16).requires_grad_()  # noqa: E731
     q, k0, v0 = [leaf(HEADS) for _ in range(STEPS)], leaf(HEADS), leaf(HEADS)
     kd, vd = [leaf(KV_HEADS) for _ in range(STEPS - 1)], [leaf(KV_HEADS) for _ in range(STEPS - 1)]
+    if kernel != "flash":  # the same inputs through the flash kernel: how far this kernel's output is
+        with torch.no_grad():
+            a = merged_ttt_attention(q[-1], k0, v0, kd, vd, kernel).double()
+            b = merged_ttt_attention(q[-1], k0, v0, kd, vd, "flash").double()
+        print(f"{kernel} at S={length}: ||out - flash|| / ||flash|| = {((a - b).norm() / b.norm()).item():.2e}")
 
     def run():
         total = sum(merged_ttt_attention(q[k], k0, v0, kd[:k], vd[:k], kernel).float().sum() for k in range(STEPS))

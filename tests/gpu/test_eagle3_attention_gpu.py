@@ -20,7 +20,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
-@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+@pytest.mark.parametrize("kernel", ["flash"])  # the draft's; bench/investigations/ttt_attention_kernels.py times the others
 def test_the_fused_attention_equals_the_reference_in_bf16(kernel):
     torch.manual_seed(0)
     batch, heads, kv_heads, length, dim = 1, 32, 8, 1024, 128
