@@ -106,7 +106,7 @@ class DraftPath:
     """The draft, its optimizer and how a step runs, for one of PATHS."""
 
     def __init__(self, path: str, config, embedding, d2t, t2d, layers, ttt_steps: int, device: torch.device,
-                 attention: str, chunk_scores: int, compile_loss: bool):
+                 attention: str, chunk_scores: int, compile_loss: bool, compile_layer: bool):
         self.path, self.device = path, device
         torch.manual_seed(0)
         with torch.device(device):  # built where it trains: an 8B target's embedding is 2 GiB in float32
@@ -124,6 +124,8 @@ class DraftPath:
             draft.attention = attention if half else "math"
             if half:
                 draft.to(torch.bfloat16)  # the float buffers too; d2t and t2d are integers, the rotary is kept out
+            if compile_layer:
+                draft.compile_layer()
             self.master = MasterWeights(params)
             self.optimizer = torch.optim.AdamW(self.master.master, lr=1e-4, fused=half)
             self.autocast = contextlib.nullcontext()
@@ -233,7 +235,7 @@ def profile_step(teacher: LocalTeacher, draft: DraftPath, length: int, path: Pat
 
 def measure(shape: str, lengths: list[int], steps: int, ttt_steps: int, device: torch.device, paths: list[str],
             attention: str, chunk_scores: int, profile_lengths: list[int], profile_dir: str,
-            compile_loss: bool = False) -> tuple[str, list[dict]]:
+            compile_loss: bool = False, compile_layer: bool = False) -> tuple[str, list[dict]]:
     """The run's description and one row per path and length: `path`, `length`, then `oom` (the
     phase that ran out) or the figures. Everything it built is freed on return."""
     torch.set_float32_matmul_precision("high")  # TF32 for the reference attention's float32 matmuls
@@ -249,7 +251,7 @@ def measure(shape: str, lengths: list[int], steps: int, ttt_steps: int, device: 
     rows, trainable = [], 0
     for path in paths:
         draft = DraftPath(path, config, embedding, used - torch.arange(draft_vocab), t2d, layers, ttt_steps, device,
-                          attention, chunk_scores, compile_loss)
+                          attention, chunk_scores, compile_loss, compile_layer)
         trainable = draft.trainable
         phase = Phase()
         for length in lengths:
@@ -282,7 +284,7 @@ def measure(shape: str, lengths: list[int], steps: int, ttt_steps: int, device: 
     about = (f"EAGLE-3 draft training, target in the same process ({shape}, {name}): draft of "
              f"{trainable / 1e6:.1f}M trainable parameters, {draft_vocab} draft ids, {ttt_steps} TTT steps, "
              f"aux layers {layers}, 1 sequence per step, {steps} timed steps; fused path: {attention} attention kernel, "
-             f"loss chunks {'compiled' if compile_loss else 'eager'}")
+             f"loss chunks {'compiled' if compile_loss else 'eager'}, layer {'compiled' if compile_layer else 'eager'}")
     return about, rows
 
 
@@ -333,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-scores", type=int, default=1 << 28,
                         help="attention scores held per query chunk of the reference path (float32 elements)")
     parser.add_argument("--compile-loss", action="store_true", help="the fused path's loss chunks through torch.compile")
+    parser.add_argument("--compile-layer", action="store_true", help="the fused path's draft layer through torch.compile")
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS, help="the device's bf16 peak")
     parser.add_argument("--profile-dir", default="", help="write a profile of one fused step here")
     parser.add_argument("--profile-lengths", default="2048,16384")
@@ -343,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--paths: one or more of {PATHS}")
     about, rows = measure(args.shape, [int(x) for x in args.seq_lens.split(",")], args.steps, args.ttt_steps,
                           torch.device(args.device), paths, args.attention, args.chunk_scores,
-                          [int(x) for x in args.profile_lengths.split(",") if x], args.profile_dir, args.compile_loss)
+                          [int(x) for x in args.profile_lengths.split(",") if x], args.profile_dir, args.compile_loss,
+                          args.compile_layer)
     emit([about, "", *table(rows, args.peak_tflops), *loss_table(rows)], args.out, figures=rows)
     return 0
 

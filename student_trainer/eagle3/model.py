@@ -165,11 +165,20 @@ class DraftLayer(nn.Module):
         self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, embeds, hidden, cos, sin, steps: KeyValueSteps, chunk_scores: int) -> torch.Tensor:
-        residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = residual + self.self_attn(x, cos, sin, steps, chunk_scores)
+    # The two halves around the attention, or their torch.compile'd versions (Eagle3Draft.compile_layer).
+    compiled: tuple | None = None
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def mlp_block(self, residual: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
+        hidden = residual + attention_out
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward(self, embeds, hidden, cos, sin, steps: KeyValueSteps, chunk_scores: int) -> torch.Tensor:
+        attention_input, mlp_block = self.compiled or (self.attention_input, self.mlp_block)
+        x = attention_input(embeds, hidden)
+        return mlp_block(hidden, self.self_attn(x, cos, sin, steps, chunk_scores))
 
 
 class Eagle3Draft(nn.Module):
@@ -232,7 +241,20 @@ class Eagle3Draft(nn.Module):
         return self.midlayer(embeds, hidden, cos, sin, steps, self.chunk_scores)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (self.compiled_logits or self._logits)(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
+
+    compiled_logits = None
+
+    def compile_layer(self) -> None:
+        """torch.compile the elementwise work around the layer's matrix products and attention
+        (the norms, the concatenation, the residuals, SiLU x up): fused kernels instead of the
+        eager ones, each a pass over [B, S, hidden]. Shapes recompile once, then run dynamic."""
+        layer = self.midlayer
+        object.__setattr__(layer, "compiled", (torch.compile(layer.attention_input), torch.compile(layer.mlp_block)))
+        object.__setattr__(self, "compiled_logits", torch.compile(self._logits))
 
     def unroll(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                steps: int) -> Iterator[torch.Tensor]:
