@@ -195,8 +195,9 @@ def run_length(teacher: LocalTeacher, draft: DraftPath, length: int, steps: int,
         synchronize(device)
         middle = time.perf_counter()
         phase.name = "draft step"
+        ids, mask = ids.to(device), mask.to(device)  # the batch's upload is not the step's
         with counting_syncs(device, syncs):
-            loss = draft.step(out, ids.to(device), mask.to(device))
+            loss = draft.step(out, ids, mask)
         del out
         synchronize(device)
         if step:  # the first is the warm-up

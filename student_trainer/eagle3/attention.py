@@ -195,7 +195,8 @@ def _causal_forward(kernel: str, q, k, v, scale: float):
     if kernel == "flash":
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, True, False, scale=scale)
-        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+        # Some builds round the log-sum-exp's rows up to a block: the backward gets that shape back.
+        return out, lse[..., :q.shape[2]], (lse.shape, cum_q, cum_k, max_q, max_k, seed, offset)
     if kernel == "cudnn":
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, True, False, scale=scale)
@@ -216,9 +217,11 @@ def _math_probabilities(q, k, lse, scale: float) -> torch.Tensor:
 def _causal_backward(kernel: str, grad_out, q, k, v, out, lse, scale: float, state):
     """The causal block's gradients given the output and log-sum-exp of the whole softmax."""
     if kernel == "flash":
-        cum_q, cum_k, max_q, max_k, seed, offset = state
+        lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = state
+        if lse.shape != lse_shape:
+            lse = torch.nn.functional.pad(lse, (0, lse_shape[-1] - lse.shape[-1]))
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
+            grad_out, q, k, v, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
     if kernel == "cudnn":
         lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = state
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
