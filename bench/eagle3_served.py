@@ -6,8 +6,8 @@
 The target is bench.eagle3_colocated's Llama-3-8B shape (vocabulary 128,256, random bfloat16
 weights), served by `python -m teacher_server` (teacher_server.launcher.ServerProcess) on
 --teacher-gpu. The draft trains on --student-gpu as `student-trainer eagle3 --bf16` trains it:
-the same draft as the colocated baseline (32k draft ids, layers 2, 16, 29, 7 TTT steps, float32
-weights under bf16 autocast, AdamW), one sequence of S tokens per step. For each S of --seq-lens,
+the same draft as the colocated baseline's fused path (32k draft ids, layers 2, 16, 29, 7 TTT
+steps, bf16 weights with float32 master weights, AdamW, the fused unroll attention), one sequence of S tokens per step. For each S of --seq-lens,
 in increasing order, three runs of a warm-up step and --steps timed steps each:
 
   target alone  a TeacherClient on the draft's GPU receiving what the draft reads (SubsetLogits
@@ -230,6 +230,7 @@ def served_runs(args, side: Side) -> tuple[str, list[dict]]:
     from student_trainer.eagle3.config import Eagle3Config
     from student_trainer.eagle3.loss import Eagle3Training
     from student_trainer.eagle3.model import Eagle3Draft
+    from student_trainer.eagle3.precision import MasterWeights
     from student_trainer.eagle3.train import teacher_outputs, train_step
     from student_trainer.train import lr_lambda
     from teacher_server.launcher import ServerProcess
@@ -261,14 +262,22 @@ def served_runs(args, side: Side) -> tuple[str, list[dict]]:
         draft.train()
         trained = Eagle3Training(draft, cfg.ttt_steps)
         params = [p for p in draft.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        master = None
+        if cfg.bf16:  # as the trainer trains on CUDA: bf16 weights, float32 masters
+            draft.to(torch.bfloat16)
+            master = MasterWeights(params)
+        optimizer = torch.optim.AdamW(params if master is None else master.master, lr=cfg.lr,
+                                      weight_decay=cfg.weight_decay, fused=master is not None)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, cfg.max_steps))
 
         def step(next_micro_batch) -> dict:
             try:
-                return train_step(cfg, trained, params, optimizer, scheduler, next_micro_batch, side.student_device)
+                return train_step(cfg, trained, params, optimizer, scheduler, next_micro_batch, side.student_device,
+                                  master=master)
             except BaseException:
                 optimizer.zero_grad(set_to_none=True)  # a failed step's gradients are not the next one's
+                if master is not None:
+                    master.zero_grad()
                 raise
 
         # Bounded waits: a batch that cannot be served fails its run instead of being sent again for minutes.
@@ -363,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         if side.on_gpu:
             torch.cuda.empty_cache()
         colocated_about, colocated = measure_colocated(args.shape, sorted(args.lengths), args.steps, args.ttt_steps,
-                                                       side.student_device, args.chunk_scores)
+                                                       side.student_device, ["fused"], "flash", args.chunk_scores,
+                                                       [], "")
         results["colocated"] = colocated
         lines += ["", colocated_about, "", *side_by_side(served, colocated)]
     emit(lines, args.out)

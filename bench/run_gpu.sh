@@ -7,6 +7,7 @@
 # one GPU: launch, recipe (the seed recipe's student side), eagle3 (EAGLE-3 with a colocated target),
 # store (the store of teacher outputs: bytes per token, dump against the forward alone, reads);
 # fp8speed and fp8quality (the FP8 teacher: bench/fp8_teacher.py's two halves);
+# eagle3attention (its fused attention's GPU test), eagle3kernels (the attention's kernel choice);
 # two GPUs: recipeserved (the seed recipe with its teacher served, and colocated), eagle3served and
 # eagle3servedlong (EAGLE-3 from a served target, with the colocated baseline).
 # Investigations (bench/investigations/): tpsend.
@@ -74,9 +75,16 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     # in the student's process (GPU 1): peak GiB per GPU, tokens/s, served vs min(teacher, student).
     recipeserved) timeout 550 python3 -m bench.recipe_served --teacher-gpu 0 --student-gpu 1 \
                     --out "$out/recipe_served.md" 2>&1 | quiet | tail -24 ;;
-    # EAGLE-3 draft training with a Llama-3-8B-shaped target in the same process (one GPU):
-    # tokens/s and peak memory at 2k .. 32k tokens per sequence (docs/eagle3.md).
-    eagle3) timeout 200 python3 -m bench.eagle3_colocated --out "$out/eagle3_colocated.md" 2>&1 | quiet | tail -15 ;;
+    # EAGLE-3 draft training with a Llama-3-8B-shaped target in the same process (one GPU): the reference
+    # and the fused path, tokens/s, TFLOP/s and share of the bf16 peak, peak memory, at 2k .. 64k tokens,
+    # each step's loss on both paths, and a profile of a fused step at 2k and 16k (docs/eagle3.md).
+    eagle3) timeout 300 python3 -m bench.eagle3_colocated --profile-dir "$out" --out "$out/eagle3_colocated.md" 2>&1 \
+              | quiet | tail -60 ;;
+    # The unroll's fused attention against the chunked reference in bf16, values and gradients (one GPU).
+    eagle3attention) gpu_test test_eagle3_attention_gpu 120 ;;
+    # Which causal kernel the fused attention merges with: flash, cudnn, flex (one GPU).
+    eagle3kernels) timeout 150 python3 -m bench.investigations.ttt_attention_kernels --out "$out/ttt_kernels.md" 2>&1 \
+                     | quiet | tail -20 ;;
     # The stores are written under /tmp (local disk) and removed after.
     store) timeout 400 python3 -m bench.store_throughput --out "$out/store.md" 2>&1 | quiet | tail -40 ;;
     # EAGLE-3 draft training from a served Llama-3-8B-shaped target (GPU 0) on GPU 1 at 2k .. 32k tokens: target

@@ -349,6 +349,32 @@ def test_the_unroll_attention_in_chunks_equals_one_softmax_over_all_keys(q_offse
     assert (got - want).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("later_steps", [0, 1, 3])
+def test_the_fused_unroll_attention_equals_the_chunked_reference(later_steps):
+    """merged_ttt_attention (the causal block through a kernel, the diagonal merged by log-sum-exp;
+    here the float32 "math" kernel the CPU runs) against ttt_attention in float32: values and
+    gradients, grouped key heads, and a right-padded row whose padded queries the loss ignores."""
+    from student_trainer.eagle3.attention import merged_ttt_attention, ttt_attention
+
+    torch.manual_seed(later_steps)
+    batch, heads, kv_heads, length, dim = 2, 4, 2, 10, 8
+    leaf = lambda h: torch.randn(batch, h, length, dim).requires_grad_()  # noqa: E731
+    q, k0, v0 = leaf(heads), leaf(heads), leaf(heads)
+    kd, vd = [leaf(kv_heads) for _ in range(later_steps)], [leaf(kv_heads) for _ in range(later_steps)]
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[1, -4:] = False
+    repeat = lambda x: x.repeat_interleave(heads // kv_heads, dim=1)  # noqa: E731
+    want = ttt_attention(q, k0, v0, [repeat(k) for k in kd], [repeat(v) for v in vd], valid)
+    got = merged_ttt_attention(q, k0, v0, kd, vd, kernel="math")
+    rows = valid[:, None, :, None]  # the padded queries' outputs differ (they see padded keys) and count nowhere
+    assert (got - want).mul(rows).abs().max() <= 1e-5
+    upstream = torch.randn_like(want) * rows
+    inputs = [q, k0, v0, *kd, *vd]
+    for i, (g, w) in enumerate(zip(torch.autograd.grad((got * upstream).sum(), inputs),
+                                   torch.autograd.grad((want * upstream).sum(), inputs))):
+        assert (g - w).abs().max() <= 1e-5, i
+
+
 @pytest.fixture(scope="module")
 def draft(local_teacher):
     torch.manual_seed(5)
@@ -395,8 +421,8 @@ def test_the_export_loads_back_with_identical_outputs(draft, tmp_path, dtype):
 
 
 # What vLLM and SGLang read, from their loaders (docs/eagle3.md cites the files and commits).
-VLLM_PARAMETERS = {  # Eagle3LlamaForCausalLM: model = LlamaModel(prefix="model"), lm_head, draft_id_to_target_id
-    "model.embed_tokens.weight", "model.fc.weight", "model.norm.weight", "lm_head.weight", "draft_id_to_target_id",
+VLLM_PARAMETERS = {  # Eagle3LlamaForCausalLM: model = LlamaModel(prefix="model"), lm_head (+ draft_id_to_target_id)
+    "model.embed_tokens.weight", "model.fc.weight", "model.norm.weight", "lm_head.weight",
     "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.o_proj.weight",
     "model.layers.0.mlp.gate_up_proj.weight", "model.layers.0.mlp.down_proj.weight",
     "model.layers.0.input_layernorm.weight", "model.layers.0.hidden_norm.weight",
@@ -411,38 +437,94 @@ STACKED = [(".qkv_proj", ".q_proj"), (".qkv_proj", ".k_proj"), (".qkv_proj", ".v
            (".gate_up_proj", ".gate_proj"), (".gate_up_proj", ".up_proj")]
 
 
-def vllm_name(name: str) -> str | None:
-    """Eagle3LlamaForCausalLM.load_weights then LlamaModel.load_weights (llama_eagle3.py)."""
-    if "t2d" in name:
-        return None
-    if "d2t" in name:
-        return name.replace("d2t", "draft_id_to_target_id")
-    if "lm_head" not in name:
-        name = "model." + name
-    name = name.replace("midlayer.", "layers.0.")
-    for param, shard in STACKED:
-        if shard in name:
-            return name.replace(shard, param)
-    return name
+class LoaderRefused(Exception):
+    pass
 
 
-def sglang_name(name: str) -> str | None:
-    """LlamaForCausalLMEagle3.load_weights (llama_eagle3.py): d2t becomes hot_token_id; a name not
-    in its parameters is skipped without a word, hence the check that every one lands."""
-    if "d2t" in name or "t2d" in name:
-        return None
-    for param, shard in STACKED:
-        if shard in name:
-            name = name.replace(shard, param)
-            break
-    return name if name in SGLANG_PARAMETERS else f"model.{name}"
+def vllm_load(tensors: dict, config: dict, target_vocab: int) -> torch.Tensor:
+    """vLLM's Eagle3LlamaForCausalLM (__init__, load_weights) and LlamaModel.load_weights
+    (llama_eagle3.py): the target id of each draft id, or LoaderRefused with vLLM's reason.
+
+    - draft_vocab_size defaults to vocab_size when absent; lm_head has draft_vocab_size rows;
+    - the parameter draft_id_to_target_id exists only when draft_vocab_size differs from the
+      target model's vocabulary (None otherwise: draft ids are target ids);
+    - t2d is skipped; d2t is renamed draft_id_to_target_id; every other name but lm_head's gets
+      "model."; midlayer. becomes layers.0.; q/k/v stack into qkv_proj, gate/up into gate_up_proj;
+    - AutoWeightsLoader skips names containing a skipped substring (draft_id_to_target_id when the
+      checkpoint had no d2t) and refuses any other name with no parameter ("There is no module or
+      parameter named ..."); the model loader refuses a parameter the checkpoint did not fill.
+    """
+    draft_vocab = config.get("draft_vocab_size") or config["vocab_size"]
+    parameters = set(VLLM_PARAMETERS) | ({"draft_id_to_target_id"} if draft_vocab != target_vocab else set())
+    loaded, includes_mapping, renamed = {}, False, {}
+    for name, tensor in tensors.items():
+        if "t2d" in name:
+            continue
+        if "d2t" in name:
+            name, includes_mapping = name.replace("d2t", "draft_id_to_target_id"), True
+        elif "lm_head" not in name:
+            name = "model." + name
+        renamed[name] = tensor
+    skip = [] if includes_mapping else ["draft_id_to_target_id"]
+    for name, tensor in renamed.items():
+        name = name.replace("midlayer.", "layers.0.")
+        name = next((name.replace(shard, param) for param, shard in STACKED if shard in name), name)
+        if any(part in name for part in skip):
+            continue
+        if name not in parameters:
+            raise LoaderRefused(f"There is no module or parameter named {name!r}")
+        loaded[name] = tensor
+    if parameters - set(loaded):
+        raise LoaderRefused(f"weights not initialized from the checkpoint: {sorted(parameters - set(loaded))}")
+    if loaded["lm_head.weight"].shape[0] != draft_vocab:
+        raise LoaderRefused("lm_head rows differ from draft_vocab_size")
+    mapping = loaded.get("draft_id_to_target_id")
+    return torch.arange(draft_vocab) + (0 if mapping is None else mapping)
+
+
+def sglang_load(tensors: dict, config: dict, target_vocab: int) -> torch.Tensor:
+    """SGLang's LlamaForCausalLMEagle3 (__init__, load_weights; llama_eagle3.py): the target id
+    of each draft id, or LoaderRefused where SGLang would serve something other than the export.
+
+    - tie_word_embeddings makes lm_head the embedding; a missing draft_vocab_size loads the
+      target's head (load_lm_head_from_target) instead of the exported one;
+    - d2t becomes hot_token_id = d2t + arange; none (hot_token_id None) decodes over the whole
+      vocabulary; t2d is skipped;
+    - q/k/v and gate/up are stacked; a name is tried as is, then with "model."; a name with no
+      parameter is skipped without a word (so here: refused, every exported weight must land).
+    """
+    if config.get("tie_word_embeddings") or config.get("draft_vocab_size") is None:
+        raise LoaderRefused("lm_head would not be the exported one")
+    hot_token_id, loaded = None, set()
+    for name, tensor in tensors.items():
+        if "d2t" in name:
+            hot_token_id = tensor + torch.arange(tensor.shape[0])
+            continue
+        if "t2d" in name:
+            continue
+        name = next((name.replace(shard, param) for param, shard in STACKED if shard in name), name)
+        name = name if name in SGLANG_PARAMETERS else f"model.{name}"
+        if name not in SGLANG_PARAMETERS:
+            raise LoaderRefused(f"{name} would be skipped")
+        loaded.add(name)
+    if loaded != SGLANG_PARAMETERS:
+        raise LoaderRefused(f"not loaded: {sorted(SGLANG_PARAMETERS - loaded)}")
+    if tensors["lm_head.weight"].shape[0] != config["draft_vocab_size"]:
+        raise LoaderRefused("lm_head rows differ from draft_vocab_size")
+    return torch.arange(target_vocab) if hot_token_id is None else hot_token_id
+
+
+def read_export(path) -> tuple[dict, dict]:
+    from safetensors import safe_open
+
+    config = json.loads((path / "config.json").read_text())
+    with safe_open(str(path / "model.safetensors"), framework="pt") as weights:
+        return config, {name: weights.get_tensor(name) for name in weights.keys()}
 
 
 def test_the_export_has_the_config_and_weight_names_vllm_and_sglang_read(draft, tmp_path):
-    from safetensors import safe_open
-
     draft.save_pretrained(tmp_path, dtype=torch.bfloat16)
-    config = json.loads((tmp_path / "config.json").read_text())
+    config, tensors = read_export(tmp_path)
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]  # both registries' name for the draft
     assert config["draft_vocab_size"] == 60 and config["vocab_size"] == VOCAB
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False  # SGLang: else lm_head = embed
@@ -457,17 +539,35 @@ def test_the_export_has_the_config_and_weight_names_vllm_and_sglang_read(draft, 
     assert config["eagle_aux_hidden_state_layer_ids"] == list(DEFAULT_AUX)
     assert [i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]] == list(DEFAULT_AUX)
 
-    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as weights:
-        names = set(weights.keys())
-        tensors = {name: weights.get_tensor(name) for name in names}
-    assert {vllm_name(n) for n in names} - {None} == VLLM_PARAMETERS
-    assert {sglang_name(n) for n in names} - {None} == SGLANG_PARAMETERS
-    assert torch.equal(tensors["d2t"] + torch.arange(60), draft.target_ids)  # SGLang's hot_token_id
+    assert torch.equal(vllm_load(tensors, config, VOCAB), draft.target_ids)
+    assert torch.equal(sglang_load(tensors, config, VOCAB), draft.target_ids)  # its hot_token_id
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     assert all(t.dtype == torch.bfloat16 for name, t in tensors.items() if name not in ("d2t", "t2d"))
     # Shapes the loaders build: qkv reads [embedding, hidden] (2 x hidden), fc 3 x target hidden.
     assert tensors["midlayer.self_attn.q_proj.weight"].shape == (HIDDEN, 2 * HIDDEN)
     assert tensors["fc.weight"].shape == (HIDDEN, 3 * HIDDEN) and tensors["lm_head.weight"].shape == (60, HIDDEN)
+
+
+def test_a_draft_over_the_whole_vocabulary_exports_no_maps_and_loads_in_both_engines(local_teacher, tmp_path):
+    """With the target's whole vocabulary vLLM has no draft_id_to_target_id to load d2t into:
+    the export leaves d2t and t2d out and still says draft_vocab_size."""
+    whole = Eagle3Draft.for_target(local_teacher.config, local_teacher.get_input_embeddings().weight.detach(),
+                                   torch.zeros(VOCAB, dtype=torch.long), torch.ones(VOCAB, dtype=torch.bool),
+                                   DEFAULT_AUX).eval()
+    whole.save_pretrained(tmp_path, dtype=torch.bfloat16)
+    config, tensors = read_export(tmp_path)
+    assert config["draft_vocab_size"] == config["vocab_size"] == VOCAB
+    assert "d2t" not in tensors and "t2d" not in tensors
+    assert torch.equal(vllm_load(tensors, config, VOCAB), torch.arange(VOCAB))
+    assert torch.equal(sglang_load(tensors, config, VOCAB), torch.arange(VOCAB))
+    # The rules refuse what the export used to write: vLLM has no parameter for d2t here.
+    with pytest.raises(LoaderRefused, match="draft_id_to_target_id"):
+        vllm_load({**tensors, "d2t": torch.zeros(VOCAB, dtype=torch.long)}, config, VOCAB)
+    loaded = Eagle3Draft.from_pretrained(tmp_path)
+    assert torch.equal(loaded.d2t, whole.d2t) and torch.equal(loaded.t2d, whole.t2d)
+    torch.manual_seed(1)
+    ids, aux = torch.randint(0, VOCAB, (1, 9)), torch.randn(1, 8, 3 * HIDDEN, dtype=torch.bfloat16)
+    assert torch.equal(loaded.propose(aux, ids, 3), copy.deepcopy(whole).to(torch.bfloat16).propose(aux, ids, 3))
 
 
 # ---- speculative decoding with the served teacher -----------------------------------------------

@@ -6,7 +6,9 @@ needs as output kinds (distill_common/outputs.py): `AuxHiddenStates` (three laye
 side, [B, S, 3H]), `SubsetLogits` over the draft's vocabulary and `Argmax`.
 
     model.py      the draft: fc (3H -> H), one decoder layer, norm, head over the draft vocabulary
-    attention.py  the draft's attention during the training-time test, in query chunks
+    attention.py  the draft's attention during the training-time test: a causal kernel merged with
+                  the diagonal (CUDA), and the reference in query chunks
+    precision.py  bf16 weights with float32 master weights for the optimizer
     loss.py       the unroll of K steps, its per-step loss and accuracy
     vocab.py      the draft vocabulary: the N most frequent target tokens of the data, d2t / t2d
     config.py     the settings of `student-trainer eagle3` and `eagle3-eval`

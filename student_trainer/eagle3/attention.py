@@ -107,3 +107,129 @@ class _TTTAttention(torch.autograd.Function):
             dkd[:, :, :, start:stop] = dsd[..., None] * q_chunk[None] * scale
         return (dq.to(q_saved.dtype), dk0.to(k0_saved.dtype), dv0.to(v0_saved.dtype), dkd.to(kd_saved.dtype),
                 dvd.to(vd_saved.dtype), None, None, None)
+
+
+# ---- the fused path: one causal kernel per step, the diagonal merged by log-sum-exp -------------
+#
+# The step-0 scores are causal attention over one sequence, which FlashAttention-style kernels do
+# without an [S, S] tensor and with their own recomputing backward; they return each row's
+# log-sum-exp. The k diagonal scores of a row are k dot products. One softmax over both is the
+# causal output rescaled by exp(lse0 - lse) plus the diagonal values weighted by exp(s_j - lse),
+# lse = logsumexp(lse0, s_1..s_k). Its backward is the causal kernel's backward given the merged
+# output and the merged lse (the kernel computes dS = P (dP - rowsum(dO O)) with P = exp(S - lse):
+# exactly the step-0 block of the joint softmax's gradient) plus the diagonal's, elementwise.
+# SpecForge's `_FlashCachedMergeFunc` merges flash-attn kernels the same way.
+
+CAUSAL_KERNELS = ("flash", "cudnn", "math")
+
+
+def merged_ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, kd: list[torch.Tensor],
+                         vd: list[torch.Tensor], kernel: str = "flash") -> torch.Tensor:
+    """`ttt_attention` for the training unroll (queries at every column, q_offset 0), with
+    padding only at the right end (student_trainer/data.py pads so): causality alone then keeps
+    every non-padding query off the padding keys. `q`, `k0`, `v0` [B, h, S, d] (grouped heads
+    repeated); the diagonal keys and values `kd[i]`, `vd[i]` [B, h_kv, S, d] with h a multiple of
+    h_kv (not repeated). `kernel`: "flash" or "cudnn" (PyTorch's CUDA kernels), "math" (explicit
+    float32 scores: the CPU's, and a reference)."""
+    if kernel not in CAUSAL_KERNELS:
+        raise ValueError(f"kernel must be one of {CAUSAL_KERNELS}, not {kernel!r}")
+    return _MergedTTTAttention.apply(kernel, q, k0, v0, *kd, *vd)
+
+
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, h, S, d] viewed as [B, h_kv, h / h_kv, S, d]: the query heads that share a key head."""
+    return x.view(x.shape[0], kv_heads, x.shape[1] // kv_heads, *x.shape[2:])
+
+
+def _diagonal_scores(q: torch.Tensor, kd: torch.Tensor, scale: float) -> torch.Tensor:
+    """[B, h, S] float32: each query with its own column's key of one later step."""
+    return (_grouped(q, kd.shape[1]).float() * kd.float()[:, :, None]).sum(-1).flatten(1, 2) * scale
+
+
+class _MergedTTTAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kernel: str, q, k0, v0, *diagonal):
+        steps = len(diagonal) // 2
+        kd, vd = diagonal[:steps], diagonal[steps:]
+        scale = q.shape[-1] ** -0.5
+        out0, lse0, state = _causal_forward(kernel, q, k0, v0, scale)
+        scores = [_diagonal_scores(q, k, scale) for k in kd]
+        if scores:
+            lse = torch.logsumexp(torch.stack([lse0, *scores]), dim=0)
+            merged = out0.float() * torch.exp(lse0 - lse)[..., None]
+            for s, v in zip(scores, vd):
+                weighted = _grouped(torch.exp(s - lse), v.shape[1])[..., None] * v.float()[:, :, None]
+                merged += weighted.flatten(1, 2)
+            out = merged.to(q.dtype)
+        else:
+            out, lse = out0, lse0
+        ctx.save_for_backward(q, k0, v0, out, lse, *kd, *vd, *scores)
+        ctx.kernel, ctx.scale, ctx.steps, ctx.state = kernel, scale, steps, state
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k0, v0, out, lse, *rest = ctx.saved_tensors
+        steps, scale = ctx.steps, ctx.scale
+        kd, vd, scores = rest[:steps], rest[steps:2 * steps], rest[2 * steps:]
+        grad_out = grad_out.to(out.dtype)
+        dq, dk0, dv0 = _causal_backward(ctx.kernel, grad_out, q, k0, v0, out, lse, scale, ctx.state)
+        if not steps:
+            return None, dq, dk0, dv0
+        dq = dq.float()
+        row_dot = (grad_out.float() * out.float()).sum(-1)  # what the causal kernel subtracts too
+        q_grouped, d_out = _grouped(q, kd[0].shape[1]).float(), _grouped(grad_out, kd[0].shape[1]).float()
+        dkd, dvd = [], []
+        for s, k, v in zip(scores, kd, vd):
+            p = _grouped(torch.exp(s - lse), k.shape[1])  # [B, h_kv, g, S]
+            dvd.append((p[..., None] * d_out).sum(2).to(v.dtype))
+            ds = p * ((d_out * v.float()[:, :, None]).sum(-1) - _grouped(row_dot, k.shape[1]))
+            dq += (ds[..., None] * k.float()[:, :, None]).flatten(1, 2) * scale
+            dkd.append(((ds[..., None] * q_grouped).sum(2) * scale).to(k.dtype))
+        return None, dq.to(q.dtype), dk0, dv0, *dkd, *dvd
+
+
+def _causal_forward(kernel: str, q, k, v, scale: float):
+    """Causal attention's output [B, h, S, d] (q's dtype), each row's log-sum-exp [B, h, S]
+    (float32), and what the kernel's backward needs besides."""
+    if kernel == "flash":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True, False, scale=scale)
+        # Some builds round the log-sum-exp's rows up to a block: the backward gets that shape back.
+        return out, lse[..., :q.shape[2]], (lse.shape, cum_q, cum_k, max_q, max_k, seed, offset)
+    if kernel == "cudnn":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, True, False, scale=scale)
+        return out, lse.reshape(q.shape[:3]), (lse.shape, cum_q, cum_k, max_q, max_k, seed, offset)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    lse = torch.logsumexp(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    # The same scores again below (the backward's recomputation): the CPU's tiny sizes only.
+    return (_math_probabilities(q, k, lse, scale) @ v.float()).to(q.dtype), lse, None
+
+
+def _math_probabilities(q, k, lse, scale: float) -> torch.Tensor:
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    causal = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    return torch.exp(scores - lse[..., None]).masked_fill(~causal, 0.0)
+
+
+def _causal_backward(kernel: str, grad_out, q, k, v, out, lse, scale: float, state):
+    """The causal block's gradients given the output and log-sum-exp of the whole softmax."""
+    if kernel == "flash":
+        lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = state
+        if lse.shape != lse_shape:
+            lse = torch.nn.functional.pad(lse, (0, lse_shape[-1] - lse.shape[-1]))
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k, v, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale)
+    if kernel == "cudnn":
+        lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = state
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out, q, k, v, out, lse.reshape(lse_shape), seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0,
+            True, scale=scale)
+    p = _math_probabilities(q, k, lse, scale)
+    d_out = grad_out.float()
+    row_dot = (d_out * out.float()).sum(-1)
+    ds = p * (d_out @ v.float().transpose(-1, -2) - row_dot[..., None])
+    return ((ds @ k.float()) * scale).to(q.dtype), ((ds.transpose(-1, -2) @ q.float()) * scale).to(k.dtype), \
+        (p.transpose(-1, -2) @ d_out).to(v.dtype)

@@ -67,7 +67,9 @@ class Eagle3Config:
     max_grad_norm: float = field(default=0.5, metadata=TrainConfig.__dataclass_fields__["max_grad_norm"].metadata)
     seq_len: int = field(default=2048, metadata=TrainConfig.__dataclass_fields__["seq_len"].metadata)
     pack_mode: PackMode = _as_in_train("pack_mode")
-    bf16: bool = field(default=False, metadata=_help("bf16 autocast for the draft's forward"))
+    bf16: bool = field(default=False, metadata=_help(
+        "bf16 for the draft: on CUDA bf16 weights with float32 master weights in the optimizer "
+        "(student_trainer/eagle3/precision.py); elsewhere bf16 autocast over float32 weights"))
     prefetch: int = _as_in_train("prefetch")
     save_every: int = _as_in_train("save_every")
     log_every: int = _as_in_train("log_every")

@@ -63,9 +63,11 @@ class StepResults:
 class Eagle3Training(nn.Module):
     """The draft and its unroll's losses as one module, so DDP wraps the whole forward."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, chunk_tokens: int = LOSS_CHUNK_TOKENS):
+    def __init__(self, draft: Eagle3Draft, steps: int, chunk_tokens: int = LOSS_CHUNK_TOKENS,
+                 compile_loss: bool = False):
         super().__init__()
         self.draft, self.steps, self.chunk_tokens = draft, steps, chunk_tokens
+        self.compile_loss = compile_loss  # the chunk's elementwise work as one compiled function
 
     def forward(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 loss_mask: torch.Tensor, targets: TeacherTargets) -> StepResults:
@@ -78,7 +80,7 @@ class Eagle3Training(nn.Module):
             teacher_ids = shift_left(targets.argmax.long(), 1 + k)
             position_mask = counts & shift_left(in_vocabulary, 1 + k)
             loss, predicted = soft_cross_entropy(logits, shift_left(targets.subset_logits, 1 + k), position_mask,
-                                                 batch * length, self.chunk_tokens)
+                                                 batch * length, self.chunk_tokens, self.compile_loss)
             losses.append(loss)
             with torch.no_grad():
                 hit = (predicted + self.draft.d2t[predicted]) == teacher_ids
@@ -88,30 +90,44 @@ class Eagle3Training(nn.Module):
 
 
 def soft_cross_entropy(logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor, normalizer: int,
-                       chunk_tokens: int = LOSS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+                       chunk_tokens: int = LOSS_CHUNK_TOKENS, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """sum over masked positions of -sum_v softmax(teacher)_v log_softmax(logits)_v, divided by
-    `normalizer`; and the argmax of `logits` [B, S] (not differentiable)."""
-    return _SoftCrossEntropy.apply(logits, teacher_logits, mask, normalizer, chunk_tokens)
+    `normalizer`; and the argmax of `logits` [B, S] (not differentiable). `compiled`: each
+    chunk's work through torch.compile (a few fused kernels instead of about ten passes)."""
+    return _SoftCrossEntropy.apply(logits, teacher_logits, mask, normalizer, chunk_tokens, compiled)
+
+
+def _chunk_loss(z: torch.Tensor, teacher: torch.Tensor, w: torch.Tensor):
+    """One chunk of rows: its share of the loss, its gradient (in z's dtype), its argmax."""
+    log_q = torch.log_softmax(z.float(), dim=-1)
+    p = torch.softmax(teacher.float(), dim=-1)
+    return -(w * (p * log_q).sum(-1)).sum(), ((log_q.exp() - p) * w[:, None]).to(z.dtype), z.argmax(-1)
+
+
+_compiled_chunk_loss = None
+
+
+def _chunk_loss_compiled():
+    global _compiled_chunk_loss
+    if _compiled_chunk_loss is None:
+        _compiled_chunk_loss = torch.compile(_chunk_loss, dynamic=False)
+    return _compiled_chunk_loss
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, teacher_logits, mask, normalizer: int, chunk_tokens: int):
+    def forward(ctx, logits, teacher_logits, mask, normalizer: int, chunk_tokens: int, compiled: bool):
         flat = logits.reshape(-1, logits.shape[-1])
         teacher = teacher_logits.reshape(-1, teacher_logits.shape[-1])
         weights = mask.reshape(-1).float() / normalizer
         grad = torch.empty_like(flat)
         predicted = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
         total = torch.zeros((), dtype=torch.float32, device=flat.device)
+        chunk_loss = _chunk_loss_compiled() if compiled else _chunk_loss
         for start in range(0, flat.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            z = flat[rows].float()
-            log_q = torch.log_softmax(z, dim=-1)
-            p = torch.softmax(teacher[rows].float(), dim=-1)
-            w = weights[rows]
-            total -= (w * (p * log_q).sum(-1)).sum()
-            grad[rows] = ((log_q.exp() - p) * w[:, None]).to(grad.dtype)
-            predicted[rows] = z.argmax(-1)
+            loss, grad[rows], predicted[rows] = chunk_loss(flat[rows], teacher[rows], weights[rows])
+            total += loss
         ctx.save_for_backward(grad)
         ctx.shape = logits.shape
         ctx.mark_non_differentiable(predicted)
@@ -120,4 +136,4 @@ class _SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total, grad_predicted):
         (grad,) = ctx.saved_tensors
-        return (grad * grad_total.to(grad.dtype)).view(ctx.shape), None, None, None, None
+        return (grad * grad_total.to(grad.dtype)).view(ctx.shape), None, None, None, None, None

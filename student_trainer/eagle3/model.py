@@ -14,7 +14,8 @@ This is SpecForge's `LlamaForCausalLMEagle3` (specforge/modeling/draft/llama3_ea
 `LlamaForCausalLMEagle3` (python/sglang/srt/models/llama_eagle3.py), with their weight names:
 `fc.weight`, `midlayer.{self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, input_layernorm,
 hidden_norm, post_attention_layernorm}.weight`, `norm.weight`, `lm_head.weight`,
-`embed_tokens.weight`, and the buffers `d2t` (int64 [N]) and `t2d` (bool [V]).
+`embed_tokens.weight`, and the buffers `d2t` (int64 [N]) and `t2d` (bool [V]), exported only when
+N is smaller than the target's vocabulary (`Eagle3Draft._identity_maps`).
 `save_pretrained` writes config.json and model.safetensors in that layout; docs/eagle3.md says
 which config keys each loader reads.
 """
@@ -31,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from distill_common.outputs import AUX_LAYERS
-from student_trainer.eagle3.attention import CHUNK_SCORES, ttt_attention
+from student_trainer.eagle3.attention import CAUSAL_KERNELS, CHUNK_SCORES, merged_ttt_attention, ttt_attention
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +113,17 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         groups = self.heads // self.kv_heads
-        steps.append(k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
-        out = ttt_attention(q, steps.k0, steps.v0, steps.kd, steps.vd, steps.key_valid, steps.q_offset, chunk_scores)
+        if steps.k0 is None and steps.kernel in ("flash", "cudnn") and q.dtype not in (torch.float16, torch.bfloat16):
+            steps.kernel = None  # the CUDA kernels take half precision only: float32 training reads the reference
+        if steps.kernel is None:
+            steps.append(k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
+            out = ttt_attention(q, steps.k0, steps.v0, steps.kd, steps.vd, steps.key_valid, steps.q_offset,
+                                chunk_scores)
+        else:  # step 0's keys repeated once for the causal kernel; the later steps' stay grouped
+            first = steps.k0 is None
+            steps.append(k.repeat_interleave(groups, dim=1) if first else k,
+                         v.repeat_interleave(groups, dim=1) if first else v)
+            out = merged_ttt_attention(q, steps.k0, steps.v0, steps.kd, steps.vd, steps.kernel)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim))
 
 
@@ -124,6 +134,7 @@ class KeyValueSteps:
 
     key_valid: torch.Tensor | None  # [B, S] the step-0 columns that are not padding
     q_offset: int = 0
+    kernel: str | None = None  # merged_ttt_attention's causal kernel; None: ttt_attention (query chunks)
     k0: torch.Tensor | None = None
     v0: torch.Tensor | None = None
 
@@ -154,11 +165,20 @@ class DraftLayer(nn.Module):
         self.hidden_norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, embeds, hidden, cos, sin, steps: KeyValueSteps, chunk_scores: int) -> torch.Tensor:
-        residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        hidden = residual + self.self_attn(x, cos, sin, steps, chunk_scores)
+    # The two halves around the attention, or their torch.compile'd versions (Eagle3Draft.compile_layer).
+    compiled: tuple | None = None
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def mlp_block(self, residual: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
+        hidden = residual + attention_out
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward(self, embeds, hidden, cos, sin, steps: KeyValueSteps, chunk_scores: int) -> torch.Tensor:
+        attention_input, mlp_block = self.compiled or (self.attention_input, self.mlp_block)
+        x = attention_input(embeds, hidden)
+        return mlp_block(hidden, self.self_attn(x, cos, sin, steps, chunk_scores))
 
 
 class Eagle3Draft(nn.Module):
@@ -183,6 +203,10 @@ class Eagle3Draft(nn.Module):
         # and the positions would rotate differently from the target's and the serving engines'.
         object.__setattr__(self, "rotary", LlamaRotaryEmbedding(config))
         self.chunk_scores = CHUNK_SCORES
+        # The unroll's attention: "auto" is merged_ttt_attention over PyTorch's flash kernel on CUDA
+        # and the chunked ttt_attention elsewhere; "reference" the chunked one everywhere; or a
+        # causal kernel name (attention.CAUSAL_KERNELS).
+        self.attention = "auto"
         std = getattr(config, "initializer_range", 0.02)
         for module in (self.fc, self.lm_head, *self.midlayer.modules()):
             if isinstance(module, nn.Linear):  # as transformers' _init_weights: N(0, initializer_range)
@@ -217,7 +241,20 @@ class Eagle3Draft(nn.Module):
         return self.midlayer(embeds, hidden, cos, sin, steps, self.chunk_scores)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (self.compiled_logits or self._logits)(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
+
+    compiled_logits = None
+
+    def compile_layer(self) -> None:
+        """torch.compile the elementwise work around the layer's matrix products and attention
+        (the norms, the concatenation, the residuals, SiLU x up): fused kernels instead of the
+        eager ones, each a pass over [B, S, hidden]. Shapes recompile once, then run dynamic."""
+        layer = self.midlayer
+        object.__setattr__(layer, "compiled", (torch.compile(layer.attention_input), torch.compile(layer.mlp_block)))
+        object.__setattr__(self, "compiled_logits", torch.compile(self._logits))
 
     def unroll(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                steps: int) -> Iterator[torch.Tensor]:
@@ -230,11 +267,21 @@ class Eagle3Draft(nn.Module):
         """
         batch, length = input_ids.shape
         columns = torch.arange(length, device=input_ids.device).expand(batch, length)
-        kv = KeyValueSteps(attention_mask)
+        kv = KeyValueSteps(attention_mask, kernel=self.unroll_kernel(input_ids.device))
         hidden = self.fc(aux_hidden)
         for k in range(steps):
             hidden = self._step(shift_left(input_ids, 1 + k), hidden, columns + k, kv)
             yield self.logits(hidden)
+
+    def unroll_kernel(self, device: torch.device) -> str | None:
+        """The causal kernel the unroll's attention merges with its diagonal (None: the chunked reference)."""
+        if self.attention == "auto":
+            return "flash" if device.type == "cuda" else None
+        if self.attention == "reference":
+            return None
+        if self.attention not in CAUSAL_KERNELS:
+            raise ValueError(f"attention must be auto, reference or one of {CAUSAL_KERNELS}, not {self.attention!r}")
+        return self.attention
 
     def propose(self, aux_hidden: torch.Tensor, input_ids: torch.Tensor, count: int) -> torch.Tensor:
         """A chain of `count` greedy proposals (target ids [B, count]) after `input_ids` [B, n]."""
@@ -266,6 +313,19 @@ class Eagle3Draft(nn.Module):
 
     # ---- the directory -----------------------------------------------------------------------
 
+    def _identity_maps(self) -> tuple[str, ...]:
+        """The maps the export leaves out: `d2t` and `t2d` when the draft vocabulary is the
+        target's whole vocabulary (then draft id i is target id i). vLLM creates its
+        `draft_id_to_target_id` only when the two sizes differ and refuses a weight it has no
+        parameter for; SGLang then decodes over the whole vocabulary with no `hot_token_id`.
+        `draft_vocab_size` in config.json says which case a directory is, either way."""
+        if self.config.draft_vocab_size != self.config.vocab_size:
+            return ()
+        if self.d2t.device.type != "meta" and bool(self.d2t.any()):
+            raise DraftFormatError("a draft vocabulary of the target's size must map draft id i to target id i "
+                                   "(d2t all zero)")
+        return ("d2t", "t2d")
+
     def save_pretrained(self, path: str | Path, dtype: torch.dtype | None = None) -> Path:
         """config.json and model.safetensors (module docstring), in `dtype` (None: as trained)."""
         from safetensors.torch import save_file
@@ -274,7 +334,7 @@ class Eagle3Draft(nn.Module):
         path.mkdir(parents=True, exist_ok=True)
         floats = dtype or self.fc.weight.dtype
         state = {name: (t.to(floats) if t.is_floating_point() else t).detach().cpu().contiguous()
-                 for name, t in self.state_dict().items()}
+                 for name, t in self.state_dict().items() if name not in self._identity_maps()}
         save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
         config = self.config.to_dict()
         config["torch_dtype"] = config["dtype"] = str(floats).removeprefix("torch.")
@@ -305,6 +365,9 @@ class Eagle3Draft(nn.Module):
             draft = cls(config)
         saved_dtype = next(t.dtype for t in state.values() if t.is_floating_point())
         state = {name: (t.to(dtype) if dtype is not None and t.is_floating_point() else t) for name, t in state.items()}
+        if draft._identity_maps():  # written without them: the identity maps (`_identity_maps`)
+            state.setdefault("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            state.setdefault("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
         missing = sorted(set(draft.state_dict()) - set(state))
         unexpected = sorted(set(state) - set(draft.state_dict()))
         if missing or unexpected:

@@ -31,6 +31,7 @@ from student_trainer.data import BatchIterator, PackedDataset
 from student_trainer.eagle3.config import Eagle3Config
 from student_trainer.eagle3.loss import Eagle3Training, StepResults, TeacherTargets
 from student_trainer.eagle3.model import Eagle3Draft, aux_layers_of
+from student_trainer.eagle3.precision import MasterWeights
 from student_trainer.eagle3.target import target_config, target_embedding
 from student_trainer.eagle3.vocab import draft_vocabulary
 from student_trainer.train import MetricsWriter, TeacherPrefetcher, lr_lambda, open_teacher, set_up_rank
@@ -140,15 +141,17 @@ def train_eagle3(cfg: Eagle3Config) -> dict:
 
 
 def train_step(cfg: Eagle3Config, trained: torch.nn.Module, params: list[torch.Tensor], optimizer, scheduler,
-               next_micro_batch, device: torch.device, world_size: int = 1) -> dict:
+               next_micro_batch, device: torch.device, world_size: int = 1, master: MasterWeights | None = None) -> dict:
     """One optimizer step over `cfg.grad_accum` micro-batches, as `student-trainer eagle3` trains.
 
     `trained`: the `Eagle3Training` (DDP-wrapped across ranks); `next_micro_batch()` gives a
     batch, its teacher outputs and the seconds spent waiting for them (`TeacherPrefetcher.next`,
     or fixed outputs where a bench times the draft alone). Returns the step's record: per-step
-    losses and accuracies, `grad_norm`, `teacher_wait_s` and the `tokens` trained on.
+    losses and accuracies, `grad_norm`, `teacher_wait_s` and the `tokens` trained on. `master`:
+    the float32 master weights `optimizer` updates, when `params` are bfloat16.
     """
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 else contextlib.nullcontext()
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.bf16 and master is None
+                else contextlib.nullcontext())
     # Without autocast the teacher's states are read in the dtype of the draft's weights.
     aux_dtype = None if cfg.bf16 else params[0].dtype
     teacher_wait_s, tokens, results = 0.0, 0, []
@@ -164,11 +167,18 @@ def train_step(cfg: Eagle3Config, trained: torch.nn.Module, params: list[torch.T
             (result.total(cfg.step_decay) / cfg.grad_accum).backward()
         results.append(result)
         del out
-    grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
+    if master is not None:
+        master.grads_to_master()
+    stepped = params if master is None else master.master
+    grad_norm = (torch.nn.utils.clip_grad_norm_(stepped, cfg.max_grad_norm).item()
                  if cfg.max_grad_norm > 0 else 0.0)
     optimizer.step()
     scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    if master is not None:
+        master.master_to_params()
+        master.zero_grad()
+    else:
+        optimizer.zero_grad(set_to_none=True)
     return {**step_record(results, cfg.grad_accum, cfg.step_decay), "grad_norm": grad_norm,
             "teacher_wait_s": teacher_wait_s, "tokens": tokens}
 
@@ -178,12 +188,21 @@ def _train(cfg: Eagle3Config, draft: Eagle3Draft, teacher, tokenizer, batches: B
     output_dir = Path(cfg.output_dir)
     draft.train()
     params = [p for p in draft.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    master = None
+    if cfg.bf16 and device.type == "cuda":  # bf16 weights, float32 masters (precision.py)
+        draft.to(torch.bfloat16)
+        master = MasterWeights(params)
+    optimizer = torch.optim.AdamW(params if master is None else master.master, lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay, fused=master is not None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
     step = 0
     if checkpoint is not None:
         state, rng = load_trainer_state(checkpoint, rank)
         optimizer.load_state_dict(state["optimizer"])
+        if master is not None:  # the float32 weights, not the bfloat16 ones the model directory holds
+            with torch.no_grad():
+                torch._foreach_copy_(master.master, [t.to(device) for t in state["master_weights"]])
+            master.master_to_params()
         scheduler.load_state_dict(state["scheduler"])
         batches.load_state_dict(state["data"])
         step = state["step"]
@@ -203,6 +222,8 @@ def _train(cfg: Eagle3Config, draft: Eagle3Draft, teacher, tokenizer, batches: B
     def checkpoint_now() -> Path:
         state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "data": prefetcher.data_state()}
+        if master is not None:
+            state["master_weights"] = master.master
         return save_checkpoint(output_dir, step, model=draft, tokenizer=tokenizer, trainer_state=state, rank=rank,
                                world_size=world_size, barrier=barrier)
 
@@ -214,7 +235,8 @@ def _train(cfg: Eagle3Config, draft: Eagle3Draft, teacher, tokenizer, batches: B
     try:
         while step < stop_at:
             start = time.perf_counter()
-            outcome = train_step(cfg, trained, params, optimizer, scheduler, prefetcher.next, device, world_size)
+            outcome = train_step(cfg, trained, params, optimizer, scheduler, prefetcher.next, device, world_size,
+                                 master)
             step += 1
             elapsed = time.perf_counter() - start
             tokens = outcome.pop("tokens")
