@@ -375,6 +375,21 @@ def test_the_fused_unroll_attention_equals_the_chunked_reference(later_steps):
         assert (g - w).abs().max() <= 1e-5, i
 
 
+def test_the_fused_unroll_refuses_a_left_padded_row(draft):
+    """The merged kernels keep real queries off padding keys by causality alone: a row padded on
+    its left would attend its padding, so the unroll refuses it instead of training on it."""
+    fused = copy.copy(draft)
+    fused.attention = "math"
+    ids = torch.randint(0, VOCAB, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    with torch.no_grad(), pytest.raises(RuntimeError, match="right-padded"):
+        list(fused.unroll(torch.randn(2, 6, 3 * HIDDEN), ids, mask, 2))
+    mask = mask.flip(1)  # the same row padded on its right trains
+    with torch.no_grad():
+        assert len(list(fused.unroll(torch.randn(2, 6, 3 * HIDDEN), ids, mask, 2))) == 2
+
+
 @pytest.fixture(scope="module")
 def draft(local_teacher):
     torch.manual_seed(5)

@@ -268,6 +268,12 @@ class Eagle3Draft(nn.Module):
         batch, length = input_ids.shape
         columns = torch.arange(length, device=input_ids.device).expand(batch, length)
         kv = KeyValueSteps(attention_mask, kernel=self.unroll_kernel(input_ids.device))
+        if kv.kernel is not None and attention_mask is not None:
+            # The merged kernels mask by causality alone, which keeps real queries off padding keys only
+            # when every row is padded at its right end: checked on the device, without a host sync.
+            torch._assert_async((attention_mask[:, 1:] <= attention_mask[:, :-1]).all(),
+                                "the EAGLE-3 draft's fused attention needs right-padded rows (ones, then zeros); "
+                                "pad on the right or train with attention='reference'")
         hidden = self.fc(aux_hidden)
         for k in range(steps):
             hidden = self._step(shift_left(input_ids, 1 + k), hidden, columns + k, kv)
