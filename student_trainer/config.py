@@ -11,7 +11,8 @@ from typing import Literal
 
 from distill_common.settings import LOG_LEVELS, ConfigError, IntTuple, check_choices, flag
 from student_trainer.data import PackMode
-from student_trainer.losses import HiddenLossKind, LossKind, check_options, check_relation_options
+from student_trainer.losses import (HiddenLossKind, LossKind, TopKTail, check_options, check_relation_options,
+                                    check_topk_tail)
 
 
 def _help(text: str) -> dict:
@@ -48,7 +49,11 @@ class TrainConfig:
     kd_weight: float = field(default=0.5, metadata=_help("alpha in alpha*KD + (1-alpha)*CE"))
     ce_weight: float | None = field(default=None, metadata=_help(
         "weight of the cross-entropy term (default: 1 - --kd-weight); 0 skips it"))
-    topk: int = field(default=0, metadata=_help("distil from the teacher's top-k logits (0: full logits)"))
+    topk: int = field(default=0, metadata=_help(
+        "distil from the teacher's k most likely tokens and their log-probabilities (0: full logits)"))
+    topk_tail: TopKTail = field(default="bucket", metadata=_help(
+        "with --topk, the teacher's mass outside its k tokens: bucket, one outcome against the student's own "
+        "(exact); uniform, spread evenly over the other tokens; none, both sides renormalised over the k"))
     head_on_student: bool = field(default=False, metadata=_help(
         "receive the teacher's final hidden state, and its output head once at join, instead of its logits: the KD "
         "loss computes the teacher's logits chunk by chunk (vocab/hidden times fewer bytes per token; with --topk, "
@@ -147,6 +152,7 @@ class TrainConfig:
             raise ConfigError(f"--kd-weight {self.kd_weight} must lie in [0, 1] (alpha in alpha*KD + (1-alpha)*CE)")
         if self.topk < 0:
             raise ConfigError("--topk must be >= 0 (0: distil from full logits)")
+        check_topk_tail(self.topk_tail)
         if self.hidden_weight < 0 or (self.hidden_weight > 0 and not self.hidden_layers):
             raise ConfigError("--hidden-weight > 0 needs --hidden-layers (teacher layers to match)")
         if self.hidden_layers and self.hidden_weight == 0:

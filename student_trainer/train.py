@@ -141,7 +141,8 @@ def teacher_outputs(cfg: TrainConfig) -> tuple[Output, ...]:
         return onpolicy.teacher_outputs(cfg)
     kinds = []
     if cfg.uses_logits:
-        kinds.append(FinalHidden() if cfg.head_on_student else TopK(cfg.topk) if cfg.topk else Logits())
+        kinds.append(FinalHidden() if cfg.head_on_student else TopK(cfg.topk, cfg.temperature) if cfg.topk
+                     else Logits())
     if cfg.hidden_layers:
         kinds.append(HiddenStates(cfg.hidden_layers))
     if cfg.attention_layers:
@@ -224,9 +225,11 @@ def logit_kd(cfg: TrainConfig, student: torch.Tensor, out: TeacherOutput, mask: 
     to its final hidden state; divergence, temperature)."""
     options = dict(kind=cfg.loss, temperature=cfg.temperature, jsd_beta=cfg.jsd_beta, chunk_tokens=cfg.kd_chunk_tokens)
     if cfg.head_on_student:
-        return kd_loss_from_hidden(student, out.final_hidden[:, :-1], head, mask, topk=cfg.topk, **options)
+        return kd_loss_from_hidden(student, out.final_hidden[:, :-1], head, mask, topk=cfg.topk, tail=cfg.topk_tail,
+                                   **options)
     if cfg.topk:
-        return topk_kd_loss(student, out.topk_values[:, :-1], out.topk_indices[:, :-1], mask, **options)
+        return topk_kd_loss(student, out.topk_values[:, :-1], out.topk_indices[:, :-1], mask, tail=cfg.topk_tail,
+                            **options)
     return kd_loss(student, out.logits[:, :-1], mask, **options)
 
 
