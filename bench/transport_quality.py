@@ -1,14 +1,17 @@
 """What each transport mode costs in quality (docs/training.md): the demo's students distilled from
 the demo's teacher with its full logits, with its head applied on the student (final hidden state
-sent), with its top 64 and its top 8 logits; two seeds each, and the same students with CE only.
+sent), and with its top k (64, 16, 8) log-probabilities, the rest of its mass kept as one outcome
+(the default) or, as the renormalised loss does, dropped; two seeds each, and the same students
+with CE only.
 
-    python -m bench.transport_quality [--out runs/transport_quality] [any flag of python -m distill_demo]
+    python -m bench.transport_quality [--output-dir runs/transport_quality] [--modes ...] [any flag of python -m distill_demo]
 
 The data, the tokenizer and the trained teacher are the demo's, from its cache (trained first when
 missing, as `make demo` does). Each mode's two seeds train at once against one teacher server, with
 the demo's student settings (steps, batch, learning rate, kd-weight, temperature); the score is the
-held-out cross-entropy per token at the last step. The seed fixes a student's initial weights and
-its data order, so the modes differ only in what the teacher sends.
+held-out cross-entropy per token at the last step, and the share of full-logit KD's gain over CE
+only that a mode keeps. The seed fixes a student's initial weights and its data order, so the modes
+differ only in what the teacher sends and how the loss reads it.
 """
 
 from __future__ import annotations
@@ -25,18 +28,38 @@ from distill_demo.config import QUICK, DemoConfig
 from distill_demo.demo import ensure_teacher, prepare_data, save_random_llama, student_args
 from distill_demo.processes import TeacherProcess, TrainerRun, wait_all
 
-# (label, trainer flags, bytes per token the teacher sends in float32: f(vocab, hidden))
+# Bytes per token the teacher sends for a vocabulary of V and a hidden size of H, with values of
+# `value_bytes` each (the demo's teacher runs in float32: 4; a bfloat16 teacher or a store: 2).
+def _logits(value_bytes: int, vocab: int, hidden: int) -> int:
+    return value_bytes * vocab
+
+
+def _head(value_bytes: int, vocab: int, hidden: int) -> int:
+    return value_bytes * hidden
+
+
+def _topk(k: int):
+    return lambda value_bytes, vocab, hidden: k * (value_bytes + 4)  # values + int32 ids
+
+
+# mode -> (label, trainer flags, bytes per token, the value size it is sent with (None: the teacher's))
 MODES = {
-    "full": ("full logits", [], lambda vocab, hidden: 4 * vocab),
-    "head": ("head on student", ["--head-on-student"], lambda vocab, hidden: 4 * hidden),
-    "top64": ("top-64 logits", ["--topk", "64"], lambda vocab, hidden: 64 * (4 + 4)),
-    "top8": ("top-8 logits", ["--topk", "8"], lambda vocab, hidden: 8 * (4 + 4)),
+    "full": ("full logits", [], _logits, None),
+    "head": ("head on student", ["--head-on-student"], _head, None),
+    "top64": ("top-64, renormalised", ["--topk", "64", "--topk-tail", "none"], _topk(64), None),
+    "top8": ("top-8, renormalised", ["--topk", "8", "--topk-tail", "none"], _topk(8), None),
+    "top64-tail": ("top-64 + tail", ["--topk", "64"], _topk(64), None),
+    "top16-tail": ("top-16 + tail", ["--topk", "16"], _topk(16), None),
+    "top8-tail": ("top-8 + tail", ["--topk", "8"], _topk(8), None),
+    "top64-tail-bf16": ("top-64 + tail, bf16 values", ["--topk", "64", "--teacher-dtype", "bfloat16"], _topk(64), 2),
+    "top64-uniform": ("top-64 + uniform tail", ["--topk", "64", "--topk-tail", "uniform"], _topk(64), None),
 }
+DEFAULT_MODES = ("full", "head", "top64", "top8", "top64-tail", "top16-tail", "top8-tail", "top64-tail-bf16")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = settings_parser(DemoConfig, prog="python -m bench.transport_quality", description=__doc__.split("\n")[0])
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--no-ce", action="store_true", help="skip the CE-only students")
     parser.add_argument("--table", default="", help="also write the markdown table here")
     if parser.parse_known_args(argv)[0].quick:
@@ -60,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     with TeacherProcess(teacher.model_dir, out / "teacher_server.log", startup_timeout_s=cfg.startup_timeout_s,
                         threads=1) as server:
         for mode in modes:
-            label, flags, _ = MODES[mode]
+            label, flags, _, _ = MODES[mode]
             print(f"{label}: {len(cfg.seeds)} students at once, {cfg.student_steps} steps", flush=True)
             runs = [TrainerRun(f"{mode} seed {seed}", out / f"{mode}-seed{seed}",
                                [*student_args(cfg, data, inits[seed], seed), "--teacher", server.address,
@@ -91,15 +114,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def render(losses: dict[str, dict[int, float]], seeds, vocab: int, hidden: int, teacher_loss: float) -> str:
+def render(losses: dict[str, dict[int, float]], seeds, vocab: int, hidden: int, teacher_loss: float,
+           teacher_bytes: int = 4) -> str:
+    """The table: per mode its bytes per token (as sent by a teacher of `teacher_bytes` per value,
+    and with 16-bit values), the held-out loss per seed, and the share of full-logit KD's gain over
+    CE only that it keeps."""
     full = statistics.fmean(losses["full"].values()) if "full" in losses else math.nan
-    rows = [["mode", "bytes/token", *[f"seed {s}" for s in seeds], "mean", "spread", "mean - full"]]
+    ce = statistics.fmean(losses["ce"].values()) if "ce" in losses else math.nan
+    rows = [["mode", "bytes/token sent", "in 16 bits", *[f"seed {s}" for s in seeds], "mean", "spread",
+             "mean - full", "share of KD's gain"]]
     for mode, by_seed in losses.items():
-        label, _, size = MODES.get(mode, ("CE only (no teacher)", [], lambda v, h: 0))
+        label, _, size, sent_bytes = MODES.get(mode, ("CE only (no teacher)", [], lambda *_: 0, None))
         mean = statistics.fmean(by_seed.values())
-        rows.append([label, f"{size(vocab, hidden):,}", *[f"{by_seed[s]:.4f}" for s in seeds], f"{mean:.4f}",
-                     f"{max(by_seed.values()) - min(by_seed.values()):.4f}", f"{mean - full:+.4f}"])
-    rows.append(["teacher", "-", *["-"] * len(seeds), f"{teacher_loss:.4f}", "-", "-"])
+        share = (ce - mean) / (ce - full) if mode != "ce" else 0.0
+        rows.append([label, f"{size(sent_bytes or teacher_bytes, vocab, hidden):,}", f"{size(2, vocab, hidden):,}",
+                     *[f"{by_seed[s]:.4f}" for s in seeds], f"{mean:.4f}",
+                     f"{max(by_seed.values()) - min(by_seed.values()):.4f}", f"{mean - full:+.4f}",
+                     "-" if math.isnan(share) else f"{100 * share:.1f}%"])
+    rows.append(["teacher", "-", "-", *["-"] * len(seeds), f"{teacher_loss:.4f}", "-", "-", "-"])
     lines = ["| " + " | ".join(row) + " |" for row in rows]
     lines.insert(1, "|" + "---|" * len(rows[0]))
     return "\n".join(lines)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from distill_common import wire
 from distill_common.settings import LOG_LEVELS, ConfigError, IntTuple, check_choices, flag
 from student_trainer.data import PackMode
 from student_trainer.losses import (HiddenLossKind, LossKind, TopKTail, check_options, check_relation_options,
@@ -123,6 +124,8 @@ class TrainConfig:
         "the run stops with BatchNotServed, which says why each session ended"))
     teacher_weight: float = field(default=1.0, metadata=_help(
         "this job's share of a busy teacher relative to other jobs (every rank gives the same)"))
+    teacher_dtype: str = field(default="", metadata=_help(
+        "the dtype the teacher sends its outputs in: float32, bfloat16 or float16 (default: the teacher's)"))
     job_id: str = field(default="", metadata=_help("shown in the teacher's status (default: the run directory)"))
     teacher_tls_ca: str = field(default="", metadata=_help(
         "talk TLS to a teacher started with --tls-cert: the PEM CA that signed its certificate, or 'system' for "
@@ -172,6 +175,11 @@ class TrainConfig:
             raise ConfigError("--prefetch must be >= 0")
         if not self.teacher_weight > 0:
             raise ConfigError("--teacher-weight must be > 0 (this job's share of the teacher against other jobs)")
+        if self.teacher_dtype:
+            try:
+                wire.parse_output_dtype(self.teacher_dtype)
+            except wire.WireError as e:
+                raise ConfigError(f"--teacher-dtype: {e}") from None
         if self.lora_r < 0:
             raise ConfigError("--lora-r must be >= 0 (0: full fine-tuning)")
         self._check_on_policy()

@@ -401,7 +401,7 @@ def train(cfg: TrainConfig) -> dict:
             vocab_size=student_vocab if cfg.uses_logits else 0, max_inflight=cfg.prefetch + 1,
             job_id=cfg.job_id or output_dir.name, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s,
             reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, max_resubmits=cfg.teacher_max_resubmits,
-            weight=cfg.teacher_weight,
+            weight=cfg.teacher_weight, dtype=cfg.teacher_dtype or None,
             tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
     maps, capture = (build_maps(cfg, model, teacher.info.num_layers, teacher.info.hidden_size, teacher.joined.head,
                                 device) if teacher is not None else (StudentMaps(), None))
