@@ -4,7 +4,8 @@ sent), and with its top k (64, 16, 8) log-probabilities, the rest of its mass ke
 (the default) or, as the renormalised loss does, dropped; two seeds each, and the same students
 with CE only.
 
-    python -m bench.transport_quality [--output-dir runs/transport_quality] [--modes ...] [any flag of python -m distill_demo]
+    python -m bench.transport_quality [--output-dir runs/transport_quality] [--modes ...]
+                                      [any flag of python -m distill_demo]
 
 The data, the tokenizer and the trained teacher are the demo's, from its cache (trained first when
 missing, as `make demo` does). Each mode's two seeds train at once against one teacher server, with

@@ -78,7 +78,8 @@ head's dtype as the teacher does, then upcast, scaled and soft-capped, and meets
 chunk in the same closed-form divergence: no [B, S, V] teacher tensor exists, on either side. With
 ``topk`` > 0 each chunk keeps the teacher's k most likely ids and their log-probabilities, and
 compares as ``topk_kd_loss`` does (``tail`` alike) with the k the teacher sends. One more
-[chunk_tokens, V] temporary than the full-logit path (the product in the head's dtype, before its upcast).
+[chunk_tokens, V] temporary than the full-logit path (the product in the head's dtype, before its
+upcast).
 
 Attention relations (``attention_relation_loss``), after MiniLMv2 (Wang et al., 2021). For each
 of a layer's queries, keys and values, the vectors of all heads side by side ([B, S, width]) are

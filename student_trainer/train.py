@@ -134,7 +134,7 @@ def attention_layer_for(teacher_layer: int, teacher_layers: int, student_layers:
 
 
 def teacher_outputs(cfg: TrainConfig) -> tuple[Output, ...]:
-    """What `distill_losses` reads of the teacher: its full or top-k logits, or its final hidden
+    """What `distill_losses` reads of the teacher: its full logits or top k, or its final hidden
     state for its head on the student, for KD; the hidden states and attention inputs of the
     layers asked (on-policy: what onpolicy.distill_losses reads)."""
     if cfg.on_policy:
@@ -221,7 +221,7 @@ def distill_losses(cfg: TrainConfig, logits: torch.Tensor, student_hidden, batch
 def logit_kd(cfg: TrainConfig, student: torch.Tensor, out: TeacherOutput, mask: torch.Tensor,
              head: OutputHead | None = None) -> torch.Tensor:
     """The KD loss of the student's logits [B, S - 1, V] against the teacher's for the same
-    positions, with the run's loss settings (full or top-k logits, or the teacher's head applied
+    positions, with the run's loss settings (full logits or the top k, or the teacher's head applied
     to its final hidden state; divergence, temperature)."""
     options = dict(kind=cfg.loss, temperature=cfg.temperature, jsd_beta=cfg.jsd_beta, chunk_tokens=cfg.kd_chunk_tokens)
     if cfg.head_on_student:

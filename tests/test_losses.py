@@ -249,8 +249,7 @@ def make_topk(teacher, k=TOPK, index_dtype=torch.int64, temperature=1.0):
     return values, indices.to(index_dtype)
 
 
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("chunk_tokens", [7, 4096])
+@pytest.mark.parametrize(("chunk_tokens", "index_dtype"), [(7, torch.int32), (4096, torch.int64)])
 @pytest.mark.parametrize("kind", LOSS_KINDS)
 def test_topk_kd_loss_matches_reference(kind, chunk_tokens, index_dtype):
     student, teacher, mask = make_inputs(seed=11)
