@@ -55,7 +55,7 @@ MODES = {
     "top64-tail-bf16": ("top-64 + tail, bf16 values", ["--topk", "64", "--teacher-dtype", "bfloat16"], _topk(64), 2),
     "top64-uniform": ("top-64 + uniform tail", ["--topk", "64", "--topk-tail", "uniform"], _topk(64), None),
 }
-DEFAULT_MODES = ("full", "head", "top64", "top8", "top64-tail", "top16-tail", "top8-tail", "top64-tail-bf16")
+DEFAULT_MODES = ("full", "top64-tail", "top64", "top16-tail", "top8-tail", "top8", "top64-tail-bf16", "head")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +81,23 @@ def main(argv: list[str] | None = None) -> int:
         save_random_llama(path, cfg.student, data, cfg.seq_len, seed)
 
     losses: dict[str, dict[int, float]] = {}
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(teacher.model_dir)
+
+    def save() -> None:  # after every phase: a long run stopped early keeps what it measured
+        (out / "results.json").write_text(json.dumps({"losses": losses, "teacher_loss": teacher.heldout_loss,
+                                                      "vocab_size": config.vocab_size,
+                                                      "hidden_size": config.hidden_size}, indent=2) + "\n")
+
+    if not args.no_ce:  # first: every mode's share of KD's gain is measured against it
+        print(f"CE only: {len(cfg.seeds)} students at once", flush=True)
+        runs = [TrainerRun(f"ce seed {seed}", out / f"ce-seed{seed}",
+                           [*student_args(cfg, data, inits[seed], seed), "--kd-weight", "0",
+                            "--job-id", f"ce-seed{seed}"], threads=1) for seed in cfg.seeds]
+        wait_all(runs, timeout_s=cfg.run_timeout_s)
+        losses["ce"] = {seed: run.final_eval_ce() for seed, run in zip(cfg.seeds, runs)}
+        save()
     with TeacherProcess(teacher.model_dir, out / "teacher_server.log", startup_timeout_s=cfg.startup_timeout_s,
                         threads=1) as server:
         for mode in modes:
@@ -93,23 +110,14 @@ def main(argv: list[str] | None = None) -> int:
                     for seed in cfg.seeds]
             wait_all(runs, timeout_s=cfg.run_timeout_s)
             losses[mode] = {seed: run.final_eval_ce() for seed, run in zip(cfg.seeds, runs)}
-    if not args.no_ce:
-        print(f"CE only: {len(cfg.seeds)} students at once", flush=True)
-        runs = [TrainerRun(f"ce seed {seed}", out / f"ce-seed{seed}",
-                           [*student_args(cfg, data, inits[seed], seed), "--kd-weight", "0",
-                            "--job-id", f"ce-seed{seed}"], threads=1) for seed in cfg.seeds]
-        wait_all(runs, timeout_s=cfg.run_timeout_s)
-        losses["ce"] = {seed: run.final_eval_ce() for seed, run in zip(cfg.seeds, runs)}
+            save()
+    if "ce" in losses:  # listed last
+        losses["ce"] = losses.pop("ce")
+        save()
 
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(teacher.model_dir)
     table = render(losses, cfg.seeds, config.vocab_size, config.hidden_size, teacher.heldout_loss)
     print(f"\nheld-out loss (CE per token, nats) after {cfg.student_steps} steps, kd-weight {cfg.kd_weight}, "
           f"T {cfg.temperature}; {time.monotonic() - started:.0f} s\n\n{table}")
-    (out / "results.json").write_text(json.dumps({"losses": losses, "teacher_loss": teacher.heldout_loss,
-                                                  "vocab_size": config.vocab_size,
-                                                  "hidden_size": config.hidden_size}, indent=2) + "\n")
     if args.table:
         Path(args.table).write_text(table + "\n")
     return 0
