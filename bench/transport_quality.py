@@ -53,7 +53,6 @@ MODES = {
     "top16-tail": ("top-16 + tail", ["--topk", "16"], _topk(16), None),
     "top8-tail": ("top-8 + tail", ["--topk", "8"], _topk(8), None),
     "top64-tail-bf16": ("top-64 + tail, bf16 values", ["--topk", "64", "--teacher-dtype", "bfloat16"], _topk(64), 2),
-    "top64-uniform": ("top-64 + uniform tail", ["--topk", "64", "--topk-tail", "uniform"], _topk(64), None),
 }
 DEFAULT_MODES = ("full", "top64-tail", "top64", "top16-tail", "top8-tail", "top8", "top64-tail-bf16", "head")
 

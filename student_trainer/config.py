@@ -54,7 +54,7 @@ class TrainConfig:
         "distil from the teacher's k most likely tokens and their log-probabilities (0: full logits)"))
     topk_tail: TopKTail = field(default="bucket", metadata=_help(
         "with --topk, the teacher's mass outside its k tokens: bucket, one outcome against the student's own "
-        "(exact); uniform, spread evenly over the other tokens; none, both sides renormalised over the k"))
+        "(exact); none, both sides renormalised over the k"))
     head_on_student: bool = field(default=False, metadata=_help(
         "receive the teacher's final hidden state, and its output head once at join, instead of its logits: the KD "
         "loss computes the teacher's logits chunk by chunk (vocab/hidden times fewer bytes per token; with --topk, "

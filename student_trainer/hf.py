@@ -72,7 +72,7 @@ class DistillationTrainer(Trainer):
     topk: 0 distils the full logits; k > 0 asks the teacher for its k most likely tokens and their
         log-probabilities (at `temperature`) only.
     topk_tail: with topk, what the loss does with the teacher's mass outside the k tokens (see
-        `student_trainer.losses.topk_kd_loss`): "bucket", "uniform" or "none".
+        `student_trainer.losses.topk_kd_loss`): "bucket" or "none".
     teacher_timeout_s: the longest wait for the teacher, to join and for one batch's outputs.
     teacher_auth_token: the teacher's --auth-token; None reads TEACHER_AUTH_TOKEN.
     teacher_client_options: more keyword arguments of `TeacherClient`, e.g. tls_ca, tls_cert,

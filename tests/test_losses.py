@@ -72,7 +72,8 @@ def reference_divergence(log_p, log_q, kind, beta):
 
 def reference_topk(student_logits, logprobs, indices, mask, kind, temperature, beta, tail="bucket"):
     """The top-k loss the long way: the student's full softmax, and the teacher's k
-    log-probabilities (already at the temperature) with its tail 1 - sum exp as `tail` says."""
+    log-probabilities (already at the temperature) with its tail 1 - sum exp as one outcome
+    ("bucket") or dropped ("none")."""
     q = torch.softmax(student_logits.double() / temperature, dim=-1)
     ids = indices.long()
     p_k = logprobs.double().exp()
@@ -80,12 +81,9 @@ def reference_topk(student_logits, logprobs, indices, mask, kind, temperature, b
     teacher_tail = (1 - p_k.sum(-1, keepdim=True)).clamp_min(TAIL_FLOOR)
     if tail == "none":
         p, q = p_k / p_k.sum(-1, keepdim=True), q_k / q_k.sum(-1, keepdim=True)
-    elif tail == "bucket":
+    else:
         p = torch.cat([p_k, teacher_tail], -1)
         q = torch.cat([q_k, q.sum(-1, keepdim=True) - q_k.sum(-1, keepdim=True)], -1)  # the rest of the student
-    else:
-        off = q.shape[-1] - ids.shape[-1]
-        p = (teacher_tail / off).expand_as(q).clone().scatter_(-1, ids, p_k)
     p = p / p.sum(-1, keepdim=True)
     per_token = reference_divergence(p.log(), q.log(), kind, beta)
     return temperature**2 * masked_mean(per_token, mask)
