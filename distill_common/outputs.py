@@ -138,6 +138,7 @@ class TeacherFacts:
     student_vocab_size: int = 0
     matched_entries: int = 0
     quantization: Quantization = Quantization()  # what the teacher's decoder linears run in
+    topk_form: int = pb.TOPK_FORM_LOGPROBS  # what its top-k values are (TopK.form: this code's)
 
     @classmethod
     def from_info(cls, info: pb.TeacherInfo) -> "TeacherFacts":
@@ -146,7 +147,7 @@ class TeacherFacts:
                    head=HeadFacts.from_info(info.head) if info.HasField("head") else HeadFacts(),
                    attention=(AttentionFacts.from_info(info.attention) if info.HasField("attention")
                               else AttentionFacts()),
-                   max_score_ids=info.max_score_ids,
+                   max_score_ids=info.max_score_ids, topk_form=info.topk_form,
                    quantization=(Quantization.from_info(info.quantization) if info.HasField("quantization")
                                  else Quantization()))
 
@@ -273,8 +274,8 @@ class TeacherOutput:
 
     batch_id: int
     logits: torch.Tensor | None = None  # [B, S, V]
-    topk_values: torch.Tensor | None = None  # [B, S, k]
-    topk_indices: torch.Tensor | None = None  # [B, S, k] int32
+    topk_values: torch.Tensor | None = None  # [B, S, k]: log p at topk_indices (full softmax, at TopK.temperature)
+    topk_indices: torch.Tensor | None = None  # [B, S, k] int32, most likely first
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [B, S, H]
     final_hidden: torch.Tensor | None = None  # [B, S, H]: apply TeacherClient.joined.head for logits
     # decoder layer -> (q [B, S, query_width], k [B, S, key_width], v [B, S, value_width])
@@ -410,18 +411,31 @@ class Logits(Output):
 
 @dataclass(frozen=True)
 class TopK(Output):
-    """The k largest logits per position: values [B, S, k] and their int32 vocabulary ids."""
+    """The k most likely next tokens per position: their log-probabilities under the full softmax
+    at `temperature`, values [B, S, k] in the session's dtype (largest first), and their int32
+    vocabulary ids [B, S, k].
+
+    1 - sum(exp(values)) is the teacher's mass outside the k ids, which the student's loss keeps
+    as one outcome (student_trainer/losses.py: `topk_kd_loss`); raw logits would leave it unknown.
+    The temperature is applied here, once: the student divides only its own logits by it. The
+    teacher's `TeacherInfo.topk_form` says which form it sends, and a teacher that sends another
+    (one older than that field, which sent raw logits) is refused at join. The values' precision
+    is the session's dtype: what a store of teacher outputs keeps, 16 bits and an int32 id a value.
+    """
 
     k: int
+    temperature: float = 1.0
     asked_as: ClassVar[str] = "topk > 0"
     same_vocabulary: ClassVar[bool] = True
+    form: ClassVar[int] = pb.TOPK_FORM_LOGPROBS
 
     @classmethod
     def from_spec(cls, spec: pb.OutputSpec) -> "TopK | None":
-        return cls(spec.topk) if spec.topk else None
+        return cls(spec.topk, spec.logprob_temperature or 1.0) if spec.topk else None
 
     def to_spec(self, spec: pb.OutputSpec) -> None:
         spec.topk = self.k
+        _temperature_to_spec(spec, self.temperature)
 
     def check(self, teacher: TeacherFacts) -> None:
         if not 0 < self.k <= teacher.vocab_size:
@@ -429,6 +443,12 @@ class TopK(Output):
         if teacher.max_topk and self.k > teacher.max_topk:
             raise OutputSpecError(f"topk {self.k} exceeds the teacher's --max-topk {teacher.max_topk}: ask for at "
                                   "most that many, or start the teacher with a larger --max-topk")
+        _check_temperature(self.temperature)
+        if teacher.topk_form != self.form:
+            raise OutputSpecError(
+                f"the teacher sends its top-k as {pb.TopKForm.Name(teacher.topk_form)}, not log-probabilities "
+                "(a teacher_server older than TeacherInfo.topk_form sends raw logits, whose tail mass is unknown): "
+                "upgrade the teacher, or distil from its full logits")
 
     @property
     def needs(self) -> ForwardNeeds:
@@ -438,7 +458,10 @@ class TopK(Output):
         return [TensorSpec((batch, seq, self.k), dtype), TensorSpec((batch, seq, self.k), torch.int32)]
 
     def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
-        values, indices = torch.topk(forward.logits, self.k, dim=-1)
+        # The ids from the logits as they came (a positive temperature keeps their order), then one
+        # float32 log-sum-exp over the vocabulary per row, in row chunks.
+        indices = torch.topk(forward.logits, self.k, dim=-1).indices
+        values = _logprobs_at(forward.logits, indices, self.temperature)
         return [values.to(dtype).contiguous(), indices.to(torch.int32).contiguous()]
 
     def assemble(self, tensors: list[torch.Tensor]) -> dict:
@@ -449,7 +472,7 @@ class TopK(Output):
         return [out.topk_values, out.topk_indices]
 
     def __str__(self) -> str:
-        return f"topk={self.k}"
+        return f"topk={self.k}(T={self.temperature:g})"
 
 
 @dataclass(frozen=True)

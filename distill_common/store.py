@@ -290,8 +290,9 @@ def serialize_shard(tensors: dict[str, torch.Tensor]) -> bytes:
 def facts_to_json(facts: TeacherFacts) -> dict:
     info = pb.TeacherInfo(vocab_size=facts.vocab_size, hidden_size=facts.hidden_size, num_layers=facts.num_layers,
                           dtype=wire.dtype_name(facts.dtype), tokenizer_fingerprint=facts.tokenizer_fingerprint,
-                          max_score_ids=facts.max_score_ids)
+                          max_score_ids=facts.max_score_ids, topk_form=facts.topk_form)
     info.head.CopyFrom(facts.head.to_info())
+    info.quantization.CopyFrom(facts.quantization.to_info())
     info.attention.CopyFrom(facts.attention.to_info())
     return _message_to_json(info)
 

@@ -104,7 +104,8 @@ class TeacherClient:
                  refuse_quantized: bool = False):
         """`outputs`: the kinds of teacher output to receive (distill_common.outputs: Logits(),
         TopK(k), HiddenStates(layers), NextTokenLogprobs(), ScoredLogprobs(k)), in `dtype`
-        (None: the teacher's; log-probabilities are float32).
+        (None: the teacher's; TopK's log-probabilities too, NextTokenLogprobs' and ScoredLogprobs'
+        are float32).
 
         `tls_ca`: talk TLS to a teacher started with --tls-cert, trusting this PEM CA bundle
         (True: the system's roots). `tls_cert`/`tls_key`: this client's certificate, for a

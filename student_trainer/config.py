@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from distill_common import wire
 from distill_common.settings import LOG_LEVELS, ConfigError, IntTuple, check_choices, flag
 from student_trainer.data import PackMode
 from student_trainer.losses import (CROSS_TOKENIZER_LOSS_KINDS, CrossTokenizerLossKind, HiddenLossKind, LossKind,
-                                    check_options, check_relation_options)
+                                    TopKTail, check_options, check_relation_options, check_topk_tail)
 
 # --loss: a divergence between two distributions over one vocabulary, or a loss across tokenizers.
 TrainLossKind = Literal[LossKind, CrossTokenizerLossKind]
@@ -66,7 +67,11 @@ class TrainConfig:
     kd_weight: float = field(default=0.5, metadata=_help("alpha in alpha*KD + (1-alpha)*CE"))
     ce_weight: float | None = field(default=None, metadata=_help(
         "weight of the cross-entropy term (default: 1 - --kd-weight); 0 skips it"))
-    topk: int = field(default=0, metadata=_help("distil from the teacher's top-k logits (0: full logits)"))
+    topk: int = field(default=0, metadata=_help(
+        "distil from the teacher's k most likely tokens and their log-probabilities (0: full logits)"))
+    topk_tail: TopKTail = field(default="bucket", metadata=_help(
+        "with --topk, the teacher's mass outside its k tokens: bucket, one outcome against the student's own "
+        "(exact); none, both sides renormalised over the k"))
     head_on_student: bool = field(default=False, metadata=_help(
         "receive the teacher's final hidden state, and its output head once at join, instead of its logits: the KD "
         "loss computes the teacher's logits chunk by chunk (vocab/hidden times fewer bytes per token; with --topk, "
@@ -139,6 +144,8 @@ class TrainConfig:
     refuse_fp8_teacher: bool = field(default=False, metadata=_help(
         "refuse, at join, a teacher whose decoder runs in FP8 (its --quantize fp8, or an FP8 checkpoint): the KL "
         "it adds to the distribution is in docs/performance.md (default: accept it; the log says what it runs in)"))
+    teacher_dtype: str = field(default="", metadata=_help(
+        "the dtype the teacher sends its outputs in: float32, bfloat16 or float16 (default: the teacher's)"))
     job_id: str = field(default="", metadata=_help("shown in the teacher's status (default: the run directory)"))
     teacher_tls_ca: str = field(default="", metadata=_help(
         "talk TLS to a teacher started with --tls-cert: the PEM CA that signed its certificate, or 'system' for "
@@ -177,6 +184,7 @@ class TrainConfig:
             raise ConfigError(f"--kd-weight {self.kd_weight} must lie in [0, 1] (alpha in alpha*KD + (1-alpha)*CE)")
         if self.topk < 0:
             raise ConfigError("--topk must be >= 0 (0: distil from full logits)")
+        check_topk_tail(self.topk_tail)
         if self.hidden_weight < 0 or (self.hidden_weight > 0 and not self.hidden_layers):
             raise ConfigError("--hidden-weight > 0 needs --hidden-layers (teacher layers to match)")
         if self.hidden_layers and self.hidden_weight == 0:
@@ -196,6 +204,11 @@ class TrainConfig:
             raise ConfigError("--prefetch must be >= 0")
         if not self.teacher_weight > 0:
             raise ConfigError("--teacher-weight must be > 0 (this job's share of the teacher against other jobs)")
+        if self.teacher_dtype:
+            try:
+                wire.parse_output_dtype(self.teacher_dtype)
+            except wire.WireError as e:
+                raise ConfigError(f"--teacher-dtype: {e}") from None
         if self.lora_r < 0:
             raise ConfigError("--lora-r must be >= 0 (0: full fine-tuning)")
         self._check_on_policy()

@@ -73,7 +73,10 @@ class DistillationTrainer(Trainer):
     kd_weight: alpha in alpha * KD + (1 - alpha) * CE; 0 trains as the plain Trainer and never
         contacts the teacher.
     kd_loss, temperature, jsd_beta, kd_chunk_tokens: see `student_trainer.losses.kd_loss`.
-    topk: 0 distils the full logits; k > 0 asks the teacher for its top-k logits only.
+    topk: 0 distils the full logits; k > 0 asks the teacher for its k most likely tokens and their
+        log-probabilities (at `temperature`) only.
+    topk_tail: with topk, what the loss does with the teacher's mass outside the k tokens (see
+        `student_trainer.losses.topk_kd_loss`): "bucket" or "none".
     teacher_timeout_s: the longest wait for the teacher, to join and for one batch's outputs.
     teacher_auth_token: the teacher's --auth-token; None reads TEACHER_AUTH_TOKEN.
     teacher_client_options: more keyword arguments of `TeacherClient`, e.g. tls_ca, tls_cert,
@@ -88,7 +91,8 @@ class DistillationTrainer(Trainer):
 
     def __init__(self, *args, teacher_address: str | None = None, teacher_outputs: str | None = None,
                  kd_weight: float = 0.5, kd_loss: str = "forward_kl",
-                 temperature: float = 1.0, jsd_beta: float = 0.5, topk: int = 0, teacher_timeout_s: float = 600.0,
+                 temperature: float = 1.0, jsd_beta: float = 0.5, topk: int = 0, topk_tail: str = "bucket",
+                 teacher_timeout_s: float = 600.0,
                  kd_chunk_tokens: int = 1024, teacher_auth_token: str | None = None,
                  teacher_client_options: dict | None = None, head_on_student: bool = False,
                  attention_layers: tuple[int, ...] = (), attention_weight: float = 0.0,
@@ -106,6 +110,7 @@ class DistillationTrainer(Trainer):
         if not teacher_timeout_s > 0:
             raise ValueError(f"teacher_timeout_s must be > 0, got {teacher_timeout_s!r}")
         losses.check_options(kd_loss, temperature, jsd_beta, kd_chunk_tokens)  # the losses' own checks, once
+        losses.check_topk_tail(topk_tail)
         losses.check_relation_options(attention_relation_heads, attention_block_rows)
         attention_layers = tuple(attention_layers)
         if not attention_weight >= 0 or bool(attention_layers) != (attention_weight > 0):
@@ -127,6 +132,7 @@ class DistillationTrainer(Trainer):
         self.temperature = float(temperature)
         self.jsd_beta = float(jsd_beta)
         self.topk = topk
+        self.topk_tail = topk_tail
         self.teacher_timeout_s = float(teacher_timeout_s)
         self.kd_chunk_tokens = kd_chunk_tokens
         self.teacher_auth_token = teacher_auth_token
@@ -233,10 +239,10 @@ class DistillationTrainer(Trainer):
         if self.head_on_student:
             head = self._teacher.joined.head
             return losses.kd_loss_from_hidden(student, out.final_hidden[:, :-1].to(device), head, mask,
-                                              topk=self.topk, **options)
+                                              topk=self.topk, tail=self.topk_tail, **options)
         if self.topk:
             return losses.topk_kd_loss(student, out.topk_values[:, :-1].to(device),
-                                       out.topk_indices[:, :-1].to(device), mask, **options)
+                                       out.topk_indices[:, :-1].to(device), mask, tail=self.topk_tail, **options)
         return losses.kd_loss(student, out.logits[:, :-1].to(device), mask, **options)
 
     def _attention(self, student: dict, out: TeacherOutput, attention_mask, device) -> torch.Tensor:
@@ -349,7 +355,7 @@ class DistillationTrainer(Trainer):
                     raise
             log.info("rank %d distils from %s (%s): kd_weight %g, %s, temperature %g%s%s%s", self.args.process_index,
                      self._teacher.address, self._teacher.info.model_name, self.kd_weight, self.kd_loss_kind,
-                     self.temperature, f", top-{self.topk}" if self.topk else "",
+                     self.temperature, f", top-{self.topk} (tail: {self.topk_tail})" if self.topk else "",
                      ", the teacher's head on the student" if self.head_on_student else "",
                      f", attention layers {list(self.attention_layers)} weight {self.attention_weight:g}"
                      if self.attention_layers else "")
@@ -358,7 +364,8 @@ class DistillationTrainer(Trainer):
     def _teacher_outputs(self) -> tuple:
         kinds = []
         if self.kd_weight > 0:
-            kinds.append(FinalHidden() if self.head_on_student else TopK(self.topk) if self.topk else Logits())
+            kinds.append(FinalHidden() if self.head_on_student else TopK(self.topk, self.temperature) if self.topk
+                         else Logits())
         if self.attention_layers:
             kinds.append(AttentionInputs(self.attention_layers))
         return tuple(kinds)

@@ -45,26 +45,44 @@ Tokens are selected by the mask before anything is upcast, so padding costs noth
 The gradient is computed in forward whenever grad mode is on and the student logits require
 grad; under ``torch.no_grad()`` (evaluation) only the loss is computed.
 
-Top-k (``topk_kd_loss``). The teacher sends only its k largest logits per token, so its tail
-mass is unknown. We renormalise the teacher over its top-k support, p_k = softmax(values / T),
-and compare it with the student restricted to the same k vocabulary entries and renormalised
-over them, q_k = softmax(student_logits[..., indices] / T): a divergence between two
-distributions on the k-support. This matches the student's *relative* preferences among the
-teacher's candidates exactly and needs no guess about the teacher's tail, but it does not, by
-itself, push student mass from outside the support onto it; the language-modelling
-cross-entropy on the labels (usually mixed in) does that. The alternative, an explicit "tail"
-bucket, needs the teacher's tail mass, which these inputs do not carry (it would need the
-teacher's full-vocabulary logsumexp); approximating it as 0 makes KL(p || q) reward the student
-for any mass it puts on the support regardless of the teacher's actual confidence.
+Top-k (``topk_kd_loss``). The teacher sends its k most likely ids and their log-probabilities
+under its *full* softmax at the temperature (distill_common/outputs.py: ``TopK``; the temperature is
+applied there, once, so the loss divides only the student's logits by it). Its tail mass,
+1 - sum exp, is then known, and ``tail`` says what the loss does with it:
+
+* ``"bucket"`` (default): k + 1 outcomes, the k ids and "the rest", on both sides; the student's
+  rest is computed exactly, as the log-sum-exp of its logits off the k ids (in log space, where
+  1 - sum would cancel). Merging outcomes never increases a divergence, so this is a lower bound
+  of the full-logit loss that reaches it as k grows; it teaches the student how much mass to
+  leave outside the teacher's candidates, and says nothing about how to spread it there.
+* ``"none"``: both sides renormalised over the k ids, p_k = softmax(log p at the ids),
+  q_k = softmax(student_logits[..., ids] / T): only the student's *relative* preferences among
+  the teacher's candidates, nothing about its mass outside them (what the cross-entropy on the
+  labels, usually mixed in, then has to do alone).
+
+A model of how the teacher spreads its tail (DistillKit fits one) would say more than one bucket;
+the simplest, the tail mass spread evenly over the other V - k ids with the divergence taken over
+the whole vocabulary, did worse than the bucket on the demo (93.6% of full KD's gain at k = 64
+against 99.0%, docs/training.md): it also pulls the student's own tail towards flat, which a real
+tail is not. It is not kept.
+
+The gradient through the rest bucket: with u = logsumexp of the student's scaled logits off the k
+ids, the divergence is the full one on the k + 1 "bucket logits" (s at the ids, u), whose
+gradient ``_divergence_and_grad`` gives, and d u / d s_i = exp(s_i - u) off the ids. Chunked as
+the full loss, with two float32 [chunk_tokens, V] temporaries (the chunk and its gradient). The
+teacher's tail is known to float32 resolution at best (worse when the values come in 16 bits:
+a bfloat16 log-probability l carries an error of up to |l| 2^-9, so p = e^l one of p |l| 2^-9),
+so it is floored at ``TAIL_FLOOR`` and the k + 1 masses renormalised.
 
 The teacher's head on the student (``kd_loss_from_hidden``). The teacher sends its final hidden
 state [B, S, H] and, once at join, its output head (distill_common/outputs.py: ``OutputHead``);
 each chunk of ``chunk_tokens`` rows computes that chunk's teacher logits from the head, in the
 head's dtype as the teacher does, then upcast, scaled and soft-capped, and meets the student's
 chunk in the same closed-form divergence: no [B, S, V] teacher tensor exists, on either side. With
-``topk`` > 0 each chunk keeps the teacher's k largest logits and compares on that support, as
-``topk_kd_loss`` does with the k the teacher sends. One more [chunk_tokens, V] temporary than the
-full-logit path (the product in the head's dtype, before its upcast).
+``topk`` > 0 each chunk keeps the teacher's k most likely ids and their log-probabilities, and
+compares as ``topk_kd_loss`` does (``tail`` alike) with the k the teacher sends. One more
+[chunk_tokens, V] temporary than the full-logit path (the product in the head's dtype, before its
+upcast).
 
 Attention relations (``attention_relation_loss``), after MiniLMv2 (Wang et al., 2021). For each
 of a layer's queries, keys and values, the vectors of all heads side by side ([B, S, width]) are
@@ -91,13 +109,11 @@ tests/test_onpolicy_losses.py checks both expectations by enumerating a small ca
 teacher's log-probability of each sampled token only: 4 bytes a token.
 
 On given ids (``scored_kd_loss``): the teacher's exact log-probabilities at k ids per position
-(the student's own top k, say) make k + 1 buckets of both distributions exact: the k ids and the
-rest ("tail"), whose mass is 1 - sum of the k for the teacher and, for the student, computed from
-its logits without the k. The divergence between those two (k + 1)-outcome distributions is a
-lower bound of the full one (coarse-graining never increases a divergence), and equals it when
-the k ids hold all the mass that differs. Unlike top-k logits nothing is renormalised or
-guessed. The teacher's tail is known to float32 resolution only, so it is floored at
-``TAIL_FLOOR``; with k = vocab there is no tail.
+(the student's own top k, say) and the rest as one bucket: the computation of ``topk_kd_loss``
+with ``tail="bucket"``, on ids the student chose instead of the teacher. The divergence between
+those two (k + 1)-outcome distributions is a lower bound of the full one (coarse-graining never
+increases a divergence), and equals it when the k ids hold all the mass that differs; with
+k = vocab there is no tail.
 
 Hidden states (``hidden_state_loss``). Per-token MSE (mean over features) or 1 - cosine
 similarity, averaged over masked tokens, in float32. A ``HiddenProjection`` maps the student's
@@ -118,8 +134,13 @@ from distill_common.settings import ConfigError
 
 LossKind = Literal["forward_kl", "reverse_kl", "jsd"]
 HiddenLossKind = Literal["mse", "cosine"]
+TopKTail = Literal["bucket", "none"]
 LOSS_KINDS = typing.get_args(LossKind)
 HIDDEN_LOSS_KINDS = typing.get_args(HiddenLossKind)
+TOPK_TAILS = typing.get_args(TopKTail)
+
+# The teacher's tail mass (1 - the sum of k probabilities in float32) is known to about this much.
+TAIL_FLOOR = 1e-7
 
 
 # --------------------------------------------------------------------------- logit losses
@@ -165,7 +186,7 @@ def kd_loss(
         return _connected_zero(student_logits)
     return _ChunkedDivergence.apply(
         student_rows, teacher_rows, token_index, kind, float(temperature), float(jsd_beta), int(chunk_tokens),
-        torch.is_grad_enabled() and student_logits.requires_grad, 0,
+        torch.is_grad_enabled() and student_logits.requires_grad,
     )
 
 
@@ -180,15 +201,17 @@ def kd_loss_from_hidden(
     jsd_beta: float = 0.5,
     chunk_tokens: int = 4096,
     topk: int = 0,
+    tail: str = "bucket",
 ) -> torch.Tensor:
-    """``kd_loss`` (``topk`` = 0) or ``topk_kd_loss`` against the logits the teacher's output head
-    gives its final hidden state, computed chunk by chunk (module docstring).
+    """``kd_loss`` (``topk`` = 0) or ``topk_kd_loss`` (with ``tail``) against the logits the
+    teacher's output head gives its final hidden state, computed chunk by chunk (module docstring).
 
     student_logits [B, S, V]; teacher_hidden [B, S, H] (``TeacherOutput.final_hidden``); head an
     ``OutputHead`` (``TeacherClient.joined.head``: weight [V, H], bias, soft cap, scale) on the
     student's device.
     """
     check_options(kind, temperature, jsd_beta, chunk_tokens)
+    check_topk_tail(tail)
     _check_logits("student_logits", student_logits)
     if teacher_hidden.dim() != 3 or not teacher_hidden.is_floating_point():
         raise ValueError(f"teacher_hidden must be a float tensor [batch, seq, hidden], got {teacher_hidden.dtype} "
@@ -211,16 +234,16 @@ def kd_loss_from_hidden(
     if token_index is not None and token_index.numel() == 0:
         return _connected_zero(student_logits)
     student_rows = student_logits.reshape(batch * seq, vocab)
-    teacher_rows = _HeadRows(teacher_hidden.detach().reshape(batch * seq, teacher_hidden.shape[-1]), head)
+    teacher_rows = _HeadRows(teacher_hidden.detach().reshape(batch * seq, teacher_hidden.shape[-1]), head, topk, tail)
     return _ChunkedDivergence.apply(
         student_rows, teacher_rows, token_index, kind, float(temperature), float(jsd_beta), int(chunk_tokens),
-        torch.is_grad_enabled() and student_logits.requires_grad, int(topk),
+        torch.is_grad_enabled() and student_logits.requires_grad,
     )
 
 
 def topk_kd_loss(
     student_logits: torch.Tensor,
-    teacher_topk_values: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
     teacher_topk_indices: torch.Tensor,
     mask: torch.Tensor | None = None,
     *,
@@ -228,50 +251,61 @@ def topk_kd_loss(
     temperature: float = 1.0,
     jsd_beta: float = 0.5,
     chunk_tokens: int = 4096,
+    tail: str = "bucket",
 ) -> torch.Tensor:
-    """Divergence on the teacher's top-k support, both sides renormalised over it.
+    """Divergence against the teacher's top k: its k ids and, with ``tail="bucket"``, the rest as
+    one outcome (module docstring).
 
-    student_logits [B, S, V]; teacher_topk_values [B, S, k] teacher *logits* (not
-    probabilities) at teacher_topk_indices [B, S, k] (int32 or int64, distinct per token, as
-    ``torch.topk`` gives). Only the indices of masked tokens are checked and used, so padding
-    positions may hold anything. See the module docstring for the tail-mass treatment.
+    student_logits [B, S, V]; teacher_topk_logprobs [B, S, k] the teacher's log-probabilities
+    under its full softmax at ``temperature`` (what ``TopK`` sends) at teacher_topk_indices
+    [B, S, k] (int32 or int64, distinct per token, as ``torch.topk`` gives). ``tail``: "bucket"
+    (the teacher's tail mass 1 - sum exp against the student's exact tail) or "none" (both sides
+    renormalised over the k ids).
+    Only the indices of masked tokens are checked and used, so padding positions may hold anything.
     """
     check_options(kind, temperature, jsd_beta, chunk_tokens)
+    check_topk_tail(tail)
     _check_logits("student_logits", student_logits)
-    _check_logits("teacher_topk_values", teacher_topk_values)
+    _check_logits("teacher_topk_logprobs", teacher_topk_logprobs)
     batch, seq, vocab = student_logits.shape
-    if teacher_topk_indices.shape != teacher_topk_values.shape:
+    if teacher_topk_indices.shape != teacher_topk_logprobs.shape:
         raise ValueError(
-            f"teacher_topk_indices {tuple(teacher_topk_indices.shape)} != teacher_topk_values "
-            f"{tuple(teacher_topk_values.shape)}: both must be [B, S, k]"
+            f"teacher_topk_indices {tuple(teacher_topk_indices.shape)} != teacher_topk_logprobs "
+            f"{tuple(teacher_topk_logprobs.shape)}: both must be [B, S, k]"
         )
     if teacher_topk_indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"teacher_topk_indices must be int32 or int64, got {teacher_topk_indices.dtype}")
-    if teacher_topk_values.shape[:2] != (batch, seq):
+    if teacher_topk_logprobs.shape[:2] != (batch, seq):
         raise ValueError(
-            f"teacher top-k {tuple(teacher_topk_values.shape)} and student_logits {tuple(student_logits.shape)} differ "
-            "in [batch, seq]: the teacher's outputs must be for the same batch the student ran on"
+            f"teacher top-k {tuple(teacher_topk_logprobs.shape)} and student_logits {tuple(student_logits.shape)} "
+            "differ in [batch, seq]: the teacher's outputs must be for the same batch the student ran on"
         )
-    k = teacher_topk_values.shape[-1]
-    if k < 1:
+    if teacher_topk_logprobs.shape[-1] < 1:
         raise ValueError("teacher top-k has k = 0: ask the teacher for --topk >= 1 or distil full logits")
-    _check_same_device(student_logits, teacher_topk_values=teacher_topk_values,
+    _check_same_device(student_logits, teacher_topk_logprobs=teacher_topk_logprobs,
                        teacher_topk_indices=teacher_topk_indices, mask=mask)
+    return _divergence_at_ids(student_logits, teacher_topk_indices, teacher_topk_logprobs, mask, kind, temperature,
+                              jsd_beta, chunk_tokens, tail)
+
+
+def _divergence_at_ids(student_logits, ids, teacher_logprobs, mask, kind, temperature, jsd_beta, chunk_tokens,
+                       tail) -> torch.Tensor:
+    """The chunked divergence on k ids per position (+ the tail as `tail` says), inputs checked."""
+    batch, seq, vocab = student_logits.shape
+    k = ids.shape[-1]
     token_index = _selected_tokens(mask, batch, seq)
     if token_index is None:
         token_index = torch.arange(batch * seq, device=student_logits.device)
     if token_index.numel() == 0:
         return _connected_zero(student_logits)
-
-    # Select the masked tokens' k entries directly: gathering whole [tokens, V] rows first
-    # would copy the vocabulary for nothing. Autograd scatters the [N, k] gradient back.
-    indices = teacher_topk_indices.reshape(batch * seq, k)[token_index].long()
-    values = teacher_topk_values.detach().reshape(batch * seq, k)[token_index]
-    _check_topk_indices(indices, vocab)
-    student_support = student_logits.reshape(batch * seq, vocab)[token_index.unsqueeze(1), indices]
+    # Only the selected tokens' ids and log-probabilities: [N, k], small.
+    selected_ids = ids.reshape(batch * seq, k)[token_index].long()
+    _check_topk_indices(selected_ids, vocab)
+    log_p = teacher_logprobs.detach().reshape(batch * seq, k)[token_index]
     return _ChunkedDivergence.apply(
-        student_support, _LogitRows(values), None, kind, float(temperature), float(jsd_beta), int(chunk_tokens),
-        torch.is_grad_enabled() and student_logits.requires_grad, 0,
+        student_logits.reshape(batch * seq, vocab), _IdRows(selected_ids, log_p, tail), token_index, kind,
+        float(temperature), float(jsd_beta), int(chunk_tokens),
+        torch.is_grad_enabled() and student_logits.requires_grad,
     )
 
 
@@ -282,33 +316,93 @@ class _LogitRows:
         self.rows_2d = rows_2d
         self.dtype = rows_2d.dtype
 
-    def chunk(self, rows: slice | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return _take_rows(self.rows_2d, rows).to(dtype)
+    def divergence(self, student_chunk, rows, span, kind, temperature, jsd_beta, need_grad, compute_dtype):
+        return _divergence_and_grad(
+            lambda: student_chunk().div_(temperature),
+            lambda: _take_rows(self.rows_2d, rows).to(compute_dtype, copy=True).div_(temperature), kind, jsd_beta,
+            need_grad)
 
 
 class _HeadRows:
-    """The teacher's logits computed per chunk from its final hidden states [rows, H] and its head."""
+    """The teacher's logits computed per chunk from its final hidden states [rows, H] and its head;
+    with topk > 0 only their k largest count, as `TopK` would have sent them (`tail` as in
+    `topk_kd_loss`)."""
 
-    def __init__(self, hidden_2d: torch.Tensor, head):
-        self.hidden_2d, self.head = hidden_2d, head
+    def __init__(self, hidden_2d: torch.Tensor, head, topk: int = 0, tail: str = "bucket"):
+        self.hidden_2d, self.head, self.topk, self.tail = hidden_2d, head, topk, tail
         self.dtype = head.weight.dtype
 
-    def chunk(self, rows: slice | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return self.head.logits(_take_rows(self.hidden_2d, rows), dtype)
+    def _logits(self, rows, compute_dtype, temperature) -> torch.Tensor:
+        return self.head.logits(_take_rows(self.hidden_2d, rows), compute_dtype).div_(temperature)
+
+    def divergence(self, student_chunk, rows, span, kind, temperature, jsd_beta, need_grad, compute_dtype):
+        if not self.topk:
+            return _divergence_and_grad(lambda: student_chunk().div_(temperature),
+                                        lambda: self._logits(rows, compute_dtype, temperature), kind, jsd_beta,
+                                        need_grad)
+        scaled = self._logits(rows, compute_dtype, temperature)
+        values, ids = scaled.topk(self.topk, dim=-1)
+        log_p = values - scaled.logsumexp(-1, keepdim=True)
+        del scaled, values
+        return _ids_divergence(student_chunk().div_(temperature), ids, log_p, self.tail, kind, jsd_beta, need_grad)
+
+
+class _IdRows:
+    """The teacher's log-probabilities at k ids per selected token ([N, k] each, in the order of
+    the selected tokens): `TopK`'s top k, or the ids a student had scored."""
+
+    def __init__(self, ids: torch.Tensor, logprobs: torch.Tensor, tail: str):
+        self.ids, self.logprobs, self.tail = ids, logprobs, tail
+        self.dtype = logprobs.dtype
+
+    def divergence(self, student_chunk, rows, span, kind, temperature, jsd_beta, need_grad, compute_dtype):
+        return _ids_divergence(student_chunk().div_(temperature), self.ids[span], self.logprobs[span].to(compute_dtype),
+                               self.tail, kind, jsd_beta, need_grad)
+
+
+def _ids_divergence(scaled: torch.Tensor, ids: torch.Tensor, log_p: torch.Tensor, tail: str, kind: str,
+                    jsd_beta: float, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk's divergence between the teacher, known by its log-probabilities log_p [rows, k]
+    at ids [rows, k], and the student's scaled logits [rows, V] (owned: modified in place): the
+    chunk's loss and its gradient w.r.t. the scaled logits [rows, V] (module docstring).
+
+    "bucket": the k + 1 outcomes' log-probabilities are the student's k logits and, for the rest,
+    u = logsumexp of its logits off the k ids; the divergence's gradient w.r.t. those k + 1
+    "bucket logits" is `_divergence_and_grad`'s, and d u / d s_i = exp(s_i - u) off the k ids.
+    """
+    vocab, k = scaled.shape[-1], ids.shape[-1]
+    at_ids = scaled.gather(1, ids)
+    if tail == "none":
+        loss, grad = _divergence_and_grad(lambda: at_ids, lambda: log_p.clone(), kind, jsd_beta, need_grad)
+        return loss, (scaled.zero_().scatter_(1, ids, grad) if need_grad else None)
+    if k == vocab:  # no tail: the k ids are the vocabulary
+        loss, grad = _divergence_and_grad(lambda: at_ids, lambda: log_p.clone(), kind, jsd_beta, need_grad)
+        return loss, (scaled.zero_().scatter_(1, ids, grad) if need_grad else None)
+    # The teacher's tail mass in float64: 1 - sum cancels, and it is known to TAIL_FLOOR at best.
+    tail_mass = (1 - log_p.double().exp().sum(-1, keepdim=True)).clamp_min(TAIL_FLOOR)
+    rest = scaled.scatter_(1, ids, -math.inf).logsumexp(-1, keepdim=True)  # the student's tail, exact
+    bucket_logits = torch.cat([at_ids, rest], dim=1)
+    bucket_teacher = torch.cat([log_p, tail_mass.log().to(log_p.dtype)], dim=1)
+    loss, grad = _divergence_and_grad(lambda: bucket_logits, lambda: bucket_teacher, kind, jsd_beta, need_grad)
+    if not need_grad:
+        return loss, None
+    # Off the k ids: the rest bucket's gradient times softmax over the rest (0 where the rest is empty).
+    spread = scaled.sub_(rest).exp_().nan_to_num_(0.0).mul_(grad[:, k:])
+    return loss, spread.scatter_(1, ids, grad[:, :k])
 
 
 class _ChunkedDivergence(torch.autograd.Function):
-    """mean over selected rows of divergence(softmax(teacher/T), softmax(student/T)) * T².
+    """mean over selected rows of divergence(teacher, softmax(student/T)) * T².
 
-    student_rows [rows, V]; teacher_rows a `_LogitRows` or `_HeadRows` giving the teacher's
-    logits of any chunk of rows; token_index (long [N]) selects the rows that count, or None for
-    all of them; topk > 0 compares each row on the teacher's k largest logits only. The gradient
+    student_rows [rows, V]; teacher_rows a `_LogitRows`, `_HeadRows` or `_IdRows`, whose
+    `divergence` gives one chunk's loss and its gradient w.r.t. the chunk's student logits / T
+    (rows: the chunk's rows of student_rows; span: its place among the selected rows);
+    token_index (long [N]) selects the rows that count, or None for all of them. The gradient
     w.r.t. student_rows is computed chunk by chunk in forward; see the module docstring.
     """
 
     @staticmethod
-    def forward(ctx, student_rows, teacher_rows, token_index, kind, temperature, jsd_beta, chunk_tokens, need_grad,
-                topk):
+    def forward(ctx, student_rows, teacher_rows, token_index, kind, temperature, jsd_beta, chunk_tokens, need_grad):
         n_tokens = student_rows.shape[0] if token_index is None else token_index.numel()
         compute_dtype = torch.promote_types(torch.promote_types(student_rows.dtype, teacher_rows.dtype), torch.float32)
         # Rows the mask drops get a zero gradient, hence zeros rather than empty.
@@ -319,13 +413,10 @@ class _ChunkedDivergence(torch.autograd.Function):
         for start in range(0, n_tokens, chunk_tokens):
             end = min(start + chunk_tokens, n_tokens)
             rows = slice(start, end) if token_index is None else token_index[start:end]
-            if topk:
-                chunk_loss, chunk_grad = _topk_chunk(student_rows, teacher_rows, rows, topk, kind, temperature,
-                                                     jsd_beta, need_grad, compute_dtype)
-            else:
-                chunk_loss, chunk_grad = _divergence_and_grad(
-                    lambda: _take_rows(student_rows, rows).to(compute_dtype),
-                    lambda: teacher_rows.chunk(rows, compute_dtype), kind, temperature, jsd_beta, need_grad)
+            # A fresh copy in the compute dtype, which the chunk's divergence may modify in place.
+            chunk_loss, chunk_grad = teacher_rows.divergence(
+                lambda: _take_rows(student_rows, rows).to(compute_dtype, copy=True), rows, slice(start, end), kind,
+                temperature, jsd_beta, need_grad, compute_dtype)
             loss_sum += chunk_loss
             if need_grad:
                 grad_buffer[rows] = chunk_grad.mul_(grad_scale).to(grad_buffer.dtype)
@@ -344,33 +435,20 @@ class _ChunkedDivergence(torch.autograd.Function):
             grad_student = grad_buffer
         else:
             grad_student = grad_buffer * grad_output  # a 0-dim grad_output keeps the buffer's dtype
-        return grad_student, None, None, None, None, None, None, None, None
-
-
-def _topk_chunk(student_rows, teacher_rows, rows, topk: int, kind: str, temperature: float, jsd_beta: float,
-                need_grad: bool, compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk compared on the teacher's top-k support: its loss, and its gradient w.r.t. the
-    chunk's student rows / T as a [rows, V] tensor (zero off the support)."""
-    values, indices = teacher_rows.chunk(rows, compute_dtype).topk(topk, dim=-1)
-    chunk = student_rows[rows] if isinstance(rows, slice) else student_rows.index_select(0, rows)
-    support = chunk.gather(1, indices).to(compute_dtype)
-    loss, grad = _divergence_and_grad(lambda: support, lambda: values, kind, temperature, jsd_beta, need_grad)
-    if not need_grad:
-        return loss, None
-    return loss, torch.zeros(chunk.shape, dtype=compute_dtype, device=chunk.device).scatter_(1, indices, grad)
+        return grad_student, None, None, None, None, None, None, None
 
 
 def _divergence_and_grad(
     student_chunk,
     teacher_chunk,
     kind: str,
-    temperature: float,
     jsd_beta: float,
     need_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """For one chunk of rows, given as callables that return its student and teacher logits
-    [rows, V] (fresh tensors in the compute dtype): (sum over its rows of the divergence, the
-    gradient of that sum w.r.t. the student logits / T).
+    already divided by the temperature, [rows, n] (fresh tensors in the compute dtype, or the
+    teacher's log-probabilities, which the softmax leaves as they are): (sum over its rows of the
+    divergence, the gradient of that sum w.r.t. the student's scaled logits).
 
     With s = student / T, q = softmax(s), p = softmax(teacher / T), per row:
       forward_kl  KL(p||q)              d/ds = q - p
@@ -380,12 +458,12 @@ def _divergence_and_grad(
     (JSD: the two terms' derivatives through m cancel, leaving dL/dq_i = (1-b) log(q_i/m_i);
     the softmax Jacobian then gives q * (g - <q, g>)).
 
-    The chunk's rows are made, upcast and scaled inside one expression so that those copies die
-    at once, and later steps work in place on tensors this function owns: at most five float32
+    The chunk's rows are made, upcast and scaled by the callables so that those copies die at
+    once, and later steps work in place on tensors this function owns: at most five float32
     [rows, V] tensors are alive at a time (JSD; three for forward KL, four for reverse KL).
     """
-    log_q = torch.log_softmax(student_chunk() / temperature, dim=-1)
-    log_p = torch.log_softmax(teacher_chunk() / temperature, dim=-1)
+    log_q = torch.log_softmax(student_chunk(), dim=-1)
+    log_p = torch.log_softmax(teacher_chunk(), dim=-1)
     if kind == "forward_kl":
         p = log_p.exp()
         loss = _xlog_ratio_(p, log_p.sub_(log_q)).sum()
@@ -566,10 +644,6 @@ def _relation_heads(states: torch.Tensor, heads: int, dtype: torch.dtype) -> tor
 
 # --------------------------------------------------------------------------- on the student's samples
 
-# The teacher's tail mass (1 - the sum of k probabilities in float32) is known to about this much.
-TAIL_FLOOR = 1e-7
-
-
 def sampled_reverse_kl_loss(
     student_logits: torch.Tensor,
     tokens: torch.Tensor,
@@ -632,16 +706,17 @@ def scored_kd_loss(
     kind: str = "forward_kl",
     temperature: float = 1.0,
     jsd_beta: float = 0.5,
+    chunk_tokens: int = 4096,
 ) -> torch.Tensor:
     """Divergence on k + 1 buckets: k ids per position and the rest (see the module docstring).
 
     student_logits [B, S, V]; score_ids [B, S, k] distinct ids per position; teacher_logprobs
     [B, S, k] the teacher's log-probabilities at them, at ``temperature`` (the teacher's
     logprob_temperature), as the student's are taken. Returns the mean over masked tokens of the
-    divergence, times temperature² as ``kd_loss``. Memory: like a cross-entropy over the
-    selected tokens (two float32 [tokens, vocab] tensors), with autograd's gradient.
+    divergence, times temperature² as ``kd_loss``. The same computation as ``topk_kd_loss`` with
+    ``tail="bucket"``, on ids the student chose.
     """
-    check_options(kind, temperature, jsd_beta, 1)
+    check_options(kind, temperature, jsd_beta, chunk_tokens)
     _check_logits("student_logits", student_logits)
     _check_logits("teacher_logprobs", teacher_logprobs)
     batch, seq, vocab = student_logits.shape
@@ -650,40 +725,9 @@ def scored_kd_loss(
                          f"must both be [batch, seq, k] with the student logits' [batch, seq] = {(batch, seq)}")
     if score_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"score_ids must be int32 or int64, got {score_ids.dtype}")
-    k = score_ids.shape[-1]
     _check_same_device(student_logits, score_ids=score_ids, teacher_logprobs=teacher_logprobs, mask=mask)
-    token_index = _selected_tokens(mask, batch, seq)
-    if token_index is None:
-        token_index = torch.arange(batch * seq, device=student_logits.device)
-    if token_index.numel() == 0:
-        return _connected_zero(student_logits)
-    ids = score_ids.reshape(batch * seq, k)[token_index].long()
-    _check_topk_indices(ids, vocab)
-    compute_dtype = torch.promote_types(torch.promote_types(student_logits.dtype, teacher_logprobs.dtype),
-                                        torch.float32)
-    scaled = student_logits.reshape(batch * seq, vocab)[token_index].to(compute_dtype) / temperature
-    total = scaled.logsumexp(-1, keepdim=True)
-    log_q = scaled.gather(1, ids) - total
-    log_p = teacher_logprobs.detach().reshape(batch * seq, k)[token_index].to(compute_dtype)
-    if k < vocab:
-        # The student's tail from its logits without the k (exact in log space, where 1 - sum would cancel).
-        rest = scaled.scatter(1, ids, torch.finfo(compute_dtype).min).logsumexp(-1, keepdim=True)
-        log_q = torch.cat([log_q, rest - total], dim=1)
-        tail = (1 - log_p.double().exp().sum(-1, keepdim=True)).clamp_min(TAIL_FLOOR).to(compute_dtype)
-        log_p = torch.cat([log_p, tail.log()], dim=1)
-    per_token = _bucket_divergence(log_p, log_q, kind, jsd_beta)
-    return per_token.mean() * (temperature * temperature)
-
-
-def _bucket_divergence(log_p: torch.Tensor, log_q: torch.Tensor, kind: str, jsd_beta: float) -> torch.Tensor:
-    """Per row, the divergence between two distributions given as log-probabilities [rows, n]."""
-    p, q = log_p.exp(), log_q.exp()
-    if kind == "forward_kl":
-        return torch.xlogy(p, p).sum(-1) - (p * log_q).sum(-1)
-    if kind == "reverse_kl":
-        return (q * (log_q - log_p)).sum(-1)
-    log_m = torch.logaddexp(log_p + math.log(jsd_beta), log_q + math.log1p(-jsd_beta))
-    return jsd_beta * (p * (log_p - log_m)).sum(-1) + (1 - jsd_beta) * (q * (log_q - log_m)).sum(-1)
+    return _divergence_at_ids(student_logits, score_ids, teacher_logprobs, mask, kind, temperature, jsd_beta,
+                              chunk_tokens, "bucket")
 
 
 # --------------------------------------------------------------------------- hidden states
@@ -795,6 +839,11 @@ def check_options(kind: str, temperature: float, jsd_beta: float, chunk_tokens: 
         )
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ConfigError(f"--kd-chunk-tokens must be an int >= 1, got {chunk_tokens!r}")
+
+
+def check_topk_tail(tail: str) -> None:
+    if tail not in TOPK_TAILS:
+        raise ConfigError(f"--topk-tail {tail!r} is not supported: use one of {', '.join(TOPK_TAILS)}")
 
 
 def _check_logits(name: str, tensor: torch.Tensor) -> None:

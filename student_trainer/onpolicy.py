@@ -78,7 +78,8 @@ def distill_losses(cfg: TrainConfig, logits: torch.Tensor, batch: dict, out: Tea
     elif cfg.student_topk:
         losses["kd"] = scored_kd_loss(student, batch["score_ids"][:, :-1].to(device),
                                       out.scored_logprobs[:, :-1].to(device), mask, kind=cfg.loss,
-                                      temperature=cfg.temperature, jsd_beta=cfg.jsd_beta)
+                                      temperature=cfg.temperature, jsd_beta=cfg.jsd_beta,
+                                      chunk_tokens=cfg.kd_chunk_tokens)
     else:
         losses["kd"] = kd_loss(student, out.logits[:, :-1], mask, kind=cfg.loss, temperature=cfg.temperature,
                                jsd_beta=cfg.jsd_beta, chunk_tokens=cfg.kd_chunk_tokens)

@@ -166,7 +166,7 @@ def attention_layer_for(teacher_layer: int, teacher_layers: int, student_layers:
 
 
 def teacher_outputs(cfg: TrainConfig) -> tuple[Output, ...]:
-    """What `distill_losses` reads of the teacher: its full or top-k logits, or its final hidden
+    """What `distill_losses` reads of the teacher: its full logits or top k, or its final hidden
     state for its head on the student, for KD; the hidden states and attention inputs of the
     layers asked (on-policy: what onpolicy.distill_losses reads)."""
     if cfg.on_policy:
@@ -177,7 +177,8 @@ def teacher_outputs(cfg: TrainConfig) -> tuple[Output, ...]:
         return (SortedProbs(cfg.cross_topk),)
     kinds = []
     if cfg.uses_logits:
-        kinds.append(FinalHidden() if cfg.head_on_student else TopK(cfg.topk) if cfg.topk else Logits())
+        kinds.append(FinalHidden() if cfg.head_on_student else TopK(cfg.topk, cfg.temperature) if cfg.topk
+                     else Logits())
     if cfg.hidden_layers:
         kinds.append(HiddenStates(cfg.hidden_layers))
     if cfg.attention_layers:
@@ -257,7 +258,7 @@ def distill_losses(cfg: TrainConfig, logits: torch.Tensor, student_hidden, batch
 def logit_kd(cfg: TrainConfig, student: torch.Tensor, out: TeacherOutput, mask: torch.Tensor,
              head: OutputHead | None = None, matched_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The KD loss of the student's logits [B, S - 1, V] against the teacher's for the same
-    positions, with the run's loss settings (full or top-k logits, or the teacher's head applied
+    positions, with the run's loss settings (full logits or the top k, or the teacher's head applied
     to its final hidden state; divergence, temperature), or across tokenizers (--loss gold with the
     student ids `matched_ids` of the projection's columns, or uld)."""
     if cfg.loss == "gold":
@@ -268,9 +269,11 @@ def logit_kd(cfg: TrainConfig, student: torch.Tensor, out: TeacherOutput, mask: 
         return uld_loss(student, out.sorted_probs[:, :-1], mask, chunk_tokens=cfg.kd_chunk_tokens)
     options = dict(kind=cfg.loss, temperature=cfg.temperature, jsd_beta=cfg.jsd_beta, chunk_tokens=cfg.kd_chunk_tokens)
     if cfg.head_on_student:
-        return kd_loss_from_hidden(student, out.final_hidden[:, :-1], head, mask, topk=cfg.topk, **options)
+        return kd_loss_from_hidden(student, out.final_hidden[:, :-1], head, mask, topk=cfg.topk, tail=cfg.topk_tail,
+                                   **options)
     if cfg.topk:
-        return topk_kd_loss(student, out.topk_values[:, :-1], out.topk_indices[:, :-1], mask, **options)
+        return topk_kd_loss(student, out.topk_values[:, :-1], out.topk_indices[:, :-1], mask, tail=cfg.topk_tail,
+                            **options)
     return kd_loss(student, out.logits[:, :-1], mask, **options)
 
 
@@ -440,7 +443,7 @@ def train(cfg: TrainConfig) -> dict:
         student_vocab = model.get_output_embeddings().weight.shape[0]
         teacher = open_teacher(cfg, device, teacher_outputs(cfg), tokenizer=tokenizer if cfg.uses_logits else None,
                                vocab_size=student_vocab if cfg.uses_logits else 0, dataset=dataset,
-                               job_id=cfg.job_id or output_dir.name, rank=rank)
+                               job_id=cfg.job_id or output_dir.name, rank=rank, dtype=cfg.teacher_dtype or None)
     maps, capture = (build_maps(cfg, model, teacher.info.num_layers, teacher.info.hidden_size, teacher.joined.head,
                                 device) if teacher is not None else (StudentMaps(), None))
     projections = maps.projections

@@ -30,7 +30,7 @@ from distill_common import tracing, wire
 from distill_common.channel import SESSION_SECRET_KEY
 from distill_common.alignment import AlignmentError, StudentVocabulary, TeacherTokenizer, VocabularyMatch, align_batch
 from distill_common.outputs import (ALIGNMENT, BatchDataError, CrossTokenizerKind, OutputRequest, OutputSpecError,
-                                    TeacherFacts, VocabularyMismatch)
+                                    TeacherFacts, TopK, VocabularyMismatch)
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.rendezvous import RendezvousError, SessionStore
 from distill_common.session_group import device_uuid
@@ -354,7 +354,8 @@ class TeacherService:
             max_batch_tokens=c.max_batch_tokens, max_seq_len=c.max_seq_len, max_sessions=c.max_sessions,
             max_inflight=c.max_inflight, tokenizer_fingerprint=i.tokenizer_fingerprint,
             torch_version=i.torch_version, nccl_version=i.nccl_version, head=i.head.to_info(),
-            attention=i.attention.to_info(), max_score_ids=c.max_score_ids, quantization=i.quantization.to_info())
+            attention=i.attention.to_info(), max_score_ids=c.max_score_ids, quantization=i.quantization.to_info(),
+            topk_form=TopK.form)
 
     def _check_output_bytes(self, outputs: OutputRequest) -> None:
         """Refuses outputs larger than --max-output-bytes for the largest batch the session may send

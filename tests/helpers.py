@@ -17,15 +17,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_tiny_model(path: Path, *, vocab_size: int = 384, layers: int = 2, seed: int = 0,
-                     dtype: torch.dtype = torch.float32, hidden_size: int = 48) -> Path:
-    """A tiny Llama with random weights, saved like any HF model directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+                     dtype: torch.dtype = torch.float32, hidden_size: int = 48, architecture: str = "llama") -> Path:
+    """A tiny Llama (or another architecture of the same shape: "mistral") with random weights,
+    saved like any HF model directory."""
+    import transformers
 
+    name = {"llama": "Llama", "mistral": "Mistral"}[architecture]
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                         num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    LlamaForCausalLM(config).to(dtype).save_pretrained(path)
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    getattr(transformers, f"{name}ForCausalLM")(config).to(dtype).save_pretrained(path)
     return path
 
 

@@ -147,10 +147,11 @@ def main() -> int:
                 assert out.logits.shape == ref.logits.shape, (out.logits.shape, ref.logits.shape)
                 worst["logits"] = max(worst["logits"], (out.logits - ref.logits)[valid].abs().max().item())
             if args.topk:
-                ref_values = ref.logits.topk(args.topk, dim=-1).values
+                ref_logprobs = torch.log_softmax(ref.logits.float(), dim=-1)  # what TopK sends
+                ref_values = ref_logprobs.topk(args.topk, dim=-1).values
                 worst["topk_values"] = max(worst["topk_values"],
                                            (out.topk_values - ref_values)[valid].abs().max().item())
-                gathered = ref.logits.gather(-1, out.topk_indices.long())
+                gathered = ref_logprobs.gather(-1, out.topk_indices.long())
                 worst["topk_gather"] = max(worst["topk_gather"], (out.topk_values - gathered)[valid].abs().max().item())
             for layer in layers:
                 diff = (out.hidden_states[layer] - ref.hidden_states[layer])[valid].abs().max().item()

@@ -50,8 +50,8 @@ def test_head_on_student_equals_the_full_logit_path(kind, variant, topk):
     teacher = _teacher_logits(hidden, head)
     if variant == "capped":
         assert teacher.abs().max() < 3.0 and (teacher - teacher.clamp(-2, 2)).abs().max() > 0  # the cap bends them
-    if topk:
-        values, indices = teacher.topk(topk, dim=-1)
+    if topk:  # what TopK would send: log-probabilities at the temperature
+        values, indices = torch.log_softmax(teacher / options["temperature"], dim=-1).topk(topk, dim=-1)
         want = topk_kd_loss(student, values, indices, mask, chunk_tokens=7, **options)
     else:
         want = kd_loss(student, teacher, mask, chunk_tokens=7, **options)

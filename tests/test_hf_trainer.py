@@ -228,16 +228,19 @@ def test_topk_distils_on_the_teachers_top_k(setup, server, tmp_path):
     kd = trainer.compute_loss(trainer.model, batch).item()
     trainer.close_teacher()
 
-    # Both sides renormalised over the teacher's 8 largest logits, at T = 2 and scaled by T².
+    # The teacher's 8 most likely tokens and the rest, against the student's same 9 outcomes, both
+    # at T = 2 (once: the teacher applied it to what it sent) and scaled by T².
     teacher = AutoModelForCausalLM.from_pretrained(setup["teacher"])
     with torch.no_grad():
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         student_logits, teacher_logits = trainer.model(**inputs).logits[:, :-1], teacher(**inputs).logits[:, :-1]
     mask = batch["labels"][:, 1:] != -100
-    values, indices = teacher_logits[mask].double().topk(8, dim=-1)
-    log_p = F.log_softmax(values / 2, dim=-1)
-    log_q = F.log_softmax(student_logits[mask].double().gather(-1, indices) / 2, dim=-1)
-    expected = 4 * (log_p.exp() * (log_p - log_q)).sum(dim=-1).mean().item()
+    p_all = F.softmax(teacher_logits[mask].double() / 2, dim=-1)
+    q_all = F.softmax(student_logits[mask].double() / 2, dim=-1)
+    p, indices = p_all.topk(8, dim=-1)
+    q = q_all.gather(-1, indices)
+    p, q = torch.cat([p, 1 - p.sum(-1, keepdim=True)], -1), torch.cat([q, 1 - q.sum(-1, keepdim=True)], -1)
+    expected = 4 * (p * (p.log() - q.log())).sum(dim=-1).mean().item()
     assert kd == pytest.approx(expected, abs=1e-4)
 
 

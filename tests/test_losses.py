@@ -19,6 +19,8 @@ from distill_common.settings import ConfigError
 from student_trainer.losses import (
     HIDDEN_LOSS_KINDS,
     LOSS_KINDS,
+    TAIL_FLOOR,
+    TOPK_TAILS,
     HiddenProjection,
     hidden_state_loss,
     kd_loss,
@@ -57,9 +59,33 @@ def reference_kd(student_logits, teacher_logits, mask, kind, temperature, beta):
     return temperature**2 * masked_mean(per_token, mask)
 
 
-def reference_topk(student_logits, values, indices, mask, kind, temperature, beta):
-    student_support = student_logits.gather(-1, indices.long())
-    per_token = reference_per_token(student_support, values, kind, temperature, beta)
+def reference_divergence(log_p, log_q, kind, beta):
+    """The divergence per row between two distributions given by their log-probabilities."""
+    p, q = log_p.exp(), log_q.exp()
+    if kind == "forward_kl":
+        return (p * (log_p - log_q)).sum(-1)
+    if kind == "reverse_kl":
+        return (q * (log_q - log_p)).sum(-1)
+    log_m = (beta * p + (1 - beta) * q).log()
+    return beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (q * (log_q - log_m)).sum(-1)
+
+
+def reference_topk(student_logits, logprobs, indices, mask, kind, temperature, beta, tail="bucket"):
+    """The top-k loss the long way: the student's full softmax, and the teacher's k
+    log-probabilities (already at the temperature) with its tail 1 - sum exp as one outcome
+    ("bucket") or dropped ("none")."""
+    q = torch.softmax(student_logits.double() / temperature, dim=-1)
+    ids = indices.long()
+    p_k = logprobs.double().exp()
+    q_k = q.gather(-1, ids)
+    teacher_tail = (1 - p_k.sum(-1, keepdim=True)).clamp_min(TAIL_FLOOR)
+    if tail == "none":
+        p, q = p_k / p_k.sum(-1, keepdim=True), q_k / q_k.sum(-1, keepdim=True)
+    else:
+        p = torch.cat([p_k, teacher_tail], -1)
+        q = torch.cat([q_k, q.sum(-1, keepdim=True) - q_k.sum(-1, keepdim=True)], -1)  # the rest of the student
+    p = p / p.sum(-1, keepdim=True)
+    per_token = reference_divergence(p.log(), q.log(), kind, beta)
     return temperature**2 * masked_mean(per_token, mask)
 
 
@@ -214,32 +240,53 @@ def test_kd_loss_identical_distributions_give_zero():
 # --------------------------------------------------------------------------- top-k loss
 
 
-def make_topk(teacher, k=TOPK, index_dtype=torch.int64):
-    values, indices = torch.topk(teacher, k, dim=-1)
+def make_topk(teacher, k=TOPK, index_dtype=torch.int64, temperature=1.0):
+    """What TopK sends: the teacher's k largest log-probabilities at `temperature` and their ids."""
+    logprobs = torch.log_softmax(teacher.float() / temperature, dim=-1).to(teacher.dtype)
+    values, indices = torch.topk(logprobs, k, dim=-1)
     return values, indices.to(index_dtype)
 
 
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("chunk_tokens", [7, 4096])
+@pytest.mark.parametrize(("chunk_tokens", "index_dtype"), [(7, torch.int32), (4096, torch.int64)])
 @pytest.mark.parametrize("kind", LOSS_KINDS)
 def test_topk_kd_loss_matches_reference(kind, chunk_tokens, index_dtype):
     student, teacher, mask = make_inputs(seed=11)
-    values, indices = make_topk(teacher, index_dtype=index_dtype)
-    loss = topk_kd_loss(student, values, indices, mask, kind=kind, temperature=TEMPERATURE, jsd_beta=JSD_BETA,
-                        chunk_tokens=chunk_tokens)
-    loss.backward()
-    expected, expected_grad = reference_grad(reference_topk, student, values, indices, mask, kind, TEMPERATURE,
-                                             JSD_BETA)
-    assert_close(loss, expected)
-    assert_close(student.grad, expected_grad)
-    off_support = torch.ones_like(student.grad, dtype=torch.bool).scatter_(-1, indices.long(), False)
-    assert (student.grad[off_support] == 0).all() and (student.grad[~mask] == 0).all()
+    values, indices = make_topk(teacher, index_dtype=index_dtype, temperature=TEMPERATURE)
+    for tail in TOPK_TAILS:
+        student.grad = None
+        loss = topk_kd_loss(student, values, indices, mask, kind=kind, temperature=TEMPERATURE, jsd_beta=JSD_BETA,
+                            chunk_tokens=chunk_tokens, tail=tail)
+        loss.backward()
+        expected, expected_grad = reference_grad(reference_topk, student, values, indices, mask, kind, TEMPERATURE,
+                                                 JSD_BETA, tail)
+        assert_close(loss, expected)
+        assert_close(student.grad, expected_grad)
+        assert (student.grad[~mask] == 0).all()
+        if tail == "none":
+            off_support = torch.ones_like(student.grad, dtype=torch.bool).scatter_(-1, indices.long(), False)
+            assert (student.grad[off_support] == 0).all()
+
+
+@pytest.mark.parametrize("kind", LOSS_KINDS)
+def test_topk_kd_loss_float64_is_exact(kind):
+    """In float64 the closed-form gradient through the tail bucket agrees with autograd to rounding."""
+    student, teacher, mask = make_inputs(seed=17, student_dtype=torch.float64, teacher_dtype=torch.float64)
+    values, indices = make_topk(teacher, temperature=1.5)
+    for tail in TOPK_TAILS:
+        student.grad = None
+        loss = topk_kd_loss(student, values, indices, mask, kind=kind, temperature=1.5, jsd_beta=JSD_BETA,
+                            chunk_tokens=4, tail=tail)
+        loss.backward()
+        expected, expected_grad = reference_grad(reference_topk, student, values, indices, mask, kind, 1.5, JSD_BETA,
+                                                 tail)
+        assert_close(loss, expected, rtol=1e-12, atol=1e-13)
+        assert_close(student.grad, expected_grad, rtol=1e-10, atol=1e-13)
 
 
 @pytest.mark.parametrize("kind", LOSS_KINDS)
 def test_topk_kd_loss_bf16_teacher_and_no_mask(kind):
     student, teacher, _ = make_inputs(seed=12, teacher_dtype=torch.bfloat16)
-    values, indices = make_topk(teacher, index_dtype=torch.int32)
+    values, indices = make_topk(teacher, index_dtype=torch.int32, temperature=0.5)
     loss = topk_kd_loss(student, values, indices, kind=kind, temperature=0.5, jsd_beta=0.9, chunk_tokens=7)
     loss.backward()
     expected, expected_grad = reference_grad(reference_topk, student, values, indices, None, kind, 0.5, 0.9)
@@ -249,11 +296,25 @@ def test_topk_kd_loss_bf16_teacher_and_no_mask(kind):
 
 def test_topk_with_the_full_vocabulary_equals_the_full_loss():
     student, teacher, mask = make_inputs(seed=13)
-    values, indices = make_topk(teacher, k=VOCAB)
+    values, indices = make_topk(teacher, k=VOCAB, temperature=TEMPERATURE)
     for kind in LOSS_KINDS:
         full = kd_loss(student, teacher, mask, kind=kind, temperature=TEMPERATURE, chunk_tokens=7)
-        topk = topk_kd_loss(student, values, indices, mask, kind=kind, temperature=TEMPERATURE, chunk_tokens=7)
-        assert_close(topk, full)
+        for tail in TOPK_TAILS:
+            topk = topk_kd_loss(student, values, indices, mask, kind=kind, temperature=TEMPERATURE, chunk_tokens=7,
+                                tail=tail)
+            assert_close(topk, full)
+
+
+def test_the_tail_bucket_bounds_the_full_loss_from_below():
+    """Merging outcomes never increases a divergence: k ids + the rest is at most the full KD loss,
+    and more ids close the gap."""
+    student, teacher, mask = make_inputs(seed=18)
+    full = kd_loss(student, teacher, mask, temperature=TEMPERATURE).item()
+    gaps = []
+    for k in (1, 8, 32):
+        values, indices = make_topk(teacher, k=k, temperature=TEMPERATURE)
+        gaps.append(full - topk_kd_loss(student, values, indices, mask, temperature=TEMPERATURE).item())
+    assert all(gap >= -1e-6 for gap in gaps) and gaps[0] > gaps[1] > gaps[2], gaps
 
 
 def test_topk_ignores_garbage_at_padding_positions():
@@ -365,13 +426,15 @@ def test_hidden_projection_init():
         (dict(kind="jsd", jsd_beta=0.0), "--jsd-beta must be strictly between 0 and 1"),
         (dict(kind="jsd", jsd_beta=1.0), "use --loss reverse_kl"),
         (dict(chunk_tokens=0), "--kd-chunk-tokens"),
+        (dict(tail="fitted"), "--topk-tail 'fitted'"),
     ],
 )
 def test_options_are_validated(kwargs, message):
     student, teacher, mask = make_inputs()
     values, indices = make_topk(teacher)
-    with pytest.raises(ConfigError, match=message):
-        kd_loss(student, teacher, mask, **kwargs)
+    if "tail" not in kwargs:
+        with pytest.raises(ConfigError, match=message):
+            kd_loss(student, teacher, mask, **kwargs)
     with pytest.raises(ConfigError, match=message):
         topk_kd_loss(student, values, indices, mask, **kwargs)
 

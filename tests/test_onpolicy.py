@@ -2,8 +2,10 @@
 
 The output kinds (distill_common/outputs.py: NextTokenLogprobs, ScoredLogprobs) alone against
 values computed position by position; sampling (student_trainer/onpolicy.py) against decoding
-without the cache, and its batches. Then one real server process and real clients over gloo:
-served values against log_softmax of the same model run here, with padding; bad ids refused
+without the cache, and its batches. Then one real server process (a tiny Mistral: another
+architecture than the demo's Llama) and real clients over gloo: served values (these kinds' and
+TopK's log-probabilities, with its tail) against log_softmax of the same model run here, with
+padding, and the top-k loss on what was sent against one written out; bad ids refused
 with the field to change; two sessions whose batches share a forward but not their ids to
 score; a KD job and an on-policy job on one teacher at once; the trainer's on-policy runs,
 which a resume repeats. (The losses: tests/test_onpolicy_losses.py.)
@@ -30,6 +32,7 @@ from student_trainer import TeacherClient, onpolicy
 from student_trainer.config import TrainConfig
 from student_trainer.data import BatchIterator, DataError, PromptDataset, split_prompt
 from student_trainer.errors import InvalidRequest
+from student_trainer.losses import topk_kd_loss
 from teacher_server.launcher import ServerProcess
 from teacher_server.sessions import Batch
 from tests.helpers import build_tiny_model
@@ -372,7 +375,8 @@ MAX_OUTPUT_BYTES = MAX_BATCH_TOKENS * (4 * SERVED_VOCAB + 2 * 4 * 5)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("teacher") / "model", vocab_size=SERVED_VOCAB)
+    return build_tiny_model(tmp_path_factory.mktemp("teacher") / "model", vocab_size=SERVED_VOCAB,
+                            architecture="mistral")
 
 
 @pytest.fixture(scope="module")
@@ -420,6 +424,36 @@ def test_served_logprobs_equal_the_local_teachers_with_padding(server, local):
         scored = log_p.gather(-1, score_ids)
         assert (out.scored_logprobs[real] - scored[real]).abs().max() <= 1e-5
         assert (out.scored_logprobs[~real] == 0).all()
+
+
+def test_served_topk_are_the_local_models_logprobs_and_the_tail_is_the_rest(server, local):
+    k, temperature = 5, 1.7
+    ids, mask = _padded(3, 13, seed=5, vocab=SERVED_VOCAB)
+    with TeacherClient(server.address, "cpu", outputs=(TopK(k, temperature),)) as teacher:
+        assert teacher.outputs.teacher.topk_form == TopK.form  # the join answer said so
+        out = teacher.submit(ids, mask).result(timeout=120)
+    assert type(local).__name__ == "MistralForCausalLM"
+    log_p = torch.log_softmax(_local_logits(local, ids, mask).double() / temperature, dim=-1)
+    real = mask.bool()
+    assert out.topk_values.shape == out.topk_indices.shape == (3, 13, k) and out.topk_indices.dtype == torch.int32
+    # The k largest (near-ties may swap ids, not values), each the log-probability of its id.
+    largest = log_p.sort(dim=-1, descending=True).values[..., :k]
+    assert (out.topk_values.double() - largest)[real].abs().max() <= 1e-5
+    top = out.topk_indices.long()
+    assert (out.topk_values.double() - log_p.gather(-1, top))[real].abs().max() <= 1e-5
+    tail = 1 - out.topk_values.double().exp().sum(-1)
+    rest = log_p.exp().scatter(-1, top, 0.0).sum(-1)
+    assert (tail - rest)[real].abs().max() <= 1e-5 and tail[real].min() > 0.5  # a random model's tail is heavy
+
+    # The loss on what was sent, the temperature applied once (on the teacher), against the
+    # k + 1 buckets of the local teacher's softmax and the student's, written out.
+    student = torch.randn(3, 13, SERVED_VOCAB, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    loss = topk_kd_loss(student.float(), out.topk_values, out.topk_indices, real, temperature=temperature)
+    p, q = log_p.exp(), torch.softmax(student / temperature, dim=-1)
+    p_buckets = torch.cat([p.gather(-1, top), 1 - p.gather(-1, top).sum(-1, keepdim=True)], -1)
+    q_buckets = torch.cat([q.gather(-1, top), 1 - q.gather(-1, top).sum(-1, keepdim=True)], -1)
+    per_token = (p_buckets * (p_buckets.log() - q_buckets.log())).sum(-1)
+    assert loss.item() == pytest.approx(temperature**2 * per_token[real].mean().item(), rel=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -535,7 +569,7 @@ def test_a_kd_job_and_an_on_policy_job_share_the_teacher_at_once(server, local):
                 real = mask.bool()
                 if name == "kd":
                     diffs = [(out.logits - logits)[real].abs().max(),
-                             (out.topk_values - logits.topk(5).values)[real].abs().max()]
+                             (out.topk_values - torch.log_softmax(logits, -1).topk(5).values)[real].abs().max()]
                 else:
                     log_p = torch.log_softmax(logits, -1)
                     keep = real[:, :-1] & real[:, 1:]

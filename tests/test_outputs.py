@@ -17,7 +17,7 @@ import torch
 from distill_common import wire
 from distill_common.outputs import (KINDS, Argmax, AttentionFacts, AttentionInputs, AuxHiddenStates, BatchOutputs,
                                     FinalHidden, ForwardNeeds, HeadFacts, HiddenStates, JoinData, Logits, OutputHead,
-                                    OutputRequest, OutputSpecError, SubsetLogits, TeacherFacts, TopK,
+                                    NextTokenLogprobs, OutputRequest, OutputSpecError, SubsetLogits, TeacherFacts, TopK,
                                     VocabularyMismatch, default_aux_layers, output_spec)
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 
@@ -56,16 +56,51 @@ def test_logits_arrive_whole_in_the_dtype_asked(dtype):
     assert out.topk_values is None and out.topk_indices is None and out.hidden_states == {}
 
 
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
 @pytest.mark.parametrize("k", [1, 5, VOCAB])
-def test_topk_are_the_k_largest_logits_and_their_ids(k):
+def test_topk_are_the_k_most_likely_ids_and_their_logprobs_under_the_full_softmax(k, temperature):
     forward = _forward()
-    out = _round_trip(_request(TopK(k)), forward)
+    out = _round_trip(_request(TopK(k, temperature)), forward)
     assert out.logits is None and out.hidden_states == {}
     assert out.topk_values.shape == out.topk_indices.shape == (2, 5, k)
-    assert out.topk_indices.dtype == torch.int32
-    largest = forward.logits.sort(dim=-1, descending=True).values[..., :k]
-    assert torch.equal(out.topk_values, largest)
-    assert torch.equal(forward.logits.gather(-1, out.topk_indices.long()), out.topk_values)
+    assert out.topk_indices.dtype == torch.int32 and out.topk_values.dtype == torch.float32
+    logprobs = torch.log_softmax(forward.logits.double() / temperature, dim=-1)
+    expected = logprobs.sort(dim=-1, descending=True).values[..., :k]
+    torch.testing.assert_close(out.topk_values.double(), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.topk_values.double(), logprobs.gather(-1, out.topk_indices.long()), rtol=0,
+                               atol=1e-5)
+    # What the student's loss takes as the teacher's tail: the mass of every other id.
+    outside = logprobs.exp().scatter(-1, out.topk_indices.long(), 0.0).sum(-1)
+    torch.testing.assert_close(1 - out.topk_values.double().exp().sum(-1), outside, rtol=0, atol=1e-5)
+
+
+def test_topk_values_come_in_the_dtype_asked_ids_in_int32():
+    forward = _forward()
+    out = _round_trip(_request(TopK(4, 0.5), dtype="bfloat16"), forward)
+    want = torch.log_softmax(forward.logits / 0.5, dim=-1).topk(4, dim=-1)
+    assert out.topk_values.dtype == torch.bfloat16 and torch.equal(out.topk_values, want.values.bfloat16())
+    assert torch.equal(out.topk_indices, want.indices.int())
+
+
+def test_topk_is_refused_from_a_teacher_that_sends_raw_logits():
+    """A teacher older than TeacherInfo.topk_form sends raw logits: the student refuses at join."""
+    info = pb.TeacherInfo(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, dtype="float32")
+    joined = pb.JoinResponse(info=info, output_dtype="float32")
+    with pytest.raises(OutputSpecError, match="TOPK_FORM_UNSPECIFIED, not log-probabilities.*upgrade the teacher"):
+        OutputRequest.granted(output_spec([TopK(3)]), joined)
+    OutputRequest.granted(output_spec([Logits()]), joined)  # the other kinds do not depend on it
+    joined.info.topk_form = pb.TOPK_FORM_LOGPROBS
+    assert OutputRequest.granted(output_spec([TopK(3, 2.0)]), joined).kinds == (TopK(3, 2.0),)
+
+
+def test_topk_shares_the_sessions_logprob_temperature():
+    spec = output_spec([TopK(3, 2.0)])
+    assert spec.topk == 3 and spec.logprob_temperature == 2.0
+    assert TopK.from_spec(pb.OutputSpec(topk=3)) == TopK(3, 1.0)  # 0 on the wire means 1
+    with pytest.raises(ValueError, match="a session has one logprob_temperature"):
+        output_spec([TopK(3, 2.0), NextTokenLogprobs(1.5)])
+    with pytest.raises(OutputSpecError, match="logprob_temperature 0.0001 is too small"):
+        OutputRequest.resolve(pb.OutputSpec(topk=3, logprob_temperature=1e-4), FACTS)
 
 
 def test_hidden_states_are_the_layers_asked_in_the_order_asked():
@@ -112,7 +147,7 @@ def test_aux_layers_left_to_the_teacher_are_the_reference_ones_on_both_sides():
     assert teacher_side.kinds == (AuxHiddenStates((2, 16, 29)),)
     assert teacher_side.needs == ForwardNeeds(hidden_layers=frozenset({2, 16, 29}))
     joined = pb.JoinResponse(info=pb.TeacherInfo(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=32,
-                                                 dtype="bfloat16"), output_dtype="bfloat16")
+                                                 dtype="bfloat16", topk_form=TopK.form), output_dtype="bfloat16")
     assert OutputRequest.granted(spec, joined) == teacher_side
 
 
@@ -138,7 +173,7 @@ def test_every_kind_at_once_in_wire_order():
                                      ((2, 5), torch.int32)]
     out = _round_trip(request, forward)
     assert torch.equal(out.logits, forward.logits)
-    assert torch.equal(out.topk_values, forward.logits.sort(dim=-1, descending=True).values[..., :3])
+    assert torch.equal(out.topk_indices.long(), forward.logits.sort(dim=-1, descending=True).indices[..., :3])
     assert torch.equal(out.hidden_states[2], forward.hidden[2]) and torch.equal(out.hidden_states[1], forward.hidden[1])
 
 
@@ -244,7 +279,7 @@ def test_requests_are_hashable_and_equal_when_equal():
 def test_the_student_resolves_what_the_teacher_granted():
     spec = output_spec([TopK(3), HiddenStates((1,))])
     info = pb.TeacherInfo(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, dtype="bfloat16",
-                          tokenizer_fingerprint="abc123")
+                          tokenizer_fingerprint="abc123", topk_form=pb.TOPK_FORM_LOGPROBS)
     teacher_side = OutputRequest.resolve(spec, TeacherFacts.from_info(info))
     joined = pb.JoinResponse(info=info, output_dtype="bfloat16")
     assert OutputRequest.granted(spec, joined) == teacher_side and teacher_side.dtype == torch.bfloat16
@@ -388,8 +423,9 @@ def test_the_final_hidden_state_needs_the_teachers_vocabulary_attention_inputs_d
 
 def test_the_student_reads_the_head_and_widths_from_the_join_answer():
     info = pb.TeacherInfo(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, dtype="float32",
-                          head=RICH.head.to_info(), attention=RICH.attention.to_info())
+                          head=RICH.head.to_info(), attention=RICH.attention.to_info(), topk_form=TopK.form)
     assert TeacherFacts.from_info(info) == RICH
     older = TeacherFacts.from_info(pb.TeacherInfo(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS,
                                                   dtype="float32"))
     assert older.head.unavailable and older.attention.unavailable
+    assert older.topk_form == pb.TOPK_FORM_UNSPECIFIED != TopK.form

@@ -287,7 +287,7 @@ def test_a_store_for_other_data_settings_or_outputs_is_refused(setup, small_stor
     longer = PackedDataset(setup["data"], setup["tokenizer"], 2 * SEQ)
     with pytest.raises(StoreMismatch, match=rf"--seq-len {SEQ} there, {2 * SEQ} here"):
         open_store_teacher(small_store, "cpu", (TopK(8),), dataset=longer, data_path=setup["data"])
-    with pytest.raises(StoreMismatch, match=rf"{manifest} holds topk=8 in float32: this run asks for logits, which "
+    with pytest.raises(StoreMismatch, match=rf"{manifest} holds topk=8\(T=1\) in float32: this run asks for logits, which "
                                             "it does not hold"):
         open_store_teacher(small_store, "cpu", (Logits(),), dataset=setup["dataset"], data_path=setup["data"])
     with pytest.raises(StoreMismatch, match="asks for them in bfloat16, it holds float32"):
@@ -415,4 +415,4 @@ def test_the_dump_command_says_what_to_change(setup, small_store, capsys, caplog
     # Another k than the store holds: refused naming the manifest, exit status 1, no traceback.
     assert main([*common, "--teacher-outputs", str(small_store), "--model", str(setup["teacher"]), "--topk", "4"]) == 1
     assert re.search(r"StoreMismatch: .*manifest\.json was made with another teacher or outputs than the one given to "
-                     r"fill it: outputs topk=8 in float32 there, topk=4 in float32 here", caplog.text), caplog.text
+                     r"fill it: outputs topk=8\(T=1\) in float32 there, topk=4\(T=1\) in float32 here", caplog.text), caplog.text

@@ -354,7 +354,7 @@ def test_topk_distillation(server, models, corpus, tmp_path):
     kd = column(read_metrics(out), "kd")
     assert len(kd) == 12 and mean(kd[-3:]) < 0.9 * mean(kd[:3]), kd
     [(_, _, outputs)] = joined_lines(server, job_id)
-    assert "outputs topk=8 in " in outputs  # the top-k path, not full logits cut down on the student
+    assert "outputs topk=8(T=1) in " in outputs  # the top-k path, not full logits cut down on the student
 
 
 # A teacher whose output head is padded past its tokenizer (as Qwen2's and Phi-3's are)

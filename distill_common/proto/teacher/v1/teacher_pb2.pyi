@@ -7,6 +7,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class TopKForm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOPK_FORM_UNSPECIFIED: _ClassVar[TopKForm]
+    TOPK_FORM_LOGPROBS: _ClassVar[TopKForm]
+TOPK_FORM_UNSPECIFIED: TopKForm
+TOPK_FORM_LOGPROBS: TopKForm
+
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -22,7 +29,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TeacherInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "device_type", "tp_size", "max_batch_tokens", "max_seq_len", "max_sessions", "max_inflight", "tokenizer_fingerprint", "torch_version", "nccl_version", "head", "attention", "max_score_ids", "quantization")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "device_type", "tp_size", "max_batch_tokens", "max_seq_len", "max_sessions", "max_inflight", "tokenizer_fingerprint", "torch_version", "nccl_version", "head", "attention", "max_score_ids", "quantization", "topk_form")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +49,7 @@ class TeacherInfo(_message.Message):
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     MAX_SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FORM_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -61,7 +69,8 @@ class TeacherInfo(_message.Message):
     attention: AttentionInputsInfo
     max_score_ids: int
     quantization: QuantizationInfo
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., head: _Optional[_Union[OutputHeadInfo, _Mapping]] = ..., attention: _Optional[_Union[AttentionInputsInfo, _Mapping]] = ..., max_score_ids: _Optional[int] = ..., quantization: _Optional[_Union[QuantizationInfo, _Mapping]] = ...) -> None: ...
+    topk_form: TopKForm
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., head: _Optional[_Union[OutputHeadInfo, _Mapping]] = ..., attention: _Optional[_Union[AttentionInputsInfo, _Mapping]] = ..., max_score_ids: _Optional[int] = ..., quantization: _Optional[_Union[QuantizationInfo, _Mapping]] = ..., topk_form: _Optional[_Union[TopKForm, str]] = ...) -> None: ...
 
 class QuantizationInfo(_message.Message):
     __slots__ = ("format", "scaling", "source", "full_precision_layers")
