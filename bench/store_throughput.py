@@ -181,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shape = "tiny" if args.tiny else "llama3-8b"
     device = torch.device(args.device)
-    if device.type == "cuda":
+    if device.type == "cuda":  # "cuda" alone is the current device: name its index
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
 
     sizes = bytes_per_token("llama3-8b") + bytes_per_token("demo") + (bytes_per_token("tiny") if args.tiny else [])

@@ -39,6 +39,9 @@ class StoreTeacher:
             head.weight.to(self.device), None if head.bias is None else head.bias.to(self.device),
             head.final_logit_softcapping, head.logit_scale))
         self.teacher, self.timeout_s = teacher, timeout_s
+        # What TeacherClient holds for a student with another tokenizer: never, since such outputs are
+        # shaped by text sent with each batch and a store refuses them.
+        self.matched_student_ids = None
         if teacher is not None:
             store.check_teacher(teacher.outputs, model_name)
         self.writer = ShardWriter(store, rows_per_shard) if teacher is not None else None
