@@ -23,12 +23,14 @@ import pytest
 import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import PreTrainedTokenizerFast
 
 from distill_common.channel import SESSION_SECRET_KEY
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from student_trainer import TeacherClient
 from teacher_server.launcher import ServerProcess, child_env
 from tests.helpers import build_tiny_model, finish_student, start_student, wait_for_line
+from tests.test_alignment import TEACHER_MERGES, byte_level_tokenizer
 from tests.test_fuzz import messages
 
 pytestmark = pytest.mark.slow
@@ -48,7 +50,10 @@ def campaign(examples: int):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("teacher") / "model")
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("teacher") / "model")
+    # A tokenizer too, so that hostile cross-tokenizer Joins reach the alignment at join.
+    PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer(TEACHER_MERGES)).save_pretrained(model_dir)
+    return model_dir
 
 
 @pytest.fixture(scope="module")

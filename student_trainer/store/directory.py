@@ -16,21 +16,7 @@ from distill_common import wire
 from distill_common.outputs import (FinalHidden, JoinData, Output, OutputHead, OutputRequest, SubsetLogits,
                                     TeacherFacts, output_spec)
 from distill_common.store import StoreCorrupt, StoreError, StoreMismatch, StoreMissing
-
-
-@dataclass
-class StoreInfo:
-    """What a store says of its teacher, as `TeacherClient.info` says it of a live one."""
-
-    model_name: str
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    dtype: str
-    tokenizer_fingerprint: str
-    max_batch_tokens: int = 0
-    max_seq_len: int = 0
+from student_trainer.client import TeacherInfo
 
 
 def data_facts(dataset, data_path: str | Path) -> dict:
@@ -101,12 +87,15 @@ class TeacherStore:
         return sum(shard.entry["rows"] for shard in self.shards)
 
     @property
-    def info(self) -> StoreInfo:
+    def info(self) -> TeacherInfo:
+        """What the store says of its teacher, as `TeacherClient.info` says it of a live one (no batch
+        limits: a store has none)."""
         teacher = self.manifest["teacher"]
-        return StoreInfo(model_name=teacher["model"], architecture=teacher.get("architecture", ""),
-                         vocab_size=self.facts.vocab_size, hidden_size=self.facts.hidden_size,
-                         num_layers=self.facts.num_layers, dtype=teacher["dtype"],
-                         tokenizer_fingerprint=self.facts.tokenizer_fingerprint)
+        return TeacherInfo(model_name=teacher["model"], architecture=teacher.get("architecture", ""),
+                           vocab_size=self.facts.vocab_size, hidden_size=self.facts.hidden_size,
+                           num_layers=self.facts.num_layers, dtype=teacher["dtype"],
+                           tokenizer_fingerprint=self.facts.tokenizer_fingerprint, max_batch_tokens=0, max_seq_len=0,
+                           quantization=self.facts.quantization)
 
     def _read_head(self) -> OutputHead | None:
         entry = self.manifest.get("head")
