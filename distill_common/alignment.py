@@ -3,7 +3,7 @@
 A student whose tokenizer differs from the teacher's cannot use the teacher's logits as they
 come: index i means another string on each side. Both sides agree on the text, though, so the
 alignment runs on the teacher, once per batch, and the student receives tensors shaped to its
-own tokens (distill_common/outputs.py: `SpanLogprobs`, `ProjectedNext`, `SortedProbs`).
+own tokens (distill_common/outputs/cross_tokenizer.py: `SpanLogprobs`, `ProjectedNext`, `SortedProbs`).
 
 The parts:
 

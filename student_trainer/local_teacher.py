@@ -4,7 +4,7 @@ The colocated baseline that the served teacher is measured against (bench/eagle3
 bench/recipe_served.py): the teacher model runs in the student's process, on its GPU, through the
 server's own forward (teacher_server/model_runner.py: the probe of its head and attention inputs,
 the decoder without the head when no kind needs logits), and each batch's outputs are derived and
-assembled by the same output kinds (distill_common/outputs.py) a teacher server uses, so a
+assembled by the same output kinds (distill_common/outputs/) a teacher server uses, so a
 training loop reads the same `TeacherOutput` (and `joined.head`) either way. `submit` computes at
 once and returns a resolved future: there is nothing to overlap with.
 """

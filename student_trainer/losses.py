@@ -46,9 +46,9 @@ The gradient is computed in forward whenever grad mode is on and the student log
 grad; under ``torch.no_grad()`` (evaluation) only the loss is computed.
 
 Top-k (``topk_kd_loss``). The teacher sends its k most likely ids and their log-probabilities
-under its *full* softmax at the temperature (distill_common/outputs.py: ``TopK``; the temperature is
-applied there, once, so the loss divides only the student's logits by it). Its tail mass,
-1 - sum exp, is then known, and ``tail`` says what the loss does with it:
+under its *full* softmax at the temperature (distill_common/outputs/logits.py: ``TopK``; the
+temperature is applied there, once, so the loss divides only the student's logits by it). Its
+tail mass, 1 - sum exp, is then known, and ``tail`` says what the loss does with it:
 
 * ``"bucket"`` (default): k + 1 outcomes, the k ids and "the rest", on both sides; the student's
   rest is computed exactly, as the log-sum-exp of its logits off the k ids (in log space, where
@@ -75,7 +75,7 @@ a bfloat16 log-probability l carries an error of up to |l| 2^-9, so p = e^l one 
 so it is floored at ``TAIL_FLOOR`` and the k + 1 masses renormalised.
 
 The teacher's head on the student (``kd_loss_from_hidden``). The teacher sends its final hidden
-state [B, S, H] and, once at join, its output head (distill_common/outputs.py: ``OutputHead``);
+state [B, S, H] and, once at join, its output head (distill_common/outputs/base.py: ``OutputHead``);
 each chunk of ``chunk_tokens`` rows computes that chunk's teacher logits from the head, in the
 head's dtype as the teacher does, then upcast, scaled and soft-capped, and meets the student's
 chunk in the same closed-form divergence: no [B, S, V] teacher tensor exists, on either side. With
@@ -911,9 +911,9 @@ def gold_loss(student_logits: torch.Tensor, projected: torch.Tensor, unmatched_m
     `projected` [B, S, M] is the teacher's next-token distribution on the student ids
     `matched_ids` [M] (the entries whose bytes match exactly), `unmatched_mass` [B, S] the rest of
     it, `unmatched_topk` [B, S, k] the k largest teacher probabilities of that rest, sorted
-    (distill_common/outputs.py: ProjectedNext). Per aligned position (matched + unmatched = 1; all
-    zeros where the teacher has no position ending where the student's text does), with q the
-    student's softmax::
+    (distill_common/outputs/cross_tokenizer.py: ProjectedNext). Per aligned position (matched +
+    unmatched = 1; all zeros where the teacher has no position ending where the student's text
+    does), with q the student's softmax::
 
         sum_j p_j (log p_j - log q[matched_ids[j]])          direct KL on the matched entries
       + sum_i |sort(p_rest)_i - sort(q_rest)_i|, i < k      sorted L1 on the rest (ULD)

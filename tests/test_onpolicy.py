@@ -1,6 +1,6 @@
 """On-policy distillation: the teacher's log-probabilities at given tokens, and the trainer's mode.
 
-The output kinds (distill_common/outputs.py: NextTokenLogprobs, ScoredLogprobs) alone against
+The output kinds (distill_common/outputs/logprobs.py: NextTokenLogprobs, ScoredLogprobs) alone against
 values computed position by position; sampling (student_trainer/onpolicy.py) against decoding
 without the cache, and its batches. Then one real server process (a tiny Mistral: another
 architecture than the demo's Llama) and real clients over gloo: served values (these kinds' and
@@ -117,7 +117,7 @@ def test_chunks_of_the_vocabulary_pass_give_the_same_values(monkeypatch):
     score_ids = torch.randint(0, VOCAB, (3, 9, 5), generator=torch.Generator().manual_seed(8))
     request = OutputRequest.resolve(output_spec([NextTokenLogprobs(), ScoredLogprobs(5)]), FACTS)
     whole = request.derive(BatchOutputs(logits), _batch(ids, mask, score_ids))
-    monkeypatch.setattr(outputs, "_LOGPROB_CHUNK_BYTES", 4 * VOCAB * 2)  # two rows a chunk
+    monkeypatch.setattr(outputs.logprobs, "_LOGPROB_CHUNK_BYTES", 4 * VOCAB * 2)  # two rows a chunk
     chunked = request.derive(BatchOutputs(logits), _batch(ids, mask, score_ids))
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
 

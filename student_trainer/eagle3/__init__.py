@@ -2,7 +2,7 @@
 
 A draft for speculative decoding learns to predict several tokens ahead from the teacher's
 ("target's") hidden states and next-token distribution. The teacher serves what the draft
-needs as output kinds (distill_common/outputs.py): `AuxHiddenStates` (three layers side by
+needs as output kinds (distill_common/outputs/): `AuxHiddenStates` (three layers side by
 side, [B, S, 3H]), `SubsetLogits` over the draft's vocabulary and `Argmax`.
 
     model.py      the draft: fc (3H -> H), one decoder layer, norm, head over the draft vocabulary
