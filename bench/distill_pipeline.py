@@ -141,7 +141,7 @@ def main() -> int:
             return args.steps * tokens_per_step / (time.perf_counter() - start)
 
         gc.collect()
-        gc.freeze()  # as train() does
+        gc.freeze()  # as the training loop does (student_trainer/loop.py)
         torch.cuda.reset_peak_memory_stats(device)
         student_batches = SyntheticBatches(args.rows, args.seq, seed=1)
         results["student alone"] = run(lambda: (next(student_batches), fixed))

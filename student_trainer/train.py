@@ -1,4 +1,5 @@
-"""The distillation loop, top to bottom.
+"""The distillation trainer, top to bottom: its setup and its step, run by the loop it shares
+with EAGLE-3 (student_trainer/loop.py).
 
 One process per student rank (torchrun for several: DDP across ranks, each rank its
 own teacher session). The teacher's outputs for the next `--prefetch` micro-batches
@@ -12,8 +13,6 @@ those of student_trainer/onpolicy.py; the loop is the same.
 from __future__ import annotations
 
 import contextlib
-import gc
-import json
 import logging
 import math
 import os
@@ -27,19 +26,18 @@ import grpc
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from distill_common.attention_inputs import AttentionCapture
 from distill_common.outputs import (AttentionInputs, FinalHidden, HiddenStates, Logits, Output, OutputHead,
                                     ProjectedNext, SortedProbs, TeacherOutput, TopK)
 from distill_common.settings import ConfigError, non_defaults
 from student_trainer import onpolicy
-from student_trainer.checkpoint import (latest_checkpoint, load_rank_state, load_trainer_state, save_checkpoint,
-                                       set_rng_state)
+from student_trainer.checkpoint import latest_checkpoint, load_rank_state, save_checkpoint
 from student_trainer.client import TeacherClient
 from student_trainer.config import TrainConfig
 from student_trainer.data import BatchIterator, PackedDataset, PromptDataset
 from student_trainer.errors import TeacherUnavailable
+from student_trainer.loop import resume, run_loop
 from student_trainer.losses import (HiddenProjection, attention_relation_loss, gold_loss, hidden_state_loss, kd_loss,
                                     kd_loss_from_hidden, topk_kd_loss, uld_loss)
 
@@ -326,38 +324,6 @@ def build_student(cfg: TrainConfig, device: torch.device, checkpoint: Path | Non
     return load_causal_lm(source, device=device, dtype=torch.float32)
 
 
-class MetricsWriter:
-    """metrics.jsonl in the output directory (and TensorBoard when it is installed)."""
-
-    def __init__(self, output_dir: Path, enabled: bool):
-        self.enabled = enabled
-        self._file = open(output_dir / "metrics.jsonl", "a") if enabled else None
-        self._tb = None
-        if enabled:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(output_dir / "tensorboard"))
-            except ImportError:
-                pass
-
-    def write(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, record["step"])
-
-    def close(self) -> None:
-        if self._file:
-            self._file.close()
-        if self._tb is not None:
-            self._tb.close()
-
-
 @torch.no_grad()
 def evaluate(model, dataset: PackedDataset, cfg: TrainConfig, device: torch.device, teacher: TeacherClient | None,
              timeout_s: float) -> dict[str, float]:
@@ -388,6 +354,37 @@ def evaluate(model, dataset: PackedDataset, cfg: TrainConfig, device: torch.devi
     if cfg.uses_logits:
         scores["eval_kd"] = kd_sum / max(count, 1)
     return scores
+
+
+def distill_step(cfg: TrainConfig, trained, params: list[torch.Tensor], optimizer, scheduler,
+                 prefetcher: TeacherPrefetcher, device: torch.device, world_size: int, autocast, maps: StudentMaps,
+                 capture: AttentionCapture | None) -> dict:
+    """One optimizer step over `cfg.grad_accum` micro-batches: their losses (averaged), `grad_norm`,
+    `teacher_wait_s` and the `tokens` trained on (student_trainer/loop.py's `train_step`)."""
+    teacher_wait_s, tokens, sums = 0.0, 0, {}
+    for micro in range(cfg.grad_accum):
+        batch, out, wait_s = prefetcher.next()
+        teacher_wait_s += wait_s
+        tokens += batch["attention_mask"].sum().item()
+        # DDP all-reduces gradients on the last micro-batch only.
+        sync = micro == cfg.grad_accum - 1 or world_size == 1
+        with (contextlib.nullcontext() if sync else trained.no_sync()):
+            losses = train_micro_batch(cfg, trained, batch, out, autocast, device, maps, capture)
+        for key, value in losses.items():
+            sums[key] = sums.get(key, 0.0) + value / cfg.grad_accum
+        del out
+    if world_size > 1 and maps.projections is not None:
+        # DDP wraps the student only: without this each rank would train its own projections,
+        # and a resume would give every rank rank 0's.
+        for param in maps.projections.parameters():
+            dist.all_reduce(param.grad)
+            param.grad.div_(world_size)
+    grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
+                 if cfg.max_grad_norm > 0 else 0.0)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {**sums, "grad_norm": grad_norm, "teacher_wait_s": teacher_wait_s, "tokens": tokens}
 
 
 # ---- the loop ------------------------------------------------------------------------------
@@ -461,16 +458,11 @@ def train(cfg: TrainConfig) -> dict:
         source = onpolicy.OnPolicyBatches(batches, model, cfg, stop_ids=stop_ids, pad_id=pad_id, rank=rank)
     step = 0
     if checkpoint is not None:
-        state, rng = load_trainer_state(checkpoint, rank)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        batches.load_state_dict(state["data"])
+        state = resume(checkpoint, rank, optimizer, scheduler, batches)
         replay = load_rank_state(checkpoint, rank).get("ahead", [])
         if projections is not None:
             projections.load_state_dict(state["projections"])
         step = state["step"]
-        set_rng_state(rng)
-        log.info("resumed from %s at step %d", checkpoint, step)
 
     trained = model
     if cfg.compile:
@@ -483,9 +475,8 @@ def train(cfg: TrainConfig) -> dict:
     # both (or fails it), so this is only the backstop.
     outputs_timeout_s = cfg.teacher_timeout_s + cfg.teacher_reconnect_timeout_s
     prefetcher = TeacherPrefetcher(teacher, source, cfg.prefetch, outputs_timeout_s, replay)
-    metrics = MetricsWriter(output_dir, enabled=rank == 0)
 
-    def checkpoint_now() -> Path:
+    def checkpoint_now(step: int) -> Path:
         state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "data": prefetcher.data_state(),
                  "projections": projections.state_dict() if projections is not None else {}}
@@ -496,74 +487,36 @@ def train(cfg: TrainConfig) -> dict:
         return save_checkpoint(output_dir, step, model=model, tokenizer=tokenizer, trainer_state=state,
                                rank=rank, world_size=world_size, barrier=barrier, rank_state=rank_state)
 
-    # The model and libraries live for the whole run: keep the cyclic GC from walking
-    # them (a pause of tens of ms) while the loop allocates.
-    gc.collect()
-    gc.freeze()
-    stop_at = min(total_steps, step + cfg.stop_after_steps) if cfg.stop_after_steps else total_steps
-    progress = tqdm(total=total_steps, initial=step, disable=rank != 0, desc="distilling", dynamic_ncols=True)
-    history = []
+    def evaluate_now(step: int, record: dict) -> None:
+        if eval_set is None or not cfg.eval_every or (step % cfg.eval_every != 0 and step != total_steps):
+            return
+        if cfg.on_policy:
+            record.update(onpolicy.evaluate(model, eval_set, cfg, device, stop_ids, pad_id))
+        else:
+            # Held-out rows are asked of the live teacher, never written into the store.
+            record.update(evaluate(model, eval_set, cfg, device, getattr(teacher, "teacher", teacher),
+                                   outputs_timeout_s))
+        log.info("step %d held-out: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in record.items()
+                                                        if k.startswith("eval_")))
+
+    def export() -> None:
+        if cfg.lora_r:
+            model.save_pretrained(output_dir / "adapter")  # before merging folds it into the base
+        final = model.merge_and_unload() if cfg.lora_r else model
+        final.save_pretrained(output_dir / "model")
+        tokenizer.save_pretrained(output_dir / "model")
+
     try:
-        while step < stop_at:
-            start = time.perf_counter()
-            teacher_wait_s, tokens, sums = 0.0, 0, {}
-            for micro in range(cfg.grad_accum):
-                batch, out, wait_s = prefetcher.next()
-                teacher_wait_s += wait_s
-                tokens += batch["attention_mask"].sum().item()
-                # DDP all-reduces gradients on the last micro-batch only.
-                sync = micro == cfg.grad_accum - 1 or world_size == 1
-                with (contextlib.nullcontext() if sync else trained.no_sync()):
-                    losses = train_micro_batch(cfg, trained, batch, out, autocast, device, maps, capture)
-                for key, value in losses.items():
-                    sums[key] = sums.get(key, 0.0) + value / cfg.grad_accum
-                del out
-            if world_size > 1 and projections is not None:
-                # DDP wraps the student only: without this each rank would train its own projections,
-                # and a resume would give every rank rank 0's.
-                for param in projections.parameters():
-                    dist.all_reduce(param.grad)
-                    param.grad.div_(world_size)
-            grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).item()
-                         if cfg.max_grad_norm > 0 else 0.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            elapsed = time.perf_counter() - start
-            record = {"step": step, **sums, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                      "tokens_per_s": tokens * world_size / elapsed, "teacher_wait_s": teacher_wait_s,
-                      "step_s": elapsed}
-            if eval_set is not None and cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
-                if cfg.on_policy:
-                    record.update(onpolicy.evaluate(model, eval_set, cfg, device, stop_ids, pad_id))
-                else:
-                    # Held-out rows are asked of the live teacher, never written into the store.
-                    record.update(evaluate(model, eval_set, cfg, device, getattr(teacher, "teacher", teacher),
-                                           outputs_timeout_s))
-                log.info("step %d held-out: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in record.items()
-                                                                if k.startswith("eval_")))
-            history.append(record)
-            if step % cfg.log_every == 0 or step == stop_at:
-                metrics.write(record)
-            progress.set_postfix(loss=f"{sums['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                 wait=f"{teacher_wait_s:.2f}s")
-            progress.update(1)
-            if cfg.save_every and step % cfg.save_every == 0 and step < stop_at:
-                checkpoint_now()
-        checkpoint_now()
-        if step == total_steps and rank == 0:
-            if cfg.lora_r:
-                model.save_pretrained(output_dir / "adapter")  # before merging folds it into the base
-            final = model.merge_and_unload() if cfg.lora_r else model
-            final.save_pretrained(output_dir / "model")
-            tokenizer.save_pretrained(output_dir / "model")
-        barrier()
+        return run_loop(
+            cfg, step=step, total_steps=total_steps, scheduler=scheduler, output_dir=output_dir, rank=rank,
+            world_size=world_size, checkpoint=checkpoint_now, export=export, barrier=barrier, desc="distilling",
+            train_step=lambda: distill_step(cfg, trained, params, optimizer, scheduler, prefetcher, device,
+                                            world_size, autocast, maps, capture),
+            evaluate=evaluate_now,
+            postfix=lambda record: dict(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                                        wait=f"{record['teacher_wait_s']:.2f}s"))
     finally:
-        progress.close()
-        metrics.close()
         if teacher is not None:
             teacher.close(timeout_s=5)
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-    return {"step": step, "history": history}

@@ -3,8 +3,8 @@
 One process per rank (torchrun for several: DDP, each rank its own teacher session), the KD
 trainer's machinery throughout: the same JSONL data and packing (student_trainer/data.py), the
 prefetcher that keeps the teacher `--prefetch` micro-batches ahead, checkpoints that resume
-exactly (student_trainer/checkpoint.py), metrics.jsonl. What differs is what is asked of the
-teacher and what is trained:
+exactly (student_trainer/checkpoint.py), the loop and its metrics.jsonl (student_trainer/loop.py).
+What differs is what is asked of the teacher and what is trained:
 
 - the teacher sends, per batch, its logits over the draft vocabulary, its argmax over the whole
   vocabulary and three layers' hidden states side by side ([B, S, N], [B, S], [B, S, 3H]);
@@ -14,18 +14,15 @@ teacher and what is trained:
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from distill_common.outputs import Argmax, AuxHiddenStates, Output, SubsetLogits
 from distill_common.settings import ConfigError, non_defaults
-from student_trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
+from student_trainer.checkpoint import latest_checkpoint, save_checkpoint
 from student_trainer.client import TeacherClient
 from student_trainer.data import BatchIterator, PackedDataset
 from student_trainer.eagle3.config import Eagle3Config
@@ -34,7 +31,8 @@ from student_trainer.eagle3.model import Eagle3Draft, aux_layers_of
 from student_trainer.eagle3.precision import MasterWeights
 from student_trainer.eagle3.target import target_config, target_embedding
 from student_trainer.eagle3.vocab import draft_vocabulary
-from student_trainer.train import MetricsWriter, TeacherPrefetcher, lr_lambda, open_teacher, set_up_rank
+from student_trainer.loop import resume, run_loop
+from student_trainer.train import TeacherPrefetcher, lr_lambda, open_teacher, set_up_rank
 
 log = logging.getLogger(__name__)
 
@@ -197,17 +195,12 @@ def _train(cfg: Eagle3Config, draft: Eagle3Draft, teacher, tokenizer, batches: B
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
     step = 0
     if checkpoint is not None:
-        state, rng = load_trainer_state(checkpoint, rank)
-        optimizer.load_state_dict(state["optimizer"])
+        state = resume(checkpoint, rank, optimizer, scheduler, batches)
         if master is not None:  # the float32 weights, not the bfloat16 ones the model directory holds
             with torch.no_grad():
                 torch._foreach_copy_(master.master, [t.to(device) for t in state["master_weights"]])
             master.master_to_params()
-        scheduler.load_state_dict(state["scheduler"])
-        batches.load_state_dict(state["data"])
         step = state["step"]
-        set_rng_state(rng)
-        log.info("resumed from %s at step %d", checkpoint, step)
 
     trained = Eagle3Training(draft, cfg.ttt_steps)
     if world_size > 1:
@@ -217,9 +210,8 @@ def _train(cfg: Eagle3Config, draft: Eagle3Draft, teacher, tokenizer, batches: B
     # A batch may wait out a reconnect as well as its transfer (see student_trainer/train.py).
     outputs_timeout_s = cfg.teacher_timeout_s + cfg.teacher_reconnect_timeout_s
     prefetcher = TeacherPrefetcher(teacher, batches, cfg.prefetch, outputs_timeout_s)
-    metrics = MetricsWriter(output_dir, enabled=rank == 0)
 
-    def checkpoint_now() -> Path:
+    def checkpoint_now(step: int) -> Path:
         state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "data": prefetcher.data_state()}
         if master is not None:
@@ -227,38 +219,17 @@ def _train(cfg: Eagle3Config, draft: Eagle3Draft, teacher, tokenizer, batches: B
         return save_checkpoint(output_dir, step, model=draft, tokenizer=tokenizer, trainer_state=state, rank=rank,
                                world_size=world_size, barrier=barrier)
 
-    gc.collect()
-    gc.freeze()
-    stop_at = min(total_steps, step + cfg.stop_after_steps) if cfg.stop_after_steps else total_steps
-    progress = tqdm(total=total_steps, initial=step, disable=rank != 0, desc="eagle3", dynamic_ncols=True)
-    history = []
-    try:
-        while step < stop_at:
-            start = time.perf_counter()
-            outcome = train_step(cfg, trained, params, optimizer, scheduler, prefetcher.next, device, world_size,
-                                 master)
-            step += 1
-            elapsed = time.perf_counter() - start
-            tokens = outcome.pop("tokens")
-            record = {"step": step, **outcome, "lr": scheduler.get_last_lr()[0],
-                      "tokens_per_s": tokens * world_size / elapsed, "step_s": elapsed}
-            history.append(record)
-            if step % cfg.log_every == 0 or step == stop_at:
-                metrics.write(record)
-            progress.set_postfix(loss=f"{record['loss']:.3f}", acc0=f"{record['acc_0']:.2f}",
-                                 wait=f"{record['teacher_wait_s']:.2f}s")
-            progress.update(1)
-            if cfg.save_every and step % cfg.save_every == 0 and step < stop_at:
-                checkpoint_now()
-        checkpoint_now()
-        if step == total_steps and rank == 0:
-            export = output_dir / "draft"
-            draft.save_pretrained(export, dtype=DTYPES[cfg.export_dtype])
-            tokenizer.save_pretrained(export)
-            warn_if_not_servable(aux_layers_of(draft.config), teacher.info.num_layers)
-            log.info("exported the draft to %s (%s)", export, cfg.export_dtype)
-        barrier()
-    finally:
-        progress.close()
-        metrics.close()
-    return {"step": step, "history": history}
+    def export() -> None:
+        directory = output_dir / "draft"
+        draft.save_pretrained(directory, dtype=DTYPES[cfg.export_dtype])
+        tokenizer.save_pretrained(directory)
+        warn_if_not_servable(aux_layers_of(draft.config), teacher.info.num_layers)
+        log.info("exported the draft to %s (%s)", directory, cfg.export_dtype)
+
+    return run_loop(
+        cfg, step=step, total_steps=total_steps, scheduler=scheduler, output_dir=output_dir, rank=rank,
+        world_size=world_size, checkpoint=checkpoint_now, export=export, barrier=barrier, desc="eagle3",
+        train_step=lambda: train_step(cfg, trained, params, optimizer, scheduler, prefetcher.next, device, world_size,
+                                      master),
+        postfix=lambda record: dict(loss=f"{record['loss']:.3f}", acc0=f"{record['acc_0']:.2f}",
+                                    wait=f"{record['teacher_wait_s']:.2f}s"))
