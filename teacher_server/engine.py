@@ -5,8 +5,9 @@ only touch queues under a lock and return. The engine thread repeats one step: t
 scheduler (teacher_server/scheduler.py) plans the next forward from the pending
 batches of all ready sessions, the model runs it, and delivery
 (teacher_server/delivery.py) posts each session's sends on its own group and
-announces them on the session's submit stream once the device is done. The engine itself holds the sessions, their
-lifecycle (admission, leases, ending) and the forward.
+announces them on the session's submit stream once the device is done. The sessions'
+lifecycle (admission, leases, ending) is teacher_server/lifecycle.py's; the engine holds
+the forward and the condition both share.
 
 One batch never stops the engine: a forward that fails is run again batch by batch, so
 only the batches that cannot run fail; an error while keeping or deriving one batch's
@@ -25,7 +26,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +34,8 @@ from distill_common import tracing
 from distill_common.outputs import BatchOutputs, ForwardNeeds
 from teacher_server.cache import OutputCache
 from teacher_server.delivery import Delivery
-from teacher_server.errors import NotFound, Unavailable
+from teacher_server.errors import NotFound
+from teacher_server.lifecycle import SessionLifecycle
 from teacher_server.metrics import Metrics
 from teacher_server.model_runner import ModelRunner
 from teacher_server.scheduler import Planned, Scheduler
@@ -61,10 +62,6 @@ def pack(batches: list[tuple[torch.Tensor, torch.Tensor]], pinned: bool) -> tupl
         mask[row:row + b, :s] = batch_mask
         row += b
     return input_ids, mask
-
-
-# Why a session ended, kept for this many ended sessions: a student told NOT_FOUND learns why.
-ENDED_SESSIONS_KEPT = 1024
 
 
 @dataclass(frozen=True)
@@ -97,25 +94,21 @@ class Engine:
         self.cache = OutputCache(cache_bytes)
         metrics.watch_cache(self.cache)
         self.scheduler = Scheduler(max_batch_tokens=max_batch_tokens, max_sessions=max_sessions)
-        self.delivery = Delivery(metrics, advertise_host=advertise_host, device=runner.device,
-                                 join_timeout_s=join_timeout_s, transfer_timeout_s=transfer_timeout_s,
-                                 join_data=runner.join_data, formed=self._formed, sent=self._sent,
-                                 failed=self._failed, end=self._end)
-        self.lease_s = lease_s
-        self.join_timeout_s = join_timeout_s  # a session still connecting after this long is ended
-        self._sessions: dict[str, Session] = {}
-        # Session id -> (its secret, its job, why it ended), the latest ones: only a caller that
-        # could have acted on the session is told why it ended (TeacherService.session_for).
-        self._ended: OrderedDict[str, tuple[str, str, str]] = OrderedDict()
         # Guards the sessions and the scheduler; notified when there may be work to plan.
         self._cond = threading.Condition()
+        self.lifecycle = SessionLifecycle(self.scheduler, metrics, self._cond, accepting=lambda: self.accepting,
+                                          lease_s=lease_s, join_timeout_s=join_timeout_s)
+        self.delivery = Delivery(metrics, advertise_host=advertise_host, device=runner.device,
+                                 join_timeout_s=join_timeout_s, transfer_timeout_s=transfer_timeout_s,
+                                 join_data=runner.join_data, formed=self.lifecycle.formed, sent=self.lifecycle.sent,
+                                 failed=self.lifecycle.failed, end=self.lifecycle.end)
+        self.lifecycle.attach(self.delivery)
         self._accepting = True
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
-        self._next_lease_check = 0.0  # monotonic time of the next look for expired leases
 
-    # ---- lifecycle ---------------------------------------------------------------
+    # ---- start, health, stop ------------------------------------------------------
 
     def start(self) -> None:
         self._thread.start()
@@ -136,18 +129,11 @@ class Engine:
 
     def drain(self, timeout_s: float) -> bool:
         """Waits until every submitted batch is sent; True when it finished in time."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while any(s.inflight for s in self._sessions.values() if s.state in ("ready", "draining")):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(min(remaining, 0.1))
-        return True
+        return self.lifecycle.drain(timeout_s)
 
     def stop(self) -> None:
         for session in self.sessions():
-            self._end(session, "shutdown", "the teacher is shutting down")
+            self.lifecycle.end(session, "shutdown", "the teacher is shutting down")
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -155,29 +141,27 @@ class Engine:
         self.delivery.stop()
 
     # ---- control, from the gRPC handlers: validate-free, quick ---------------------
+    # Sessions come and go in teacher_server/lifecycle.py; batches enter the scheduler here.
 
     def admit(self, session: Session, max_job_sessions: int = 0, job_limit: str = "") -> None:
         """Admits a session; `max_job_sessions` (0: none) caps its job's sessions, `job_limit` says where it is set."""
-        with self._cond:
-            if not self.accepting:
-                raise Unavailable("the teacher is shutting down or unhealthy; join another replica or retry later")
-            self.scheduler.admit(session, max_job_sessions, job_limit)
-            self._sessions[session.session_id] = session
-        self.metrics.sessions_joined.inc()
-        self.metrics.sessions_connected.inc()
-        self.delivery.connect(session)
+        self.lifecycle.admit(session, max_job_sessions, job_limit)
 
     def session(self, session_id: str) -> Session:
-        with self._cond:
-            session = self._sessions.get(session_id)
-        if session is None or not session.alive:
-            raise NotFound(f"session {session_id!r} is unknown or has ended; join again")
-        return session
+        return self.lifecycle.session(session_id)
 
     def ended(self, session_id: str) -> tuple[str, str, str] | None:
         """(secret, job id, why it ended) of a recently ended session; None if unknown or live."""
-        with self._cond:
-            return self._ended.get(session_id)
+        return self.lifecycle.ended(session_id)
+
+    def heartbeat(self, session: Session) -> None:
+        self.lifecycle.heartbeat(session)
+
+    def leave(self, session: Session, drain: bool) -> None:
+        self.lifecycle.leave(session, drain)
+
+    def sessions(self) -> list[Session]:
+        return self.lifecycle.sessions()
 
     def submit(self, session: Session, batch: Batch) -> int:
         with self._cond:
@@ -188,7 +172,7 @@ class Engine:
             inflight = session.inflight
             self._cond.notify_all()
         self.metrics.inflight.labels(session.session_id, session.job_id).set(inflight)
-        self._update_queue_depth()
+        self.lifecycle.update_queue_depth()
         return inflight
 
     def queued(self, session: Session) -> int:
@@ -196,124 +180,13 @@ class Engine:
         with self._cond:
             return self.scheduler.queued(session)
 
-    def heartbeat(self, session: Session) -> None:
-        session.last_heartbeat = time.monotonic()
-
-    def leave(self, session: Session, drain: bool) -> None:
-        with self._cond:
-            if drain and session.inflight and session.state == "ready":
-                session.state = "draining"  # ended once the last batch is sent (`_sent`)
-                return
-        self._end(session, "left")
-
-    def sessions(self) -> list[Session]:
-        with self._cond:
-            return [s for s in self._sessions.values() if s.alive]
-
     def queue_depth(self) -> int:
-        with self._cond:
-            return self.scheduler.queue_depth()
+        return self.lifecycle.queue_depth()
 
     def held_bytes(self) -> int:
         """Outputs computed (or planned) and not yet received by their students."""
         with self._cond:
             return self.scheduler.held_bytes()
-
-    # ---- session lifecycle, from delivery and the engine thread ---------------------
-
-    def _formed(self, session: Session) -> bool:
-        """Its group formed: the session's batches may be planned. False when it ended meanwhile."""
-        with self._cond:
-            if not session.alive:
-                return False
-            session.state = "ready"
-            session.last_heartbeat = time.monotonic()
-            self.metrics.session_connect_seconds.observe(session.last_heartbeat - session.created)
-            self.scheduler.ready(session)
-            self._cond.notify_all()
-        log.info("session %s ready: job %s rank %d, %s", session.session_id, session.job_id, session.job_rank,
-                 session.backend, extra={"session_id": session.session_id, "job_id": session.job_id})
-        return True
-
-    def _sent(self, session: Session, batch: Batch, nbytes: int) -> None:
-        """One batch's outputs reached the student; a draining session ends with its last."""
-        labels = (session.session_id, session.job_id)
-        with self._cond:
-            session.batches_sent += 1
-            session.tokens_served += batch.tokens
-            session.bytes_sent += nbytes
-            self.scheduler.sent(session, batch)
-            finished = session.state == "draining" and session.inflight == 0
-            self._cond.notify_all()
-        self.metrics.batches.labels(*labels).inc()
-        self.metrics.tokens.labels(*labels).inc(batch.tokens)
-        self.metrics.bytes_sent.labels(*labels).inc(nbytes)
-        self.metrics.inflight.labels(*labels).set(session.inflight)
-        if finished:
-            self._end(session, "left")
-
-    def _failed(self, session: Session, batch: Batch) -> None:
-        """One batch of the session will never be sent (Delivery.fail): it is no longer in flight."""
-        with self._cond:
-            session.batches_failed += 1
-            self.scheduler.sent(session, batch)
-            finished = session.state == "draining" and session.inflight == 0
-            self._cond.notify_all()
-        self.metrics.batches_failed.inc()
-        self.metrics.inflight.labels(session.session_id, session.job_id).set(session.inflight)
-        if finished:
-            self._end(session, "left")
-
-    def _end(self, session: Session, reason: str, failure: str = "") -> None:
-        """Ends a session: drops its queue, aborts its group, deletes its rendezvous keys, forgets its metrics."""
-        with self._cond:
-            if not session.alive:
-                return
-            session.state = "closed" if reason == "left" else "failed"
-            session.failure = failure
-            self.scheduler.remove(session)
-            self._sessions.pop(session.session_id, None)
-            self._ended[session.session_id] = (session.secret, session.job_id,
-                                               f"{reason}: {failure}" if failure else reason)
-            while len(self._ended) > ENDED_SESSIONS_KEPT:
-                self._ended.popitem(last=False)
-            self._cond.notify_all()
-        self.delivery.close(session)
-        session.rendezvous.close()
-        session.outbox.close()
-        self.metrics.sessions_connected.dec()
-        self.metrics.sessions_ended.labels(reason).inc()
-        self.metrics.forget_session(session.session_id, session.job_id)
-        self._update_queue_depth()
-        log.info("session %s ended: %s%s", session.session_id, reason, f" ({failure})" if failure else "",
-                 extra={"session_id": session.session_id, "job_id": session.job_id})
-
-    def _update_queue_depth(self) -> None:
-        self.metrics.queue_depth.set(self.queue_depth())
-
-    def _expire_leases(self) -> None:
-        """Ends sessions whose lease ran out, and those still connecting after --join-timeout-s.
-
-        The latter hold a --max-sessions slot without a student behind them: a join whose
-        group never forms (a crashed student, or joins made only to fill the teacher). The
-        group formation has waits of its own; this bounds the whole of it from the Join.
-        """
-        now = time.monotonic()
-        # Also called before every plan: a teacher kept busy by some students must still
-        # drop a frozen one on time. Twice a second is often enough.
-        if now < self._next_lease_check:
-            return
-        self._next_lease_check = now + 0.5
-        for session in list(self._sessions.values()):
-            if session.state in ("ready", "draining") and now - session.last_heartbeat > self.lease_s:
-                reason, failure = "expired", f"no heartbeat for {self.lease_s:.0f}s"
-            elif session.state == "connecting" and now - session.created > self.join_timeout_s:
-                reason, failure = "join_timeout", (f"its process group did not form within --join-timeout-s "
-                                                   f"{self.join_timeout_s:g} of its Join")
-            else:
-                continue
-            threading.Thread(target=self._end, args=(session, reason, failure),
-                             name=f"expire-{session.session_id}", daemon=True).start()
 
     # ---- the loop: plan -> forward -> deliver ------------------------------------------
 
@@ -395,7 +268,7 @@ class Engine:
     def _next_plan(self) -> list[Planned] | None:
         """Waits for work, then takes the batches of one forward (None: the engine stops)."""
         with self._cond:
-            self._expire_leases()
+            self.lifecycle.expire_leases()
             plan = self.scheduler.plan(self._cached)
             while not plan:
                 if self._stopping:
@@ -403,11 +276,11 @@ class Engine:
                 tracing.mark("e_wait", -1)
                 self._cond.wait(timeout=0.5)
                 tracing.mark("e_wake", -1)
-                self._expire_leases()
+                self.lifecycle.expire_leases()
                 plan = self.scheduler.plan(self._cached)
             for planned in plan:
                 tracing.mark("t_pick", planned.batch.batch_id)
-        self._update_queue_depth()
+        self.lifecycle.update_queue_depth()
         return plan
 
     def _cached(self, session: Session, batch: Batch) -> BatchOutputs | None:

@@ -3,7 +3,8 @@
 Handlers never touch torch.distributed or the model. Every request arrives as raw
 bytes and is parsed here, so a malformed message becomes INVALID_ARGUMENT like any
 other bad input; typed errors raised below become their status code in one place
-(`_handler`).
+(`_handler`). A Join is checked, and a cross-tokenizer session's batches re-tokenized,
+in teacher_server/joining.py.
 
 A session id names a session; it does not let anyone act on it: ids are shown in status
 and metrics. Every call about a session must carry the secret its Join returned
@@ -28,20 +29,18 @@ from google.protobuf import message_factory
 
 from distill_common import tracing, wire
 from distill_common.channel import SESSION_SECRET_KEY
-from distill_common.alignment import AlignmentError, StudentVocabulary, TeacherTokenizer, VocabularyMatch, align_batch
-from distill_common.outputs import (ALIGNMENT, BatchDataError, CrossTokenizerKind, OutputRequest, OutputSpecError,
-                                    TeacherFacts, TopK, VocabularyMismatch)
+from distill_common.outputs import BatchDataError, TeacherFacts, TopK
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
-from distill_common.rendezvous import RendezvousError, SessionStore
-from distill_common.session_group import device_uuid
-from distill_common.wire import WireError, batch_key
+from distill_common.rendezvous import RendezvousError
+from distill_common.wire import WireError
 from teacher_server.config import ServerConfig
 from teacher_server.edge import Caller, Callers
 from teacher_server.engine import Engine
 from teacher_server.errors import (FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
                                    ServiceError, bounded_message)
+from teacher_server.joining import Joining
 from teacher_server.metrics import Metrics
-from teacher_server.sessions import Batch, Session, SessionAlignment
+from teacher_server.sessions import Batch, Session
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +58,9 @@ class TeacherService:
         self.metrics = metrics
         self.data_plane_host = data_plane_host
         self.info = engine.runner.info
-        self.teacher_uuid = device_uuid(self.info.device)
         # What a session's outputs are checked against.
         self.facts = dataclasses.replace(TeacherFacts.from_info(self.teacher_info()), max_topk=config.max_topk)
-        self._teacher_tokens: TeacherTokenizer | None = None  # read at the first cross-tokenizer Join
+        self.joining = Joining(engine.runner, config, self.facts)  # a Join's checks (joining.py)
 
     # ---- RPCs ---------------------------------------------------------------------
 
@@ -71,41 +69,8 @@ class TeacherService:
 
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
         caller = self.callers.of(context)
-        _check_printable("job_id", request.job_id)
-        for name in ("device_type", "device_uuid", "torch_version", "nccl_version"):
-            _check_printable(f"peer.{name}", getattr(request.peer, name))
-        job_id = request.job_id[:128]
-        if caller.job_id is not None and job_id not in ("", caller.job_id):
-            raise PermissionDenied(f"this job token may join only as job {caller.job_id!r}, not {job_id!r}: set the "
-                                   f"client's job_id to {caller.job_id!r} (or leave it empty), or use that job's token")
-        job_id = caller.job_id or job_id or "unnamed"
-        try:
-            outputs = OutputRequest.resolve(request.outputs, self.facts)
-        except OutputSpecError as e:
-            raise InvalidArgument(str(e)) from e
-        alignment = self._alignment(request, outputs)
-        if alignment is not None:
-            outputs = outputs.aligned(len(alignment.vocabulary), alignment.match.size)
-        self._check_output_bytes(outputs)
-        backend = self._check_peer(request.peer)
-        try:
-            outputs.check_student(request.vocab_size, request.tokenizer_fingerprint)
-        except VocabularyMismatch as e:
-            raise FailedPrecondition(str(e)) from e
-        max_inflight = request.max_inflight or self.config.max_inflight
-        if max_inflight < 0 or max_inflight > self.config.max_inflight:
-            raise InvalidArgument(f"max_inflight {request.max_inflight} is outside 1..{self.config.max_inflight} "
-                                  "(the teacher's --max-inflight)")
-        weight = request.weight or 1.0
-        if not weight > 0 or weight != weight or weight == float("inf"):
-            raise InvalidArgument(f"weight {request.weight} must be a positive finite number")
-        if weight > caller.max_weight:
-            raise InvalidArgument(f"weight {weight} exceeds {caller.limit('max_weight')}: ask for less, or raise "
-                                  "that limit")
-        session = Session(job_id=job_id, job_rank=request.job_rank, outputs=outputs,
-                          backend=backend, peer_device_type=request.peer.device_type, max_inflight=max_inflight,
-                          weight=weight, stream_refusals_only=request.stream_refusals_only, alignment=alignment,
-                          rendezvous=SessionStore(self.config.join_timeout_s))
+        session = self.joining.session(request, caller)
+        outputs, alignment, backend = session.outputs, session.alignment, session.backend
         self.engine.admit(session, max_job_sessions=caller.max_sessions, job_limit=caller.limit("max_sessions"))
         log.info("session %s joined: job %s rank %d, %s, outputs %s", session.session_id, session.job_id,
                  session.job_rank, backend, outputs, extra={"session_id": session.session_id, "job_id": session.job_id})
@@ -114,48 +79,11 @@ class TeacherService:
             backend=backend,
             timeout_s=self.config.transfer_timeout_s,
             heartbeat_interval_s=self.config.heartbeat_interval_s, lease_s=self.config.lease_s,
-            max_inflight=max_inflight, output_dtype=wire.dtype_name(outputs.dtype),
+            max_inflight=session.max_inflight, output_dtype=wire.dtype_name(outputs.dtype),
             stream_refusals_only=session.stream_refusals_only, session_secret=session.secret,
             alignment=None if alignment is None else pb.VocabularyAlignment(
                 matched_student_ids=wire.encode(torch.from_numpy(alignment.match.student_ids).to(torch.int32)),
                 student_vocab_size=len(alignment.vocabulary)))
-
-    def _alignment(self, request: pb.JoinRequest, outputs: OutputRequest) -> SessionAlignment | None:
-        """A cross-tokenizer session's vocabulary, checked, and its match with the teacher's (None
-        for a session of the teacher's tokens)."""
-        if not outputs.cross_tokenizer:
-            if request.HasField("student_vocabulary"):
-                raise InvalidArgument("student_vocabulary was sent, but the outputs asked are shaped to the teacher's "
-                                      "tokens: leave it out, or ask for cross_tokenizer outputs")
-            return None
-        if not request.HasField("student_vocabulary"):
-            raise InvalidArgument("cross_tokenizer outputs need the student's vocabulary: send "
-                                  "JoinRequest.student_vocabulary (the bytes each id stands for)")
-        try:
-            vocabulary = StudentVocabulary.from_proto(request.student_vocabulary, self.config.student_vocab_limit)
-        except AlignmentError as e:
-            raise InvalidArgument(str(e)) from e
-        teacher = self._teacher_tokenizer()
-        by_prefix = any(getattr(kind, "by_prefix", False) for kind in outputs)
-        match = VocabularyMatch.build(vocabulary.pieces, teacher.pieces, by_prefix=by_prefix)
-        if not match.size:
-            raise FailedPrecondition("no piece of the student's vocabulary is spelled by any of the teacher's: "
-                                     "is student_vocabulary the bytes each id stands for?")
-        return SessionAlignment(vocabulary, match)
-
-    def _teacher_tokenizer(self) -> TeacherTokenizer:
-        """The teacher's tokenizer, read once, at the first cross-tokenizer Join."""
-        if self._teacher_tokens is None:
-            tokenizer = getattr(self.engine.runner, "tokenizer", None)
-            if tokenizer is None:
-                raise FailedPrecondition("this teacher has no tokenizer (its --model is no directory with one), so it "
-                                         "cannot re-tokenize a student's text: serve a model directory with its "
-                                         "tokenizer, or distil with the teacher's tokenizer")
-            try:
-                self._teacher_tokens = TeacherTokenizer(tokenizer)
-            except AlignmentError as e:
-                raise FailedPrecondition(f"the teacher's tokenizer cannot be aligned by bytes: {e}") from e
-        return self._teacher_tokens
 
     def session_for(self, context, session_id: str) -> Session:
         """The session a call is about, when the call may act on it; the one check every
@@ -232,7 +160,7 @@ class TeacherService:
             # hold up every other call. The session's lock keeps its batches in submit order: the id was
             # taken above, before the first await, and the lock hands itself on first come, first served.
             async with session.submit_order:
-                batch = await asyncio.to_thread(self._retokenized, batch, alignment)
+                batch = await asyncio.to_thread(self.joining.retokenized, batch, alignment)
                 batch.output_bytes = output_bytes
                 inflight = self.engine.submit(session, batch)
         return session, pb.SubmitResponse(batch_id=request.batch_id, inflight=inflight)
@@ -357,66 +285,6 @@ class TeacherService:
             attention=i.attention.to_info(), max_score_ids=c.max_score_ids, quantization=i.quantization.to_info(),
             topk_form=TopK.form)
 
-    def _check_output_bytes(self, outputs: OutputRequest) -> None:
-        """Refuses outputs larger than --max-output-bytes for the largest batch the session may send
-        (`ServerConfig.largest_batches`: the longest sequences, and the most tokens).
-
-        The tensors derived for a batch are held in teacher memory until the student has them;
-        what the kinds send once at join (the output head, in the session's dtype) is held while
-        it is sent, so it counts too.
-        """
-        once = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in outputs.join_layout())
-        need, rows, seq = max((once + sum(math.prod(spec.shape) * spec.dtype.itemsize
-                                          for spec in outputs.layout(rows, seq)), rows, seq)
-                              for rows, seq in self.config.largest_batches())
-        limit = self.config.output_bytes_limit(self.facts)
-        if need > limit:
-            default = "" if self.config.max_output_bytes else (
-                ", by default what full logits, top-k, every hidden state and the log-probabilities take in float32")
-            at_join = f" ({_mib(once)} of it sent once at join: the output head)" if once else ""
-            raise FailedPrecondition(
-                f"the outputs asked ({outputs}) take {_mib(need)}{at_join} for a batch of {rows} x {seq} tokens (the "
-                f"largest --max-batch-tokens and --max-seq-len allow), more than the teacher's --max-output-bytes, "
-                f"{_mib(limit)}{default}: ask for less (top-k instead of logits, fewer hidden layers, a smaller "
-                "logit subset, a smaller dtype), or start the teacher with a larger --max-output-bytes")
-
-    def _check_peer(self, peer: pb.PeerInfo) -> str:
-        if peer.device_type not in ("cpu", "cuda"):
-            raise InvalidArgument(f"peer.device_type {peer.device_type!r} must be 'cpu' or 'cuda'")
-        teacher_major = torch.__version__.split(".")[0]
-        if peer.torch_version.split(".")[0] != teacher_major:
-            raise FailedPrecondition(f"student torch {peer.torch_version or '(unknown)'} cannot talk to the teacher's "
-                                     f"torch {torch.__version__}: use torch {teacher_major}.x on the student")
-        if not (peer.device_type == "cuda" and self.info.device.type == "cuda"):
-            return "gloo"
-        if peer.device_uuid and peer.device_uuid == self.teacher_uuid:
-            raise FailedPrecondition(
-                f"the student's GPU ({peer.device_uuid}) is the one the teacher uses: NCCL cannot put two ranks of "
-                "one communicator on one GPU. Run the student on another GPU (CUDA_VISIBLE_DEVICES)")
-        if peer.nccl_version.split(".")[:2] != self.info.nccl_version.split(".")[:2]:
-            raise FailedPrecondition(
-                f"the student's NCCL {peer.nccl_version or '(none)'} differs from the teacher's "
-                f"{self.info.nccl_version}: install the same torch/NCCL build on both sides")
-        return "nccl"
-
-    def _retokenized(self, batch: Batch, alignment: SessionAlignment) -> Batch:
-        """A cross-tokenizer session's batch as the teacher's forward takes it: its rows' text in the
-        teacher's tokens, aligned with the student's (distill_common/alignment.py)."""
-        try:
-            aligned = align_batch(batch.input_ids, batch.attention_mask, batch.data.pop(CrossTokenizerKind.batch_field),
-                                  alignment.vocabulary, self._teacher_tokenizer(), alignment.match,
-                                  max_teacher_tokens=self.config.max_seq_len)
-        except AlignmentError as e:
-            raise InvalidArgument(f"batch {batch.batch_id}: {e}") from e
-        rows, seq = aligned.teacher_ids.shape
-        if rows * seq > self.config.max_batch_tokens:
-            raise ResourceExhausted(f"batch {batch.batch_id} is {rows} x {seq} tokens in the teacher's tokenizer, more "
-                                    f"than the teacher's --max-batch-tokens {self.config.max_batch_tokens}: send "
-                                    "smaller batches")
-        return Batch(batch_id=batch.batch_id, input_ids=aligned.teacher_ids, attention_mask=aligned.teacher_mask,
-                     data={ALIGNMENT: aligned}, student_shape=(batch.rows, batch.seq_len),
-                     student_key=batch_key(batch.input_ids, batch.attention_mask))
-
     def _decode_batch(self, request: pb.SubmitRequest, student_vocab_size: int = 0) -> Batch:
         """The batch's ids and mask, checked; ids lie in the teacher's vocabulary, or in the student's
         (`student_vocab_size`) for a cross-tokenizer session."""
@@ -461,18 +329,6 @@ class TeacherService:
             raise InvalidArgument("every row of attention_mask needs at least one 1 (a row of padding only)")
         ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
         return Batch(batch_id=request.batch_id, input_ids=ids, attention_mask=mask)
-
-
-def _check_printable(name: str, value: str) -> None:
-    """Refuses a client's string with control characters: it goes into log lines and status,
-    where a newline would forge a line of its own."""
-    bad = next((c for c in value if not c.isprintable()), None)
-    if bad is not None:
-        raise InvalidArgument(f"{name} contains the control character {bad!r}: use printable characters only")
-
-
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / (1 << 20):.1f} MiB ({nbytes} bytes)"
 
 
 def _parse(request_class, raw: bytes):
