@@ -26,7 +26,8 @@ instead with why each ended. A refusal (INVALID_ARGUMENT, FAILED_PRECONDITION,
 RESOURCE_EXHAUSTED, UNAUTHENTICATED, PERMISSION_DENIED) is final, but for a first Join
 refused because the teacher is full (RESOURCE_EXHAUSTED), asked again until
 `join_timeout_s`. What a failure leads to is decided in one place, the connection's state
-machine (student_trainer/connection.py). Batch ids restart at 0 on every session (see
+machine (student_trainer/connection.py); joining, noticing a failure and joining again are
+carried out by student_trainer/joining.py. Batch ids restart at 0 on every session (see
 SubmitRequest.batch_id); `TeacherOutput.batch_id` is the client's own id, which does not.
 
 Every call about a session carries the secret its Join returned (the gRPC metadata key
@@ -47,18 +48,16 @@ import grpc
 import torch
 
 from distill_common import tracing, wire
-from distill_common.channel import (SESSION_SECRET_KEY, TeacherUnreachable, channel_credentials, open_channel,
-                                    wait_until_reachable)
+from distill_common.channel import SESSION_SECRET_KEY, channel_credentials, open_channel
 from distill_common.outputs import JoinData, Logits, Output, OutputRequest, output_spec
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from distill_common.quantization import Quantization
-from distill_common.rendezvous import RendezvousStore
-from distill_common.session_group import (STUDENT_RANK, build_group, device_uuid, handshake, local_address_towards,
-                                          nccl_version)
+from distill_common.session_group import device_uuid, nccl_version
 from distill_common.alignment import StudentVocabulary, row_texts
 from distill_common.vocab import tokenizer_fingerprint
-from student_trainer.connection import MAX_RESUBMITS, Action, Connection, FirstJoin, State
+from student_trainer import joining
+from student_trainer.connection import MAX_RESUBMITS, Connection, FirstJoin, State
 from student_trainer.errors import Incompatible, TeacherError, TeacherUnavailable, from_rpc_error
 from student_trainer.session import Batch, Session
 
@@ -91,6 +90,26 @@ def _grpc_options() -> list:
     # backoff would grow to two minutes, longer than a restart takes.
     return [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
             ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
+def _join_request(device: torch.device, spec, vocabulary: StudentVocabulary | None, fingerprint: str, *,
+                  job_id: str | None, job_rank: int | None, max_inflight: int, vocab_size: int,
+                  weight: float) -> pb.JoinRequest:
+    """What every Join of the client asks, the first and each after a restart."""
+    request = pb.JoinRequest(
+        job_id=job_id or os.environ.get("TORCHELASTIC_RUN_ID", "") or f"pid{os.getpid()}",
+        job_rank=int(os.environ.get("RANK", "0")) if job_rank is None else job_rank,
+        outputs=spec,
+        peer=pb.PeerInfo(device_type=device.type, device_uuid=device_uuid(device),
+                         torch_version=torch.__version__,
+                         nccl_version=nccl_version() if device.type == "cuda" else ""),
+        max_inflight=max_inflight, tokenizer_fingerprint=fingerprint, stream_refusals_only=True,
+        # The width of the student's logits (its output embedding's rows), which may
+        # exceed len(tokenizer): models pad it. Without it, no size check is made.
+        vocab_size=vocab_size, weight=weight)
+    if vocabulary is not None:
+        vocabulary.to_proto(request.student_vocabulary)
+    return request
 
 
 class TeacherClient:
@@ -148,23 +167,12 @@ class TeacherClient:
             if tokenizer is None:
                 raise ValueError("cross-tokenizer outputs need the student's tokenizer: pass tokenizer=")
             self.vocabulary = StudentVocabulary.of(tokenizer)
-        request = pb.JoinRequest(
-            job_id=job_id or os.environ.get("TORCHELASTIC_RUN_ID", "") or f"pid{os.getpid()}",
-            job_rank=int(os.environ.get("RANK", "0")) if job_rank is None else job_rank,
-            outputs=spec,
-            peer=pb.PeerInfo(device_type=self.device.type, device_uuid=device_uuid(self.device),
-                             torch_version=torch.__version__,
-                             nccl_version=nccl_version() if self.device.type == "cuda" else ""),
-            max_inflight=max_inflight, tokenizer_fingerprint=fingerprint, stream_refusals_only=True,
-            # The width of the student's logits (its output embedding's rows), which may
-            # exceed len(tokenizer): models pad it. Without it, no size check is made.
-            vocab_size=vocab_size, weight=weight)
-        if self.vocabulary is not None:
-            self.vocabulary.to_proto(request.student_vocabulary)
-        self._join_request = request
+        self._join_request = _join_request(self.device, spec, self.vocabulary, fingerprint, job_id=job_id,
+                                           job_rank=job_rank, max_inflight=max_inflight, vocab_size=vocab_size,
+                                           weight=weight)
         first_join = FirstJoin(address, join_timeout_s)
-        self._wait_for_server(join_timeout_s)
-        joined = self._join_first(first_join)
+        joining.wait_for_server(self, join_timeout_s)
+        joined = joining.join_first(self, first_join)
         self.info = TeacherInfo.from_proto(joined.info)
         if refuse_quantized and self.info.quantization.format:
             self._leave(joined)
@@ -176,13 +184,9 @@ class TeacherClient:
         self.backend = joined.backend
         self.max_inflight = joined.max_inflight
         self.output_dtype = wire.parse_output_dtype(joined.output_dtype)
-        self.outputs = OutputRequest.granted(request.outputs, joined)
+        self.outputs = OutputRequest.granted(self._join_request.outputs, joined)
         # Cross-tokenizer outputs: the student ids of ProjectedNext's columns, int64 [M] (None otherwise).
-        self.matched_student_ids: torch.Tensor | None = None
-        if joined.HasField("alignment"):
-            self.matched_student_ids = wire.decode(joined.alignment.matched_student_ids, what="matched_student_ids",
-                                                   dtypes=wire.ID_DTYPES,
-                                                   max_elements=max(1, joined.alignment.student_vocab_size)).long()
+        self.matched_student_ids: torch.Tensor | None = joining.matched_student_ids(joined)
         self._transfer_timeout_arg = transfer_timeout_s
         self.transfer_timeout_s = transfer_timeout_s or joined.timeout_s
         self.heartbeat_interval_s = joined.heartbeat_interval_s
@@ -190,7 +194,7 @@ class TeacherClient:
         # A join after a restart asks for what this one was granted: the slots are sized by it.
         self._join_request.max_inflight = self.max_inflight
         try:
-            session = self._connect(joined, join_timeout_s)
+            session = joining.connect(self, joined, join_timeout_s)
         except BaseException:
             self._leave(joined)
             self._channel.close()
@@ -199,7 +203,8 @@ class TeacherClient:
         self.joined: JoinData = session.joined_data
         self._connection = Connection(session, address, reconnect_timeout_s, max_resubmits=max_resubmits)
         self._start(session)
-        self._heartbeat_thread = threading.Thread(target=self._send_heartbeats, name="send-heartbeats", daemon=True)
+        self._heartbeat_thread = threading.Thread(target=joining.send_heartbeats, args=(self,), name="send-heartbeats",
+                                                  daemon=True)
         self._heartbeat_thread.start()
         log.info("joined teacher %s as session %s (%s, %s, %s; decoder linears: %s)", address, self.session_id,
                  self.backend, self.info.model_name, self.info.dtype,
@@ -340,221 +345,13 @@ class TeacherClient:
         if error is not None:
             raise error
 
-    # ---- joining -----------------------------------------------------------------
-
-    def _wait_for_server(self, timeout_s: float) -> None:
-        try:  # a TLS mismatch is reported at once, with the argument to change
-            wait_until_reachable(self._channel, self.address, timeout_s, tls=self._tls)
-        except TeacherUnreachable as e:
-            self._channel.close()
-            raise TeacherUnavailable(str(e)) from None
-
-    def _join_first(self, first_join: FirstJoin) -> pb.JoinResponse:
-        """The first Join, asked again while the teacher is full (FirstJoin decides), within join_timeout_s."""
-        while True:
-            try:
-                return self._call("Join", self._join_request,
-                                  timeout_s=max(0.1, min(self.rpc_timeout_s, first_join.deadline - time.monotonic())))
-            except TeacherError as e:
-                pause_s = first_join.refused(e)
-                if pause_s is None:
-                    self._channel.close()
-                    raise first_join.final(e) from None
-                log.warning("%s", first_join.waiting(e, pause_s))
-                time.sleep(pause_s)
-
-    def _connect(self, joined: pb.JoinResponse, timeout_s: float) -> Session:
-        # The session's rendezvous keys, over this channel: the token and the session's secret.
-        store = RendezvousStore(lambda request, call_timeout_s: self._call("Rendezvous", request, call_timeout_s, joined),
-                                joined.session_id, timeout_s, self.rpc_timeout_s)
-        # The address the teacher reaches this process at, where gloo listens (NCCL finds its own).
-        local_host = local_address_towards(joined.data_plane_host)
-        group = build_group(store, backend=joined.backend, rank=STUDENT_RANK, device=self.device,
-                            timeout_s=timeout_s, gloo_host=local_host)
-        try:
-            handshake(group, joined.session_secret.encode(), timeout_s)  # each end proves it knows the secret
-            joined_data = self._receive_join_data(group, timeout_s)
-        except BaseException:
-            group.abort()
-            raise
-        session = Session(joined, group, self.outputs, self.address, on_failure=self._session_failed,
-                          resolve=self._resolve)
-        session.joined_data = joined_data
-        return session
-
-    def _receive_join_data(self, group, timeout_s: float) -> JoinData:
-        """What the kinds asked send once, right after the handshake (the output head), or nothing."""
-        layout = self.outputs.join_layout()
-        if not layout:
-            return JoinData()
-        buffers, works = group.post_receives(layout)
-        for work in works:
-            group.wait(work, timeout_s, what="receiving the join-time outputs (the teacher's output head)")
-        return self.outputs.join_assemble(group.delivered(buffers))
+    # ---- joining (the procedure: student_trainer/joining.py) -------------------
 
     def _start(self, session: Session) -> None:
         """Opens the submit stream of `session` (already made current) and starts its threads."""
         # One stream carries every Submit of the session: no round trip per batch.
         metadata = self._metadata + self._secret(session.joined)
         session.start(lambda requests: self._stub.SubmitStream(requests, metadata=metadata), self.transfer_timeout_s)
-
-    # ---- reconnecting ------------------------------------------------------------
-
-    def _session_failed(self, session: Session, error: TeacherError, heartbeat: bool = False) -> None:
-        """A thread of `session` hit `error`: the connection decides whether to join again or fail for good."""
-        with self._cond:
-            connection = self._connection
-            action = (connection.heartbeat_failed if heartbeat else connection.failed)(session, error,
-                                                                                       list(self._undelivered))
-            self._cond.notify_all()
-        if action is Action.IGNORE:
-            return
-        session.stop()
-        if action is Action.REJOIN:
-            threading.Thread(target=self._rejoin, name="rejoin-teacher", daemon=True).start()
-        else:
-            self._fail_undelivered(connection.error)
-
-    def _broke(self) -> None:
-        """The connection broke while rejoining: the lost session is gone, every undelivered batch fails."""
-        self._connection.session.stop()
-        self._fail_undelivered(self._connection.error)
-
-    def _rejoin(self) -> None:
-        """Joins again and sends the new session every undelivered batch, or fails them all.
-
-        Retries with exponential backoff (jittered, capped) for at most reconnect_timeout_s.
-        A refusal that retrying would not change (a different model, a wrong token) ends it
-        at once.
-        """
-        with self._cond:
-            if not self._connection.start_rejoining():
-                return  # closed meanwhile
-            lost, cause, deadline = self._connection.session, self._connection.cause, self._connection.deadline
-        start = time.monotonic()
-        log.warning("lost teacher %s (session %s): %s; joining again for up to %gs (reconnect_timeout_s)",
-                    self.address, lost.session_id, cause, self.reconnect_timeout_s)
-        # A teacher that is still up (it dropped the session, or the network blinked) frees its slot;
-        # one that ended the session says why.
-        answer = self._leave(lost.joined, timeout_s=min(self.rpc_timeout_s, 5.0))
-        if answer is not None:
-            with self._cond:
-                self._connection.explained(answer)
-        attempt = 0
-        while True:
-            with self._cond:
-                go = self._connection.may_attempt()
-                broken = self._connection.state is State.BROKEN
-            if not go:
-                if broken:
-                    self._broke()
-                return
-            attempt += 1
-            try:
-                session = self._join_again(deadline)
-            except Exception as e:
-                with self._cond:
-                    pause_s = self._connection.attempt_failed(e)
-                    broken = self._connection.state is State.BROKEN
-                if pause_s is None:
-                    if broken:
-                        self._broke()
-                    return
-                log.warning("reconnect attempt %d to teacher %s failed, %.1fs after losing it: %s; next in %.1fs",
-                            attempt, self.address, time.monotonic() - start, e, pause_s)
-                self._wait_closed(pause_s)
-                continue
-            try:
-                resent = self._install(session)
-            except Exception:
-                if self._connection.state is State.CLOSED:
-                    return  # closed while starting the new session
-                raise
-            if resent is not None:
-                log.info("reconnected to teacher %s as session %s after %.1fs (attempt %d); re-submitted %d batches",
-                         self.address, session.session_id, time.monotonic() - start, attempt, resent)
-            return
-
-    def _join_again(self, deadline: float) -> Session:
-        """One attempt: Join with the first Join's request, check the teacher serves the same, form the group."""
-        joined = self._call("Join", self._join_request, timeout_s=max(0.1, min(self.rpc_timeout_s,
-                                                                              deadline - time.monotonic())))
-        try:
-            self._check_same_teacher(joined)
-            # The group forms in about a second; a last attempt gets that much even past the deadline.
-            session = self._connect(joined, min(self.join_timeout_s, max(1.0, deadline - time.monotonic())))
-            try:
-                self._check_same_join_data(session.joined_data)
-            except BaseException:
-                session.stop()
-                raise
-            return session
-        except BaseException:
-            self._leave(joined, timeout_s=min(self.rpc_timeout_s, 5.0))
-            raise
-
-    def _check_same_join_data(self, joined_data: JoinData) -> None:
-        """A teacher that came back with another output head would change the loss mid-run."""
-        head, before = joined_data.head, self.joined.head
-        if before is not None and (head is None or not torch.equal(head.weight, before.weight)
-                                   or (head.bias is None) != (before.bias is None)
-                                   or (head.bias is not None and not torch.equal(head.bias, before.bias))
-                                   or head.facts != before.facts):
-            raise Incompatible("the teacher came back with another output head: its outputs would not continue "
-                               "this run; restart the job against it", grpc.StatusCode.FAILED_PRECONDITION)
-
-    def _check_same_teacher(self, joined: pb.JoinResponse) -> None:
-        info = TeacherInfo.from_proto(joined.info)
-        changed = [f"{name} {getattr(self.info, name)} -> {getattr(info, name)}"
-                   for name in ("vocab_size", "hidden_size", "num_layers")
-                   if getattr(info, name) != getattr(self.info, name)]
-        if joined.backend != self.backend:
-            changed.append(f"backend {self.backend} -> {joined.backend}")
-        if info.quantization != self.info.quantization:  # another precision is another distribution
-            changed.append(f"decoder linears {self.info.quantization} -> {info.quantization}")
-        if wire.parse_output_dtype(joined.output_dtype) != self.output_dtype:
-            changed.append(f"output dtype {self.output_dtype} -> {joined.output_dtype}")
-        if self.matched_student_ids is not None:  # a projection onto other columns would be read as this one
-            matched = (wire.decode(joined.alignment.matched_student_ids, what="matched_student_ids",
-                                   dtypes=wire.ID_DTYPES, max_elements=max(1, joined.alignment.student_vocab_size))
-                       if joined.HasField("alignment") else None)
-            if matched is None or not torch.equal(matched.long(), self.matched_student_ids):
-                changed.append("the student ids its vocabulary matches")
-        if changed:
-            raise Incompatible(f"the teacher came back different ({', '.join(changed)}): its outputs would not "
-                               "continue this run; restart the job against it", grpc.StatusCode.FAILED_PRECONDITION)
-        if info.model_name != self.info.model_name:
-            log.warning("teacher %s came back serving %s (was %s)", self.address, info.model_name,
-                        self.info.model_name)
-
-    def _install(self, session: Session) -> int | None:
-        """Makes `session` current and sends it every undelivered batch, in submit order.
-
-        Returns how many were sent, or None when the client was closed meanwhile.
-        """
-        with self._submit_lock:  # no submit in between: it would go to the lost session or be sent twice
-            with self._cond:
-                installed = self._connection.rejoined(session)
-                if installed:
-                    hopeless = self._connection.not_to_resubmit(self._undelivered)
-                    failed = [(self._undelivered.pop(batch_id), error) for batch_id, error in hopeless.items()]
-                    batches = list(self._undelivered.values())
-                    self._cond.notify_all()  # close() waits for _undelivered to empty
-            if not installed:
-                session.stop()
-                self._leave(session.joined, timeout_s=min(self.rpc_timeout_s, 5.0))
-                return None
-            self.heartbeat_interval_s = session.joined.heartbeat_interval_s
-            if self._transfer_timeout_arg is None:
-                self.transfer_timeout_s = session.joined.timeout_s
-            self._start(session)
-            for batch in batches:
-                session.send(batch)
-        self.reconnects += 1
-        for batch, error in failed:  # taken out of _undelivered above: resolved here, once
-            log.error("%s", error)
-            batch.future.set_exception(error)
-        return len(batches)
 
     # ---- plumbing ----------------------------------------------------------------
 
@@ -576,22 +373,6 @@ class TeacherClient:
         """Sleeps `timeout_s`, less when the client is closed meanwhile; True when it is."""
         with self._cond:
             return self._cond.wait_for(lambda: self._connection.state is State.CLOSED, timeout_s)
-
-    def _send_heartbeats(self) -> None:
-        while not self._wait_closed(self.heartbeat_interval_s):
-            with self._cond:
-                state, session = self._connection.state, self._connection.session
-            if state is State.BROKEN:
-                return
-            if state is not State.CONNECTED:
-                continue  # reconnecting: the next session's lease starts at its Join
-            try:
-                self._call("Heartbeat", pb.HeartbeatRequest(session_id=session.session_id), joined=session.joined)
-            except TeacherError as e:
-                if self._connection.state is State.CLOSED:
-                    return
-                log.warning("heartbeat failed: %s", e)
-                self._session_failed(session, e, heartbeat=True)
 
     def _leave(self, joined: pb.JoinResponse, timeout_s: float | None = None) -> TeacherError | None:
         """Leaves the session; the teacher's error, if any (NOT_FOUND names why it had ended it)."""

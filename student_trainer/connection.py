@@ -24,9 +24,9 @@ undelivered batch keeps why each session that held it ended; a batch that was se
 `max_resubmits` times, and whose last session ended too, is not sent again but fails with
 that history (`BatchNotServed`), and the client goes on with the others.
 
-No threads, no sockets, no lock: TeacherClient calls it under its own lock, and the
-transitions are tested alone (tests/test_connection.py). The clock and the jitter of
-the backoff are injected.
+No threads, no sockets, no lock: TeacherClient's joining procedure (student_trainer/joining.py)
+calls it under the client's lock, and the transitions are tested alone
+(tests/test_connection.py). The clock and the jitter of the backoff are injected.
 """
 
 from __future__ import annotations
