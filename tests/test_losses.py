@@ -40,13 +40,7 @@ def reference_per_token(student_logits, teacher_logits, kind, temperature, beta)
     """Divergence per token in float64, the textbook way: p teacher, q student."""
     log_q = torch.log_softmax(student_logits.double() / temperature, dim=-1)
     log_p = torch.log_softmax(teacher_logits.double() / temperature, dim=-1)
-    p, q = log_p.exp(), log_q.exp()
-    if kind == "forward_kl":
-        return (p * (log_p - log_q)).sum(-1)
-    if kind == "reverse_kl":
-        return (q * (log_q - log_p)).sum(-1)
-    log_m = (beta * p + (1 - beta) * q).log()
-    return beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (q * (log_q - log_m)).sum(-1)
+    return reference_divergence(log_p, log_q, kind, beta)
 
 
 def masked_mean(per_token, mask):
