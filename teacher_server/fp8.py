@@ -27,8 +27,11 @@ gate/up, the SwiGLU product before down). bench/fp8_teacher.py measures each var
 
 Before a model quantized here serves, `verify` runs one layer of each shape against the
 reference on its own device: a scale layout that this torch's `_scaled_mm` reads otherwise
-(cuBLAS reads 128 x 128 scale rows in multiples of 4 blocks, hence the K padding below) would
-otherwise give wrong outputs without an error.
+would give wrong outputs without an error. Measured on an H200 (torch 2.11, CUDA 13;
+`python -m bench.investigations.fp8_block_layout`): cuBLAS reads each row of 128 x 128 weight
+scales as a multiple of 4 K-blocks (an unpadded count of 2 or 6 gave errors of 1e2-1e3, hence
+the K padding below), and refuses 1 x 128 activation scales for a row count that is not a
+multiple of 4 (hence the row padding).
 """
 
 from __future__ import annotations
@@ -129,6 +132,7 @@ def reference_linear(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torc
 # cuBLAS reads each row of 128 x 128 weight scales as a multiple of 4 K-blocks: a layer with
 # another count is padded with zero columns (and its input with zeros) to the next multiple.
 _K_BLOCK_MULTIPLE = 4
+_M_ROW_MULTIPLE = 4
 # The self-check's bound on |FP8Linear - reference| / |reference|: the bf16 rounding of the
 # output and the float32 sums' order, far under any layout or scale error (which gives ~1).
 _CHECK_RTOL = 1e-2
@@ -194,14 +198,17 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self._k_pad:
-            x2 = torch.nn.functional.pad(x2, (0, self._k_pad))
+        rows = x2.shape[0]
+        if self.scaling == "block" and (self._k_pad or rows % _M_ROW_MULTIPLE):
+            # cuBLAS refuses 1 x 128 scales whose M-major leading dimension is not a multiple of 4
+            # (CUBLAS_STATUS_NOT_SUPPORTED): rows padded with zeros, as the in-features are.
+            x2 = torch.nn.functional.pad(x2, (0, self._k_pad, 0, (-rows) % _M_ROW_MULTIPLE))
         xq, xs = self.quantize(x2)
         if self.scaling == "block":
             xs = xs.t().contiguous().t()  # cuBLAS reads 1 x 128 scales M-major
         out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self._scale_b, bias=self.bias,
                                out_dtype=x.dtype)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out[:rows].reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scaling={self.scaling}"
