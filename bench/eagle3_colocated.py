@@ -17,7 +17,9 @@ same run on the same inputs (--paths):
   (`ttt_attention`), AdamW over the float32 weights;
 - `fused`: bfloat16 weights with float32 master weights in a fused AdamW
   (student_trainer/eagle3/precision.py), the unroll's attention one causal kernel per step merged
-  with its diagonal (`merged_ttt_attention`, --attention picks the kernel).
+  with its diagonal (`merged_ttt_attention`, --attention picks the kernel), and, as the trainer
+  does on CUDA (`--compile auto`), the draft layer's elementwise work and the loss chunks through
+  torch.compile (--compile picks: on, off, loss, layer).
 
 The table has, per length and path, tokens per second, the time of each half, each half's model
 FLOPs per second and share of the device's bf16 peak (--peak-tflops; docs/eagle3.md has the
@@ -335,8 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", default="flash", help="the fused path's causal kernel: flash or cudnn")
     parser.add_argument("--chunk-scores", type=int, default=1 << 28,
                         help="attention scores held per query chunk of the reference path (float32 elements)")
-    parser.add_argument("--compile-loss", action="store_true", help="the fused path's loss chunks through torch.compile")
-    parser.add_argument("--compile-layer", action="store_true", help="the fused path's draft layer through torch.compile")
+    parser.add_argument("--compile", choices=("on", "off", "loss", "layer"), default="on",
+                        help="what of the fused path runs through torch.compile: its loss chunks and draft layer "
+                             "(on, as the trainer on CUDA), neither, or one")
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS, help="the device's bf16 peak")
     parser.add_argument("--profile-dir", default="", help="write a profile of one fused step here")
     parser.add_argument("--profile-lengths", default="2048,16384")
@@ -347,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--paths: one or more of {PATHS}")
     about, rows = measure(args.shape, [int(x) for x in args.seq_lens.split(",")], args.steps, args.ttt_steps,
                           torch.device(args.device), paths, args.attention, args.chunk_scores,
-                          [int(x) for x in args.profile_lengths.split(",") if x], args.profile_dir, args.compile_loss,
-                          args.compile_layer)
+                          [int(x) for x in args.profile_lengths.split(",") if x], args.profile_dir,
+                          args.compile in ("on", "loss"), args.compile in ("on", "layer"))
     emit([about, "", *table(rows, args.peak_tflops), *loss_table(rows)], args.out, figures=rows)
     return 0
 

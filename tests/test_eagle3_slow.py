@@ -2,6 +2,8 @@
 
 - DDP: two ranks of `torchrun ... student_trainer eagle3` (one sequence each) train the draft
   that one process trains on both sequences: the same weights, the same accuracies.
+- `--compile on` (torch.compile of the draft layer and the loss chunks, the default on CUDA)
+  trains the draft that `--compile off` trains: the same per-step losses in float32.
 - The demo: `python -m distill_demo.eagle3` drafts for the demo's teacher with a mean acceptance
   length above 1.5 on held-out source, and its per-step accuracies fall with the step index.
   It reuses the cache `make demo` fills (.cache/distill_demo): a cold cache trains the teacher
@@ -37,14 +39,30 @@ def run(command: list[str], timeout_s: float) -> str:
     return done.stdout
 
 
+def eagle3_command(server, teacher_dir, corpus, output_dir, batch_size: int, *extra: str) -> list[str]:
+    return ["-m", "student_trainer", "eagle3", "--teacher", server.address, "--target-model", str(teacher_dir),
+            "--data", str(corpus["train"]), "--output-dir", str(output_dir), "--seq-len", str(SEQ_LEN),
+            "--batch-size", str(batch_size), "--ttt-steps", "3", "--draft-vocab-size", str(DRAFT_VOCAB),
+            "--max-steps", "3", "--teacher-dtype", "float32", "--export-dtype", "float32", "--lr", "3e-3",
+            "--device", "cpu", "--job-id", output_dir.name, *extra]
+
+
+@pytest.mark.timeout(900)
+def test_the_compiled_draft_step_trains_the_eager_ones_draft(server, teacher_dir, corpus, tmp_path):  # noqa: F811
+    losses = {}
+    for mode in ("off", "on"):
+        run([sys.executable, *eagle3_command(server, teacher_dir, corpus, tmp_path / mode, 2, "--compile", mode)], 600)
+        records = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+        losses[mode] = [r["loss"] for r in records if "loss" in r]
+    assert len(losses["on"]) == len(losses["off"]) == 3, losses
+    # float32: compiled kernels sum in another order, nothing more
+    assert losses["on"] == pytest.approx(losses["off"], rel=1e-4), losses
+
+
 @pytest.mark.timeout(900)
 def test_two_ddp_ranks_train_the_draft_one_process_trains(server, teacher_dir, corpus, tmp_path):  # noqa: F811
     def eagle3(output_dir, batch_size: int) -> list[str]:
-        return ["-m", "student_trainer", "eagle3", "--teacher", server.address, "--target-model", str(teacher_dir),
-                "--data", str(corpus["train"]), "--output-dir", str(output_dir), "--seq-len", str(SEQ_LEN),
-                "--batch-size", str(batch_size), "--ttt-steps", "3", "--draft-vocab-size", str(DRAFT_VOCAB),
-                "--max-steps", "3", "--teacher-dtype", "float32", "--export-dtype", "float32", "--lr", "3e-3",
-                "--device", "cpu", "--job-id", output_dir.name]
+        return eagle3_command(server, teacher_dir, corpus, output_dir, batch_size)
 
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     run([sys.executable, *eagle3(single, 2)], 300)

@@ -202,7 +202,13 @@ def _train(cfg: Eagle3Config, draft: Eagle3Draft, teacher, tokenizer, batches: B
             master.master_to_params()
         step = state["step"]
 
-    trained = Eagle3Training(draft, cfg.ttt_steps)
+    compiled = cfg.compile == "on" or (cfg.compile == "auto" and device.type == "cuda")
+    if compiled:
+        draft.compile_layer()
+        if rank == 0:
+            log.info("draft layer and loss chunks through torch.compile (--compile off to run them eagerly); the "
+                     "first steps include the compilation")
+    trained = Eagle3Training(draft, cfg.ttt_steps, compile_loss=compiled)
     if world_size > 1:
         # The buffers (d2t, t2d) never change: nothing to broadcast each forward.
         trained = torch.nn.parallel.DistributedDataParallel(
