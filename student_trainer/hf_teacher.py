@@ -15,6 +15,7 @@ import logging
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 
@@ -34,34 +35,28 @@ FEED_CLIENT_ARGUMENTS = frozenset({"address", "device", "outputs", "tokenizer", 
                                    "job_id", "job_rank", "auth_token", "join_timeout_s", "transfer_timeout_s"})
 
 
+@dataclass(eq=False)
 class TeacherFeed:
-    """Teacher outputs for the micro-batches of a Trainer's steps, in the order it trains them.
+    """Teacher outputs for the micro-batches of a Trainer's steps, in the order it trains them."""
 
-    address: host:port of a live teacher (None: the store alone). store: a directory of the
-    teacher's outputs (None: the live teacher alone). outputs: the kinds asked for. device, job_id,
-    job_rank, tokenizer, vocab_size: this process's part of the job, told to the teacher at join.
-    timeout_s: the longest wait to join and for one batch's outputs. summary: what this rank
-    distils, for the log line at join. client_options: more keyword arguments of `TeacherClient`.
-    """
-
-    def __init__(self, address: str | None, store: str | None, outputs: tuple, *, device, job_id: str,
-                 job_rank: int, tokenizer, vocab_size: int, timeout_s: float, auth_token: str | None,
-                 client_options: dict, summary: str):
-        self.address = address
-        self.store = store
-        self.outputs = outputs
-        self.device = device
-        self.job_id = job_id
-        self.job_rank = job_rank
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.timeout_s = timeout_s
-        self.auth_token = auth_token
-        self.client_options = client_options
-        self.summary = summary
-        self.teacher = None  # the source once joined: a TeacherClient or a StoreTeacher
-        self._upcoming: deque[dict] = deque()  # this step's micro-batches, not yet submitted
-        self._inflight: deque[tuple[torch.Tensor, Future]] = deque()  # submitted: (input_ids, future)
+    address: str | None  # host:port of a live teacher (None: the store alone)
+    store: str | None  # a directory of the teacher's outputs (None: the live teacher alone)
+    outputs: tuple  # the kinds asked for
+    _: KW_ONLY
+    # This process's part of the job, told to the teacher at join.
+    device: torch.device | str
+    job_id: str
+    job_rank: int
+    tokenizer: object
+    vocab_size: int
+    timeout_s: float  # the longest wait to join and for one batch's outputs
+    auth_token: str | None = field(repr=False)  # a secret: kept out of reprs
+    client_options: dict  # more keyword arguments of TeacherClient
+    summary: str  # what this rank distils, for the log line at join
+    teacher: object = field(default=None, init=False)  # the source once joined: a TeacherClient or a StoreTeacher
+    # This step's micro-batches not yet submitted, and those submitted: (input_ids, future).
+    _upcoming: deque[dict] = field(default_factory=deque, init=False)
+    _inflight: deque[tuple[torch.Tensor, Future]] = field(default_factory=deque, init=False)
 
     def step(self, batch_samples: list[dict]) -> None:
         """The micro-batches of the next optimizer step, which the Trainer trains next, in this
