@@ -32,6 +32,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench.cuda_timing import median_call_ms
 from bench.table import emit
 from teacher_server import fp8
 
@@ -82,15 +83,7 @@ def time_forward(model, rows: int, seq: int, vocab: int, iters: int) -> tuple[fl
         forward()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        forward()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30
+    return median_call_ms(forward, iters), torch.cuda.max_memory_allocated() / 2**30
 
 
 def speed(args, rows_out: list, figures: dict) -> None:

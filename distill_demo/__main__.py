@@ -6,20 +6,12 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from distill_common.settings import ConfigError, settings_from, settings_parser
-    from distill_demo.config import QUICK, DemoConfig
+    from distill_demo.config import QUICK, DemoConfig, parse_settings
 
-    parser = settings_parser(
-        DemoConfig, prog="python -m distill_demo",
-        description="Train a small teacher on the Python stdlib, serve it, and distil two students from it at "
-                    "once; compare them with the same students trained without a teacher. CPU only, no downloads.")
-    if parser.parse_known_args(argv)[0].quick:
-        parser.set_defaults(**QUICK)  # the preset's values, under the flags given explicitly
-    args = parser.parse_args(argv)
-    try:
-        config = settings_from(DemoConfig, args)
-    except ConfigError as e:
-        parser.error(str(e))
+    config = parse_settings(
+        DemoConfig, argv, "python -m distill_demo",
+        "Train a small teacher on the Python stdlib, serve it, and distil two students from it at once; compare "
+        "them with the same students trained without a teacher. CPU only, no downloads.", quick=QUICK)
 
     from distill_demo.demo import run_demo
     from distill_demo.processes import run_command

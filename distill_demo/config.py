@@ -122,3 +122,19 @@ class DemoConfig:
 def settings_key(settings: dict) -> str:
     """A short, stable name for a set of settings (a cache directory's suffix)."""
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def parse_settings(settings: type, argv: list[str] | None, prog: str, description: str, quick: dict | None = None):
+    """The demo command's `settings` from its flags. `quick`: the preset `--quick` applies, under
+    the flags given explicitly (None: the command has no --quick). A value the settings refuse
+    ends the command with a usage error that names the flag."""
+    from distill_common.settings import settings_from, settings_parser
+
+    parser = settings_parser(settings, prog=prog, description=description)
+    if quick is not None and parser.parse_known_args(argv)[0].quick:
+        parser.set_defaults(**quick)
+    args = parser.parse_args(argv)
+    try:
+        return settings_from(settings, args)
+    except ConfigError as e:
+        parser.error(str(e))

@@ -187,18 +187,10 @@ def table(cfg: CrossTokenizerConfig, result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from distill_common.settings import ConfigError, settings_from, settings_parser
-    from distill_demo.config import QUICK
+    from distill_demo.config import QUICK, parse_settings
 
-    parser = settings_parser(CrossTokenizerConfig, prog="python -m distill_demo.cross_tokenizer",
-                             description=__doc__.splitlines()[0])
-    if parser.parse_known_args(argv)[0].quick:
-        parser.set_defaults(**QUICK, student_vocab_size=300)
-    args = parser.parse_args(argv)
-    try:
-        config = settings_from(CrossTokenizerConfig, args)
-    except ConfigError as e:
-        parser.error(str(e))
+    config = parse_settings(CrossTokenizerConfig, argv, "python -m distill_demo.cross_tokenizer",
+                            __doc__.splitlines()[0], quick={**QUICK, "student_vocab_size": 300})
     from distill_demo.processes import run_command
 
     return run_command("distill_demo.cross_tokenizer", lambda: run(config))

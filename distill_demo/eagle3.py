@@ -138,16 +138,11 @@ def run_eagle3_demo(cfg: Eagle3DemoConfig) -> Eagle3DemoResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from distill_common.settings import settings_from, settings_parser
+    from distill_demo.config import parse_settings
 
-    parser = settings_parser(Eagle3DemoConfig, prog="python -m distill_demo.eagle3",
-                             description="Train an EAGLE-3 draft for the demo's teacher from the served teacher, and "
-                                         "report its acceptance length on held-out source. CPU only, no downloads.")
-    args = parser.parse_args(argv)
-    try:
-        config = settings_from(Eagle3DemoConfig, args)
-    except ConfigError as e:
-        parser.error(str(e))
+    config = parse_settings(Eagle3DemoConfig, argv, "python -m distill_demo.eagle3",
+                            "Train an EAGLE-3 draft for the demo's teacher from the served teacher, and report its "
+                            "acceptance length on held-out source. CPU only, no downloads.")
     return run_command("distill_demo.eagle3", lambda: run_eagle3_demo(config))
 
 

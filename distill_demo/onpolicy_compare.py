@@ -42,6 +42,7 @@ from pathlib import Path
 
 from distill_common.settings import ConfigError, IntTuple, flag, non_defaults
 from distill_demo.config import ModelShape, settings_key
+from distill_demo.demo import say
 
 STEPS = 5
 # name, label, trainer flags (beyond the shared ones); the teacher is passed to all but the first.
@@ -134,10 +135,6 @@ class CompareConfig:
     def warmup_settings(self, seed: int) -> dict:
         return {"data": self.data_settings(), "shape": dataclasses.asdict(self.student), "steps": self.warmup_steps,
                 "lr": self.warmup_lr, "batch_size": self.batch_size, "seed": seed, "schedule": "cosine"}
-
-
-def say(message: str = "") -> None:
-    print(message, flush=True)
 
 
 # ---- 1. data ----------------------------------------------------------------------------------
@@ -480,17 +477,10 @@ def run(cfg: CompareConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from distill_common.settings import settings_from, settings_parser
+    from distill_demo.config import parse_settings
 
-    parser = settings_parser(CompareConfig, prog="python -m distill_demo.onpolicy_compare",
-                             description=__doc__.split("\n\n")[0])
-    if parser.parse_known_args(argv)[0].quick:
-        parser.set_defaults(**QUICK)
-    args = parser.parse_args(argv)
-    try:
-        cfg = settings_from(CompareConfig, args)
-    except ConfigError as e:
-        parser.error(str(e))
+    cfg = parse_settings(CompareConfig, argv, "python -m distill_demo.onpolicy_compare", __doc__.split("\n\n")[0],
+                         quick=QUICK)
     from distill_demo.processes import run_command
 
     return run_command("onpolicy_compare", lambda: run(cfg))

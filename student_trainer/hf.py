@@ -32,17 +32,13 @@ Prefetch. The Trainer draws an optimizer step's micro-batches before training th
 (``get_batch_samples``); the teacher's outputs for micro-batch i + 1 are requested when
 micro-batch i starts, so the teacher works while the student trains. At most two micro-batches
 of teacher outputs are held at once. Every micro-batch, including the first of a step, is
-submitted before the student's forward and awaited after it.
+submitted before the student's forward and awaited after it (student_trainer/hf_teacher.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-from collections import deque
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 import torch.nn.functional as F
@@ -51,15 +47,7 @@ from transformers import Trainer
 from distill_common.attention_inputs import AttentionCapture
 from distill_common.outputs import AttentionInputs, FinalHidden, Logits, TeacherOutput, TopK
 from student_trainer import losses
-from student_trainer.client import TeacherClient
-from student_trainer.errors import TeacherUnavailable
-
-log = logging.getLogger(__name__)
-
-# Micro-batches submitted to the teacher beyond the one training: enough to hide the
-# teacher's forward behind the student's step, while only two batches of [B, S, V]
-# teacher logits are alive on the device.
-PREFETCH_MICRO_BATCHES = 1
+from student_trainer.hf_teacher import FEED_CLIENT_ARGUMENTS, TeacherFeed
 
 
 class DistillationTrainer(Trainer):
@@ -119,8 +107,7 @@ class DistillationTrainer(Trainer):
         if head_on_student and kd_weight == 0:
             raise ValueError("head_on_student applies the teacher's output head for the KD term: it needs kd_weight > 0")
         options = dict(teacher_client_options or {})
-        taken = {"address", "device", "outputs", "tokenizer", "vocab_size", "max_inflight", "job_id",
-                 "job_rank", "auth_token", "join_timeout_s", "transfer_timeout_s"} & options.keys()
+        taken = FEED_CLIENT_ARGUMENTS & options.keys()
         if taken:
             raise ValueError(f"teacher_client_options may not set {sorted(taken)}: the trainer sets them (use "
                              "its own arguments, e.g. topk=, teacher_timeout_s=, teacher_auth_token=)")
@@ -144,9 +131,7 @@ class DistillationTrainer(Trainer):
         self.attention_block_rows = attention_block_rows
         self._capture: AttentionCapture | None = None  # the student's attention inputs, once the teacher joined
         self._attention_map: dict[int, int] = {}  # teacher decoder layer -> the student's
-        self._teacher: TeacherClient | None = None
-        self._upcoming: deque[dict] = deque()  # this step's micro-batches, not yet submitted
-        self._inflight: deque[tuple[torch.Tensor, Future]] = deque()  # submitted: (input_ids, future)
+        self._feed: TeacherFeed | None = None  # the teacher's outputs, when distilling
         self._since_log: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (sum, count) of micro-batch means
         if not self.distils:
             return
@@ -164,7 +149,14 @@ class DistillationTrainer(Trainer):
         if head is None:
             raise ValueError(f"DistillationTrainer distils next-token logits: {type(self.model).__name__} has no "
                              "output embedding (get_output_embeddings() is None); use a causal LM")
-        self._student_vocab_size = head.weight.shape[0]
+        # A processor (multimodal) carries its tokenizer; the teacher compares fingerprints.
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        self._feed = TeacherFeed(
+            teacher_address, teacher_outputs, self._teacher_outputs(), device=self.args.device,
+            job_id=self.args.run_name or os.path.basename(os.path.normpath(self.args.output_dir)),
+            job_rank=self.args.process_index, tokenizer=tokenizer if hasattr(tokenizer, "get_vocab") else None,
+            vocab_size=head.weight.shape[0], timeout_s=self.teacher_timeout_s, auth_token=teacher_auth_token,
+            client_options=options, summary=self._summary())
 
     # ---- the loss ------------------------------------------------------------------------
 
@@ -186,7 +178,7 @@ class DistillationTrainer(Trainer):
         if packed:
             raise ValueError(f"the batch carries {packed}: packed (padding-free) batches are not supported, since the "
                              "teacher sees only input_ids and attention_mask. Use a padding collator")
-        future = self._teacher_future(inputs, from_prefetch=model.training)
+        future = self._feed.future(inputs, from_prefetch=model.training)
 
         # The same rule as Trainer.training_step's: with a token count for the whole step the
         # model's CE is already a share of the step's mean, and the Trainer will not divide by
@@ -205,7 +197,7 @@ class DistillationTrainer(Trainer):
         n_tokens = mask.sum()
         token_share = n_tokens / num_items_in_batch if scaled else 1.0
 
-        teacher_out = self._wait(future)
+        teacher_out = self._feed.wait(future)
         loss = logits.new_zeros((), dtype=torch.float32)
         if self.kd_weight > 0:
             kd = self._kd(logits[:, :-1], teacher_out, mask)  # mean over this micro-batch's targets
@@ -237,7 +229,7 @@ class DistillationTrainer(Trainer):
                        chunk_tokens=self.kd_chunk_tokens)
         device = student.device  # the client's device, unless the model is split over several
         if self.head_on_student:
-            head = self._teacher.joined.head
+            head = self._feed.teacher.joined.head
             return losses.kd_loss_from_hidden(student, out.final_hidden[:, :-1].to(device), head, mask,
                                               topk=self.topk, tail=self.topk_tail, **options)
         if self.topk:
@@ -263,7 +255,7 @@ class DistillationTrainer(Trainer):
         if self._capture is None:
             from student_trainer.train import attention_layer_for
 
-            teacher_layers = self._teacher_client().info.num_layers
+            teacher_layers = self._feed.client().info.num_layers
             student_layers = self.model.config.num_hidden_layers
             self._attention_map = {t: attention_layer_for(t, teacher_layers, student_layers)
                                    for t in self.attention_layers}
@@ -275,91 +267,8 @@ class DistillationTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.distils:
-            # The Trainer trains these next, in this order, one training_step each; the previous
-            # step's micro-batches have all been consumed by now.
-            self._inflight.clear()
-            self._upcoming = deque(batch_samples)
-            self._submit_until(1)
+            self._feed.step(batch_samples)  # the Trainer trains these next, in this order
         return batch_samples, num_items_in_batch
-
-    def _teacher_future(self, inputs: dict, from_prefetch: bool) -> Future:
-        """The future of the teacher's outputs for `inputs`: the prefetched one in training."""
-        if from_prefetch:
-            self._submit_until(1)
-        if not (from_prefetch and self._inflight):
-            return self._submit(inputs)  # evaluation, or a call from outside the Trainer's loop
-        queued_ids, future = self._inflight.popleft()
-        input_ids = inputs["input_ids"]
-        if not (queued_ids is input_ids or (queued_ids.shape == input_ids.shape
-                                            and torch.equal(queued_ids.to(input_ids.device), input_ids))):
-            raise RuntimeError(
-                "the micro-batch in compute_loss is not the one the Trainer drew for this step, so the teacher's "
-                "outputs would be for other tokens. Something between get_batch_samples and compute_loss changed "
-                "input_ids; context and sequence parallelism do (they shard sequences, and the teacher must see "
-                "them whole): they are not supported with DistillationTrainer")
-        self._submit_until(PREFETCH_MICRO_BATCHES)  # the teacher works on the next while this one trains
-        return future
-
-    def _submit_until(self, inflight: int) -> None:
-        """Submits this step's next micro-batches until `inflight` are in flight or none is left."""
-        while self._upcoming and len(self._inflight) < inflight:
-            batch = self._upcoming.popleft()
-            self._inflight.append((batch["input_ids"], self._submit(batch)))
-
-    def _submit(self, batch: dict) -> Future:
-        if "input_ids" not in batch:
-            raise ValueError(f"DistillationTrainer sends the batch's input_ids to the teacher, but the batch has only "
-                             f"{sorted(batch)}")
-        return self._teacher_client(batch["input_ids"].shape[-1]).submit(
-            batch["input_ids"], batch.get("attention_mask"), timeout_s=self.teacher_timeout_s)
-
-    def _wait(self, future: Future) -> TeacherOutput:
-        try:
-            return future.result(timeout=self.teacher_timeout_s)
-        except FutureTimeout:
-            raise TeacherUnavailable(f"{self._teacher.address if self._teacher else self.teacher_address} sent no "
-                                     f"outputs for a batch within "
-                                     f"{self.teacher_timeout_s:.0f}s: it is overloaded or stuck (see its log), or "
-                                     "raise teacher_timeout_s") from None
-
-    def _teacher_client(self, seq_len: int | None = None):
-        """The source of teacher outputs: a TeacherClient, or (teacher_outputs) a StoreTeacher over the
-        store, filled by the TeacherClient when there is one. `seq_len`: the first batch's, the length
-        of a store's rows when the teacher creates it."""
-        if self._teacher is None:
-            # A processor (multimodal) carries its tokenizer; the teacher compares fingerprints.
-            tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-            tokenizer = tokenizer if hasattr(tokenizer, "get_vocab") else None
-            job_id = self.args.run_name or os.path.basename(os.path.normpath(self.args.output_dir))
-            live = TeacherClient(
-                self.teacher_address, self.args.device, outputs=self._teacher_outputs(),
-                tokenizer=tokenizer, vocab_size=self._student_vocab_size, max_inflight=PREFETCH_MICRO_BATCHES + 1,
-                job_id=job_id, job_rank=self.args.process_index, auth_token=self.teacher_auth_token,
-                join_timeout_s=self.teacher_timeout_s, transfer_timeout_s=self.teacher_timeout_s,
-                **self.teacher_client_options) if self.teacher_address else None
-            self._teacher = live
-            if self.teacher_outputs:
-                from student_trainer.store import open_store_teacher
-
-                try:
-                    # Rows are found by their ids and mask: the batches must be those the store was
-                    # dumped from (fixed-length rows), or a teacher given to compute the others.
-                    self._teacher = open_store_teacher(
-                        self.teacher_outputs, self.args.device, self._teacher_outputs(), tokenizer=tokenizer,
-                        vocab_size=self._student_vocab_size, teacher=live,
-                        model_name=live.info.model_name if live is not None else "", seq_len=seq_len,
-                        timeout_s=self.teacher_timeout_s)
-                except BaseException:
-                    if live is not None:
-                        live.close()
-                    raise
-            log.info("rank %d distils from %s (%s): kd_weight %g, %s, temperature %g%s%s%s", self.args.process_index,
-                     self._teacher.address, self._teacher.info.model_name, self.kd_weight, self.kd_loss_kind,
-                     self.temperature, f", top-{self.topk} (tail: {self.topk_tail})" if self.topk else "",
-                     ", the teacher's head on the student" if self.head_on_student else "",
-                     f", attention layers {list(self.attention_layers)} weight {self.attention_weight:g}"
-                     if self.attention_layers else "")
-        return self._teacher
 
     def _teacher_outputs(self) -> tuple:
         kinds = []
@@ -370,13 +279,18 @@ class DistillationTrainer(Trainer):
             kinds.append(AttentionInputs(self.attention_layers))
         return tuple(kinds)
 
+    def _summary(self) -> str:
+        """What this rank distils, for the log line at join."""
+        return (f"kd_weight {self.kd_weight:g}, {self.kd_loss_kind}, temperature {self.temperature:g}"
+                + (f", top-{self.topk} (tail: {self.topk_tail})" if self.topk else "")
+                + (", the teacher's head on the student" if self.head_on_student else "")
+                + (f", attention layers {list(self.attention_layers)} weight {self.attention_weight:g}"
+                   if self.attention_layers else ""))
+
     def close_teacher(self) -> None:
         """Leaves the teacher session, if one is open (the next loss computation joins again)."""
-        self._upcoming.clear()
-        self._inflight.clear()
-        teacher, self._teacher = self._teacher, None
-        if teacher is not None:
-            teacher.close()
+        if self._feed is not None:
+            self._feed.close()
 
     # ---- lifetime and logs ---------------------------------------------------------------
 
@@ -389,9 +303,9 @@ class DistillationTrainer(Trainer):
     def __del__(self):
         # A trainer dropped without train() returning (evaluate() only, an interrupted notebook)
         # still leaves its session rather than waiting for the teacher's lease to expire.
-        teacher = self.__dict__.get("_teacher")
-        if teacher is not None:
-            teacher.close(timeout_s=0)
+        feed = self.__dict__.get("_feed")
+        if feed is not None and feed.teacher is not None:
+            feed.teacher.close(timeout_s=0)
 
     def _record(self, name: str, micro_batch_mean: torch.Tensor) -> None:
         total, count = self._since_log.get(name, (0.0, 0))

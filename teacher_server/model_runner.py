@@ -1,4 +1,4 @@
-"""Loads the teacher model and runs one forward over a packed batch.
+"""Runs the teacher model's forward over a packed batch (teacher_server/model_loading.py loads it).
 
 The runner knows nothing of sessions or the network: it takes token ids and a mask
 and returns the tensors the engine asked for (`ForwardNeeds`): logits, hidden states,
@@ -23,20 +23,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from distill_common.attention_inputs import AttentionCapture, AttentionCaptureError
-from distill_common.models import load_causal_lm
 from distill_common.outputs import AttentionFacts, ForwardNeeds, HeadFacts, JoinData, OutputHead
 from distill_common.session_group import nccl_version
 from distill_common.vocab import tokenizer_fingerprint
-from distill_common.wire import dtype_name, parse_output_dtype
+from distill_common.wire import dtype_name
 from teacher_server import fp8, parallel
 from teacher_server.cuda_graphs import ForwardGraphs
+from teacher_server.model_loading import load_model, load_tokenizer
 from teacher_server.parallel import TensorParallelError, World
 
 log = logging.getLogger(__name__)
@@ -137,12 +136,15 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         if model is not None and world is not None:
             raise ValueError("a model built by the caller runs on one process: leave `world` out")
-        self.quantization = fp8.Quantization()
-        self.model = model if model is not None else self._load(model_name, dtype, trust_remote_code, quantize)
+        if model is not None:
+            self.model, self.quantization = model, fp8.Quantization()
+        else:
+            self.model, self.quantization = load_model(model_name, self.device, world, dtype, trust_remote_code,
+                                                       quantize)
         self.model.eval().requires_grad_(False)
         # The model directory's tokenizer (None without one): fingerprinted for students, and what
         # cross-tokenizer sessions' rows are re-tokenized with (rank 0 only).
-        self.tokenizer = self._tokenizer(model_name) if world is None or world.leader else None
+        self.tokenizer = load_tokenizer(model_name) if world is None or world.leader else None
         config = self.model.config
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.info = ModelInfo(
@@ -174,108 +176,10 @@ class ModelRunner:
             world.start_keepalive()
         self.graphs = ForwardGraphs(self.model, self.device, cuda_graphs) if cuda_graphs else None
 
-    def _load(self, model_name: str, dtype: str, trust_remote_code: bool, quantize: fp8.Fp8Plan | None):
-        torch_dtype = parse_output_dtype(dtype) if dtype else None
-        published = self._published_fp8(model_name, trust_remote_code, quantize)
-        try:
-            if self.world is not None:
-                model = parallel.load_model(model_name, self.world, dtype=torch_dtype,
-                                            trust_remote_code=trust_remote_code, own_plan=quantize is not None)
-            else:
-                model = load_causal_lm(model_name, device=self.device, dtype=torch_dtype,
-                                       trust_remote_code=trust_remote_code)
-        except ValueError as e:
-            raise ValueError(f"--model: {e}") from e
-        if published:
-            fp8.adopt_published(model)
-            self.quantization = fp8.Quantization(fp8.FP8_E4M3, "block", "checkpoint")
-        elif quantize is not None:
-            problem = fp8.fp8_device_problem(self.device, quantize.scaling)
-            if problem:
-                raise fp8.FP8Unsupported(f"--quantize fp8: {problem}. Serve the model in its dtype (leave --quantize "
-                                         "out) or on such a GPU" + (" (--fp8-scaling row runs on CPU)"
-                                                                    if quantize.scaling == "block" else ""))
-            fp8.quantize_model(model, quantize)
-            layers = fp8.decoder_layers(model)
-            self.quantization = fp8.Quantization(fp8.FP8_E4M3, quantize.scaling, "quantized at load", tuple(
-                sorted({i % len(layers) for i in quantize.keep_layers})))
-        if self.quantization.format:
-            dtype = next(p.dtype for p in model.parameters() if p.dtype != fp8.FP8)
-            try:
-                checked = fp8.verify(model, dtype)
-            except fp8.FP8Unsupported as e:
-                if not published:
-                    raise
-                raise fp8.FP8Unsupported(f"--model {model_name}: {e}. To serve this FP8 checkpoint, dequantize it "
-                                         "(transformers' FineGrainedFP8Config(dequantize=True), save_pretrained) and "
-                                         "serve that directory") from e
-            log.info("FP8 self-check: %d layer shapes match the dequantize-then-multiply reference", checked)
-            self._compile_fp8(model, quantize.compile if quantize is not None else "auto")
-        return model
-
-    def _published_fp8(self, model_name: str, trust_remote_code: bool, quantize: fp8.Fp8Plan | None) -> bool:
-        """Whether `model_name` is a published FP8 checkpoint (transformers' fine-grained FP8 in its
-        config.json); refuses one this teacher cannot serve, before anything is loaded."""
-        from distill_common.models import BUILTIN_PREFIX, RANDOM_PREFIX, model_config
-
-        if model_name.startswith((BUILTIN_PREFIX, RANDOM_PREFIX)):
-            return False
-        try:
-            config = model_config(model_name, trust_remote_code)
-        except ValueError:
-            return False  # the load that follows says why
-        declared = fp8.checkpoint_quantization(config)
-        if declared is None:
-            return False
-        if quantize is not None:
-            raise ValueError(f"--quantize fp8: {model_name} is an FP8 checkpoint already (its config.json has a "
-                             "quantization_config); leave --quantize out")
-        block = declared.get("weight_block_size")
-        if list(block or ()) != [fp8.BLOCK, fp8.BLOCK]:
-            raise fp8.FP8Unsupported(f"--model {model_name}: FP8 weights with blocks {block}; the teacher serves "
-                                     "128 x 128 blocks (transformers' FineGrainedFP8Config default)")
-        problem = fp8.fp8_device_problem(self.device, "block")
-        if problem:
-            raise fp8.FP8Unsupported(
-                f"--model {model_name} is an FP8 checkpoint (128 x 128 block scales) and {problem}. Serve it on a "
-                "GPU of compute capability 9.0 (H100, H200), or dequantize it first: load it with transformers' "
-                "FineGrainedFP8Config(dequantize=True), save_pretrained, and serve that directory")
-        if self.world is not None:
-            raise fp8.FP8Unsupported(f"--model {model_name} is an FP8 checkpoint, and tensor parallelism shards "
-                                     "plain Linear weights: serve it on one GPU")
-        return True
-
-    def _compile_fp8(self, model, mode: str) -> None:
-        """Fuses each activation's quantization into the kernel that produces it (the layers
-        compiled), or at least into one kernel (the quantization compiled) under tensor parallelism,
-        whose collectives run between the linears. Eager quantization is slower than bf16."""
-        if mode == "auto":  # on a CPU, FP8 is for tests: compiling costs more than it saves
-            mode = "off" if self.device.type != "cuda" else "layers" if self.world is None else "quantize"
-        if mode == "layers" and self.world is not None:
-            raise ValueError("--fp8-compile layers: under tensor parallelism the layers' collectives run in hooks "
-                             "that a compiled layer would not keep; use --fp8-compile quantize (or auto)")
-        if mode == "layers":
-            fp8.compile_layers(model)
-        elif mode == "quantize":
-            fp8.compile_quantization(model)
-
     @property
     def healthy(self) -> bool:
         """False once the TP world broke: no forward can run again (always True for one process)."""
         return self.world is None or not self.world.error
-
-    @staticmethod
-    def _tokenizer(model_name: str):
-        if not os.path.isdir(model_name):  # builtin:, random: and hub ids without a local copy
-            return None
-        try:
-            from transformers import AutoTokenizer
-
-            return AutoTokenizer.from_pretrained(model_name)
-        except Exception as e:  # a model directory without a tokenizer: no check possible
-            log.warning("no tokenizer in %s (%s): students' vocabularies cannot be checked, and students with "
-                        "another tokenizer cannot be served", model_name, e)
-            return None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, needs: ForwardNeeds | None = None, *,
                 hidden: bool = False) -> ForwardOutputs:

@@ -253,7 +253,7 @@ def test_the_teachers_head_on_the_student_and_attention_relations(setup, server,
                                    attention_layers=(1,), attention_weight=0.3, attention_relation_heads=4)
     batch = default_data_collator(setup["rows"][:BATCH])
     loss = trainer.compute_loss(trainer.model, batch).item()
-    assert trainer._teacher.joined.head is not None
+    assert trainer._feed.teacher.joined.head is not None
     trainer.close_teacher()
 
     # KD against the teacher's logits run here (the server sent no logits, only its final hidden

@@ -15,24 +15,11 @@ import argparse
 
 import torch
 
+from bench.cuda_timing import median_call_ms
 from bench.table import emit
 from student_trainer.eagle3.attention import merged_ttt_attention
 
 HEADS, KV_HEADS, DIM, STEPS = 32, 8, 128, 7
-
-
-def timed_ms(fn, repeats: int = 5, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
 
 
 def unroll(kernel: str, length: int):
@@ -83,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             candidates.append(("flex (causal part only)", lambda: flex_causal(length)))
         for name, build in candidates:
             try:
-                ms = timed_ms(build())
+                ms = median_call_ms(build(), repeats=5, warmup=2)
                 lines.append(f"| {length} | {name} | {ms:.1f} | {flops / ms / 1e9:.0f} |")
             except Exception as e:  # noqa: BLE001 - a kernel this build lacks is a row, not the end of the run
                 lines.append(f"| {length} | {name} | failed: {type(e).__name__}: {str(e)[:120]} | |")

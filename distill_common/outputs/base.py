@@ -9,7 +9,7 @@ import abc
 import functools
 import operator
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -41,44 +41,42 @@ class TensorSpec(NamedTuple):
 _NOT_REPORTED = "this teacher does not report it (an older teacher_server?)"
 
 
+class _InfoMirror:
+    """A frozen dataclass whose fields are those of a TeacherInfo part (`info`), one for one and
+    of the same scalar types, so that each converts to the other field by field."""
+
+    info: ClassVar[type]
+
+    @classmethod
+    def from_info(cls, info):
+        return cls(**{f.name: getattr(info, f.name) for f in fields(cls)})
+
+    def to_info(self):
+        return self.info(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
 @dataclass(frozen=True)
-class HeadFacts:
+class HeadFacts(_InfoMirror):
     """The teacher's output head as TeacherInfo.head describes it: logits =
     softcap(logit_scale * (h W^T + b)); `unavailable` says why the student cannot apply it."""
 
+    info: ClassVar[type] = pb.OutputHeadInfo
     bias: bool = False
     final_logit_softcapping: float = 0.0
     logit_scale: float = 1.0
     unavailable: str = _NOT_REPORTED
 
-    @classmethod
-    def from_info(cls, head: pb.OutputHeadInfo) -> "HeadFacts":
-        return cls(bias=head.bias, final_logit_softcapping=head.final_logit_softcapping,
-                   logit_scale=head.logit_scale, unavailable=head.unavailable)
-
-    def to_info(self) -> pb.OutputHeadInfo:
-        return pb.OutputHeadInfo(bias=self.bias, final_logit_softcapping=self.final_logit_softcapping,
-                                 logit_scale=self.logit_scale, unavailable=self.unavailable)
-
 
 @dataclass(frozen=True)
-class AttentionFacts:
+class AttentionFacts(_InfoMirror):
     """The widths of one layer's attention inputs (TeacherInfo.attention); `unavailable` says
     why the teacher cannot send them."""
 
+    info: ClassVar[type] = pb.AttentionInputsInfo
     query_width: int = 0
     key_width: int = 0
     value_width: int = 0
     unavailable: str = _NOT_REPORTED
-
-    @classmethod
-    def from_info(cls, attention: pb.AttentionInputsInfo) -> "AttentionFacts":
-        return cls(query_width=attention.query_width, key_width=attention.key_width,
-                   value_width=attention.value_width, unavailable=attention.unavailable)
-
-    def to_info(self) -> pb.AttentionInputsInfo:
-        return pb.AttentionInputsInfo(query_width=self.query_width, key_width=self.key_width,
-                                      value_width=self.value_width, unavailable=self.unavailable)
 
 
 @dataclass(frozen=True)

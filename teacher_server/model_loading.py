@@ -1,0 +1,130 @@
+"""Loads the teacher's model for the model runner: its weights on one process or sharded over
+the tensor-parallel world, in FP8 where asked (--quantize fp8) or published so, and its
+tokenizer.
+
+What the runner does with the model once loaded (the forward, the start-up probe of its head
+and attention inputs) is teacher_server/model_runner.py's; what FP8 is (the layers, the
+quantization, the self-check) is teacher_server/fp8.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from distill_common.models import load_causal_lm
+from distill_common.wire import parse_output_dtype
+from teacher_server import fp8, parallel
+from teacher_server.parallel import World
+
+log = logging.getLogger(__name__)
+
+
+def load_model(model_name: str, device: torch.device, world: World | None, dtype: str, trust_remote_code: bool,
+               quantize: fp8.Fp8Plan | None):
+    """The model on `device` (sharded over `world` when there is one) and what its decoder's
+    linears run in. Raises ValueError naming the flag to change (fp8.FP8Unsupported for a
+    device or checkpoint FP8 cannot run on)."""
+    torch_dtype = parse_output_dtype(dtype) if dtype else None
+    published = _published_fp8(model_name, device, world, trust_remote_code, quantize)
+    try:
+        if world is not None:
+            model = parallel.load_model(model_name, world, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                                        own_plan=quantize is not None)
+        else:
+            model = load_causal_lm(model_name, device=device, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise ValueError(f"--model: {e}") from e
+    quantization = fp8.Quantization()
+    if published:
+        fp8.adopt_published(model)
+        quantization = fp8.Quantization(fp8.FP8_E4M3, "block", "checkpoint")
+    elif quantize is not None:
+        problem = fp8.fp8_device_problem(device, quantize.scaling)
+        if problem:
+            raise fp8.FP8Unsupported(f"--quantize fp8: {problem}. Serve the model in its dtype (leave --quantize "
+                                     "out) or on such a GPU" + (" (--fp8-scaling row runs on CPU)"
+                                                                if quantize.scaling == "block" else ""))
+        fp8.quantize_model(model, quantize)
+        layers = fp8.decoder_layers(model)
+        quantization = fp8.Quantization(fp8.FP8_E4M3, quantize.scaling, "quantized at load", tuple(
+            sorted({i % len(layers) for i in quantize.keep_layers})))
+    if quantization.format:
+        dtype = next(p.dtype for p in model.parameters() if p.dtype != fp8.FP8)
+        try:
+            checked = fp8.verify(model, dtype)
+        except fp8.FP8Unsupported as e:
+            if not published:
+                raise
+            raise fp8.FP8Unsupported(f"--model {model_name}: {e}. To serve this FP8 checkpoint, dequantize it "
+                                     "(transformers' FineGrainedFP8Config(dequantize=True), save_pretrained) and "
+                                     "serve that directory") from e
+        log.info("FP8 self-check: %d layer shapes match the dequantize-then-multiply reference", checked)
+        _compile_fp8(model, quantize.compile if quantize is not None else "auto", device, world)
+    return model, quantization
+
+
+def _published_fp8(model_name: str, device: torch.device, world: World | None, trust_remote_code: bool,
+                   quantize: fp8.Fp8Plan | None) -> bool:
+    """Whether `model_name` is a published FP8 checkpoint (transformers' fine-grained FP8 in its
+    config.json); refuses one this teacher cannot serve, before anything is loaded."""
+    from distill_common.models import BUILTIN_PREFIX, RANDOM_PREFIX, model_config
+
+    if model_name.startswith((BUILTIN_PREFIX, RANDOM_PREFIX)):
+        return False
+    try:
+        config = model_config(model_name, trust_remote_code)
+    except ValueError:
+        return False  # the load that follows says why
+    declared = fp8.checkpoint_quantization(config)
+    if declared is None:
+        return False
+    if quantize is not None:
+        raise ValueError(f"--quantize fp8: {model_name} is an FP8 checkpoint already (its config.json has a "
+                         "quantization_config); leave --quantize out")
+    block = declared.get("weight_block_size")
+    if list(block or ()) != [fp8.BLOCK, fp8.BLOCK]:
+        raise fp8.FP8Unsupported(f"--model {model_name}: FP8 weights with blocks {block}; the teacher serves "
+                                 "128 x 128 blocks (transformers' FineGrainedFP8Config default)")
+    problem = fp8.fp8_device_problem(device, "block")
+    if problem:
+        raise fp8.FP8Unsupported(
+            f"--model {model_name} is an FP8 checkpoint (128 x 128 block scales) and {problem}. Serve it on a "
+            "GPU of compute capability 9.0 (H100, H200), or dequantize it first: load it with transformers' "
+            "FineGrainedFP8Config(dequantize=True), save_pretrained, and serve that directory")
+    if world is not None:
+        raise fp8.FP8Unsupported(f"--model {model_name} is an FP8 checkpoint, and tensor parallelism shards "
+                                 "plain Linear weights: serve it on one GPU")
+    return True
+
+
+def _compile_fp8(model, mode: str, device: torch.device, world: World | None) -> None:
+    """Fuses each activation's quantization into the kernel that produces it (the layers
+    compiled), or at least into one kernel (the quantization compiled) under tensor parallelism,
+    whose collectives run between the linears. Eager quantization is slower than bf16."""
+    if mode == "auto":  # on a CPU, FP8 is for tests: compiling costs more than it saves
+        mode = "off" if device.type != "cuda" else "layers" if world is None else "quantize"
+    if mode == "layers" and world is not None:
+        raise ValueError("--fp8-compile layers: under tensor parallelism the layers' collectives run in hooks "
+                         "that a compiled layer would not keep; use --fp8-compile quantize (or auto)")
+    if mode == "layers":
+        fp8.compile_layers(model)
+    elif mode == "quantize":
+        fp8.compile_quantization(model)
+
+
+def load_tokenizer(model_name: str):
+    """The model directory's tokenizer; None for builtin:, random: and hub ids without a local
+    copy, or a directory without one (then no student's vocabulary can be checked)."""
+    if not os.path.isdir(model_name):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_name)
+    except Exception as e:  # a model directory without a tokenizer: no check possible
+        log.warning("no tokenizer in %s (%s): students' vocabularies cannot be checked, and students with "
+                    "another tokenizer cannot be served", model_name, e)
+        return None
