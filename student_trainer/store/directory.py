@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,9 @@ def teacher_facts(source, model_name: str, architecture: str = "", quantization:
 
 # The longest wait for another thread checking a shard's digest (a shard of a few GB from a slow disk).
 VERIFY_TIMEOUT_S = 600.0
+# Shards of one batch whose digests are checked at once (each a sequential read + sha256, which
+# release the GIL).
+VERIFY_WORKERS = 4
 
 
 @dataclass
@@ -80,6 +84,7 @@ class TeacherStore:
         self.shards: list[_Shard] = []
         self.index: dict[bytes, tuple[int, int]] = {}
         self.times: StageTimes | None = None  # where reads and writes spend their time, when asked (the bench)
+        self._verify_pool: ThreadPoolExecutor | None = None
         self.head = self._read_head()
         self._manifest_mtime_ns = 0
         self._add_shards(manifest["shards"])
@@ -257,6 +262,19 @@ class TeacherStore:
             shard.lock.release()
         return shard
 
+    def _verifier(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._verify_pool is None:
+                self._verify_pool = ThreadPoolExecutor(max_workers=VERIFY_WORKERS, thread_name_prefix="store-verify")
+            return self._verify_pool
+
+    def close(self) -> None:
+        """Stops the threads that check digests (the store can still be read: they start again)."""
+        with self._lock:
+            pool, self._verify_pool = self._verify_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
     def read(self, locations: list[tuple[int, int]], device: torch.device | str = "cpu") -> list[torch.Tensor]:
         """The rows at `locations` as the layout's tensors of one batch, on `device` (ids unpacked
         there: on a GPU the unpacking costs the host nothing). Rows go from the file straight into
@@ -280,8 +298,11 @@ class TeacherStore:
                 runs[-1] = (number, runs[-1][1], runs[-1][2] + 1, runs[-1][3])
             else:
                 runs.append((number, row, 1, position))
-        for number in dict.fromkeys(number for number, _ in locations):
-            self._verify(number)
+        unverified = [number for number in dict.fromkeys(n for n, _ in locations) if not self.shards[number].verified]
+        if len(unverified) > 1:  # the batch's shards checked at once
+            list(self._verifier().map(self._verify, unverified, timeout=VERIFY_TIMEOUT_S))
+        elif unverified:
+            self._verify(unverified[0])
         with stage(self.times, "read rows (pread into the batch's buffers)"):
             for number, row, rows, position in runs:
                 shard = self.shards[number]

@@ -179,6 +179,7 @@ class StoreTeacher:
             return
         self._closed = True
         self._reader.shutdown(wait=True)
+        self.store.close()
         try:
             if self.writer is not None:
                 self.writer.close()
