@@ -37,6 +37,11 @@ example; `seq`, `k` and `B` from the manifest's `outputs.tensors`):
     bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :seq * k * B].reshape(rows, seq * k, B)
     ids = (bits.astype(np.int64) << np.arange(B)).sum(-1).reshape(rows, seq, k)
 
+A shard is a safetensors file as `safetensors.torch.save` lays it out (metadata
+`{"format": FORMAT}`; tensors ordered by dtype, then name; the header padded with spaces to 8
+bytes): `ShardFile` writes those bytes itself, rows at their place as they come, so that a
+dump writes a batch once it is on the host and never copies a shard whole.
+
 Safety. A shard is written under a temporary name, synced and renamed before the manifest
 names it; the manifest is replaced atomically the same way. The manifest records each
 shard's size and sha256 (and the sha256 of its row keys, checked when a store is opened);
