@@ -2,6 +2,7 @@
 
     python3 -m bench.store_throughput --out store.md     # one GPU: a Llama-3-8B-shaped teacher, bf16
     python3 -m bench.store_throughput --tiny             # the CPU check: every code path, tiny sizes
+    python3 -m bench.store_throughput --device cpu --shape mid --profile   # where the time goes, on a CPU
 
 Three tables, from one run:
 
@@ -12,12 +13,19 @@ Three tables, from one run:
 2. Dump throughput: tokens/s of `dump_rows` (the dump's own loop: the teacher's forward in this
    process, top-k and id packing on the device, the shard writer's thread copying and writing)
    against the same teacher's forward alone (`ModelRunner.forward`, what the kind needs of it),
-   for top-64 and for the final hidden state. Goal: >= 90%.
+   for top-64 and for the final hidden state, 16 batches by default; the forward is warmed up
+   and a two-batch dump into a scratch store comes first, so neither the kernels' first load nor
+   the pinned buffers' first allocation is timed. The dump's time ends when its last shard is
+   synced and named in the manifest. Also the teacher alone with its outputs (`LocalTeacher`:
+   forward + top-k): what the dump costs beyond the device's own work. Goal: >= 90%.
 3. Read throughput of one trainer process: tokens/s of a `StoreTeacher` reading the dumped rows
    in a shuffled order onto the trainer's device, two batches ahead as the trainer's prefetcher
    asks them, after each shard was dropped from the page cache (posix_fadvise DONTNEED), so
    the rows come from the disk. Goal: >= 10x the student's 35.4k tokens/s of the 1.5B pipeline
    bench (docs/performance.md), so reading never limits training.
+
+`--profile` adds a fourth table: where the dump's and the reads' time goes (StageTimes: seconds
+per batch of each stage, summed over the threads that spend it, and the most threads in it at once).
 """
 
 from __future__ import annotations
@@ -43,11 +51,14 @@ SHAPES = {
     # make demo's teacher (distill_demo/config.py: TEACHER, its 1024-token BPE vocabulary).
     "demo": dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=8, max_position_embeddings=512),
+    # A CPU-sized teacher whose final hidden state is 8 KB a token, as the 8B's: the store's costs show.
+    "mid": dict(vocab_size=8192, hidden_size=2048, intermediate_size=512, num_hidden_layers=1, num_attention_heads=16,
+                num_key_value_heads=4, max_position_embeddings=1024),
     "tiny": dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=512),
 }
-DTYPES = {"llama3-8b": torch.bfloat16, "demo": torch.float32, "tiny": torch.float32}
-SEQ = {"llama3-8b": 4096, "demo": 128, "tiny": 32}
+DTYPES = {"llama3-8b": torch.bfloat16, "demo": torch.float32, "mid": torch.float32, "tiny": torch.float32}
+SEQ = {"llama3-8b": 4096, "demo": 128, "mid": 512, "tiny": 32}
 STUDENT_TOKENS_PER_S = 35_400  # the 1.5B student's step in the pipeline bench (docs/performance.md)
 
 
@@ -117,9 +128,10 @@ def drop_from_page_cache(directory: Path) -> None:
 
 
 def measure_kind(model, kinds: tuple, ids: torch.Tensor, mask: torch.Tensor, rows: int, device: torch.device,
-                 directory: Path) -> dict:
+                 directory: Path, read_workers: int, profile: bool) -> dict:
     from student_trainer.local_teacher import LocalTeacher
     from student_trainer.store import StoreTeacher, TeacherStore, data_facts, dump_rows, teacher_facts
+    from student_trainer.store.timing import StageTimes
 
     teacher = LocalTeacher(model, kinds)
     needs: ForwardNeeds = teacher.outputs.needs
@@ -135,24 +147,41 @@ def measure_kind(model, kinds: tuple, ids: torch.Tensor, mask: torch.Tensor, row
     synchronize(device)
     alone_s = time.perf_counter() - start
 
+    start = time.perf_counter()
+    for batch_ids, batch_mask in batches:
+        teacher.submit(batch_ids, batch_mask).result()
+    synchronize(device)
+    outputs_s = time.perf_counter() - start
+
     class _Data:  # what the manifest records of the data: random rows of one length
         fingerprint, mode, seq_len = "random", "pack", ids.shape[1]
 
         def __len__(self):
             return len(ids)
 
-    directory.mkdir(parents=True)
-    (directory / "data").write_bytes(b"random rows")
-    TeacherStore.create(directory, teacher.outputs, teacher=teacher_facts(teacher, "random"),
-                        data=data_facts(_Data(), directory / "data"), head=teacher.joined)
-    store = TeacherStore(directory)
+    def new_store(path: Path) -> TeacherStore:
+        path.mkdir(parents=True)
+        (path / "data").write_bytes(b"random rows")
+        TeacherStore.create(path, teacher.outputs, teacher=teacher_facts(teacher, "random"),
+                            data=data_facts(_Data(), path / "data"), head=teacher.joined)
+        return TeacherStore(path)
+
+    # Warm-up: the writer's first pinned buffers allocated, its code paths run once.
+    scratch = directory.with_name(directory.name + "-warm-up")
+    dump_rows(teacher, new_store(scratch), ids[:2 * rows], mask[:2 * rows], batch_size=rows,
+              rows_per_shard=rows, prefetch=0)
+    shutil.rmtree(scratch)
+    store = new_store(directory)
+    dump_times = store.times = StageTimes() if profile else None
     start = time.perf_counter()
     dump_rows(teacher, store, ids, mask, batch_size=rows, rows_per_shard=4 * rows, prefetch=0)
     dump_s = time.perf_counter() - start
     disk_bytes = sum(entry["bytes"] for entry in fmt.read_manifest(directory)["shards"])
 
     drop_from_page_cache(directory)
-    reader = StoreTeacher(TeacherStore(directory), device, store.request)
+    read_store = TeacherStore(directory)
+    read_times = read_store.times = StageTimes() if profile else None
+    reader = StoreTeacher(read_store, device, store.request, read_workers=read_workers)
     order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
     start = time.perf_counter()
     futures = []
@@ -165,9 +194,18 @@ def measure_kind(model, kinds: tuple, ids: torch.Tensor, mask: torch.Tensor, row
     synchronize(device)
     read_s = time.perf_counter() - start
     reader.close()
-    return {"tokens": tokens, "alone_tokens_per_s": tokens / alone_s, "dump_tokens_per_s": tokens / dump_s,
-            "dump_share": alone_s / dump_s, "disk_bytes_per_token": disk_bytes / tokens,
-            "read_tokens_per_s": tokens / read_s}
+    result = {"tokens": tokens, "alone_tokens_per_s": tokens / alone_s, "outputs_tokens_per_s": tokens / outputs_s,
+              "dump_tokens_per_s": tokens / dump_s, "dump_share": alone_s / dump_s,
+              "disk_bytes_per_token": disk_bytes / tokens, "read_tokens_per_s": tokens / read_s}
+    if profile:
+        result["profile"] = {"batches": len(batches), "dump_s": dump_s, "read_s": read_s,
+                             "dump": _stages(dump_times), "read": _stages(read_times)}
+    return result
+
+
+def _stages(times) -> dict:
+    return {name: {"seconds": seconds, "count": times.counts[name], "max_in_flight": times.max_in_flight.get(name, 0)}
+            for name, seconds in times.seconds.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,16 +214,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rows", type=int, default=2, help="rows per teacher batch")
     parser.add_argument("--batches", type=int, default=16, help="batches dumped and read per kind")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="",
+                        help="the teacher's shape (default: llama3-8b, tiny with --tiny); mid: a CPU-sized one")
+    parser.add_argument("--read-workers", type=int, default=0, help="the reader's threads (default: StoreTeacher's)")
+    parser.add_argument("--profile", action="store_true", help="also where the dump's and the reads' time goes")
     parser.add_argument("--dir", default="", help="where the stores are written (default: a temporary directory)")
     parser.add_argument("--out", default="", help="also write the table here (and the figures as .json)")
     args = parser.parse_args(argv)
-    shape = "tiny" if args.tiny else "llama3-8b"
+    shape = args.shape or ("tiny" if args.tiny else "llama3-8b")
+    from student_trainer.store.source import READ_WORKERS
+
+    read_workers = args.read_workers or READ_WORKERS
     device = torch.device(args.device)
     if device.type == "cuda":  # "cuda" alone is the current device: name its index
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
 
-    sizes = bytes_per_token("llama3-8b") + bytes_per_token("demo") + (bytes_per_token("tiny") if args.tiny else [])
+    sizes = bytes_per_token("llama3-8b") + bytes_per_token("demo") + (bytes_per_token(shape) if shape not in
+                                                                       ("llama3-8b", "demo") else [])
     lines = ["Bytes per token, as stored (ids packed to the vocabulary's bits, no zstd; + the 32-byte row key)", "",
              "| shape | stored | bytes / token | once |", "|---|---|---:|---:|"]
     for row in sizes:
@@ -201,20 +247,33 @@ def main(argv: list[str] | None = None) -> int:
     measured = []
     try:
         for name, kinds in (("top-64", (TopK(64),)), ("final hidden state", (FinalHidden(),))):
-            result = measure_kind(model, kinds, ids, mask, args.rows, device, root / name.replace(" ", "-"))
+            result = measure_kind(model, kinds, ids, mask, args.rows, device, root / name.replace(" ", "-"),
+                                  read_workers, args.profile)
             measured.append({"shape": shape, "kind": name, **result})
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines += ["", f"Dump and read, {shape} ({DTYPES[shape]}, {args.rows} x {SEQ[shape]} tokens a batch, "
-              f"{args.batches} batches) on {where}", "",
-              "| stored | forward alone tok/s | dump tok/s | dump / forward | on disk B/token | read tok/s | "
-              "read / student |", "|---|---:|---:|---:|---:|---:|---:|"]
+              f"{args.batches} batches; reads by {read_workers} threads) on {where}", "",
+              "| stored | forward alone tok/s | forward + outputs tok/s | dump tok/s | dump / forward | "
+              "on disk B/token | read tok/s | read / student |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for row in measured:
-        lines.append(f"| {row['kind']} | {row['alone_tokens_per_s']:,.0f} | {row['dump_tokens_per_s']:,.0f} | "
-                     f"{row['dump_share']:.1%} | {row['disk_bytes_per_token']:,.1f} | "
+        lines.append(f"| {row['kind']} | {row['alone_tokens_per_s']:,.0f} | {row['outputs_tokens_per_s']:,.0f} | "
+                     f"{row['dump_tokens_per_s']:,.0f} | {row['dump_share']:.1%} | {row['disk_bytes_per_token']:,.1f} | "
                      f"{row['read_tokens_per_s']:,.0f} | {row['read_tokens_per_s'] / STUDENT_TOKENS_PER_S:.1f}x |")
+    if args.profile:
+        lines += ["", "Where the time goes (ms per batch, summed over the threads that spend it; the most threads "
+                  "in a stage at once)", "", "| stored | path | stage | ms / batch | most at once |",
+                  "|---|---|---|---:|---:|"]
+        for row in measured:
+            profile = row["profile"]
+            for path in ("dump", "read"):
+                lines.append(f"| {row['kind']} | {path} | the whole {path} (wall) | "
+                             f"{1000 * profile[path + '_s'] / profile['batches']:,.1f} | |")
+                for name, figures in profile[path].items():
+                    lines.append(f"| {row['kind']} | {path} | {name} | "
+                                 f"{1000 * figures['seconds'] / profile['batches']:,.1f} | {figures['max_in_flight']} |")
     emit(lines, args.out, {"bytes_per_token": sizes, "measured": measured})
     return 0
 

@@ -37,6 +37,11 @@ example; `seq`, `k` and `B` from the manifest's `outputs.tensors`):
     bits = np.unpackbits(packed, axis=1, bitorder="little")[:, :seq * k * B].reshape(rows, seq * k, B)
     ids = (bits.astype(np.int64) << np.arange(B)).sum(-1).reshape(rows, seq, k)
 
+A shard is a safetensors file as `safetensors.torch.save` lays it out (metadata
+`{"format": FORMAT}`; tensors ordered by dtype, then name; the header padded with spaces to 8
+bytes): `ShardFile` writes those bytes itself, rows at their place as they come, so that a
+dump writes a batch once it is on the host and never copies a shard whole.
+
 Safety. A shard is written under a temporary name, synced and renamed before the manifest
 names it; the manifest is replaced atomically the same way. The manifest records each
 shard's size and sha256 (and the sha256 of its row keys, checked when a store is opened);
@@ -268,20 +273,179 @@ def locked(directory: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(8 << 20), b""):
-            digest.update(chunk)
+def sha256_of(path: Path, chunk_bytes: int = 16 << 20) -> str:
+    """The file's sha256, read in large chunks into one buffer (reads and hashing release the GIL,
+    so several files are hashed at once by several threads)."""
+    digest, buffer = hashlib.sha256(), bytearray(chunk_bytes)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        while count := handle.readinto(buffer):
+            digest.update(view[:count])
     return digest.hexdigest()
 
 
 def serialize_shard(tensors: dict[str, torch.Tensor]) -> bytes:
-    """A shard's bytes: the same tensors always give the same bytes (a resumed dump's shards equal
-    an uninterrupted one's)."""
+    """A small file's bytes (the head) by safetensors itself; shards are written by `ShardFile`,
+    which lays them out byte for byte as this does."""
     from safetensors.torch import save
 
     return save({name: tensor.contiguous() for name, tensor in sorted(tensors.items())}, metadata={"format": FORMAT})
+
+
+# ---- the safetensors layout, written and read without a copy ---------------------------------------
+
+# safetensors' dtype names, in the order its writer lays tensors out (this order, then by name).
+_SAFETENSORS_DTYPES = [(torch.uint64, "U64"), (torch.int64, "I64"), (torch.float64, "F64"), (torch.float32, "F32"),
+                       (torch.uint32, "U32"), (torch.int32, "I32"), (torch.bfloat16, "BF16"), (torch.float16, "F16"),
+                       (torch.uint16, "U16"), (torch.int16, "I16"), (torch.int8, "I8"), (torch.uint8, "U8"),
+                       (torch.bool, "BOOL")]
+_DTYPE_NAME = {dtype: name for dtype, name in _SAFETENSORS_DTYPES}
+_DTYPE_OF = {name: dtype for dtype, name in _SAFETENSORS_DTYPES}
+_DTYPE_RANK = {dtype: rank for rank, (dtype, _) in enumerate(_SAFETENSORS_DTYPES)}
+# A header longer than this is not one this store wrote (a shard's names a handful of tensors).
+MAX_HEADER_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class TensorPlace:
+    """Where one tensor lies in a shard file: bytes [begin, end) of the file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def shard_layout(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[bytes, dict[str, TensorPlace]]:
+    """The 8-byte length and JSON header of a shard holding tensors of these (dtype, shape), and
+    where each tensor's bytes go: safetensors' own layout (tensors by dtype, then name; the header
+    padded with spaces to 8 bytes), so a file written this way equals `safetensors.torch.save`'s."""
+    order = sorted(specs, key=lambda name: (_DTYPE_RANK[specs[name][0]], name))
+    header: dict = {"__metadata__": {"format": FORMAT}}
+    offset, spans = 0, {}
+    for name in order:
+        dtype, shape = specs[name]
+        count = 1
+        for size in shape:
+            count *= size
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _DTYPE_NAME[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        spans[name] = (dtype, tuple(shape), offset, offset + nbytes)
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    prefix = len(text).to_bytes(8, "little") + text
+    return prefix, {name: TensorPlace(dtype, shape, len(prefix) + begin, len(prefix) + end)
+                    for name, (dtype, shape, begin, end) in spans.items()}
+
+
+def read_layout(fd: int, path: Path, size: int) -> dict[str, TensorPlace]:
+    """Where each tensor of the shard open at `fd` (`size` bytes) lies, from its header; StoreCorrupt
+    naming `path` when the header is not a safetensors header that fits the file."""
+    def corrupt(what: str) -> StoreCorrupt:
+        return StoreCorrupt(f"{path}: not a shard this store wrote ({what}); nothing of it is read (dump it again "
+                            "into a new directory)")
+
+    prefix = os.pread(fd, 8, 0)
+    length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+    if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
+        raise corrupt(f"a header of {length} bytes in a file of {size}")
+    try:
+        header = json.loads(os.pread(fd, length, 8))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise corrupt(f"its header is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise corrupt("its header is not a JSON object")
+    header.pop("__metadata__", None)
+    places, data_start, end = {}, 8 + length, 8 + length
+    try:
+        for name, entry in sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
+            dtype, shape = _DTYPE_OF[entry["dtype"]], tuple(int(size) for size in entry["shape"])
+            begin, stop = (int(offset) for offset in entry["data_offsets"])
+            count = 1
+            for dim in shape:
+                count *= dim
+            if begin + data_start != end or stop - begin != count * torch.empty((), dtype=dtype).element_size():
+                raise corrupt(f"{name}'s bytes [{begin}, {stop}) do not follow the tensor before it or its shape")
+            places[name] = TensorPlace(dtype, shape, data_start + begin, data_start + stop)
+            end = data_start + stop
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise corrupt(f"a malformed header entry: {type(e).__name__}: {e}") from e
+    if end != size:
+        raise corrupt(f"its tensors end at byte {end}, the file has {size}")
+    return places
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous host tensor's bytes, without a copy."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()) if tensor.numel() else memoryview(b"")
+
+
+class ShardFile:
+    """One shard, written under a temporary name in `directory` while its rows come in: the header
+    first, then each tensor's rows at their place (so a dump writes a batch as soon as it is on
+    the host, not when the shard is full), the sha256 computed in file order as the bytes become
+    contiguous. `finish` checks that every byte was written and syncs the file; the store then
+    renames it to its shard's name. The bytes equal `safetensors.torch.save`'s of the whole tensors."""
+
+    def __init__(self, directory: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
+        header, self.places = shard_layout(specs)
+        self.size = max([len(header)] + [place.end for place in self.places.values()])
+        self._filled = {name: place.begin for name, place in self.places.items()}  # next byte to write
+        self._digest = hashlib.sha256()
+        self._hashed = 0
+        self._held: dict[int, memoryview] = {}  # written, not yet hashed (a byte before them is not in yet)
+        self.path = Path(directory) / f".shard-{os.getpid()}-{id(self):x}.tmp"
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._write(0, memoryview(header))
+
+    def put(self, name: str, rows: torch.Tensor) -> None:
+        """The next rows of tensor `name` (on the host, contiguous)."""
+        view = tensor_bytes(rows.contiguous())
+        offset = self._filled[name]
+        if offset + len(view) > self.places[name].end:
+            raise StoreError(f"{name}: {len(view)} more bytes than the shard's header has room for")
+        self._filled[name] = offset + len(view)
+        self._write(offset, view)
+
+    def _write(self, offset: int, view: memoryview) -> None:
+        done = 0
+        while done < len(view):  # os.pwrite releases the GIL, as hashlib does for large buffers
+            done += os.pwrite(self._fd, view[done:], offset + done)
+        if len(view):
+            self._held[offset] = view
+        while self._hashed in self._held:
+            part = self._held.pop(self._hashed)
+            self._digest.update(part)
+            self._hashed += len(part)
+
+    def sync(self) -> None:
+        """The bytes written so far, to the disk (so that `finish` waits for the last rows only)."""
+        os.fdatasync(self._fd)
+
+    def finish(self) -> tuple[int, str]:
+        """Syncs and closes the complete file; returns its size and sha256."""
+        short = [name for name, place in self.places.items() if self._filled[name] != place.end]
+        if short or self._hashed != self.size:
+            raise StoreError(f"{self.path}: {', '.join(short) or 'the header'} not written whole")
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        return self.size, self._digest.hexdigest()
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.path.unlink(missing_ok=True)
+
+
+def sync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # ---- the manifest --------------------------------------------------------------------------------

@@ -104,7 +104,7 @@ def fill(store_dir: Path, setup, teacher, rows: list[dict], **create) -> None:
     for batch in rows:
         out = teacher.submit(batch["input_ids"], batch["attention_mask"]).result()
         keys = [fmt.row_key(i, m) for i, m in zip(batch["input_ids"], batch["attention_mask"])]
-        writer.add(keys, teacher.outputs.disassemble(out), int(batch["attention_mask"].sum()))
+        writer.add(keys, teacher.outputs.disassemble(out), batch["attention_mask"].sum(1).tolist())
     writer.close()
 
 
@@ -304,11 +304,7 @@ def test_a_store_for_other_data_settings_or_outputs_is_refused(setup, small_stor
 # ---- DDP and write-through ---------------------------------------------------------------------------
 
 
-def test_ddp_ranks_read_disjoint_rows_that_cover_the_store(setup, small_store, monkeypatch):
-    import student_trainer.store.directory
-
-    # One shard open at a time: shards are closed and opened again as the rows need them.
-    monkeypatch.setattr(student_trainer.store.directory, "OPEN_SHARDS", 1)
+def test_ddp_ranks_read_disjoint_rows_that_cover_the_store(setup, small_store):
     dataset = setup["dataset"]
     read = []
     for rank in range(2):
@@ -416,3 +412,96 @@ def test_the_dump_command_says_what_to_change(setup, small_store, capsys, caplog
     assert main([*common, "--teacher-outputs", str(small_store), "--model", str(setup["teacher"]), "--topk", "4"]) == 1
     assert re.search(r"StoreMismatch: .*manifest\.json was made with another teacher or outputs than the one given to "
                      r"fill it: outputs topk=8\(T=1\) in float32 there, topk=4\(T=1\) in float32 here", caplog.text), caplog.text
+
+
+# ---- the fast paths against their references -------------------------------------------------------
+
+
+def test_a_shard_written_in_parts_equals_safetensors_own_bytes(tmp_path):
+    from safetensors.torch import save
+
+    generator = torch.Generator().manual_seed(3)
+    tensors = {"TopK.0": torch.randn(5, 3, 4, generator=generator).to(torch.bfloat16),
+               "TopK.1": torch.randint(0, 255, (5, 7), generator=generator, dtype=torch.uint8),
+               "Hidden.0": torch.randn(5, 6, generator=generator),
+               "Ids.0": torch.randint(-9, 9, (5, 2), generator=generator, dtype=torch.int32),
+               "Frames.offsets": torch.arange(6, dtype=torch.int64), "Empty.0": torch.zeros(0, 4),
+               fmt.ROW_KEY: torch.randint(0, 255, (5, 32), generator=generator, dtype=torch.uint8)}
+    shard = fmt.ShardFile(tmp_path, {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()})
+    for begin, end in ((0, 2), (2, 5)):  # rows in two parts, the tensors' parts interleaved, last tensor first
+        for name in reversed(sorted(tensors)):
+            shard.put(name, tensors[name][begin:end] if tensors[name].dim() > 1 else
+                      (tensors[name] if begin == 0 else tensors[name][:0]))
+    size, digest = shard.finish()
+    written = shard.path.read_bytes()
+    assert written == save(tensors, metadata={"format": fmt.FORMAT})
+    assert (size, digest) == (len(written), __import__("hashlib").sha256(written).hexdigest())
+    fd = os.open(shard.path, os.O_RDONLY)
+    try:
+        places = fmt.read_layout(fd, shard.path, size)
+    finally:
+        os.close(fd)
+    for name, tensor in tensors.items():
+        place = places[name]
+        assert (place.dtype, place.shape) == (tensor.dtype, tuple(tensor.shape))
+        assert written[place.begin:place.end] == tensor.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_reads_by_several_threads_equal_the_shards_as_safetensors_reads_them(setup, small_store):
+    from safetensors.torch import load_file
+
+    store = TeacherStore(small_store)
+    reference = {}  # row key -> [each codec's row as stored], from safetensors itself
+    for entry in store.manifest["shards"]:
+        tensors = load_file(small_store / entry["file"])
+        for row, key in enumerate(tensors[fmt.ROW_KEY].numpy()):
+            reference[key.tobytes()] = [tensors[codec.name][row:row + 1] for codec in store.codecs]
+    every = batches(setup["dataset"], rows_per_batch=3, seed=7)
+    with open_store_teacher(small_store, "cpu", (TopK(8),), read_workers=4) as source:
+        futures = [source.submit(b["input_ids"], b["attention_mask"]) for b in every]  # all in flight at once
+        for batch, future in zip(every, futures):
+            out = future.result(timeout=30)
+            keys = [fmt.row_key(i, m) for i, m in zip(batch["input_ids"], batch["attention_mask"])]
+            expected = [codec.decode(torch.cat([reference[key][index] for key in keys]))
+                        for index, codec in enumerate(store.codecs)]
+            assert torch.equal(out.topk_values, expected[0]) and torch.equal(out.topk_indices, expected[1])
+
+
+def test_a_shard_with_a_foreign_header_is_refused_naming_it(setup, small_store):
+    shard = small_store / "shard-000001.safetensors"
+    data = bytearray(shard.read_bytes())
+    header = data[8:8 + int.from_bytes(data[:8], "little")]
+    data[8:8 + len(header)] = header.replace(b'"U8"', b'"I8"', 1)  # the same length, another dtype
+    shard.write_bytes(bytes(data))
+    with pytest.raises(StoreCorrupt, match=r"shard-000001\.safetensors: not a shard this store wrote"):
+        read_all(small_store, setup)
+
+
+def test_dump_rows_in_batches_that_straddle_shards_continue_to_the_same_bytes(setup, tmp_path):
+    """`dump_rows` (the CLI keeps batches inside shards) gives shards of exactly rows_per_shard rows
+    whatever the batch size; started again after its first shard it writes the same bytes."""
+    from student_trainer.store import data_facts, dump_rows, teacher_facts
+
+    teacher, dataset = local_teacher(setup, (TopK(8),)), setup["dataset"]
+
+    def run(directory: Path, start_row: int) -> None:
+        if start_row == 0:
+            TeacherStore.create(directory, teacher.outputs, teacher=teacher_facts(teacher, "tiny"),
+                                data=data_facts(dataset, setup["data"]))
+        dump_rows(teacher, TeacherStore(directory), dataset.input_ids, dataset.attention_mask, batch_size=3,
+                  rows_per_shard=4, start_row=start_row)
+
+    run(tmp_path / "whole", 0)
+    rows = [entry["rows"] for entry in json.loads((tmp_path / "whole" / fmt.MANIFEST).read_text())["shards"]]
+    assert sum(rows) == len(dataset) and rows[:-1] == [4] * (len(rows) - 1) and 0 < rows[-1] <= 4
+    import shutil
+
+    stopped = Path(shutil.copytree(tmp_path / "whole", tmp_path / "stopped"))
+    manifest = json.loads((stopped / fmt.MANIFEST).read_text())
+    for entry in manifest["shards"][1:]:
+        (stopped / entry["file"]).unlink()
+    manifest["shards"] = manifest["shards"][:1]
+    fmt.write_manifest(stopped, manifest)
+    run(stopped, 4)  # the first run's second batch began at row 3
+    assert shard_bytes(stopped) == shard_bytes(tmp_path / "whole")
+    assert not list(stopped.glob(".shard-*")) and not list((tmp_path / "whole").glob(".shard-*"))

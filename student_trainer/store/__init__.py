@@ -9,14 +9,16 @@ distill_common/store.py's. Here, a module each:
 
 - `directory.TeacherStore`: one store directory: its manifest checked against what a run asks (the data,
   the packing, the outputs, the teacher), the index from a row's key to where it lies, rows
-  read from memory-mapped shards (each shard's digest checked the first time it is read) and
-  shards written (under a temporary name, synced, renamed, then named in the manifest).
-- `writer.ShardWriter`: rows gathered into shards by a thread of its own, so that a dump's forwards
-  never wait for a write.
+  read with `os.preadv` into (pinned) batch buffers (each shard's digest checked the first time
+  it is read, a batch's shards at once) and shards written (under a temporary name, synced,
+  renamed, then named in the manifest).
+- `writer.ShardWriter`: rows written into shards by a thread of its own (a dump's batch by batch
+  as they reach the host), so that a dump's forwards never wait for a write.
+- `timing.StageTimes`: where reads and writes spend their time (the bench's `--profile`).
 - `source.StoreTeacher`: the trainer's third source of teacher outputs, beside `TeacherClient` and
   `LocalTeacher`, with their interface (`submit` -> a future of a `TeacherOutput`, `info`,
   `joined`, `outputs`, `close`): rows are read by a thread of its own, off the training
-  thread. Rows are found by their key (the digest of their ids and mask), so whatever batches
+  thread, several batches at once. Rows are found by their key (the digest of their ids and mask), so whatever batches
   a rank draws (its share under DDP, after an exact `--resume`, the HF Trainer's) it reads
   them. With a teacher as well (`--teacher-outputs` and `--teacher`), a batch with rows the
   store lacks is asked of the teacher and its missing rows are written through.

@@ -5,8 +5,10 @@ the manifest)."""
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -17,6 +19,7 @@ from distill_common.outputs import (FinalHidden, JoinData, Output, OutputHead, O
                                     TeacherFacts, output_spec)
 from distill_common.store import StoreCorrupt, StoreError, StoreMismatch, StoreMissing
 from student_trainer.client import TeacherInfo
+from student_trainer.store.timing import StageTimes, stage
 
 
 def data_facts(dataset, data_path: str | Path) -> dict:
@@ -37,15 +40,20 @@ def teacher_facts(source, model_name: str, architecture: str = "", quantization:
 # ---- one store directory -------------------------------------------------------------------------
 
 
-# Shards whose memory-mapped readers stay open at once (one file descriptor each).
-OPEN_SHARDS = 64
+# The longest wait for another thread checking a shard's digest (a shard of a few GB from a slow disk).
+VERIFY_TIMEOUT_S = 600.0
+# Shards of one batch whose digests are checked at once (each a sequential read + sha256, which
+# release the GIL).
+VERIFY_WORKERS = 4
 
 
 @dataclass
 class _Shard:
     path: Path
     entry: dict
+    places: dict  # tensor name -> fmt.TensorPlace
     verified: bool = False  # its digest was checked
+    lock: threading.Lock = field(default_factory=threading.Lock)  # held while its digest is checked
 
 
 class TeacherStore:
@@ -72,10 +80,11 @@ class TeacherStore:
         if [codec.to_json() for codec in self.codecs] != outputs["tensors"]:
             raise StoreCorrupt(f"{self.directory / fmt.MANIFEST}: its tensors {outputs['tensors']} are not what its "
                                f"outputs ({self.request}) store")
-        self._lock = threading.Lock()  # the index and the shards, read by one thread, added to by another
+        self._lock = threading.Lock()  # the index and the shards, read by some threads, added to by another
         self.shards: list[_Shard] = []
         self.index: dict[bytes, tuple[int, int]] = {}
-        self._handles: dict[int, object] = {}  # shard number -> its open reader, least recently read first
+        self.times: StageTimes | None = None  # where reads and writes spend their time, when asked (the bench)
+        self._verify_pool: ThreadPoolExecutor | None = None
         self.head = self._read_head()
         self._manifest_mtime_ns = 0
         self._add_shards(manifest["shards"])
@@ -125,24 +134,43 @@ class TeacherStore:
                                "it is read (dump it again into a new directory)")
 
     def _add_shards(self, entries: list[dict]) -> None:
-        from safetensors import safe_open
-
         for entry in entries[len(self.shards):]:
             path = self.directory / entry["file"]
             self._check_file(path, entry, digest=False)  # sizes at once; digests at a shard's first read
+            fd = os.open(path, os.O_RDONLY)
             try:
-                with safe_open(path, "pt") as handle:
-                    keys = handle.get_tensor(fmt.ROW_KEY)
-            except Exception as e:  # noqa: BLE001 - safetensors' own error types differ between versions
-                raise StoreCorrupt(f"{path}: not a shard this store wrote ({type(e).__name__}: {e}); nothing of it "
-                                   "is read (dump it again into a new directory)") from e
-            if hashlib.sha256(keys.numpy().tobytes()).hexdigest() != entry["row_keys_sha256"]:
+                places = fmt.read_layout(fd, path, entry["bytes"])
+                self._check_places(path, places, entry["rows"])
+                key_place = places[fmt.ROW_KEY]
+                keys = os.pread(fd, key_place.end - key_place.begin, key_place.begin)
+            finally:
+                os.close(fd)
+            if hashlib.sha256(keys).hexdigest() != entry["row_keys_sha256"]:
                 raise StoreCorrupt(f"{path}: its row keys differ from what {self.directory / fmt.MANIFEST} records "
                                    "(row_keys_sha256): the file changed after it was written")
             number = len(self.shards)
-            self.shards.append(_Shard(path, entry))
-            for row, key in enumerate(keys.numpy()):
-                self.index.setdefault(key.tobytes(), (number, row))
+            self.shards.append(_Shard(path, entry, places))
+            for row in range(entry["rows"]):
+                self.index.setdefault(keys[row * 32:(row + 1) * 32], (number, row))
+
+    def _check_places(self, path: Path, places: dict, rows: int) -> None:
+        """StoreCorrupt unless the shard holds each codec's tensor in the dtype and shape it stores."""
+        expected = {fmt.ROW_KEY: (torch.uint8, (rows, 32))}
+        for codec in self.codecs:
+            if codec.zstd_level:
+                expected[f"{codec.name}.offsets"] = (torch.int64, (rows + 1,))
+            else:
+                expected[codec.name] = _stored_spec(codec, rows)
+        found = {name: (place.dtype, place.shape) for name, place in places.items()}
+        for name, (dtype, shape) in expected.items():
+            if found.get(name) != (dtype, shape):
+                raise StoreCorrupt(f"{path}: not a shard this store wrote: {name} is {found.get(name)}, its manifest "
+                                   f"says {(dtype, shape)}; nothing of it is read (dump it again into a new directory)")
+        for codec in self.codecs:
+            if codec.zstd_level and (codec.name not in places or places[codec.name].dtype != torch.uint8
+                                     or len(places[codec.name].shape) != 1):
+                raise StoreCorrupt(f"{path}: not a shard this store wrote: {codec.name} is not one run of zstd "
+                                   "frames; nothing of it is read (dump it again into a new directory)")
 
     def refresh(self) -> None:
         """Takes in the shards written since this store was opened (by another rank, say)."""
@@ -216,70 +244,151 @@ class TeacherStore:
 
     # ---- reading rows ----------------------------------------------------------------------
 
-    def _open(self, number: int):
-        """The shard's memory-mapped reader; its digest is checked the first time. At most
-        OPEN_SHARDS stay open (a store of thousands of shards would run out of file descriptors)."""
+    def _verify(self, number: int) -> _Shard:
+        """The shard, its digest checked the first time it is read. Threads reading different shards
+        check them at once; one reading a shard another is checking waits for that check."""
         shard = self.shards[number]
-        if not shard.verified:
-            self._check_file(shard.path, shard.entry)
-            shard.verified = True
-        handle = self._handles.pop(number, None)
-        if handle is None:
-            from safetensors import safe_open
+        if shard.verified:
+            return shard
+        if not shard.lock.acquire(timeout=VERIFY_TIMEOUT_S):
+            raise StoreError(f"{shard.path}: its digest was not checked within {VERIFY_TIMEOUT_S:.0f}s (a disk that "
+                             "slow cannot feed training)")
+        try:
+            if not shard.verified:
+                with stage(self.times, "verify (read + sha256 of a whole shard)"):
+                    self._check_file(shard.path, shard.entry)
+                shard.verified = True
+        finally:
+            shard.lock.release()
+        return shard
 
-            handle = safe_open(shard.path, "pt")
-            if len(self._handles) >= OPEN_SHARDS:
-                self._handles.pop(next(iter(self._handles)))  # the least recently read; closed when collected
-        self._handles[number] = handle
-        return handle
+    def _verifier(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._verify_pool is None:
+                self._verify_pool = ThreadPoolExecutor(max_workers=VERIFY_WORKERS, thread_name_prefix="store-verify")
+            return self._verify_pool
+
+    def close(self) -> None:
+        """Stops the threads that check digests (the store can still be read: they start again)."""
+        with self._lock:
+            pool, self._verify_pool = self._verify_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def read(self, locations: list[tuple[int, int]], device: torch.device | str = "cpu") -> list[torch.Tensor]:
         """The rows at `locations` as the layout's tensors of one batch, on `device` (ids unpacked
-        there: on a GPU the unpacking costs the host nothing)."""
-        return [codec.decode(stored.to(device, non_blocking=True))
-                for codec, stored in zip(self.codecs, self.read_stored(locations))]
+        there: on a GPU the unpacking costs the host nothing). Rows go from the file straight into
+        one host buffer per tensor (pinned when `device` is a GPU, so the copy to it is asynchronous)."""
+        device = torch.device(device)
+        stored = self.read_stored(locations, pin=device.type == "cuda")
+        with stage(self.times, "to the device + decode"):
+            return [codec.decode(rows.to(device, non_blocking=True)) for codec, rows in zip(self.codecs, stored)]
 
-    def read_stored(self, locations: list[tuple[int, int]]) -> list[torch.Tensor]:
+    def read_stored(self, locations: list[tuple[int, int]], pin: bool = False) -> list[torch.Tensor]:
         """The rows at `locations` as stored (before unpacking), one tensor per codec, on the host."""
-        columns: list[list[torch.Tensor]] = [[] for _ in self.codecs]
-        for number, row in locations:
-            handle = self._open(number)
-            for column, codec in zip(columns, self.codecs):
-                if codec.zstd_level:
-                    offsets = handle.get_slice(f"{codec.name}.offsets")[row:row + 2].tolist()
-                    frame = handle.get_slice(codec.name)[offsets[0]:offsets[1]].numpy().tobytes()
-                    column.append(fmt.decompress_row(frame, codec))
-                else:
-                    column.append(handle.get_slice(codec.name)[row:row + 1])
-        return [torch.cat(column) for column in columns]
+        count = len(locations)
+        columns = []
+        for codec in self.codecs:
+            dtype, shape = _stored_spec(codec, count)
+            columns.append(torch.empty(shape, dtype=dtype, pin_memory=pin and torch.cuda.is_available()))
+        # Runs of consecutive rows of one shard are read with one call each.
+        runs: list[tuple[int, int, int, int]] = []  # (shard, first row, rows, first row of the batch)
+        for position, (number, row) in enumerate(locations):
+            if runs and runs[-1][0] == number and runs[-1][1] + runs[-1][2] == row:
+                runs[-1] = (number, runs[-1][1], runs[-1][2] + 1, runs[-1][3])
+            else:
+                runs.append((number, row, 1, position))
+        unverified = [number for number in dict.fromkeys(n for n, _ in locations) if not self.shards[number].verified]
+        if len(unverified) > 1:  # the batch's shards checked at once
+            list(self._verifier().map(self._verify, unverified, timeout=VERIFY_TIMEOUT_S))
+        elif unverified:
+            self._verify(unverified[0])
+        with stage(self.times, "read rows (pread into the batch's buffers)"):
+            for number, row, rows, position in runs:
+                shard = self.shards[number]
+                fd = os.open(shard.path, os.O_RDONLY)
+                try:
+                    for codec, column in zip(self.codecs, columns):
+                        if codec.zstd_level:
+                            self._read_frames(fd, shard, codec, row, rows, column[position:position + rows])
+                        else:
+                            place = shard.places[codec.name]
+                            row_bytes = (place.end - place.begin) // shard.entry["rows"]
+                            _pread_into(fd, fmt.tensor_bytes(column[position:position + rows]),
+                                        place.begin + row * row_bytes, shard.path)
+                finally:
+                    os.close(fd)
+        return columns
+
+    def _read_frames(self, fd: int, shard: _Shard, codec: fmt.TensorCodec, row: int, rows: int,
+                     out: torch.Tensor) -> None:
+        offsets_place, frames = shard.places[f"{codec.name}.offsets"], shard.places[codec.name]
+        offsets = torch.empty(rows + 1, dtype=torch.int64)
+        _pread_into(fd, fmt.tensor_bytes(offsets), offsets_place.begin + row * 8, shard.path)
+        for index in range(rows):
+            begin, end = int(offsets[index]), int(offsets[index + 1])
+            if not 0 <= begin <= end <= frames.end - frames.begin:
+                raise StoreCorrupt(f"{shard.path}: {codec.name}'s row {row + index} lies outside its frames")
+            out[index:index + 1] = fmt.decompress_row(os.pread(fd, end - begin, frames.begin + begin), codec)
 
     # ---- writing rows ----------------------------------------------------------------------
 
-    def write_shard(self, keys: list[bytes], rows: dict[str, torch.Tensor], tokens: int,
-                    first_row: int | None = None) -> dict:
-        """One shard of `rows` (each codec's encoded rows, on the host), written and then named in the
-        manifest as the next shard (`first_row`: where a dump's rows start). Returns its manifest entry."""
-        tensors = {fmt.ROW_KEY: torch.tensor([list(key) for key in keys], dtype=torch.uint8)}
+    def shard_file(self, rows: int, frames: dict[str, int] | None = None) -> fmt.ShardFile:
+        """A new shard file of `rows` rows, its rows to be put in as they come (`fmt.ShardFile`);
+        `frames`: the bytes of each zstd codec's frames (known once they are compressed)."""
+        specs = {fmt.ROW_KEY: (torch.uint8, (rows, 32))}
         for codec in self.codecs:
-            stored = rows[codec.name]
             if codec.zstd_level:
-                tensors[codec.name], tensors[f"{codec.name}.offsets"] = fmt.compress_rows(stored, codec.zstd_level)
+                specs[codec.name] = (torch.uint8, (frames[codec.name],))
+                specs[f"{codec.name}.offsets"] = (torch.int64, (rows + 1,))
             else:
-                tensors[codec.name] = stored
-        data = fmt.serialize_shard(tensors)
-        entry = {"rows": len(keys), "tokens": int(tokens), "bytes": len(data),
-                 "sha256": hashlib.sha256(data).hexdigest(),
-                 "row_keys_sha256": hashlib.sha256(tensors[fmt.ROW_KEY].numpy().tobytes()).hexdigest()}
+                specs[codec.name] = _stored_spec(codec, rows)
+        return fmt.ShardFile(self.directory, specs)
+
+    def write_shard(self, keys: list[bytes], rows: dict[str, list[torch.Tensor]], tokens: int,
+                    first_row: int | None = None) -> dict:
+        """One shard of `rows` (each codec's encoded rows, on the host, in parts), written and then
+        named in the manifest as the next shard (`first_row`: where a dump's rows start). Returns its
+        manifest entry."""
+        tensors: dict[str, list[torch.Tensor]] = {}
+        for codec in self.codecs:
+            if codec.zstd_level:
+                with stage(self.times, "zstd"):
+                    data, offsets = fmt.compress_rows(torch.cat(rows[codec.name]), codec.zstd_level)
+                tensors[codec.name], tensors[f"{codec.name}.offsets"] = [data], [offsets]
+            else:
+                tensors[codec.name] = rows[codec.name]
+        shard = self.shard_file(len(keys), {c.name: tensors[c.name][0].numel() for c in self.codecs if c.zstd_level})
+        try:
+            with stage(self.times, "write + sha256"):
+                for name, parts in tensors.items():
+                    for part in parts:
+                        shard.put(name, part)
+            return self.commit_shard(shard, keys, tokens, first_row)
+        except BaseException:
+            shard.abort()
+            raise
+
+    def commit_shard(self, shard: fmt.ShardFile, keys: list[bytes], tokens: int, first_row: int | None) -> dict:
+        """Puts the row keys, syncs `shard`, renames it to the next shard's name and names it in the
+        manifest (`first_row`: where a dump's rows start). Returns its manifest entry."""
+        key_bytes = b"".join(keys)
+        shard.put(fmt.ROW_KEY, torch.frombuffer(bytearray(key_bytes), dtype=torch.uint8))
+        with stage(self.times, "fsync"):
+            size, digest = shard.finish()
+        entry = {"rows": len(keys), "tokens": int(tokens), "bytes": size, "sha256": digest,
+                 "row_keys_sha256": hashlib.sha256(key_bytes).hexdigest()}
         if first_row is not None:
             entry["first_row"] = first_row
-        with fmt.locked(self.directory):
+        with fmt.locked(self.directory), stage(self.times, "rename + manifest"):
             manifest = fmt.read_manifest(self.directory)
-            held = sum(shard["rows"] for shard in manifest["shards"])
+            held = sum(shard_entry["rows"] for shard_entry in manifest["shards"])
             if first_row is not None and first_row != held:
                 raise StoreError(f"{self.directory}: a dump's rows from {first_row} would follow the {held} rows its "
                                  "manifest holds (another process writing into the same directory?)")
             entry = {"file": f"shard-{len(manifest['shards']):06d}.safetensors", **entry}
-            fmt.write_atomic(self.directory / entry["file"], data)  # complete before the manifest names it
+            os.replace(shard.path, self.directory / entry["file"])  # complete before the manifest names it
+            fmt.sync_directory(self.directory)
             manifest["shards"].append(entry)
             fmt.write_manifest(self.directory, manifest)
         with self._lock:
@@ -322,3 +431,22 @@ class TeacherStore:
                 manifest["head"] = {"file": fmt.HEAD_FILE, "bytes": len(data_bytes),
                                     "sha256": hashlib.sha256(data_bytes).hexdigest()}
             fmt.write_manifest(directory, manifest)
+
+
+def _stored_spec(codec: fmt.TensorCodec, rows: int) -> tuple[torch.dtype, tuple[int, ...]]:
+    """The dtype and shape of `rows` rows of a raw (not zstd) codec as a shard stores them."""
+    if codec.bits:
+        return torch.uint8, (rows, codec.row_bytes)
+    return codec.dtype, (rows, *codec.row_shape)
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    """`len(view)` bytes of the file from `offset` into `view` (os.preadv releases the GIL: the
+    reads of several threads are in flight at once)."""
+    done = 0
+    while done < len(view):
+        count = os.preadv(fd, [view[done:]], offset + done)
+        if count <= 0:
+            raise StoreCorrupt(f"{path} ended {len(view) - done} bytes early at byte {offset + done}: truncated "
+                               "after it was opened")
+        done += count

@@ -89,9 +89,10 @@ def dump_rows(teacher, store: TeacherStore, input_ids: torch.Tensor, attention_m
 
     `prefetch` batches are asked ahead of the one written (a served teacher computes while this
     process writes); each batch's outputs are encoded on their device (ids packed there) and
-    handed to the ShardWriter, whose thread copies them to the host and writes: the next forward
-    never waits for a write."""
-    writer = ShardWriter(store, rows_per_shard, dump=True)
+    handed to the ShardWriter, whose thread waits for their copy to the host and writes them into
+    their shard's file at once: the next forward never waits for a write. Shards hold exactly
+    `rows_per_shard` rows (the last one the rest), wherever the batches begin."""
+    writer = ShardWriter(store, rows_per_shard, dump=True, rows_total=max(0, len(input_ids) - start_row))
     started, tokens = time.perf_counter(), 0
     inflight: list[tuple[int, int, Future]] = []
 
@@ -101,9 +102,9 @@ def dump_rows(teacher, store: TeacherStore, input_ids: torch.Tensor, attention_m
             begin, end, future = inflight.pop(0)
             out = future.result(timeout=timeout_s)
             keys = [fmt.row_key(input_ids[row], attention_mask[row]) for row in range(begin, end)]
-            batch_tokens = int(attention_mask[begin:end].sum())
-            writer.add(keys, store.request.disassemble(out), batch_tokens, first_row=begin)
-            tokens += batch_tokens
+            row_tokens = attention_mask[begin:end].sum(1).tolist()
+            writer.add(keys, store.request.disassemble(out), row_tokens, first_row=begin)
+            tokens += sum(row_tokens)
 
     try:
         for begin in range(start_row, len(input_ids), batch_size):

@@ -3,6 +3,7 @@ read off the training thread, filled through by a teacher given as well."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -18,16 +19,24 @@ from student_trainer.store.directory import TeacherStore, data_facts, teacher_fa
 from student_trainer.store.writer import ShardWriter
 
 
+# Batches read at once by a StoreTeacher without a teacher: enough reads in flight for an NVMe disk and
+# digests of several shards checked at once (reads and sha256 release the GIL), few enough threads
+# for a trainer's host.
+READ_WORKERS = 4
+
+
 class StoreTeacher:
     """Teacher outputs read from a store, with TeacherClient's interface (see the module's docstring)."""
 
     def __init__(self, store: TeacherStore, device: str | torch.device, asked: OutputRequest, *,
                  teacher=None, model_name: str = "", rows_per_shard: int = 256, record_reads: bool = False,
-                 timeout_s: float = 900.0):
+                 timeout_s: float = 900.0, read_workers: int = READ_WORKERS):
         """`asked`: the outputs the run reads (resolved against the store's teacher). `teacher`: a
         TeacherClient or LocalTeacher asked for what the store lacks, which is written through.
         `record_reads`: keep where every row read lay (`read_locations`, for tests). `timeout_s`: the
-        longest wait for the teacher's outputs of one batch to write through."""
+        longest wait for the teacher's outputs of one batch to write through. `read_workers`: batches
+        read at once (each its shards' digests, its rows' reads in flight); one with a teacher, whose
+        batches must be read in order (a row written through by one is read back by a later one)."""
         self.store = store
         self.device = torch.device(device)
         self.outputs = asked
@@ -45,7 +54,11 @@ class StoreTeacher:
         if teacher is not None:
             store.check_teacher(teacher.outputs, model_name)
         self.writer = ShardWriter(store, rows_per_shard) if teacher is not None else None
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-read")
+        if read_workers < 1:
+            raise ValueError(f"read_workers must be at least 1, got {read_workers}")
+        self._reader = ThreadPoolExecutor(max_workers=1 if teacher is not None else read_workers,
+                                          thread_name_prefix="store-read")
+        self._record_lock = threading.Lock()
         self._next_batch_id = 0
         self.record_reads = record_reads
         self.read_locations: list[tuple[str, int]] = []  # (shard file, row) of every row read, with record_reads
@@ -94,7 +107,7 @@ class StoreTeacher:
             self._through.update(keys[i] for i in missing)
             live = self.teacher.submit(input_ids, mask)
             self.batches_from_teacher += 1
-            tokens = int(mask[missing].sum())
+            tokens = mask[missing].sum(1).tolist()
             return self._reader.submit(self._write_through, batch_id, live, keys, missing, tokens)
         return self._reader.submit(self._read, batch_id, keys, locations, pending)
 
@@ -121,9 +134,10 @@ class StoreTeacher:
                 else:
                     parts.append([t.to(self.device) for t in row])
             tensors = [torch.cat(column, dim=codec.batch_axis) for codec, column in zip(self.store.codecs, zip(*parts))]
-        self.rows_read += len(locations)
-        if self.record_reads:
-            self.read_locations.extend((self.store.shards[number].entry["file"], row) for number, row in stored)
+        with self._record_lock:
+            self.rows_read += len(locations)
+            if self.record_reads:
+                self.read_locations.extend((self.store.shards[number].entry["file"], row) for number, row in stored)
         return self._assemble(batch_id, tensors)
 
     def _write_through(self, batch_id: int, live: Future, keys, missing, tokens) -> TeacherOutput:
@@ -165,6 +179,7 @@ class StoreTeacher:
             return
         self._closed = True
         self._reader.shutdown(wait=True)
+        self.store.close()
         try:
             if self.writer is not None:
                 self.writer.close()
@@ -183,7 +198,7 @@ def open_store_teacher(directory: str | Path, device, outputs: Iterable[Output],
                        dataset=None, data_path: str | Path | None = None, tokenizer=None, vocab_size: int = 0,
                        teacher=None, model_name: str = "", rows_per_shard: int = 256,
                        seq_len: int | None = None, record_reads: bool = False,
-                       timeout_s: float = 900.0) -> StoreTeacher:
+                       timeout_s: float = 900.0, read_workers: int = READ_WORKERS) -> StoreTeacher:
     """The trainer's StoreTeacher over `directory`, checked against the run: its data (`dataset`
     read from `data_path`), the outputs it asks (`outputs` in `dtype`, None: whatever the store
     holds), the student's vocabulary and tokenizer, and the `teacher` that fills what it lacks
@@ -217,4 +232,4 @@ def open_store_teacher(directory: str | Path, device, outputs: Iterable[Output],
     except ValueError as e:
         raise StoreMismatch(f"{directory / fmt.MANIFEST}: {e}") from e
     return StoreTeacher(store, device, asked, teacher=teacher, model_name=model_name, rows_per_shard=rows_per_shard,
-                        record_reads=record_reads, timeout_s=timeout_s)
+                        record_reads=record_reads, timeout_s=timeout_s, read_workers=read_workers)
