@@ -205,3 +205,12 @@ class ForwardGraphs:
             torch._C._cuda_endAllocateToPool(self.device.index, self._pool)
         except Exception as e:  # ended already (capture_end got that far), or a torch without it
             log.debug("ending the allocator's capture after a failed one: %s", e)
+        # capture_end raises before it tells the device's random generator that the capture is
+        # over, so every later random op on the device would fail ("Offset increment outside
+        # graph capture encountered unexpectedly"): the generator gets a fresh copy of its state
+        # (same seed and offset), not marked as capturing.
+        try:
+            generator = torch.cuda.default_generators[self.device.index]
+            generator.graphsafe_set_state(generator.clone_state())
+        except Exception as e:  # a torch without graph-safe generator states
+            log.warning("the device's random generator may be left unusable by the failed capture: %s", e)

@@ -115,6 +115,11 @@ def test_a_model_that_syncs_in_its_forward_falls_back_to_eager():
     # The failed capture is over for the allocator too: it reuses memory freed on other
     # streams (left thinking a capture runs, it reserved all 8 blocks, for good).
     assert reserved_growth_after_stream_frees() <= 2 * (256 << 20)
+    # ... and for the device's random generator: random ops still run, from the same state.
+    state = torch.cuda.get_rng_state(0)
+    first = torch.randn(8, device="cuda:0")
+    torch.cuda.set_rng_state(state, 0)
+    assert torch.equal(torch.randn(8, device="cuda:0"), first)
 
 
 def serve_one_student(tmp_path, device: str, batches: int) -> tuple[dict, dict]:
