@@ -21,14 +21,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     reason="needs a GPU of compute capability 9.0 (block-wise FP8 scales)")]
 
 VOCAB, HIDDEN = 384, 256  # 256 in-features: two 128-blocks, a count cuBLAS reads padded to four
-# The served FP8 model against the same model whose FP8 layers compute their product the
-# straightforward way (`FP8Linear.reference`: the activation quantized the same way, both
-# operands dequantized, multiplied in float32): only the sums' order and the rounding of each
-# layer's bf16 output differ. A scale read from the wrong place gives ~1.
+# Each FP8 layer of a served model, on the activations a forward gives it, against its product
+# computed the straightforward way (`FP8Linear.reference`: the activation quantized the same
+# way, both operands dequantized, multiplied in float32): only the sums' order and the bf16
+# rounding of the output differ. A scale read from the wrong place gives ~1. (Whole models are
+# not compared this way: a layer's last-bit difference moves some of the next layer's
+# activations across an e4m3 rounding boundary, 6% each; on this random model that compounds
+# to 3.3% at the logits, on an H200, for either scaling.)
 GEMM_RTOL = 1e-2
 # FP8 against the model in bf16: the activations' quantization (e4m3 keeps 3 mantissa bits),
 # compounded over the layers of a random tiny model; measured on an H200 at 4.6% (1 x 128
-# activation blocks) and 6.9% (one scale per row). A sanity bound: the tight check is GEMM_RTOL.
+# activation blocks) and 6.9% (one scale per row). Whole models are held to it, each against
+# another way of computing the same FP8 model too (eager against compiled, in process against
+# served): the compounding above makes their distance of the same order. The tight check is
+# GEMM_RTOL, layer by layer.
 FP8_RTOL = 0.1
 
 
@@ -88,13 +94,22 @@ def _dequantized(fp8_dir, bf16_dir) -> torch.nn.Module:
     return model
 
 
-def _with_reference_products(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` with each FP8 layer computing its product the straightforward way (fp8.reference_linear)."""
-    layers = [m for m in model.modules() if isinstance(m, fp8.FP8Linear)]
-    assert layers, "no FP8 layer in the model"
-    for layer in layers:
-        layer.forward = layer.reference
-    return model
+def _check_each_product(model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """Runs `model` on `ids`; each FP8 layer's output on its input there equals the straightforward
+    product (fp8.reference_linear) within GEMM_RTOL. Returns how many layers were checked."""
+    seen = []
+    hooks = [m.register_forward_hook(lambda module, args, out: seen.append((module, args[0], out)))
+             for m in model.modules() if isinstance(m, fp8.FP8Linear)]
+    try:
+        with torch.inference_mode():
+            model(input_ids=ids.cuda())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert seen, "no FP8 layer ran"
+    for index, (module, x, out) in enumerate(seen):
+        assert _rel(out, module.reference(x)) < GEMM_RTOL, (index, module)
+    return len(seen)
 
 
 def test_fp8_block_linear_on_the_gpu_equals_dequantize_then_matmul():
@@ -112,20 +127,20 @@ def test_fp8_block_linear_on_the_gpu_equals_dequantize_then_matmul():
 def test_published_fp8_checkpoint_serves_the_dequantized_model(fp8_dir, bf16_dir):
     from distill_common.models import load_causal_lm
 
-    # The checkpoint as the teacher adopts it, its products computed the straightforward way; its
-    # weights are exactly the checkpoint's dequantized by hand.
-    exact = load_causal_lm(str(fp8_dir), device=torch.device("cuda:0"))
-    assert fp8.adopt_published(exact) > 0
+    # The checkpoint as the teacher adopts it: its weights exactly the checkpoint's dequantized by
+    # hand, each product the straightforward one.
+    adopted = load_causal_lm(str(fp8_dir), device=torch.device("cuda:0")).eval()
+    assert fp8.adopt_published(adopted) > 0
     by_hand = _dequantized_weights(fp8_dir)
-    for name, module in exact.named_modules():
+    for name, module in adopted.named_modules():
         if isinstance(module, fp8.FP8Linear):
             assert torch.equal(fp8.dequantize(*module.stored()).cpu(), by_hand[name + ".weight"]), name
-    exact = _with_reference_products(exact.eval())
     reference = _dequantized(fp8_dir, bf16_dir)
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    assert _check_each_product(adopted, ids) == 2 * 7  # two layers of q, k, v, o, gate, up, down
     with torch.inference_mode():
         ref = reference(input_ids=ids.cuda(), output_hidden_states=True)
-        fp8_ref = exact(input_ids=ids.cuda(), output_hidden_states=True)
+        fp8_ref = adopted(input_ids=ids.cuda(), output_hidden_states=True)
     kinds = (Logits(), TopK(4), HiddenStates((0, 1, 2)), FinalHidden(), AttentionInputs((0,)),
              AuxHiddenStates((0, 1, 2)), NextTokenLogprobs())
     with ServerProcess("--model", str(fp8_dir), "--device", "cuda:0", "--max-batch-tokens", "256",
@@ -137,12 +152,14 @@ def test_published_fp8_checkpoint_serves_the_dequantized_model(fp8_dir, bf16_dir
             out = client.submit(ids).result(timeout=120)
             head = client.joined.head
     logits = fp8_ref.logits.float().cpu()
-    assert _rel(out.logits, logits) < GEMM_RTOL
+    print(f"published FP8, served logits against: the adopted model in process {_rel(out.logits, logits):.2e}, "
+          f"the model dequantized {_rel(out.logits, ref.logits.float().cpu()):.2e}")
+    assert _rel(out.logits, logits) < FP8_RTOL
     assert _rel(out.logits, ref.logits.float().cpu()) < FP8_RTOL
-    assert (out.logits.argmax(-1) == logits.argmax(-1)).float().mean() > 0.9
+    assert (out.logits.argmax(-1) == logits.argmax(-1)).float().mean() > 0.8  # a layout error: ~1 / VOCAB
     assert (out.topk_indices[..., 0] == out.logits.argmax(-1)).all()
     for layer in (0, 1, 2):
-        assert _rel(out.hidden_states[layer], fp8_ref.hidden_states[layer].cpu()) < GEMM_RTOL, layer
+        assert _rel(out.hidden_states[layer], fp8_ref.hidden_states[layer].cpu()) < FP8_RTOL, layer
         assert _rel(out.hidden_states[layer], ref.hidden_states[layer].cpu()) < FP8_RTOL, layer
     # The head crosses in the output dtype, dequantized where stored quantized, and gives the logits.
     assert head.weight.dtype == torch.bfloat16
@@ -158,8 +175,6 @@ def test_published_fp8_checkpoint_serves_the_dequantized_model(fp8_dir, bf16_dir
 def test_quantize_fp8_serves_within_fp8_of_bf16_and_replays_from_cuda_graphs(bf16_dir):
     plan = fp8.Fp8Plan("row")
     eager = ModelRunner(str(bf16_dir), "cuda:0", quantize=fp8.Fp8Plan("row", compile="off"))
-    straightforward = ModelRunner(str(bf16_dir), "cuda:0", quantize=fp8.Fp8Plan("row", compile="off"))
-    _with_reference_products(straightforward.model)
     compiled = ModelRunner(str(bf16_dir), "cuda:0", quantize=plan)
     graphed = ModelRunner(str(bf16_dir), "cuda:0", quantize=plan, cuda_graphs=2)
     plain = ModelRunner(str(bf16_dir), "cuda:0")
@@ -167,9 +182,11 @@ def test_quantize_fp8_serves_within_fp8_of_bf16_and_replays_from_cuda_graphs(bf1
     mask = torch.ones_like(ids)
     exact = plain.forward(ids, mask).logits.float()
     base = eager.forward(ids, mask).logits.float()
-    assert _rel(base, straightforward.forward(ids, mask).logits.float()) < GEMM_RTOL
+    _check_each_product(eager.model, ids)
     assert 0 < _rel(base, exact) < FP8_RTOL
-    assert _rel(compiled.forward(ids, mask).logits, base) < 1e-2  # fused kernels round once less, or once more
+    fused = _rel(compiled.forward(ids, mask).logits, base)  # fused kernels round once less, or once more
+    print(f"--quantize fp8 logits: eager against bf16 {_rel(base, exact):.2e}, compiled against eager {fused:.2e}")
+    assert fused < FP8_RTOL
     first = graphed.forward(ids, mask).logits.float()
     for _ in range(3):  # the second forward of a shape captures it, later ones replay
         again = graphed.forward(ids, mask).logits.float()
@@ -180,4 +197,5 @@ def test_quantize_fp8_serves_within_fp8_of_bf16_and_replays_from_cuda_graphs(bf1
         with TeacherClient(server.address, "cpu", outputs=(Logits(),), refuse_quantized=False) as client:
             assert client.info.quantization.format == "fp8_e4m3"
             served = client.submit(ids).result(timeout=120).logits.float()
-    assert _rel(served, base) < 1e-2
+    print(f"--quantize fp8 served against eager in process: {_rel(served, base):.2e}")
+    assert _rel(served, base) < FP8_RTOL
