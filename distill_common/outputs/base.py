@@ -301,14 +301,24 @@ class Output(abc.ABC):
         carry data (`OutputRequest.reads_batch_data`).
         """
 
-    @abc.abstractmethod
+    # The TeacherOutput fields this kind's tensors fill, one each, in send order. A kind whose
+    # tensors map to its fields otherwise (a dict per layer, a dtype changed) overrides
+    # `assemble` and `disassemble` instead.
+    fields: ClassVar[tuple[str, ...]] = ()
+
     def assemble(self, tensors: list[torch.Tensor]) -> dict:
         """The TeacherOutput fields this kind fills from its received tensors."""
+        if not self.fields or len(tensors) != len(self.fields):
+            raise NotImplementedError(f"{type(self).__name__}: {len(tensors)} tensors for the fields "
+                                      f"{self.fields}; name them in `fields` or override assemble")
+        return dict(zip(self.fields, tensors))
 
-    @abc.abstractmethod
     def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
         """The inverse of `assemble`: this kind's tensors, as `layout` says, from a TeacherOutput
         (what a store of teacher outputs keeps of it, student_trainer/store/)."""
+        if not self.fields:
+            raise NotImplementedError(f"{type(self).__name__}: name its fields in `fields` or override disassemble")
+        return [getattr(out, name) for name in self.fields]
 
     def join_layout(self, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
         """The tensors this kind sends once, right after the handshake (none by default)."""

@@ -185,6 +185,7 @@ class SortedProbs(CrossTokenizerKind):
 
     k: int
     asked_as: ClassVar[str] = "cross_tokenizer.sorted_topk > 0"
+    fields: ClassVar[tuple[str, ...]] = ("sorted_probs",)
 
     @classmethod
     def from_spec(cls, spec: pb.OutputSpec) -> "SortedProbs | None":
@@ -207,13 +208,6 @@ class SortedProbs(CrossTokenizerKind):
         for r, c, probs in _aligned_probs(forward.logits, _to_device(aligned.context, forward.logits.device)):
             values[r, c] = probs.topk(self.k, dim=-1).values
         return [values]
-
-    def assemble(self, tensors: list[torch.Tensor]) -> dict:
-        (values,) = tensors
-        return {"sorted_probs": values}
-
-    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
-        return [out.sorted_probs]
 
     def __str__(self) -> str:
         return f"sorted_topk={self.k}"

@@ -68,6 +68,7 @@ class FinalHidden(Output):
     [B, S, V] teacher tensor on either side. The student finds the head in `TeacherClient.joined.head`."""
 
     asked_as: ClassVar[str] = "final_hidden"
+    fields: ClassVar[tuple[str, ...]] = ("final_hidden",)
     same_vocabulary: ClassVar[bool] = True
 
     @classmethod
@@ -91,13 +92,6 @@ class FinalHidden(Output):
 
     def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
         return [forward.final_hidden.to(dtype).contiguous()]
-
-    def assemble(self, tensors: list[torch.Tensor]) -> dict:
-        (final_hidden,) = tensors
-        return {"final_hidden": final_hidden}
-
-    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
-        return [out.final_hidden]
 
     def join_layout(self, teacher: TeacherFacts, dtype: torch.dtype) -> list[TensorSpec]:
         weight = TensorSpec((teacher.vocab_size, teacher.hidden_size), dtype)
@@ -136,6 +130,7 @@ class AuxHiddenStates(Output):
 
     layers: tuple[int, ...] = ()
     asked_as: ClassVar[str] = "aux_hidden_states"
+    fields: ClassVar[tuple[str, ...]] = ("aux_hidden_states",)
 
     def __post_init__(self):
         object.__setattr__(self, "layers", tuple(int(layer) for layer in self.layers))
@@ -181,13 +176,6 @@ class AuxHiddenStates(Output):
 
     def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
         return [torch.cat([forward.hidden[layer].to(dtype) for layer in self.layers], dim=-1).contiguous()]
-
-    def assemble(self, tensors: list[torch.Tensor]) -> dict:
-        (concatenated,) = tensors
-        return {"aux_hidden_states": concatenated}
-
-    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
-        return [out.aux_hidden_states]
 
     def __str__(self) -> str:
         return f"aux_hidden_states={self.layers}"

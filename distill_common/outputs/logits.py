@@ -10,7 +10,7 @@ import torch
 
 from distill_common import wire
 from distill_common.outputs.base import (BatchOutputs, ForwardNeeds, Output, OutputSpecError, TeacherFacts,
-                                         TeacherOutput, TensorSpec, _few)
+                                         TensorSpec, _few)
 from distill_common.outputs.logprobs import _check_temperature, _logprobs_at, _temperature_to_spec
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 
@@ -20,6 +20,7 @@ class Logits(Output):
     """The full logits [B, S, V]."""
 
     asked_as: ClassVar[str] = "logits"
+    fields: ClassVar[tuple[str, ...]] = ("logits",)
     same_vocabulary: ClassVar[bool] = True
 
     @classmethod
@@ -38,13 +39,6 @@ class Logits(Output):
 
     def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
         return [forward.logits.to(dtype).contiguous()]
-
-    def assemble(self, tensors: list[torch.Tensor]) -> dict:
-        (logits,) = tensors
-        return {"logits": logits}
-
-    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
-        return [out.logits]
 
     def __str__(self) -> str:
         return "logits"
@@ -67,6 +61,7 @@ class TopK(Output):
     k: int
     temperature: float = 1.0
     asked_as: ClassVar[str] = "topk > 0"
+    fields: ClassVar[tuple[str, ...]] = ("topk_values", "topk_indices")
     same_vocabulary: ClassVar[bool] = True
     form: ClassVar[int] = pb.TOPK_FORM_LOGPROBS
 
@@ -105,13 +100,6 @@ class TopK(Output):
         values = _logprobs_at(forward.logits, indices, self.temperature)
         return [values.to(dtype).contiguous(), indices.to(torch.int32).contiguous()]
 
-    def assemble(self, tensors: list[torch.Tensor]) -> dict:
-        values, indices = tensors
-        return {"topk_values": values, "topk_indices": indices}
-
-    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
-        return [out.topk_values, out.topk_indices]
-
     def __str__(self) -> str:
         return f"topk={self.k}(T={self.temperature:g})"
 
@@ -123,6 +111,7 @@ class SubsetLogits(Output):
 
     token_ids: tuple[int, ...]
     asked_as: ClassVar[str] = "logit_subset"
+    fields: ClassVar[tuple[str, ...]] = ("subset_logits",)
     same_vocabulary: ClassVar[bool] = True
 
     def __post_init__(self):
@@ -170,13 +159,6 @@ class SubsetLogits(Output):
     def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
         return [forward.logits.index_select(-1, self._index(forward.logits.device)).to(dtype).contiguous()]
 
-    def assemble(self, tensors: list[torch.Tensor]) -> dict:
-        (logits,) = tensors
-        return {"subset_logits": logits}
-
-    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
-        return [out.subset_logits]
-
     def _index(self, device: torch.device) -> torch.Tensor:
         index = self._indices.get(device)
         if index is None:
@@ -205,6 +187,7 @@ class Argmax(Output):
     """The teacher's greedy next token at each position: the full vocabulary's argmax, int32 [B, S]."""
 
     asked_as: ClassVar[str] = "argmax"
+    fields: ClassVar[tuple[str, ...]] = ("argmax",)
     same_vocabulary: ClassVar[bool] = True
 
     @classmethod
@@ -223,13 +206,6 @@ class Argmax(Output):
 
     def derive(self, forward: BatchOutputs, batch, dtype: torch.dtype) -> list[torch.Tensor]:
         return [forward.logits.argmax(dim=-1).to(torch.int32).contiguous()]
-
-    def assemble(self, tensors: list[torch.Tensor]) -> dict:
-        (ids,) = tensors
-        return {"argmax": ids}
-
-    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
-        return [out.argmax]
 
     def __str__(self) -> str:
         return "argmax"

@@ -12,7 +12,7 @@ import torch
 
 from distill_common import wire
 from distill_common.outputs.base import (BatchDataError, BatchOutputs, ForwardNeeds, Output, OutputSpecError,
-                                         TeacherFacts, TeacherOutput, TensorSpec)
+                                         TeacherFacts, TensorSpec)
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 
 
@@ -91,6 +91,7 @@ class NextTokenLogprobs(Output):
 
     temperature: float = 1.0
     asked_as: ClassVar[str] = "next_token_logprobs"
+    fields: ClassVar[tuple[str, ...]] = ("next_token_logprobs",)
     same_vocabulary: ClassVar[bool] = True
 
     @classmethod
@@ -122,13 +123,6 @@ class NextTokenLogprobs(Output):
             values[:, :-1] = torch.where(real[:, :-1] & real[:, 1:], scored, 0.0)
         return [values]
 
-    def assemble(self, tensors: list[torch.Tensor]) -> dict:
-        (values,) = tensors
-        return {"next_token_logprobs": values}
-
-    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
-        return [out.next_token_logprobs]
-
     def __str__(self) -> str:
         return f"next_token_logprobs(T={self.temperature:g})"
 
@@ -150,6 +144,7 @@ class ScoredLogprobs(Output):
     k: int
     temperature: float = 1.0
     asked_as: ClassVar[str] = "score_ids > 0"
+    fields: ClassVar[tuple[str, ...]] = ("scored_logprobs",)
     same_vocabulary: ClassVar[bool] = True
     batch_field: ClassVar[str] = "score_ids"
 
@@ -182,13 +177,6 @@ class ScoredLogprobs(Output):
         real = _to_device(batch.attention_mask, logits.device).bool()
         values = _logprobs_at(logits, ids, self.temperature)
         return [torch.where(real[..., None], values, 0.0)]
-
-    def assemble(self, tensors: list[torch.Tensor]) -> dict:
-        (values,) = tensors
-        return {"scored_logprobs": values}
-
-    def disassemble(self, out: TeacherOutput) -> list[torch.Tensor]:
-        return [out.scored_logprobs]
 
     def _expected_shape(self, batch: int, seq: int) -> list[int]:
         return [batch, seq, self.k]
