@@ -108,6 +108,25 @@ def fill(store_dir: Path, setup, teacher, rows: list[dict], **create) -> None:
     writer.close()
 
 
+def check_as_the_docs_say(directory: Path) -> None:
+    """Every shard of the store checked by the code distill_common/store.py's docstring gives for
+    checking a shard without this project, run as it is written there."""
+    text = fmt.__doc__.split("Checking a shard without this project", 1)[1].split("\n\n", 1)[1]
+    code = []
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("    "):
+            break
+        code.append(line[4:])
+    manifest = json.loads((directory / fmt.MANIFEST).read_text())
+    cwd = os.getcwd()
+    os.chdir(directory)
+    try:
+        for entry in manifest["shards"]:
+            exec("\n".join(code), {"entry": entry, "tensors": manifest["outputs"]["tensors"]})
+    finally:
+        os.chdir(cwd)
+
+
 @pytest.mark.parametrize("variant", ["float32", "bfloat16 raw ids", "zstd"])
 def test_every_kind_round_trips(setup, tmp_path, variant):
     create, dtype = {}, None
@@ -138,6 +157,7 @@ def test_every_kind_round_trips(setup, tmp_path, variant):
     for a, b in zip(got.attention_inputs[1], live.attention_inputs[1]):
         assert torch.equal(a, b)
     assert torch.equal(head.weight, teacher.joined.head.weight)  # the head, stored once
+    check_as_the_docs_say(tmp_path / "s")
 
 
 def test_subset_logits_come_from_the_final_hidden_state_and_the_heads_rows(setup, tmp_path):
