@@ -379,7 +379,8 @@ class TeacherStore:
         shard.put(fmt.ROW_KEY, torch.frombuffer(bytearray(key_bytes), dtype=torch.uint8))
         with stage(self.times, "row digests + fsync"):
             digests = shard.finish()
-        entry = {"rows": len(keys), "tokens": int(tokens), **digests, "row_keys_sha256": hashlib.sha256(key_bytes).hexdigest()}
+        entry = {"rows": len(keys), "tokens": int(tokens), **digests,
+                 "row_keys_sha256": hashlib.sha256(key_bytes).hexdigest()}
         if first_row is not None:
             entry["first_row"] = first_row
         with fmt.locked(self.directory), stage(self.times, "rename + manifest"):
