@@ -9,7 +9,8 @@ Three tables, from one run:
 1. Bytes per token of every stored kind, at the Llama-3-8B shape (vocabulary 128,256, bf16,
    4,096-token rows) and the demo's (`make demo`'s teacher, float32, 128-token rows): the
    shards' tensors as the format lays them out (ids packed to the vocabulary's bits) plus the
-   32-byte row key, without zstd (what it saves depends on the model: random weights say nothing).
+   32-byte row key and 32-byte row digest, without zstd (what it saves depends on the model:
+   random weights say nothing).
 2. Dump throughput: tokens/s of `dump_rows` (the dump's own loop: the teacher's forward in this
    process, top-k and id packing on the device, the shard writer's thread copying and writing)
    against the same teacher's forward alone (`ModelRunner.forward`, what the kind needs of it),
@@ -21,11 +22,13 @@ Three tables, from one run:
 3. Read throughput of one trainer process: tokens/s of a `StoreTeacher` reading the dumped rows
    in a shuffled order onto the trainer's device, two batches ahead as the trainer's prefetcher
    asks them, after each shard was dropped from the page cache (posix_fadvise DONTNEED), so
-   the rows come from the disk. Goal: >= 10x the student's 35.4k tokens/s of the 1.5B pipeline
+   the rows come from the disk; each row read is hashed and checked against its digest
+   (`row_sha256`), no shard is read whole. Goal: >= 10x the student's 35.4k tokens/s of the 1.5B pipeline
    bench (docs/performance.md), so reading never limits training.
 
 `--profile` adds a fourth table: where the dump's and the reads' time goes (StageTimes: seconds
-per batch of each stage, summed over the threads that spend it, and the most threads in it at once).
+per batch of each stage, summed over the threads that spend it, and the most threads in it at once),
+and the rows' bytes a batch read and hashed (equal: each byte read is hashed once).
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ def bytes_per_token(shape: str) -> list[dict]:
     rows = []
     for name, kinds, packed in stored_kinds(facts):
         request = OutputRequest(tuple(kinds), facts.dtype, facts)
-        per_row = sum(codec.row_bytes for codec in fmt.codecs_for(request, seq, pack=packed)) + 32  # + row key
+        # + the row key and the row digest, 32 bytes each
+        per_row = sum(codec.row_bytes for codec in fmt.codecs_for(request, seq, pack=packed)) + 64
         head = facts.vocab_size * facts.hidden_size * facts.dtype.itemsize if FinalHidden() in kinds else 0
         rows.append({"shape": shape, "kind": name, "bytes_per_token": per_row / seq, "once_bytes": head})
     return rows
@@ -199,7 +203,9 @@ def measure_kind(model, kinds: tuple, ids: torch.Tensor, mask: torch.Tensor, row
               "disk_bytes_per_token": disk_bytes / tokens, "read_tokens_per_s": tokens / read_s}
     if profile:
         result["profile"] = {"batches": len(batches), "dump_s": dump_s, "read_s": read_s,
-                             "dump": _stages(dump_times), "read": _stages(read_times)}
+                             "dump": _stages(dump_times), "read": _stages(read_times),
+                             "row_bytes_read": read_store.row_bytes_read,
+                             "row_bytes_hashed": read_store.row_bytes_hashed}
     return result
 
 
@@ -232,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sizes = bytes_per_token("llama3-8b") + bytes_per_token("demo") + (bytes_per_token(shape) if shape not in
                                                                        ("llama3-8b", "demo") else [])
-    lines = ["Bytes per token, as stored (ids packed to the vocabulary's bits, no zstd; + the 32-byte row key)", "",
+    lines = ["Bytes per token, as stored (ids packed to the vocabulary's bits, no zstd; + the 32-byte row key and "
+             "row digest)", "",
              "| shape | stored | bytes / token | once |", "|---|---|---:|---:|"]
     for row in sizes:
         once = f"{row['once_bytes'] / 2**20:.1f} MiB" if row["once_bytes"] else ""
@@ -274,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
                 for name, figures in profile[path].items():
                     lines.append(f"| {row['kind']} | {path} | {name} | "
                                  f"{1000 * figures['seconds'] / profile['batches']:,.1f} | {figures['max_in_flight']} |")
+        lines += ["", "| stored | rows' MiB read / batch | rows' MiB hashed / batch |", "|---|---:|---:|"]
+        for row in measured:
+            profile = row["profile"]
+            lines.append(f"| {row['kind']} | {profile['row_bytes_read'] / 2**20 / profile['batches']:,.2f} | "
+                         f"{profile['row_bytes_hashed'] / 2**20 / profile['batches']:,.2f} |")
     emit(lines, args.out, {"bytes_per_token": sizes, "measured": measured})
     return 0
 

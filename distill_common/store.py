@@ -43,11 +43,46 @@ bytes): `ShardFile` writes those bytes itself, rows at their place as they come,
 dump writes a batch once it is on the host and never copies a shard whole.
 
 Safety. A shard is written under a temporary name, synced and renamed before the manifest
-names it; the manifest is replaced atomically the same way. The manifest records each
-shard's size and sha256 (and the sha256 of its row keys, checked when a store is opened);
-a shard whose size or digest differs is refused (`StoreCorrupt`) naming the file, never
-read around or recomputed. A file the manifest does not name (a shard written when the
-process died before the manifest named it, a temporary file) is not part of the store.
+names it; the manifest is replaced atomically the same way. A file the manifest does not name
+(a shard written when the process died before the manifest named it, a temporary file) is not
+part of the store. Every byte a reader reads is checked against a digest, and nothing else is
+read: a shard holds `row_sha256` `[rows, 32]` uint8, row r's the sha256 of that row's stored
+bytes: each tensor of `outputs.tensors`, in that order, its bytes of row r as they lie in the
+file (`[rows, ...]` tensors: their row r; zstd: row r's frame as stored, the bytes
+`[offsets[r], offsets[r + 1])` of NAME). The manifest's entry of a shard records its `bytes`
+and `sha256` (the whole file: what a resumed dump and tools that copy a store check), and
+`header_sha256` (the 8-byte length and the JSON header), `row_keys_sha256` and
+`row_sha256_sha256` (the bytes of those two tensors), which a reader checks when it opens the
+store. A reader then checks each row it reads against its `row_sha256`; a shard whose size
+differs, or whose header, keys, digests or a row read differ from what is recorded is refused
+(`StoreCorrupt`) naming the file (and the row), never read around or recomputed.
+
+Checking a shard without this project (`tensors`: the manifest's `outputs.tensors`; `entry`:
+the shard's entry in `shards`):
+
+    import hashlib, json, struct
+    data = open(entry["file"], "rb").read()
+    assert len(data) == entry["bytes"] and hashlib.sha256(data).hexdigest() == entry["sha256"]
+    length = struct.unpack("<Q", data[:8])[0]
+    assert hashlib.sha256(data[:8 + length]).hexdigest() == entry["header_sha256"]
+    header, start = json.loads(data[8:8 + length]), 8 + length
+    def span(name):                                   # a tensor's bytes
+        begin, end = header[name]["data_offsets"]
+        return data[start + begin:start + end]
+    def row(name, r, rows):                           # row r of a [rows, ...] tensor
+        whole = span(name)
+        return whole[r * len(whole) // rows:(r + 1) * len(whole) // rows]
+    digests = span("row_sha256")
+    assert hashlib.sha256(digests).hexdigest() == entry["row_sha256_sha256"]
+    for r in range(entry["rows"]):
+        h = hashlib.sha256()
+        for tensor in tensors:
+            if tensor["compression"] == "zstd":
+                offsets = struct.unpack(f"<{entry['rows'] + 1}q", span(tensor["name"] + ".offsets"))
+                h.update(span(tensor["name"])[offsets[r]:offsets[r + 1]])
+            else:
+                h.update(row(tensor["name"], r, entry["rows"]))
+        assert h.digest() == digests[32 * r:32 * (r + 1)]
 """
 
 from __future__ import annotations
@@ -65,10 +100,12 @@ from distill_common import wire
 from distill_common.outputs import OutputRequest, TeacherFacts
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 
-FORMAT = "teacher-outputs/1"
+# The format's version; a store of another one is refused (dump it again). 2: per-row digests.
+FORMAT = "teacher-outputs/2"
 MANIFEST = "manifest.json"
 HEAD_FILE = "head.safetensors"
 ROW_KEY = "row_key"
+ROW_SHA256 = "row_sha256"
 LOCK_FILE = ".lock"
 
 
@@ -339,9 +376,10 @@ def shard_layout(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple
                     for name, (dtype, shape, begin, end) in spans.items()}
 
 
-def read_layout(fd: int, path: Path, size: int) -> dict[str, TensorPlace]:
-    """Where each tensor of the shard open at `fd` (`size` bytes) lies, from its header; StoreCorrupt
-    naming `path` when the header is not a safetensors header that fits the file."""
+def read_layout(fd: int, path: Path, size: int) -> tuple[dict[str, TensorPlace], bytes]:
+    """Where each tensor of the shard open at `fd` (`size` bytes) lies, from its header, and the
+    header's bytes (its 8-byte length and JSON, for their digest); StoreCorrupt naming `path` when
+    the header is not a safetensors header that fits the file."""
     def corrupt(what: str) -> StoreCorrupt:
         return StoreCorrupt(f"{path}: not a shard this store wrote ({what}); nothing of it is read (dump it again "
                             "into a new directory)")
@@ -350,8 +388,9 @@ def read_layout(fd: int, path: Path, size: int) -> dict[str, TensorPlace]:
     length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
     if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
         raise corrupt(f"a header of {length} bytes in a file of {size}")
+    text = os.pread(fd, length, 8)
     try:
-        header = json.loads(os.pread(fd, length, 8))
+        header = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise corrupt(f"its header is not JSON: {e}") from e
     if not isinstance(header, dict):
@@ -373,7 +412,7 @@ def read_layout(fd: int, path: Path, size: int) -> dict[str, TensorPlace]:
         raise corrupt(f"a malformed header entry: {type(e).__name__}: {e}") from e
     if end != size:
         raise corrupt(f"its tensors end at byte {end}, the file has {size}")
-    return places
+    return places, prefix + text
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -385,28 +424,59 @@ class ShardFile:
     """One shard, written under a temporary name in `directory` while its rows come in: the header
     first, then each tensor's rows at their place (so a dump writes a batch as soon as it is on
     the host, not when the shard is full), the sha256 computed in file order as the bytes become
-    contiguous. `finish` checks that every byte was written and syncs the file; the store then
-    renames it to its shard's name. The bytes equal `safetensors.torch.save`'s of the whole tensors."""
+    contiguous. With `row_tensors` (the tensors a row's digest covers, in their order; `specs`
+    then holds ROW_SHA256 `[rows, 32]` uint8) each row's sha256 is computed as its bytes are put
+    and `finish` writes them. `finish` checks that every byte was written and syncs the file; the
+    store then renames it to its shard's name. The bytes equal `safetensors.torch.save`'s of the
+    whole tensors."""
 
-    def __init__(self, directory: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
+    def __init__(self, directory: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 row_tensors: list[str] | tuple[str, ...] = ()):
         header, self.places = shard_layout(specs)
+        self.header_sha256 = hashlib.sha256(header).hexdigest()
         self.size = max([len(header)] + [place.end for place in self.places.values()])
         self._filled = {name: place.begin for name, place in self.places.items()}  # next byte to write
         self._digest = hashlib.sha256()
         self._hashed = 0
         self._held: dict[int, memoryview] = {}  # written, not yet hashed (a byte before them is not in yet)
+        self._row_order = {name: index for index, name in enumerate(row_tensors)}
+        rows = specs[ROW_SHA256][1][0] if row_tensors else 0
+        self._row_digests = [hashlib.sha256() for _ in range(rows)]
+        self._row_parts = [0] * rows  # of each row: how many of `row_tensors` its digest has taken
+        self._rows_put = dict.fromkeys(row_tensors, 0)
         self.path = Path(directory) / f".shard-{os.getpid()}-{id(self):x}.tmp"
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._write(0, memoryview(header))
 
-    def put(self, name: str, rows: torch.Tensor) -> None:
-        """The next rows of tensor `name` (on the host, contiguous)."""
+    def put(self, name: str, rows: torch.Tensor, row_bytes: list[int] | None = None) -> None:
+        """The next rows of tensor `name` (on the host, contiguous). `row_bytes`: the bytes of each
+        row, for a tensor whose rows differ in size (zstd frames end to end); by default the rows
+        are `rows`' first axis."""
         view = tensor_bytes(rows.contiguous())
         offset = self._filled[name]
         if offset + len(view) > self.places[name].end:
             raise StoreError(f"{name}: {len(view)} more bytes than the shard's header has room for")
         self._filled[name] = offset + len(view)
         self._write(offset, view)
+        if name in self._row_order:
+            if row_bytes is None:
+                row_bytes = [len(view) // len(rows)] * len(rows) if len(rows) else []
+            self._hash_rows(name, view, row_bytes)
+
+    def _hash_rows(self, name: str, view: memoryview, sizes: list[int]) -> None:
+        """Each row's bytes into its digest, which takes `row_tensors` in their order."""
+        first, order = self._rows_put[name], self._row_order[name]
+        if sum(sizes) != len(view) or first + len(sizes) > len(self._row_digests):
+            raise StoreError(f"{name}: {len(sizes)} rows of {len(view)} bytes do not fit its rows "
+                             f"{first}.. of {len(self._row_digests)} ({sizes})")
+        begin = 0
+        for row, size in enumerate(sizes, first):
+            if self._row_parts[row] != order:
+                raise StoreError(f"{name}: row {row} put before the tensors that come before it in its digest")
+            self._row_digests[row].update(view[begin:begin + size])  # releases the GIL for a large row
+            self._row_parts[row] += 1
+            begin += size
+        self._rows_put[name] = first + len(sizes)
 
     def _write(self, offset: int, view: memoryview) -> None:
         done = 0
@@ -423,15 +493,24 @@ class ShardFile:
         """The bytes written so far, to the disk (so that `finish` waits for the last rows only)."""
         os.fdatasync(self._fd)
 
-    def finish(self) -> tuple[int, str]:
-        """Syncs and closes the complete file; returns its size and sha256."""
+    def finish(self) -> dict:
+        """Writes the rows' digests, syncs and closes the complete file; returns what the manifest
+        records of it: `bytes`, `sha256`, `header_sha256` and, with row digests, `row_sha256_sha256`."""
+        digests = {}
+        if self._row_digests:
+            unfinished = [row for row, parts in enumerate(self._row_parts) if parts != len(self._row_order)]
+            if unfinished:
+                raise StoreError(f"{self.path}: rows {unfinished[:8]} lack some of their tensors")
+            row_sha256 = b"".join(digest.digest() for digest in self._row_digests)
+            self.put(ROW_SHA256, torch.frombuffer(bytearray(row_sha256), dtype=torch.uint8))
+            digests["row_sha256_sha256"] = hashlib.sha256(row_sha256).hexdigest()
         short = [name for name, place in self.places.items() if self._filled[name] != place.end]
         if short or self._hashed != self.size:
             raise StoreError(f"{self.path}: {', '.join(short) or 'the header'} not written whole")
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = -1
-        return self.size, self._digest.hexdigest()
+        return {"bytes": self.size, "sha256": self._digest.hexdigest(), "header_sha256": self.header_sha256, **digests}
 
     def abort(self) -> None:
         if self._fd >= 0:
@@ -493,7 +572,8 @@ def read_manifest(directory: Path) -> dict | None:
         raise StoreCorrupt(f"{path}: not a readable manifest ({e})") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise StoreCorrupt(f"{path}: format {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
-                           f"this version reads {FORMAT!r}")
+                           f"this version reads {FORMAT!r} (whose shards hold a digest of each row): dump the "
+                           "store again into a new directory")
     return manifest
 
 

@@ -108,6 +108,25 @@ def fill(store_dir: Path, setup, teacher, rows: list[dict], **create) -> None:
     writer.close()
 
 
+def check_as_the_docs_say(directory: Path) -> None:
+    """Every shard of the store checked by the code distill_common/store.py's docstring gives for
+    checking a shard without this project, run as it is written there."""
+    text = fmt.__doc__.split("Checking a shard without this project", 1)[1].split("\n\n", 1)[1]
+    code = []
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("    "):
+            break
+        code.append(line[4:])
+    manifest = json.loads((directory / fmt.MANIFEST).read_text())
+    cwd = os.getcwd()
+    os.chdir(directory)
+    try:
+        for entry in manifest["shards"]:
+            exec("\n".join(code), {"entry": entry, "tensors": manifest["outputs"]["tensors"]})
+    finally:
+        os.chdir(cwd)
+
+
 @pytest.mark.parametrize("variant", ["float32", "bfloat16 raw ids", "zstd"])
 def test_every_kind_round_trips(setup, tmp_path, variant):
     create, dtype = {}, None
@@ -138,6 +157,7 @@ def test_every_kind_round_trips(setup, tmp_path, variant):
     for a, b in zip(got.attention_inputs[1], live.attention_inputs[1]):
         assert torch.equal(a, b)
     assert torch.equal(head.weight, teacher.joined.head.weight)  # the head, stored once
+    check_as_the_docs_say(tmp_path / "s")
 
 
 def test_subset_logits_come_from_the_final_hidden_state_and_the_heads_rows(setup, tmp_path):
@@ -259,13 +279,90 @@ def read_all(directory: Path, setup, **options):
             source.submit(batch["input_ids"], batch["attention_mask"]).result(timeout=30)
 
 
-def test_a_flipped_byte_is_refused_naming_the_shard(setup, small_store):
+def read_rows(directory: Path, setup, rows: list[int]):
+    """Rows `rows` of the dataset as one batch, read from the store at `directory` (as a trainer reads them)."""
+    ids, mask = setup["dataset"].input_ids[rows], setup["dataset"].attention_mask[rows]
+    with open_store_teacher(directory, "cpu", (TopK(8),)) as source:
+        return source.submit(ids, mask).result(timeout=30)
+
+
+def layout_of(shard: Path) -> tuple[dict, bytes]:
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        return fmt.read_layout(fd, shard, shard.stat().st_size)
+    finally:
+        os.close(fd)
+
+
+def flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_a_row_is_refused_when_that_row_is_read(setup, dumped, small_store):
+    """A dump's first shard holds the data's rows 0-7 in order. A byte flipped in row 5's values and
+    one in row 7's packed ids (its last byte: bits past the row's ids, which no decoder reads) are
+    each refused when their row is read, naming the file and the row; the shard's other rows read
+    as before."""
     shard = small_store / "shard-000000.safetensors"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x10  # in the top-k values, past the header
-    shard.write_bytes(bytes(data))
-    with pytest.raises(StoreCorrupt, match=r"shard-000000\.safetensors: its sha256 differs"):
-        read_all(small_store, setup)
+    places, _ = layout_of(shard)
+    values, ids = places["TopK.0"], places["TopK.1"]
+    assert values.shape[0] == ids.shape[0] == 2 * BATCH
+    flip(shard, values.begin + 5 * (values.end - values.begin) // values.shape[0] + 7)
+    flip(shard, ids.end - 1)
+    for row in (5, 7):
+        with pytest.raises(StoreCorrupt, match=rf"shard-000000\.safetensors: row {row} differs from its digest "
+                                               r"\(row_sha256\): the file changed after it was written"):
+            read_rows(small_store, setup, [2, row])
+    intact = [0, 1, 2, 3, 4, 6]
+    got, reference = read_rows(small_store, setup, intact), read_rows(dumped, setup, intact)
+    assert torch.equal(got.topk_values, reference.topk_values) and torch.equal(got.topk_indices, reference.topk_indices)
+
+
+def test_a_shards_tampered_digests_or_header_are_refused_when_it_is_opened(setup, small_store):
+    shard = small_store / "shard-000001.safetensors"
+    places, header = layout_of(shard)
+    flip(shard, places[fmt.ROW_SHA256].begin + 40)  # row 1's digest
+    with pytest.raises(StoreCorrupt, match=r"shard-000001\.safetensors: the sha256 of its row digests \(row_sha256\) "
+                                           r"is not the one .*manifest\.json records"):
+        TeacherStore(small_store)
+    flip(shard, places[fmt.ROW_SHA256].begin + 40)
+    TeacherStore(small_store)  # as written again
+    flip(shard, header.index(b"teacher-outputs"))  # the metadata: the header parses, the same tensors
+    with pytest.raises(StoreCorrupt, match=r"shard-000001\.safetensors: the sha256 of its header is not the one"):
+        TeacherStore(small_store)
+    # A store of the format before rows had digests is refused, saying to dump it again.
+    manifest = json.loads((small_store / fmt.MANIFEST).read_text())
+    fmt.write_manifest(small_store, {**manifest, "format": "teacher-outputs/1"})
+    with pytest.raises(StoreCorrupt, match=r"manifest\.json: format 'teacher-outputs/1', this version reads "
+                                           r"'teacher-outputs/2' .*: dump the store again into a new directory"):
+        TeacherStore(small_store)
+
+
+def test_a_batch_reads_its_rows_bytes_once_each_hashed_and_no_whole_shard(setup, small_store):
+    """What a batch costs the disk: its rows' bytes, each hashed once; never a shard's other rows (the
+    process's read bytes, /proc/self/io's rchar, as the kernel counts them)."""
+    from safetensors.torch import load_file
+
+    def rchar() -> int:
+        return int(re.search(r"^rchar: (\d+)$", Path("/proc/self/io").read_text(), re.M).group(1))
+
+    shards = json.loads((small_store / fmt.MANIFEST).read_text())["shards"]
+    stored = {entry["file"]: load_file(small_store / entry["file"]) for entry in shards[:2]}
+    rows = [1, 2, 9, 12]  # rows 1-2 of the first shard, 1 and 4 of the second
+    expected = sum(stored[shards[row // (2 * BATCH)]["file"]][name][row % (2 * BATCH)].numpy().nbytes
+                   for row in rows for name in ("TopK.0", "TopK.1"))
+    ids, mask = setup["dataset"].input_ids, setup["dataset"].attention_mask
+    with open_store_teacher(small_store, "cpu", (TopK(8),), read_workers=1) as source:
+        source.submit(ids[[0]], mask[[0]]).result(timeout=30)  # the reader's thread started, its code run once
+        store = source.store
+        before, read_before, hashed_before = rchar(), store.row_bytes_read, store.row_bytes_hashed
+        source.submit(ids[rows], mask[rows]).result(timeout=30)
+        read = rchar() - before
+    assert store.row_bytes_read - read_before == store.row_bytes_hashed - hashed_before == expected
+    # Some hundred bytes of other reads at most (none here); a whole-shard check would read both shards.
+    assert expected <= read < expected + 1024 < min(entry["bytes"] for entry in shards[:2])
 
 
 def test_a_truncated_shard_is_refused_naming_it(setup, small_store):
@@ -418,33 +515,60 @@ def test_the_dump_command_says_what_to_change(setup, small_store, capsys, caplog
 
 
 def test_a_shard_written_in_parts_equals_safetensors_own_bytes(tmp_path):
+    import hashlib
+
     from safetensors.torch import save
 
     generator = torch.Generator().manual_seed(3)
+    frames = [bytes(range(n)) for n in (3, 0, 7, 1, 4)]  # rows of their own sizes, as zstd frames are
     tensors = {"TopK.0": torch.randn(5, 3, 4, generator=generator).to(torch.bfloat16),
                "TopK.1": torch.randint(0, 255, (5, 7), generator=generator, dtype=torch.uint8),
                "Hidden.0": torch.randn(5, 6, generator=generator),
                "Ids.0": torch.randint(-9, 9, (5, 2), generator=generator, dtype=torch.int32),
+               "Frames.0": torch.frombuffer(bytearray(b"".join(frames)), dtype=torch.uint8),
                "Frames.offsets": torch.arange(6, dtype=torch.int64), "Empty.0": torch.zeros(0, 4),
                fmt.ROW_KEY: torch.randint(0, 255, (5, 32), generator=generator, dtype=torch.uint8)}
-    shard = fmt.ShardFile(tmp_path, {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()})
-    for begin, end in ((0, 2), (2, 5)):  # rows in two parts, the tensors' parts interleaved, last tensor first
-        for name in reversed(sorted(tensors)):
-            shard.put(name, tensors[name][begin:end] if tensors[name].dim() > 1 else
-                      (tensors[name] if begin == 0 else tensors[name][:0]))
-    size, digest = shard.finish()
+    row_tensors = ["TopK.0", "Frames.0", "TopK.1", "Hidden.0", "Ids.0"]  # a row's digest takes them in this order
+
+    def row_bytes(name, row):
+        return frames[row] if name == "Frames.0" else tensors[name][row].contiguous().view(torch.uint8).numpy().tobytes()
+
+    row_sha256 = b"".join(hashlib.sha256(b"".join(row_bytes(name, row) for name in row_tensors)).digest()
+                          for row in range(5))
+    specs = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+    shard = fmt.ShardFile(tmp_path, {**specs, fmt.ROW_SHA256: (torch.uint8, (5, 32))}, row_tensors=row_tensors)
+    for begin, end in ((0, 2), (2, 5)):  # rows in two parts, the tensors' parts interleaved
+        for name in row_tensors + ["Frames.offsets", "Empty.0", fmt.ROW_KEY]:
+            if name == "Frames.0":
+                part = b"".join(frames[begin:end])
+                shard.put(name, torch.frombuffer(bytearray(part), dtype=torch.uint8) if part else
+                          torch.empty(0, dtype=torch.uint8), [len(frame) for frame in frames[begin:end]])
+            else:
+                shard.put(name, tensors[name][begin:end] if tensors[name].dim() > 1 else
+                          (tensors[name] if begin == 0 else tensors[name][:0]))
+    recorded = shard.finish()
     written = shard.path.read_bytes()
+    tensors[fmt.ROW_SHA256] = torch.frombuffer(bytearray(row_sha256), dtype=torch.uint8).reshape(5, 32)
     assert written == save(tensors, metadata={"format": fmt.FORMAT})
-    assert (size, digest) == (len(written), __import__("hashlib").sha256(written).hexdigest())
     fd = os.open(shard.path, os.O_RDONLY)
     try:
-        places = fmt.read_layout(fd, shard.path, size)
+        places, header = fmt.read_layout(fd, shard.path, len(written))
     finally:
         os.close(fd)
+    assert header == written[:8 + int.from_bytes(written[:8], "little")]
+    assert recorded == {"bytes": len(written), "sha256": hashlib.sha256(written).hexdigest(),
+                        "header_sha256": hashlib.sha256(header).hexdigest(),
+                        "row_sha256_sha256": hashlib.sha256(row_sha256).hexdigest()}
     for name, tensor in tensors.items():
         place = places[name]
         assert (place.dtype, place.shape) == (tensor.dtype, tuple(tensor.shape))
         assert written[place.begin:place.end] == tensor.contiguous().view(torch.uint8).numpy().tobytes()
+
+    # A row's tensors put out of the digest's order are refused, not hashed in another order.
+    shard = fmt.ShardFile(tmp_path, {**specs, fmt.ROW_SHA256: (torch.uint8, (5, 32))}, row_tensors=row_tensors)
+    with pytest.raises(StoreError, match="TopK.1: row 0 put before the tensors that come before it"):
+        shard.put("TopK.1", tensors["TopK.1"])
+    shard.abort()
 
 
 def test_reads_by_several_threads_equal_the_shards_as_safetensors_reads_them(setup, small_store):
@@ -468,11 +592,17 @@ def test_reads_by_several_threads_equal_the_shards_as_safetensors_reads_them(set
 
 
 def test_a_shard_with_a_foreign_header_is_refused_naming_it(setup, small_store):
+    """A header of other tensors, even with the manifest's digest of it made to match."""
+    import hashlib
+
     shard = small_store / "shard-000001.safetensors"
     data = bytearray(shard.read_bytes())
-    header = data[8:8 + int.from_bytes(data[:8], "little")]
-    data[8:8 + len(header)] = header.replace(b'"U8"', b'"I8"', 1)  # the same length, another dtype
+    length = int.from_bytes(data[:8], "little")
+    data[8:8 + length] = data[8:8 + length].replace(b'"U8"', b'"I8"', 1)  # the same length, another dtype
     shard.write_bytes(bytes(data))
+    manifest = json.loads((small_store / fmt.MANIFEST).read_text())
+    manifest["shards"][1]["header_sha256"] = hashlib.sha256(data[:8 + length]).hexdigest()
+    fmt.write_manifest(small_store, manifest)
     with pytest.raises(StoreCorrupt, match=r"shard-000001\.safetensors: not a shard this store wrote"):
         read_all(small_store, setup)
 

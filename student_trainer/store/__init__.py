@@ -9,8 +9,8 @@ distill_common/store.py's. Here, a module each:
 
 - `directory.TeacherStore`: one store directory: its manifest checked against what a run asks (the data,
   the packing, the outputs, the teacher), the index from a row's key to where it lies, rows
-  read with `os.preadv` into (pinned) batch buffers (each shard's digest checked the first time
-  it is read, a batch's shards at once) and shards written (under a temporary name, synced,
+  read with `os.preadv` into (pinned) batch buffers (each row hashed there and checked against
+  its digest, the shard's `row_sha256`) and shards written (under a temporary name, synced,
   renamed, then named in the manifest).
 - `writer.ShardWriter`: rows written into shards by a thread of its own (a dump's batch by batch
   as they reach the host), so that a dump's forwards never wait for a write.

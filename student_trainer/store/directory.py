@@ -1,14 +1,13 @@
 """One store directory: its manifest checked against a run, its index of rows, its shards read
-(memory-mapped, each digest checked at its first read) and written (atomically, then named in
-the manifest)."""
+(each row read checked against its digest) and written (atomically, then named in the
+manifest)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,20 +39,12 @@ def teacher_facts(source, model_name: str, architecture: str = "", quantization:
 # ---- one store directory -------------------------------------------------------------------------
 
 
-# The longest wait for another thread checking a shard's digest (a shard of a few GB from a slow disk).
-VERIFY_TIMEOUT_S = 600.0
-# Shards of one batch whose digests are checked at once (each a sequential read + sha256, which
-# release the GIL).
-VERIFY_WORKERS = 4
-
-
 @dataclass
 class _Shard:
     path: Path
     entry: dict
     places: dict  # tensor name -> fmt.TensorPlace
-    verified: bool = False  # its digest was checked
-    lock: threading.Lock = field(default_factory=threading.Lock)  # held while its digest is checked
+    row_sha256: bytes  # its rows' digests, 32 bytes each (checked against the manifest)
 
 
 class TeacherStore:
@@ -84,7 +75,10 @@ class TeacherStore:
         self.shards: list[_Shard] = []
         self.index: dict[bytes, tuple[int, int]] = {}
         self.times: StageTimes | None = None  # where reads and writes spend their time, when asked (the bench)
-        self._verify_pool: ThreadPoolExecutor | None = None
+        # Bytes of rows `read_stored` has read (the rows' tensors, zstd frames as stored; not the
+        # frames' offsets, 8 bytes a row) and hashed to check them: each byte read is hashed once.
+        self.row_bytes_read = 0
+        self.row_bytes_hashed = 0
         self.head = self._read_head()
         self._manifest_mtime_ns = 0
         self._add_shards(manifest["shards"])
@@ -134,28 +128,37 @@ class TeacherStore:
                                "it is read (dump it again into a new directory)")
 
     def _add_shards(self, entries: list[dict]) -> None:
+        """Opens the shards of `entries` this store has not opened: each one's size, header, row keys
+        and row digests checked against the manifest (a few bytes a row; the rows themselves are
+        checked as they are read)."""
         for entry in entries[len(self.shards):]:
             path = self.directory / entry["file"]
-            self._check_file(path, entry, digest=False)  # sizes at once; digests at a shard's first read
+            self._check_file(path, entry, digest=False)
             fd = os.open(path, os.O_RDONLY)
             try:
-                places = fmt.read_layout(fd, path, entry["bytes"])
+                places, header = fmt.read_layout(fd, path, entry["bytes"])
+                self._check_digest(path, "header", header, entry["header_sha256"])
                 self._check_places(path, places, entry["rows"])
-                key_place = places[fmt.ROW_KEY]
-                keys = os.pread(fd, key_place.end - key_place.begin, key_place.begin)
+                keys, row_sha256 = (os.pread(fd, places[name].end - places[name].begin, places[name].begin)
+                                    for name in (fmt.ROW_KEY, fmt.ROW_SHA256))
             finally:
                 os.close(fd)
-            if hashlib.sha256(keys).hexdigest() != entry["row_keys_sha256"]:
-                raise StoreCorrupt(f"{path}: its row keys differ from what {self.directory / fmt.MANIFEST} records "
-                                   "(row_keys_sha256): the file changed after it was written")
+            self._check_digest(path, "row keys (row_key)", keys, entry["row_keys_sha256"])
+            self._check_digest(path, "row digests (row_sha256)", row_sha256, entry["row_sha256_sha256"])
             number = len(self.shards)
-            self.shards.append(_Shard(path, entry, places))
+            self.shards.append(_Shard(path, entry, places, row_sha256))
             for row in range(entry["rows"]):
                 self.index.setdefault(keys[row * 32:(row + 1) * 32], (number, row))
 
+    def _check_digest(self, path: Path, what: str, data: bytes, recorded: str) -> None:
+        if hashlib.sha256(data).hexdigest() != recorded:
+            raise StoreCorrupt(f"{path}: the sha256 of its {what} is not the one {self.directory / fmt.MANIFEST} "
+                               "records: the file changed after it was written (a flipped byte, a copy gone wrong); "
+                               "nothing of it is read (dump it again into a new directory)")
+
     def _check_places(self, path: Path, places: dict, rows: int) -> None:
         """StoreCorrupt unless the shard holds each codec's tensor in the dtype and shape it stores."""
-        expected = {fmt.ROW_KEY: (torch.uint8, (rows, 32))}
+        expected = {fmt.ROW_KEY: (torch.uint8, (rows, 32)), fmt.ROW_SHA256: (torch.uint8, (rows, 32))}
         for codec in self.codecs:
             if codec.zstd_level:
                 expected[f"{codec.name}.offsets"] = (torch.int64, (rows + 1,))
@@ -244,37 +247,6 @@ class TeacherStore:
 
     # ---- reading rows ----------------------------------------------------------------------
 
-    def _verify(self, number: int) -> _Shard:
-        """The shard, its digest checked the first time it is read. Threads reading different shards
-        check them at once; one reading a shard another is checking waits for that check."""
-        shard = self.shards[number]
-        if shard.verified:
-            return shard
-        if not shard.lock.acquire(timeout=VERIFY_TIMEOUT_S):
-            raise StoreError(f"{shard.path}: its digest was not checked within {VERIFY_TIMEOUT_S:.0f}s (a disk that "
-                             "slow cannot feed training)")
-        try:
-            if not shard.verified:
-                with stage(self.times, "verify (read + sha256 of a whole shard)"):
-                    self._check_file(shard.path, shard.entry)
-                shard.verified = True
-        finally:
-            shard.lock.release()
-        return shard
-
-    def _verifier(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._verify_pool is None:
-                self._verify_pool = ThreadPoolExecutor(max_workers=VERIFY_WORKERS, thread_name_prefix="store-verify")
-            return self._verify_pool
-
-    def close(self) -> None:
-        """Stops the threads that check digests (the store can still be read: they start again)."""
-        with self._lock:
-            pool, self._verify_pool = self._verify_pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-
     def read(self, locations: list[tuple[int, int]], device: torch.device | str = "cpu") -> list[torch.Tensor]:
         """The rows at `locations` as the layout's tensors of one batch, on `device` (ids unpacked
         there: on a GPU the unpacking costs the host nothing). Rows go from the file straight into
@@ -298,52 +270,81 @@ class TeacherStore:
                 runs[-1] = (number, runs[-1][1], runs[-1][2] + 1, runs[-1][3])
             else:
                 runs.append((number, row, 1, position))
-        unverified = [number for number in dict.fromkeys(n for n, _ in locations) if not self.shards[number].verified]
-        if len(unverified) > 1:  # the batch's shards checked at once
-            list(self._verifier().map(self._verify, unverified, timeout=VERIFY_TIMEOUT_S))
-        elif unverified:
-            self._verify(unverified[0])
-        with stage(self.times, "read rows (pread into the batch's buffers)"):
-            for number, row, rows, position in runs:
-                shard = self.shards[number]
+        # Each run is read, then each of its rows hashed and checked against its digest; reads and
+        # sha256 release the GIL, so the threads reading batches at once hash at once.
+        read_bytes = hashed_bytes = 0
+        for number, row, rows, position in runs:
+            shard = self.shards[number]
+            with stage(self.times, "read rows (pread into the batch's buffers)"):
                 fd = os.open(shard.path, os.O_RDONLY)
                 try:
+                    frames = {codec.name: self._read_frames(fd, shard, codec, row, rows)
+                              for codec in self.codecs if codec.zstd_level}
                     for codec, column in zip(self.codecs, columns):
-                        if codec.zstd_level:
-                            self._read_frames(fd, shard, codec, row, rows, column[position:position + rows])
-                        else:
+                        if not codec.zstd_level:
                             place = shard.places[codec.name]
                             row_bytes = (place.end - place.begin) // shard.entry["rows"]
                             _pread_into(fd, fmt.tensor_bytes(column[position:position + rows]),
                                         place.begin + row * row_bytes, shard.path)
                 finally:
                     os.close(fd)
+            with stage(self.times, "sha256 of the rows read (each checked against its row_sha256)"):
+                for index in range(rows):
+                    digest = hashlib.sha256()
+                    for codec, column in zip(self.codecs, columns):
+                        data = frames[codec.name][index] if codec.zstd_level else fmt.tensor_bytes(
+                            column[position + index:position + index + 1])
+                        digest.update(data)
+                        hashed_bytes += len(data)
+                    stored = row + index
+                    if digest.digest() != shard.row_sha256[32 * stored:32 * (stored + 1)]:
+                        raise StoreCorrupt(
+                            f"{shard.path}: row {stored} differs from its digest (row_sha256): the file changed "
+                            "after it was written (a flipped byte, a copy gone wrong); the row is not read (dump "
+                            "the store again into a new directory)")
+            read_bytes += sum(len(frame) for codec_frames in frames.values() for frame in codec_frames) + sum(
+                column[position:position + rows].nbytes for codec, column in zip(self.codecs, columns)
+                if not codec.zstd_level)
+            if frames:
+                with stage(self.times, "zstd"):
+                    for codec, column in zip(self.codecs, columns):
+                        for index, frame in enumerate(frames.get(codec.name, ())):
+                            column[position + index:position + index + 1] = fmt.decompress_row(frame, codec)
+        with self._lock:
+            self.row_bytes_read += read_bytes
+            self.row_bytes_hashed += hashed_bytes
         return columns
 
-    def _read_frames(self, fd: int, shard: _Shard, codec: fmt.TensorCodec, row: int, rows: int,
-                     out: torch.Tensor) -> None:
+    def _read_frames(self, fd: int, shard: _Shard, codec: fmt.TensorCodec, row: int, rows: int) -> list[bytes]:
+        """The zstd frames of rows `row`.. of `codec`, as stored."""
         offsets_place, frames = shard.places[f"{codec.name}.offsets"], shard.places[codec.name]
         offsets = torch.empty(rows + 1, dtype=torch.int64)
         _pread_into(fd, fmt.tensor_bytes(offsets), offsets_place.begin + row * 8, shard.path)
+        read = []
         for index in range(rows):
             begin, end = int(offsets[index]), int(offsets[index + 1])
             if not 0 <= begin <= end <= frames.end - frames.begin:
                 raise StoreCorrupt(f"{shard.path}: {codec.name}'s row {row + index} lies outside its frames")
-            out[index:index + 1] = fmt.decompress_row(os.pread(fd, end - begin, frames.begin + begin), codec)
+            frame = os.pread(fd, end - begin, frames.begin + begin)
+            if len(frame) != end - begin:
+                raise StoreCorrupt(f"{shard.path} ended early in {codec.name}'s row {row + index}: truncated after "
+                                   "it was opened")
+            read.append(frame)
+        return read
 
     # ---- writing rows ----------------------------------------------------------------------
 
     def shard_file(self, rows: int, frames: dict[str, int] | None = None) -> fmt.ShardFile:
         """A new shard file of `rows` rows, its rows to be put in as they come (`fmt.ShardFile`);
         `frames`: the bytes of each zstd codec's frames (known once they are compressed)."""
-        specs = {fmt.ROW_KEY: (torch.uint8, (rows, 32))}
+        specs = {fmt.ROW_KEY: (torch.uint8, (rows, 32)), fmt.ROW_SHA256: (torch.uint8, (rows, 32))}
         for codec in self.codecs:
             if codec.zstd_level:
                 specs[codec.name] = (torch.uint8, (frames[codec.name],))
                 specs[f"{codec.name}.offsets"] = (torch.int64, (rows + 1,))
             else:
                 specs[codec.name] = _stored_spec(codec, rows)
-        return fmt.ShardFile(self.directory, specs)
+        return fmt.ShardFile(self.directory, specs, row_tensors=[codec.name for codec in self.codecs])
 
     def write_shard(self, keys: list[bytes], rows: dict[str, list[torch.Tensor]], tokens: int,
                     first_row: int | None = None) -> dict:
@@ -351,19 +352,21 @@ class TeacherStore:
         named in the manifest as the next shard (`first_row`: where a dump's rows start). Returns its
         manifest entry."""
         tensors: dict[str, list[torch.Tensor]] = {}
+        frame_bytes: dict[str, list[int]] = {}  # each zstd codec's frames' sizes (its rows' bytes)
         for codec in self.codecs:
             if codec.zstd_level:
                 with stage(self.times, "zstd"):
                     data, offsets = fmt.compress_rows(torch.cat(rows[codec.name]), codec.zstd_level)
                 tensors[codec.name], tensors[f"{codec.name}.offsets"] = [data], [offsets]
+                frame_bytes[codec.name] = offsets.diff().tolist()
             else:
                 tensors[codec.name] = rows[codec.name]
         shard = self.shard_file(len(keys), {c.name: tensors[c.name][0].numel() for c in self.codecs if c.zstd_level})
         try:
-            with stage(self.times, "write + sha256"):
-                for name, parts in tensors.items():
+            with stage(self.times, "write + sha256 (the file's, each row's)"):
+                for name, parts in tensors.items():  # in the codecs' order, as a row's digest takes them
                     for part in parts:
-                        shard.put(name, part)
+                        shard.put(name, part, frame_bytes.get(name))
             return self.commit_shard(shard, keys, tokens, first_row)
         except BaseException:
             shard.abort()
@@ -374,9 +377,9 @@ class TeacherStore:
         manifest (`first_row`: where a dump's rows start). Returns its manifest entry."""
         key_bytes = b"".join(keys)
         shard.put(fmt.ROW_KEY, torch.frombuffer(bytearray(key_bytes), dtype=torch.uint8))
-        with stage(self.times, "fsync"):
-            size, digest = shard.finish()
-        entry = {"rows": len(keys), "tokens": int(tokens), "bytes": size, "sha256": digest,
+        with stage(self.times, "row digests + fsync"):
+            digests = shard.finish()
+        entry = {"rows": len(keys), "tokens": int(tokens), **digests,
                  "row_keys_sha256": hashlib.sha256(key_bytes).hexdigest()}
         if first_row is not None:
             entry["first_row"] = first_row

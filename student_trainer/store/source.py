@@ -20,8 +20,8 @@ from student_trainer.store.writer import ShardWriter
 
 
 # Batches read at once by a StoreTeacher without a teacher: enough reads in flight for an NVMe disk and
-# digests of several shards checked at once (reads and sha256 release the GIL), few enough threads
-# for a trainer's host.
+# several batches' rows hashed at once (reads and sha256 release the GIL), few enough threads for a
+# trainer's host.
 READ_WORKERS = 4
 
 
@@ -35,7 +35,7 @@ class StoreTeacher:
         TeacherClient or LocalTeacher asked for what the store lacks, which is written through.
         `record_reads`: keep where every row read lay (`read_locations`, for tests). `timeout_s`: the
         longest wait for the teacher's outputs of one batch to write through. `read_workers`: batches
-        read at once (each its shards' digests, its rows' reads in flight); one with a teacher, whose
+        read at once (each its rows read and hashed); one with a teacher, whose
         batches must be read in order (a row written through by one is read back by a later one)."""
         self.store = store
         self.device = torch.device(device)
@@ -179,7 +179,6 @@ class StoreTeacher:
             return
         self._closed = True
         self._reader.shutdown(wait=True)
-        self.store.close()
         try:
             if self.writer is not None:
                 self.writer.close()

@@ -148,7 +148,7 @@ class ShardWriter:
                     room = shard_rows - sum(len(i.keys) for i in gathered)
                     part, item = (item, None) if len(item.keys) <= room else (
                         item.part(0, room), item.part(room, len(item.keys)))
-                    with stage(self.times, "writer: write + sha256 + fdatasync (as batches come)"):
+                    with stage(self.times, "writer: write + sha256 (file, rows) + fdatasync (as batches come)"):
                         for codec in self.store.codecs:
                             shard.put(codec.name, part.encoded[codec.name])
                         shard.sync()
