@@ -86,7 +86,7 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     eagle3kernels) timeout 150 python3 -m bench.investigations.ttt_attention_kernels --out "$out/ttt_kernels.md" 2>&1 \
                      | quiet | tail -20 ;;
     # The stores are written under /tmp (local disk) and removed after.
-    store) timeout 400 python3 -m bench.store_throughput --out "$out/store.md" 2>&1 | quiet | tail -40 ;;
+    store) timeout 400 python3 -m bench.store_throughput --profile --out "$out/store.md" 2>&1 | quiet | tail -40 ;;
     # EAGLE-3 draft training from a served Llama-3-8B-shaped target (GPU 0) on GPU 1 at 2k .. 32k tokens: target
     # alone, draft alone, served, then the colocated baseline on GPU 1, one run (about 5 minutes estimated from the
     # colocated figures: 3 timed steps of the draft's, alone and served, dominate).
