@@ -11,7 +11,8 @@ bf16 (eager, and its decoder layers compiled) and the FP8 variants of teacher_se
 
   eager     the activation quantization as separate eager kernels
   qcompile  the quantization function compiled on its own
-  layers    each decoder layer compiled, the quantization fused into what produces it (served)
+  layers    each decoder layer compiled, the quantization fused into what produces it
+  served    layers, through the server's own ModelRunner (its start-up probe, host ids in)
 
 Quality: random weights say nothing about what FP8 does to a distribution, so a small Llama
 (--teacher-layers x --teacher-hidden) is trained for --train-s seconds on the demo's corpus (the
@@ -71,12 +72,16 @@ def flops(shape: dict, rows: int, seq: int, fp8_layers: int) -> tuple[float, flo
     return linear * fp8_layers, linear * (layers - fp8_layers) + attention + head
 
 
-def time_forward(model, rows: int, seq: int, vocab: int, iters: int) -> tuple[float, float]:
-    """(median ms, peak GiB) of the logits forward."""
+def time_forward(model, rows: int, seq: int, vocab: int, iters: int, runner=None) -> tuple[float, float]:
+    """(median ms, peak GiB) of the logits forward: the model called as above, or, given `runner`
+    (a ModelRunner over it), the server's own forward from host ids."""
     ids = torch.randint(vocab, (rows, seq), device="cuda")
+    host_ids, mask = ids.cpu().pin_memory(), torch.ones(rows, seq, dtype=torch.long)
 
     @torch.inference_mode()
     def forward():
+        if runner is not None:
+            return runner.forward(host_ids, mask).logits
         return model(input_ids=ids, use_cache=False, return_dict=True).logits
 
     for _ in range(2):
@@ -107,14 +112,19 @@ def speed(args, rows_out: list, figures: dict) -> None:
                 del model
                 torch.cuda.empty_cache()
                 continue
+        runner = None
         if mode == "qcompile":
             fp8.compile_quantization(model)
-        elif mode in ("layers", "bf16c"):
+        elif mode in ("layers", "bf16c", "served"):
             fp8.compile_layers(model)
+        if mode == "served":  # what `teacher-server --quantize fp8` runs: its start-up probe included
+            from teacher_server.model_runner import ModelRunner
+
+            runner = ModelRunner("llama3-8b-shaped", "cuda", model=model)
         started = time.perf_counter()
         for rows, seq in shapes:
             try:
-                ms, gib = time_forward(model, rows, seq, LLAMA3_8B["vocab_size"], args.iters)
+                ms, gib = time_forward(model, rows, seq, LLAMA3_8B["vocab_size"], args.iters, runner)
             except Exception as e:  # a variant this torch cannot run: its row says why
                 rows_out.append(f"| {variant} | {rows} x {seq} | failed: {str(e).splitlines()[0][:120]} | | | | |")
                 print(f"{variant} {rows}x{seq} failed: {e}", flush=True)
@@ -130,7 +140,7 @@ def speed(args, rows_out: list, figures: dict) -> None:
             print(rows_out[-1], f"({time.perf_counter() - started:.0f} s with compile)", flush=True)
         if args.profile and variant == args.profile:
             profile(model, shapes[0], args.out_dir)
-        del model
+        del model, runner
         torch.cuda.empty_cache()
 
 

@@ -161,6 +161,11 @@ class AttentionCapture:
         if self._eager:
             _use_eager_entry(-1)
 
+    # Not traced by torch.compile: a compiled layer (an FP8 teacher's) that traced the lookup by
+    # id(module) would guard on that module's identity, one compilation per layer, and past
+    # dynamo's recompile limit (8) every layer would run uncompiled, with or without a capture.
+    # A capture costs a compiled layer a graph break instead.
+    @torch.compiler.disable
     def record(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         self._records[self._layer_of[id(module)]].append(tuple(_tokens_major(t) for t in (query, key, value)))
 

@@ -111,16 +111,16 @@ class ForwardGraphs:
         entry.input_ids.copy_(input_ids, non_blocking=True)
         self._active.entry, self._active.failed = entry, None
         try:
-            out = self.model(input_ids=entry.input_ids, attention_mask=None, use_cache=False, return_dict=True,
-                             output_hidden_states=False, output_attentions=False)
+            # The arguments of ModelRunner's own forward, no other: a compiled decoder layer
+            # (--quantize fp8) would compile again for another set of keyword arguments.
+            out = self.model(input_ids=entry.input_ids, attention_mask=None, output_hidden_states=False,
+                             use_cache=False, return_dict=True)
         except Exception:
             failed = self._active.failed
             if failed is None:  # not the capture (out of memory in the head, say): the engine reports it
                 raise
-            # The first line: CUDA's messages go on with generic debugging advice.
-            error = failed.__cause__ or failed
-            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            self._turn_off(f"capturing a forward of {shape[0]} x {shape[1]} failed: {reason}")
+            log.debug("the capture's error, whole", exc_info=failed)
+            self._turn_off(f"capturing a forward of {shape[0]} x {shape[1]} failed: {_reason(failed)}")
             return None
         finally:
             self._active.entry = None
@@ -214,3 +214,20 @@ class ForwardGraphs:
             generator.graphsafe_set_state(generator.clone_state())
         except Exception as e:  # a torch without graph-safe generator states
             log.warning("the device's random generator may be left unusable by the failed capture: %s", e)
+
+
+def _reason(failed: BaseException) -> str:
+    """What made a capture fail, in a line: the first line of its message (CUDA's go on with generic
+    debugging advice), and that of the innermost exception it was raised from where that says more
+    (a compiler's error says which compiler raised on its first line, and what it raised on the next)."""
+    def first_line(error: BaseException) -> str:
+        return next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+
+    inner = failed
+    while inner.__cause__ is not None:
+        inner = inner.__cause__
+    outer = first_line(failed) or type(failed).__name__
+    said = first_line(inner)
+    if inner is failed or said in outer:
+        return outer
+    return f"{outer} ({type(inner).__name__}: {said})" if said else f"{outer} ({type(inner).__name__})"

@@ -96,3 +96,25 @@ def test_the_probe_reads_soft_caps_and_scales_and_refuses_what_it_cannot_reprodu
     assert "logits are not its output head (weight, bias, final_logit_softcapping 0, logit scale 1) applied to its " \
            "final hidden state" in head.unavailable, head
     assert attention.unavailable == "" and attention.query_width == 64
+
+
+def test_compiled_layers_compile_once_for_all_layers_through_the_start_up_probe(tmp_path):
+    """A teacher whose decoder layers are compiled (an FP8 teacher's) and that captures attention
+    inputs (the start-up probe does, of every layer): the layers share their compilations. Traced
+    into, the capture's lookup by module would compile each layer apart, and past dynamo's recompile
+    limit (8) every layer would run uncompiled from then on, silently; here that limit is an error."""
+    from tests.helpers import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "m", layers=10)
+    model = load_causal_lm(str(model_dir), device=torch.device("cpu"))
+    ids = torch.randint(0, 384, (2, 16))
+    with torch.inference_mode():
+        want = model(input_ids=ids).logits
+    for layer in model.model.layers:
+        layer.compile(backend="eager", dynamic=True)  # dynamo's tracing and guards, no code generation
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        runner = ModelRunner(str(model_dir), "cpu", model=model)  # the probe: attention of all 10 layers
+        got = runner.forward(ids, torch.ones_like(ids)).logits
+    torch._dynamo.reset()
+    assert torch.allclose(got, want, atol=1e-5)
