@@ -120,7 +120,7 @@ def speed(args, rows_out: list, figures: dict) -> None:
         if mode == "served":  # what `teacher-server --quantize fp8` runs: its start-up probe included
             from teacher_server.model_runner import ModelRunner
 
-            runner = ModelRunner("llama3-8b-shaped", "cuda", model=model)
+            runner = ModelRunner("llama3-8b-shaped", f"cuda:{torch.cuda.current_device()}", model=model)
         started = time.perf_counter()
         for rows, seq in shapes:
             try:

@@ -138,6 +138,24 @@ _M_ROW_MULTIPLE = 4
 _CHECK_RTOL = 1e-2
 
 
+# The block-scaled product as an operator of its own, which torch.compile calls as it is: the
+# compiler's lowering of `_scaled_mm` refuses 1 x 128 / 128 x 128 scales whose shapes are
+# symbolic (a compiled layer's, with dynamic shapes: "Inductor Triton does not support
+# scale_a.shape = ..."). The activation's quantization before it still fuses into what produces it.
+@torch.library.custom_op("distill_fp8::block_scaled_mm", mutates_args=())
+def block_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, scale_b: torch.Tensor,
+                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """xq [M, K] e4m3 with 1 x 128 scales xs [M, K / 128], times weight [N, K] e4m3 with 128 x 128
+    scales (K-major, [K / 128, N / 128]): [M, N] in `out_dtype`."""
+    xs = xs.t().contiguous().t()  # cuBLAS reads 1 x 128 scales M-major
+    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+
+
+@block_scaled_mm.register_fake
+def _(xq, xs, weight, scale_b, bias, out_dtype):
+    return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=out_dtype)
+
+
 # ---- the layer ------------------------------------------------------------------------------
 
 class FP8Linear(nn.Module):
@@ -205,9 +223,10 @@ class FP8Linear(nn.Module):
             x2 = torch.nn.functional.pad(x2, (0, self._k_pad, 0, (-rows) % _M_ROW_MULTIPLE))
         xq, xs = self.quantize(x2)
         if self.scaling == "block":
-            xs = xs.t().contiguous().t()  # cuBLAS reads 1 x 128 scales M-major
-        out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self._scale_b, bias=self.bias,
-                               out_dtype=x.dtype)
+            out = block_scaled_mm(xq, xs, self.weight, self._scale_b, self.bias, x.dtype)
+        else:
+            out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self._scale_b, bias=self.bias,
+                                   out_dtype=x.dtype)
         return out[:rows].reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

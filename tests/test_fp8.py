@@ -140,6 +140,19 @@ def test_block_layers_pad_k_to_four_blocks_without_changing_the_product():
     torch.testing.assert_close(padded, unpadded, rtol=0, atol=1e-6 * unpadded.abs().max().item())
 
 
+def test_the_block_product_is_an_operator_whose_output_a_compiler_knows_without_running_it():
+    """The block-scaled product is an operator of its own (torch.compile calls it as it is, its
+    lowering refusing block scales of symbolic shapes): what it returns, traced without data (the
+    operator's fake implementation, which a compiled layer is built from), is the product's shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    layer = fp8.FP8Linear(*fp8.quantize_tiles(_heavy_tailed(200, 768, seed=10)), "block")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        xq, xs = fp8.quantize_row_blocks(torch.zeros(40, 1024, dtype=torch.bfloat16))
+        out = fp8.block_scaled_mm(xq, xs, layer.weight, layer._scale_b, None, torch.bfloat16)
+        assert out.shape == (40, 200) and out.dtype == torch.bfloat16
+
+
 def test_the_self_check_catches_a_wrong_product():
     torch.manual_seed(12)
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 64)).to(torch.bfloat16)

@@ -187,11 +187,17 @@ def test_quantize_fp8_serves_within_fp8_of_bf16_and_replays_from_cuda_graphs(bf1
     fused = _rel(compiled.forward(ids, mask).logits, base)  # fused kernels round once less, or once more
     print(f"--quantize fp8 logits: eager against bf16 {_rel(base, exact):.2e}, compiled against eager {fused:.2e}")
     assert fused < FP8_RTOL
-    first = graphed.forward(ids, mask).logits.float()
-    for _ in range(3):  # the second forward of a shape captures it, later ones replay
-        again = graphed.forward(ids, mask).logits.float()
-        assert torch.equal(again, first)
+    first = graphed.forward(ids, mask).logits.float()  # the shape's first forward runs eagerly
+    replays = [graphed.forward(ids, mask).logits.float() for _ in range(3)]  # captured, then replayed
     assert graphed.graphs.captured, graphed.graphs.status()
+    assert all(torch.equal(replay, replays[0]) for replay in replays)
+    print(f"--quantize fp8 with CUDA graphs: replay against the eager forward {_rel(replays[0], first):.2e} "
+          f"(bit-equal: {torch.equal(replays[0], first)})")
+    assert _rel(replays[0], first) < FP8_RTOL
+    # Other ids of the captured shape: the graph reads its input, and computes what the model does.
+    other = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
+    replayed, want = graphed.forward(other, mask).logits.float(), compiled.forward(other, mask).logits.float()
+    assert graphed.graphs.shapes == 1 and _rel(replayed, want) < FP8_RTOL < _rel(replayed, replays[0])
     with ServerProcess("--model", str(bf16_dir), "--device", "cuda:0", "--quantize", "fp8", "--max-batch-tokens",
                        "256", "--max-seq-len", "64") as server:
         with TeacherClient(server.address, "cpu", outputs=(Logits(),), refuse_quantized=False) as client:
