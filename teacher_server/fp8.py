@@ -147,8 +147,18 @@ def block_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, sc
                     bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """xq [M, K] e4m3 with 1 x 128 scales xs [M, K / 128], times weight [N, K] e4m3 with 128 x 128
     scales (K-major, [K / 128, N / 128]): [M, N] in `out_dtype`."""
+    rows = xq.shape[0]
+    pad = (-rows) % _M_ROW_MULTIPLE
+    if pad:
+        # cuBLAS refuses 1 x 128 scales whose M-major leading dimension is not a multiple of 4
+        # (CUBLAS_STATUS_NOT_SUPPORTED): rows of zeros added (byte 0 is +0.0 in e4m3), scale 1.
+        # Here, where the row count is a number: in a compiled layer it is a symbol, and padding
+        # by its remainder broke the compiler's tiling analysis.
+        xq = torch.cat([xq.view(torch.uint8), xq.new_zeros((pad, xq.shape[1]), dtype=torch.uint8)]).view(FP8)
+        xs = torch.cat([xs, xs.new_ones((pad, xs.shape[1]))])
     xs = xs.t().contiguous().t()  # cuBLAS reads 1 x 128 scales M-major
-    return torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    return out[:rows] if pad else out
 
 
 @block_scaled_mm.register_fake
@@ -216,18 +226,15 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        rows = x2.shape[0]
-        if self.scaling == "block" and (self._k_pad or rows % _M_ROW_MULTIPLE):
-            # cuBLAS refuses 1 x 128 scales whose M-major leading dimension is not a multiple of 4
-            # (CUBLAS_STATUS_NOT_SUPPORTED): rows padded with zeros, as the in-features are.
-            x2 = torch.nn.functional.pad(x2, (0, self._k_pad, 0, (-rows) % _M_ROW_MULTIPLE))
+        if self._k_pad:  # the in-features padded with zeros as the weight is (the rows: in block_scaled_mm)
+            x2 = torch.nn.functional.pad(x2, (0, self._k_pad))
         xq, xs = self.quantize(x2)
         if self.scaling == "block":
             out = block_scaled_mm(xq, xs, self.weight, self._scale_b, self.bias, x.dtype)
         else:
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self._scale_b, bias=self.bias,
                                    out_dtype=x.dtype)
-        return out[:rows].reshape(*x.shape[:-1], self.out_features)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scaling={self.scaling}"
@@ -310,8 +317,16 @@ def quantize_model(model, plan: Fp8Plan) -> int:
 def compile_layers(model) -> None:
     """Compiles each decoder layer (dynamic shapes: one graph serves every pack shape), so that an
     activation's quantization fuses into the kernel that produces it."""
+    # Block scales: without the compiler's coalescing analysis for tiling, whose check of a fused
+    # node's sizes failed on the block quantization's symbolic shapes (an AssertionError in
+    # tiling_utils.get_pw_red_splits, torch 2.11, on an H200); it does not apply to dynamic shapes.
+    import torch._inductor.config as inductor
+
+    block = any(isinstance(m, FP8Linear) and m.scaling == "block" for m in model.modules())
+    options = ({"triton.coalesce_tiling_analysis": False}
+               if block and hasattr(inductor.triton, "coalesce_tiling_analysis") else None)
     for layer in decoder_layers(model):
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, options=options)
 
 
 def compile_quantization(model) -> None:
