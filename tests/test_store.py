@@ -365,24 +365,6 @@ def test_a_batch_reads_its_rows_bytes_once_each_hashed_and_no_whole_shard(setup,
     assert expected <= read < expected + 1024 < min(entry["bytes"] for entry in shards[:2])
 
 
-def test_a_batch_from_more_shards_than_open_at_once_reads_the_same_rows(setup, dumped, monkeypatch):
-    """A batch whose rows lie in more shards than a read holds open at once goes in windows of shards:
-    the same tensors, and every file it opened closed again."""
-    from student_trainer.store import directory
-
-    rows = [9, 1, 12, 2, 13]  # two shards, each in two runs, not in order
-    whole = read_rows(dumped, setup, rows)
-    open_before = len(os.listdir("/proc/self/fd"))
-    monkeypatch.setattr(directory, "_OPEN_SHARDS", 1)
-    windowed = read_rows(dumped, setup, rows)
-    assert len(os.listdir("/proc/self/fd")) == open_before
-    assert torch.equal(windowed.topk_values, whole.topk_values)
-    assert torch.equal(windowed.topk_indices, whole.topk_indices)
-    reference = read_rows(dumped, setup, [1, 2, 9, 12, 13])  # row by row against rows read in order
-    for position, row in enumerate(rows):
-        assert torch.equal(windowed.topk_values[position], reference.topk_values[sorted(rows).index(row)])
-
-
 def test_a_truncated_shard_is_refused_naming_it(setup, small_store):
     shard = small_store / "shard-000001.safetensors"
     shard.write_bytes(shard.read_bytes()[:-100])

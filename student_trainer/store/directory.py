@@ -39,10 +39,6 @@ def teacher_facts(source, model_name: str, architecture: str = "", quantization:
 # ---- one store directory -------------------------------------------------------------------------
 
 
-# Shard files a batch's read holds open at once (the runs of a batch from more shards go in windows).
-_OPEN_SHARDS = 64
-
-
 @dataclass
 class _Shard:
     path: Path
@@ -274,60 +270,24 @@ class TeacherStore:
                 runs[-1] = (number, runs[-1][1], runs[-1][2] + 1, runs[-1][3])
             else:
                 runs.append((number, row, 1, position))
-        # The runs go in windows of a few shards' files open at once (a batch of rows from many
-        # shards must not run a process out of file descriptors); each window's rows are announced
-        # to the kernel, then read.
-        window: list[tuple[int, int, int, int]] = []
-        shards: set[int] = set()
-        for run in runs:
-            if run[0] not in shards and len(shards) == _OPEN_SHARDS:
-                self._read_window(window, columns)
-                window, shards = [], set()
-            window.append(run)
-            shards.add(run[0])
-        if window:
-            self._read_window(window, columns)
-        return columns
-
-    def _read_window(self, runs: list[tuple[int, int, int, int]], columns: list[torch.Tensor]) -> None:
-        fds: dict[int, int] = {}
-        try:
-            with stage(self.times, "open + announce the rows (posix_fadvise WILLNEED)"):
-                for number, row, rows, _ in runs:
-                    if number not in fds:
-                        fds[number] = os.open(self.shards[number].path, os.O_RDONLY)
-                    self._announce(fds[number], self.shards[number], row, rows)
-            self._read_runs(runs, columns, fds)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-
-    def _announce(self, fd: int, shard: _Shard, row: int, rows: int) -> None:
-        """Tells the kernel the batch's rows will be read: it starts reading all of them at once, many
-        requests in flight, where a plain read would go one readahead window (128 KiB) at a time."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        for codec in self.codecs:
-            if not codec.zstd_level:
-                place = shard.places[codec.name]
-                row_bytes = (place.end - place.begin) // shard.entry["rows"]
-                os.posix_fadvise(fd, place.begin + row * row_bytes, rows * row_bytes, os.POSIX_FADV_WILLNEED)
-
-    def _read_runs(self, runs, columns: list[torch.Tensor], fds: dict[int, int]) -> None:
         # Each run is read, then each of its rows hashed and checked against its digest; reads and
         # sha256 release the GIL, so the threads reading batches at once hash at once.
         read_bytes = hashed_bytes = 0
         for number, row, rows, position in runs:
-            shard, fd = self.shards[number], fds[number]
+            shard = self.shards[number]
             with stage(self.times, "read rows (pread into the batch's buffers)"):
-                frames = {codec.name: self._read_frames(fd, shard, codec, row, rows)
-                          for codec in self.codecs if codec.zstd_level}
-                for codec, column in zip(self.codecs, columns):
-                    if not codec.zstd_level:
-                        place = shard.places[codec.name]
-                        row_bytes = (place.end - place.begin) // shard.entry["rows"]
-                        _pread_into(fd, fmt.tensor_bytes(column[position:position + rows]),
-                                    place.begin + row * row_bytes, shard.path)
+                fd = os.open(shard.path, os.O_RDONLY)
+                try:
+                    frames = {codec.name: self._read_frames(fd, shard, codec, row, rows)
+                              for codec in self.codecs if codec.zstd_level}
+                    for codec, column in zip(self.codecs, columns):
+                        if not codec.zstd_level:
+                            place = shard.places[codec.name]
+                            row_bytes = (place.end - place.begin) // shard.entry["rows"]
+                            _pread_into(fd, fmt.tensor_bytes(column[position:position + rows]),
+                                        place.begin + row * row_bytes, shard.path)
+                finally:
+                    os.close(fd)
             with stage(self.times, "sha256 of the rows read (each checked against its row_sha256)"):
                 for index in range(rows):
                     digest = hashlib.sha256()
@@ -353,6 +313,7 @@ class TeacherStore:
         with self._lock:
             self.row_bytes_read += read_bytes
             self.row_bytes_hashed += hashed_bytes
+        return columns
 
     def _read_frames(self, fd: int, shard: _Shard, codec: fmt.TensorCodec, row: int, rows: int) -> list[bytes]:
         """The zstd frames of rows `row`.. of `codec`, as stored."""
