@@ -10,7 +10,7 @@
 # eagle3attention (its fused attention's GPU test), eagle3kernels (the attention's kernel choice);
 # two GPUs: recipeserved (the seed recipe with its teacher served, and colocated), eagle3served and
 # eagle3servedlong (EAGLE-3 from a served target, with the colocated baseline).
-# Investigations (bench/investigations/): tpsend.
+# Investigations (bench/investigations/): tpsend, disk.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
 # shellcheck source=bench/gpu_env.sh
@@ -46,8 +46,12 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     # A published-format FP8 checkpoint and --quantize fp8 (with CUDA graphs) against dequantized references.
     fp8) gpu_test test_fp8_gpu 200 ;;
     # The FP8 teacher's forward against bf16, 8B-shaped at 2 x 4096 and 4 x 8192 (docs/performance.md).
-    fp8speed) timeout 300 python3 -m bench.fp8_teacher --sections speed --iters 5 --profile row-layers \
-                --variants bf16,row-layers,row-eager,row-qcompile,block-layers --out "$out/fp8_speed.md" 2>&1 | quiet | tail -60 ;;
+    fp8speed) timeout 400 python3 -m bench.fp8_teacher --sections speed --iters 5 --profile row-layers \
+                --variants bf16,row-layers,row-served,row-eager,row-qcompile,block-layers,block-served \
+                --out "$out/fp8_speed.md" 2>&1 | quiet | tail -60 ;;
+    # What the machine's disk gives one process (the ceiling of the store's reads).
+    disk) timeout 200 python3 -m bench.investigations.disk_read --size-gib 2 --threads 1,4,16 --chunks-mib 32,4 \
+            --out "$out/disk.md" 2>&1 | tail -30 ;;
     # What FP8 does to a trained teacher's distribution, and to students distilled from it.
     fp8quality) timeout 400 python3 -m bench.fp8_teacher --sections quality --train-s "${FP8_TRAIN_S:-120}" \
                   --out "$out/fp8_quality.md" 2>&1 | quiet | tail -30 ;;
