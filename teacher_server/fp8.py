@@ -31,7 +31,7 @@ would give wrong outputs without an error. Measured on an H200 (torch 2.11, CUDA
 `python -m bench.investigations.fp8_block_layout`): cuBLAS reads each row of 128 x 128 weight
 scales as a multiple of 4 K-blocks (an unpadded count of 2 or 6 gave errors of 1e2-1e3, hence
 the K padding below), and refuses 1 x 128 activation scales for a row count that is not a
-multiple of 4 (hence the row padding).
+multiple of 4 (hence the row padding, in `block_scaled_mm`).
 """
 
 from __future__ import annotations
