@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_leaves
 
+from teacher_server.transformers_overrides import CAPTURE_UNSEEN
+
 log = logging.getLogger(__name__)
 
 
@@ -44,34 +46,6 @@ class _Graph:
     input_ids: torch.Tensor  # the static input on the device, written before each replay
     graph: torch.cuda.CUDAGraph | None = None
     output: object = None  # what the decoder returned at capture: its tensors are the graph's outputs
-
-
-# Set on the engine's thread while it captures the decoder: transformers is told no capture runs.
-_UNSEEN = threading.local()
-
-
-def _hide_captures_from_transformers() -> None:
-    """Transformers (before 5.2x) builds a causal mask tensor instead of letting SDPA apply causality
-    whenever it sees a CUDA stream capture (`is_tracing()`), to spare tracers a data-dependent branch.
-    Under our captures that branch is not data-dependent (packs without padding, no cache: the
-    runner's rule), and the mask would make the graph differ from the warm-up forward: another
-    attention kernel (the masked one, slower), and a compiled decoder layer (--quantize fp8) that
-    saw no mask at warm-up compiling again inside the capture, which fails it. So, on the thread
-    that captures and while it does, transformers' capture probe says no. A model that then reads a
-    value back to the host inside the capture fails it as before, and runs eagerly."""
-    try:
-        from transformers.utils import import_utils
-    except ImportError:
-        return
-    probe = getattr(import_utils, "is_cuda_stream_capturing", None)
-    if probe is None or getattr(probe, "hides_forward_graphs", False):
-        return
-
-    def is_cuda_stream_capturing() -> bool:
-        return False if getattr(_UNSEEN, "active", False) else probe()
-
-    is_cuda_stream_capturing.hides_forward_graphs = True
-    import_utils.is_cuda_stream_capturing = is_cuda_stream_capturing
 
 
 class _CaptureFailed(RuntimeError):
@@ -108,7 +82,7 @@ class ForwardGraphs:
             return
         self._decoder_forward = decoder.forward
         decoder.forward = self._stand_in  # an instance attribute: Module.__call__ finds it first
-        _hide_captures_from_transformers()
+        CAPTURE_UNSEEN.install()
 
     @property
     def captured(self) -> tuple[tuple[int, ...], ...]:
@@ -206,11 +180,8 @@ class ForwardGraphs:
             # would never let it finish.
             try:
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                _UNSEEN.active = True
-                try:
+                with CAPTURE_UNSEEN.active():  # no causal mask built for the capture alone
                     output = self._decoder_forward(*args, **kwargs)
-                finally:
-                    _UNSEEN.active = False
             except Exception as e:
                 self._abandon(graph)
                 raise _CaptureFailed(str(e)) from e

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -37,37 +36,9 @@ from teacher_server import fp8, parallel
 from teacher_server.cuda_graphs import ForwardGraphs
 from teacher_server.model_loading import load_model, load_tokenizer
 from teacher_server.parallel import TensorParallelError, World
+from teacher_server.transformers_overrides import ONE_SEQUENCE_PER_ROW
 
 log = logging.getLogger(__name__)
-
-# Set while this process's runner calls the model without a mask: every row of the pack
-# is one sequence from position 0 (the engine right-pads rows, never packs two sequences
-# into one), so transformers' packed-sequence check need not run.
-_ONE_SEQUENCE_PER_ROW = threading.local()
-
-
-def _skip_packed_sequence_check() -> None:
-    """Without a mask and a cache, transformers looks for several sequences packed into one
-    row (`masking_utils.find_packed_sequence_indices`) and branches on the answer in
-    Python: a device-to-host sync in every forward, which made the engine wait for the
-    device to finish the previous forward before it could launch the next (5 ms per
-    forward of a one-layer model on an H200, bench/transport_trace.py). Inside the runner's
-    forward the answer is known, "none"; everywhere else transformers runs its check."""
-    try:
-        from transformers import masking_utils
-    except ImportError:
-        return
-    check = getattr(masking_utils, "find_packed_sequence_indices", None)
-    if check is None or getattr(check, "one_sequence_per_row", False):
-        return
-
-    def find_packed_sequence_indices(position_ids, *args, **kwargs):
-        if getattr(_ONE_SEQUENCE_PER_ROW, "active", False):
-            return None
-        return check(position_ids, *args, **kwargs)
-
-    find_packed_sequence_indices.one_sequence_per_row = True
-    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
 
 @dataclass
 class ModelInfo:
@@ -125,7 +96,7 @@ class ModelRunner:
         (--quantize fp8, teacher_server/fp8.py); a published FP8 checkpoint is served in FP8 without it."""
         self.world = world
         self._grad_free = torch.no_grad if outputs_for_autograd else torch.inference_mode
-        _skip_packed_sequence_check()
+        ONE_SEQUENCE_PER_ROW.install()
         self.device = world.device if world is not None else torch.device(device)
         if cuda_graphs and world is not None:
             raise ValueError("--cuda-graphs is for a teacher on one GPU: a tensor-parallel forward's collectives "
@@ -235,8 +206,7 @@ class ModelRunner:
         # would stall this thread until the device finished everything queued before.
         mask = None if attention_mask.all() else attention_mask.to(self.device, non_blocking=True)
         hidden = needs.hidden_states
-        _ONE_SEQUENCE_PER_ROW.active = mask is None
-        try:
+        with ONE_SEQUENCE_PER_ROW.active(mask is None):
             if self.graphs is not None and mask is None and needs == ForwardNeeds(logits=True):
                 logits = self.graphs.logits(input_ids)  # None: this one runs eagerly
                 if logits is not None:
@@ -254,8 +224,6 @@ class ModelRunner:
                     out = self.model.get_decoder()(input_ids=ids, attention_mask=mask, output_hidden_states=hidden,
                                                    use_cache=False, return_dict=True)
                     logits, final_hidden = None, out.last_hidden_state if needs.final_hidden else None
-        finally:
-            _ONE_SEQUENCE_PER_ROW.active = False
         return ForwardOutputs(logits=logits, hidden_states=out.hidden_states if hidden else None,
                               attention=capture.take() if capture is not None else {}, final_hidden=final_hidden)
 

@@ -34,8 +34,10 @@ def test_forward_equals_the_model_with_and_without_padding():
 def test_packed_sequences_are_still_found_outside_the_runners_forward():
     from transformers import masking_utils
 
+    from teacher_server.transformers_overrides import ONE_SEQUENCE_PER_ROW
+
     ModelRunner("builtin:tiny", "cpu", dtype="float32")  # installs the shortcut
-    assert getattr(masking_utils.find_packed_sequence_indices, "one_sequence_per_row", False)
+    assert getattr(masking_utils.find_packed_sequence_indices, "thread_override", None) is ONE_SEQUENCE_PER_ROW
     packed = torch.tensor([[0, 1, 2, 0, 1]])  # two sequences in one row
     assert masking_utils.find_packed_sequence_indices(packed).tolist() == [[0, 0, 0, 1, 1]]
     assert masking_utils.find_packed_sequence_indices(torch.arange(5)[None]) is None
