@@ -13,6 +13,15 @@ bf16 (eager, and its decoder layers compiled) and the FP8 variants of teacher_se
   qcompile  the quantization function compiled on its own
   layers    each decoder layer compiled, the quantization fused into what produces it
   served    layers, through the server's own ModelRunner (its start-up probe, host ids in)
+  model     the whole forward compiled at once
+
+and torchao's float8 on the same linears (`ao-SCALING-MODE`: its
+Float8DynamicActivationFloat8WeightConfig with row or 1 x 128 / 128 x 128 block scales, as its
+defaults have it (fast accumulation for row scales) or with `+nofastacc` (accumulated as
+teacher_server/fp8.py does): the library weighed against our own path; `pip install torchao`,
+carried to the GPU machine as a wheel in .whl/).
+Each variant's logits on one fixed sequence are compared with bf16's before timing (relative
+error: a wrong product would time as fast as a right one).
 
 Quality: random weights say nothing about what FP8 does to a distribution, so a small Llama
 (--teacher-layers x --teacher-hidden) is trained for --train-s seconds on the demo's corpus (the
@@ -20,7 +29,7 @@ Python standard library's source, distill_demo/corpus.py, held-out files apart) 
 tokenizer. On held-out text: per-token KL(bf16 || FP8) (mean, p99, max; float32 reductions),
 top-1 agreement and held-out CE for each scaling (and bf16 against float32, the floor), then the
 held-out CE of a student distilled from the bf16 teacher and from each FP8 one (same seeds,
-same steps, --seeds of them).
+same steps, --seeds of them). With --torchao, torchao's float8 is measured there too.
 """
 
 from __future__ import annotations
@@ -58,6 +67,39 @@ def llama(shape: dict, dtype: torch.dtype, device: str, seed: int = 0):
         torch.set_default_dtype(previous)
 
 
+def torchao_quantize(model, scaling: str, fast_accum: bool | None = None) -> int:
+    """torchao's float8 (dynamic per-row or 1 x 128 activation scales, per-channel or 128 x 128
+    weight scales) on the linears teacher_server/fp8.py quantizes; returns how many. `fast_accum`
+    None keeps torchao's default (fast accumulation for row scales, not for block scales). Its
+    inductor settings are left alone (set_inductor_config=False) so that every variant compiles alike."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerBlock, PerRow, quantize_
+    from torchao.float8.inference import Float8MMConfig
+
+    granularity = PerRow() if scaling == "row" else [PerBlock([1, fp8.BLOCK]), PerBlock([fp8.BLOCK, fp8.BLOCK])]
+    mm = {} if fast_accum is None else {"mm_config": Float8MMConfig(use_fast_accum=fast_accum)}
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=granularity, set_inductor_config=False, **mm)
+    names = set()
+
+    def chosen(module, fqn: str) -> bool:
+        pick = isinstance(module, torch.nn.Linear) and fqn.rsplit(".", 1)[-1] in fp8.LINEAR_NAMES
+        if pick:
+            names.add(fqn)
+        return pick
+
+    quantize_(model, config, filter_fn=chosen)
+    return len(names)
+
+
+def compile_layers(model, block: bool) -> None:
+    """fp8.compile_layers for a model quantized by torchao (whose linears it does not recognize)."""
+    import torch._inductor.config as inductor
+
+    options = ({"triton.coalesce_tiling_analysis": False}
+               if block and hasattr(inductor.triton, "coalesce_tiling_analysis") else None)
+    for layer in fp8.decoder_layers(model):
+        layer.compile(dynamic=True, options=options)
+
+
 # ---- speed -----------------------------------------------------------------------------------
 
 def flops(shape: dict, rows: int, seq: int, fp8_layers: int) -> tuple[float, float]:
@@ -91,30 +133,54 @@ def time_forward(model, rows: int, seq: int, vocab: int, iters: int, runner=None
     return median_call_ms(forward, iters), torch.cuda.max_memory_allocated() / 2**30
 
 
+def parse(variant: str) -> tuple[str, str, str, set]:
+    """'bf16' / 'bf16c' / [ao-]SCALING-MODE[+option...] -> (library, scaling, mode, options)."""
+    library, rest = ("torchao", variant[3:]) if variant.startswith("ao-") else ("ours", variant)
+    rest, *options = rest.split("+")
+    if not rest.startswith(("row", "block")):
+        return library, "", rest, set(options)
+    scaling, _, mode = rest.partition("-")
+    return library, scaling, mode or "eager", set(options)
+
+
+@torch.inference_mode()
+def fixed_logits(model) -> torch.Tensor:
+    ids = torch.randint(LLAMA3_8B["vocab_size"], (1, 512), device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+    return model(input_ids=ids, use_cache=False).logits.float()
+
+
 def speed(args, rows_out: list, figures: dict) -> None:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    variants = args.variants.split(",")
-    baseline = {}
-    for variant in variants:
+    baseline, reference = {}, None
+    for variant in args.variants.split(","):
         torch._dynamo.reset()
         model = llama(LLAMA3_8B, torch.bfloat16, "cuda")
-        scaling, _, mode = variant.partition("-") if variant.startswith(("row", "block")) else ("", "", variant)
+        library, scaling, mode, options = parse(variant)
         quantized = 0
-        if scaling:
-            keep = tuple(range(args.keep)) if args.keep and mode.endswith("keep") else ()
-            quantized = fp8.quantize_model(model, fp8.Fp8Plan(scaling, keep)) // len(fp8.LINEAR_NAMES)
-            mode = mode.removesuffix("keep").rstrip("+") or "eager"
-            try:
+        if reference is None:
+            reference = fixed_logits(model)  # the same weights every variant starts from (seed 0)
+        try:
+            if library == "torchao":
+                fast_accum = False if "nofastacc" in options else None
+                quantized = torchao_quantize(model, scaling, fast_accum) // len(fp8.LINEAR_NAMES)
+            elif scaling:
+                keep = tuple(range(args.keep)) if args.keep and "keep" in options else ()
+                quantized = fp8.quantize_model(model, fp8.Fp8Plan(scaling, keep)) // len(fp8.LINEAR_NAMES)
                 fp8.verify(model, torch.bfloat16)  # a wrong product would time as fast as a right one
-            except fp8.FP8Unsupported as e:
-                rows_out.append(f"| {variant} | | failed: {str(e).splitlines()[0][:160]} | | | | |")
-                print(rows_out[-1], flush=True)
-                del model
-                torch.cuda.empty_cache()
-                continue
+            error = ((fixed_logits(model) - reference).norm() / reference.norm()).item()
+        except Exception as e:  # a variant this torch, GPU or install cannot run: its row says why
+            rows_out.append(f"| {variant} | | failed: {type(e).__name__}: {str(e).splitlines()[0][:160]} | | | | | |")
+            print(rows_out[-1], flush=True)
+            del model
+            torch.cuda.empty_cache()
+            continue
         runner = None
         if mode == "qcompile":
             fp8.compile_quantization(model)
+        elif mode == "model":  # the whole forward compiled, as torchao's own examples do
+            model.compile()
+        elif mode in ("layers", "bf16c", "served") and library == "torchao":
+            compile_layers(model, block=scaling == "block")
         elif mode in ("layers", "bf16c", "served"):
             fp8.compile_layers(model)
         if mode == "served":  # what `teacher-server --quantize fp8` runs: its start-up probe included
@@ -126,7 +192,7 @@ def speed(args, rows_out: list, figures: dict) -> None:
             try:
                 ms, gib = time_forward(model, rows, seq, LLAMA3_8B["vocab_size"], args.iters, runner)
             except Exception as e:  # a variant this torch cannot run: its row says why
-                rows_out.append(f"| {variant} | {rows} x {seq} | failed: {str(e).splitlines()[0][:120]} | | | | |")
+                rows_out.append(f"| {variant} | {rows} x {seq} | failed: {str(e).splitlines()[0][:120]} | | | | | |")
                 print(f"{variant} {rows}x{seq} failed: {e}", flush=True)
                 continue
             fast, slow = flops(LLAMA3_8B, rows, seq, quantized)
@@ -135,8 +201,9 @@ def speed(args, rows_out: list, figures: dict) -> None:
             baseline.setdefault((rows, seq), tokens_s)
             ratio = tokens_s / baseline[(rows, seq)]
             rows_out.append(f"| {variant} | {rows} x {seq} | {ms:.1f} | {tokens_s / 1e3:.1f}k | {ratio:.2f}x | "
-                            f"{share:.0%} | {gib:.1f} |")
-            figures[f"{variant}/{rows}x{seq}"] = dict(ms=ms, tokens_s=tokens_s, ratio=ratio, share=share, gib=gib)
+                            f"{share:.0%} | {gib:.1f} | {error:.1e} |")
+            figures[f"{variant}/{rows}x{seq}"] = dict(ms=ms, tokens_s=tokens_s, ratio=ratio, share=share, gib=gib,
+                                                       logits_rel_error=error)
             print(rows_out[-1], f"({time.perf_counter() - started:.0f} s with compile)", flush=True)
         if args.profile and variant == args.profile:
             profile(model, shapes[0], args.out_dir)
@@ -275,12 +342,19 @@ def quality(args, rows_out: list, figures: dict) -> None:
              f"row, layers {','.join(map(str, sensitive))} bf16": fp8.Fp8Plan("row", sensitive),
              f"row, first {args.keep} bf16": fp8.Fp8Plan("row", tuple(range(args.keep))),
              f"block, layers {','.join(map(str, sensitive))} bf16": fp8.Fp8Plan("block", sensitive)}
+    if args.torchao:  # torchao's float8 on the same linears, eager (its compiled forward computes the same)
+        plans.update({"torchao row": lambda m: torchao_quantize(m, "row"),
+                      "torchao row, no fast accumulation": lambda m: torchao_quantize(m, "row", False),
+                      "torchao block": lambda m: torchao_quantize(m, "block")})
     teachers = {"bf16": teacher}
     for name, plan in plans.items():
         model = copy.deepcopy(teacher)
         try:
-            fp8.quantize_model(model, plan)
-            fp8.verify(model, torch.bfloat16)
+            if callable(plan):
+                plan(model)
+            else:
+                fp8.quantize_model(model, plan)
+                fp8.verify(model, torch.bfloat16)
             got = compare(ref, log_probs(model, heldout), labels)
         except Exception as e:  # a scaling this torch or GPU cannot run: its row says why
             rows_out.append(f"| {name} | failed: {str(e).splitlines()[0][:100]} | | | | |")
@@ -335,6 +409,7 @@ def main() -> None:
     parser.add_argument("--student-steps", type=int, default=300)
     parser.add_argument("--students", type=int, default=3, help="teachers a student is distilled from (bf16 first)")
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--torchao", action="store_true", help="torchao's float8 in the quality section too")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -344,8 +419,8 @@ def main() -> None:
     figures: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "torch": torch.__version__}
     lines = [f"FP8 teacher on {figures['device']} (torch {torch.__version__})", ""]
     if "speed" in args.sections:
-        table = ["| variant | tokens | ms | tokens/s | vs bf16 | share of peak | peak GiB |",
-                 "|---|---|---|---|---|---|---|"]
+        table = ["| variant | tokens | ms | tokens/s | vs bf16 | share of peak | peak GiB | logits vs bf16 |",
+                 "|---|---|---|---|---|---|---|---|"]
         speed(args, table, figures)
         lines += ["Llama-3-8B-shaped forward (random weights), logits out:", ""] + table + [""]
     if "quality" in args.sections:

@@ -6,7 +6,8 @@
 # Benches: transport, transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, connect, scorecost;
 # one GPU: launch, recipe (the seed recipe's student side), eagle3 (EAGLE-3 with a colocated target),
 # store (the store of teacher outputs: bytes per token, dump against the forward alone, reads);
-# fp8speed and fp8quality (the FP8 teacher: bench/fp8_teacher.py's two halves);
+# fp8speed and fp8quality (the FP8 teacher: bench/fp8_teacher.py's two halves), fp8torchao and
+# fp8torchaoquality (the same halves for torchao's float8 against ours; its wheel carried in .whl/);
 # eagle3attention (its fused attention's GPU test), eagle3kernels (the attention's kernel choice);
 # two GPUs: recipeserved (the seed recipe with its teacher served, and colocated), eagle3served and
 # eagle3servedlong (EAGLE-3 from a served target, with the colocated baseline).
@@ -49,6 +50,12 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     fp8speed) timeout 400 python3 -m bench.fp8_teacher --sections speed --iters 5 --profile row-layers \
                 --variants bf16,row-layers,row-served,row-eager,row-qcompile,block-layers,block-served \
                 --out "$out/fp8_speed.md" 2>&1 | quiet | tail -60 ;;
+    # torchao's float8 against ours on the same 8B-shaped forward, then on the trained model's distribution.
+    fp8torchao) timeout 560 python3 -m bench.fp8_teacher --sections speed --iters 5 --profile ao-row-layers \
+                  --variants bf16,row-layers,ao-row-layers,ao-row-layers+nofastacc,ao-row-model,block-layers,ao-block-layers \
+                  --out "$out/fp8_torchao_speed.md" 2>&1 | quiet | tail -60 ;;
+    fp8torchaoquality) timeout 400 python3 -m bench.fp8_teacher --sections quality --torchao --students 0 \
+                  --train-s "${FP8_TRAIN_S:-40}" --out "$out/fp8_torchao_quality.md" 2>&1 | quiet | tail -30 ;;
     # What the machine's disk gives one process (the ceiling of the store's reads).
     disk) timeout 200 python3 -m bench.investigations.disk_read --size-gib 2 --threads 1,4,16 --chunks-mib 32,4 \
             --out "$out/disk.md" 2>&1 | tail -30 ;;
