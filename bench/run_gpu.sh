@@ -52,7 +52,7 @@ print('stubs import under grpcio', grpc.__version__)" ;;
                 --out "$out/fp8_speed.md" 2>&1 | quiet | tail -60 ;;
     # torchao's float8 against ours on the same 8B-shaped forward, then on the trained model's distribution.
     fp8torchao) timeout 560 python3 -m bench.fp8_teacher --sections speed --iters 5 --profile ao-row-layers \
-                  --variants bf16,row-layers,ao-row-layers,ao-row-layers+nofastacc,ao-row-model,block-layers,ao-block-layers \
+                  --variants bf16,row-layers,row-layers+fastacc,ao-row-layers,ao-row-layers+nofastacc,ao-row-model,block-layers,ao-block-layers \
                   --out "$out/fp8_torchao_speed.md" 2>&1 | quiet | tail -60 ;;
     fp8torchaoquality) timeout 400 python3 -m bench.fp8_teacher --sections quality --torchao --students 0 \
                   --train-s "${FP8_TRAIN_S:-40}" --out "$out/fp8_torchao_quality.md" 2>&1 | quiet | tail -30 ;;

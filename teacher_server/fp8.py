@@ -172,11 +172,16 @@ class FP8Linear(nn.Module):
     """A Linear whose weight is e4m3 with `scaling` scales; its input is quantized at each call."""
 
     def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, scaling: str,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, fast_accum: bool = False):
         super().__init__()
         if scaling not in SCALINGS:
             raise ValueError(f"FP8 scaling {scaling!r}: choose one of {', '.join(SCALINGS)}")
+        if fast_accum and scaling != "row":
+            raise ValueError("FP8 fast accumulation is for row scales: block-scaled products accumulate in float32")
         self.scaling = scaling
+        # cuBLAS's fast accumulation: the tensor cores' partial sums are not promoted to float32 as
+        # the product goes along K (what torchao's row-wise float8 does by default).
+        self.fast_accum = fast_accum
         self.out_features, self.in_features = weight_q.shape
         weight_scale = weight_scale.float()
         self._k_pad = 0
@@ -197,7 +202,7 @@ class FP8Linear(nn.Module):
         self.quantize = quantize_rows if scaling == "row" else quantize_row_blocks
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, scaling: str) -> "FP8Linear":
+    def from_linear(cls, linear: nn.Linear, scaling: str, fast_accum: bool = False) -> "FP8Linear":
         weight = linear.weight.detach()
         if hasattr(weight, "full_tensor"):
             raise ValueError("FP8 quantization at load needs plain weight tensors, not DTensors (transformers' "
@@ -205,7 +210,7 @@ class FP8Linear(nn.Module):
         if weight.shape[1] % BLOCK and scaling == "block":
             raise ValueError(f"block-wise FP8 needs in_features divisible by {BLOCK}, not {weight.shape[1]}")
         q, scale = quantize_rows(weight) if scaling == "row" else quantize_tiles(weight)
-        layer = cls(q, scale, scaling, linear.bias)
+        layer = cls(q, scale, scaling, linear.bias, fast_accum)
         # Hooks that parallelize_module put on the Linear (the TP collectives) move with it.
         layer._forward_hooks.update(linear._forward_hooks)
         layer._forward_pre_hooks.update(linear._forward_pre_hooks)
@@ -233,11 +238,12 @@ class FP8Linear(nn.Module):
             out = block_scaled_mm(xq, xs, self.weight, self._scale_b, self.bias, x.dtype)
         else:
             out = torch._scaled_mm(xq, self.weight.t(), scale_a=xs, scale_b=self._scale_b, bias=self.bias,
-                                   out_dtype=x.dtype)
+                                   out_dtype=x.dtype, use_fast_accum=self.fast_accum)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, scaling={self.scaling}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, scaling={self.scaling}"
+                + (", fast_accum=True" if self.fast_accum else ""))
 
 
 def verify(model, dtype: torch.dtype, rows: int = 64) -> int:
@@ -280,6 +286,7 @@ class Fp8Plan:
     scaling: str = "row"
     keep_layers: tuple[int, ...] = ()  # decoder layers left in the model's dtype (negative: from the end)
     compile: str = "auto"  # COMPILE_MODES: auto is layers on one process, quantize under tensor parallelism
+    fast_accum: bool = False  # row scales only: cuBLAS's fast accumulation (docs/performance.md weighs it)
 
 
 def decoder_layers(model) -> nn.ModuleList:
@@ -307,7 +314,7 @@ def quantize_model(model, plan: Fp8Plan) -> int:
         for parent in layer.modules():
             for name, child in list(parent.named_children()):
                 if name in LINEAR_NAMES and isinstance(child, nn.Linear):
-                    setattr(parent, name, FP8Linear.from_linear(child, plan.scaling))
+                    setattr(parent, name, FP8Linear.from_linear(child, plan.scaling, plan.fast_accum))
                     replaced += 1
     if not replaced:
         raise ValueError(f"{type(model).__name__}: no decoder linear ({', '.join(LINEAR_NAMES)}) to quantize")
