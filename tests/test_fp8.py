@@ -103,6 +103,25 @@ def test_fp8_linear_equals_dequantize_then_matmul(bias):
     assert (out.double() - exact).norm() / exact.norm() < 0.08
 
 
+def test_fast_accumulation_is_a_row_option_that_quantize_model_passes_on():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    linear = nn.Linear(128, 64, bias=False).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="fast accumulation is for row scales"):
+        fp8.FP8Linear.from_linear(linear, "block", fast_accum=True)
+    layer = fp8.FP8Linear.from_linear(linear, "row", fast_accum=True)
+    assert layer.fast_accum and "fast_accum=True" in repr(layer)
+    x = _heavy_tailed(7, 128, seed=4).to(torch.bfloat16)  # the CPU's product has one accumulation: same bits
+    torch.testing.assert_close(layer(x), fp8.FP8Linear.from_linear(linear, "row")(x), rtol=0, atol=0)
+    config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    fp8.quantize_model(model, fp8.Fp8Plan("row", fast_accum=True))
+    layers = [m for m in model.modules() if isinstance(m, fp8.FP8Linear)]
+    assert len(layers) == 14 and all(m.fast_accum for m in layers)
+
+
 def test_block_reference_linear_is_the_blockwise_product():
     x = _heavy_tailed(6, 256, seed=5)
     w = _heavy_tailed(128, 256, seed=6)
