@@ -373,6 +373,8 @@ def quality(args, rows_out: list, figures: dict) -> None:
                         f"{got['top1']:.2%} | {got['ce']:.4f} |")
         print(rows_out[-1], flush=True)
     # Students distilled from each teacher: same seeds, same batches, same steps.
+    if not args.students:
+        return
     student_shape = dict(shape, **llama_shape(args.student_layers, args.student_hidden))
     rows_out.append("")
     rows_out.append(f"Students ({args.student_layers} x {args.student_hidden}, {args.student_steps} steps of "

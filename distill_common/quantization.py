@@ -19,15 +19,18 @@ class Quantization:
     scaling: str = ""  # "row" or "block" (SCALINGS)
     source: str = ""  # "quantized at load" (--quantize fp8) or "checkpoint" (published FP8 weights)
     full_precision_layers: tuple[int, ...] = ()  # decoder layers left in the model's dtype
+    fast_accumulation: bool = False  # row products without float32 promotion along K (--fp8-fast-accum)
 
     @classmethod
     def from_info(cls, info: pb.QuantizationInfo) -> "Quantization":
         return cls(format=info.format, scaling=info.scaling, source=info.source,
-                   full_precision_layers=tuple(info.full_precision_layers))
+                   full_precision_layers=tuple(info.full_precision_layers),
+                   fast_accumulation=info.fast_accumulation)
 
     def to_info(self) -> pb.QuantizationInfo:
         return pb.QuantizationInfo(format=self.format, scaling=self.scaling, source=self.source,
-                                   full_precision_layers=list(self.full_precision_layers))
+                                   full_precision_layers=list(self.full_precision_layers),
+                                   fast_accumulation=self.fast_accumulation)
 
     def __str__(self) -> str:
         if not self.format:
@@ -36,4 +39,5 @@ class Quantization:
                 if self.full_precision_layers else "")
         scales = "per-row activation, per-channel weight" if self.scaling == "row" else \
             "1x128 activation, 128x128 weight"
-        return f"{self.format} linears ({scales} scales; {self.source}){kept}"
+        fast = "; fast accumulation" if self.fast_accumulation else ""
+        return f"{self.format} linears ({scales} scales; {self.source}{fast}){kept}"

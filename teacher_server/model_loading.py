@@ -50,7 +50,7 @@ def load_model(model_name: str, device: torch.device, world: World | None, dtype
         fp8.quantize_model(model, quantize)
         layers = fp8.decoder_layers(model)
         quantization = fp8.Quantization(fp8.FP8_E4M3, quantize.scaling, "quantized at load", tuple(
-            sorted({i % len(layers) for i in quantize.keep_layers})))
+            sorted({i % len(layers) for i in quantize.keep_layers})), quantize.fast_accum)
     if quantization.format:
         dtype = next(p.dtype for p in model.parameters() if p.dtype != fp8.FP8)
         try:

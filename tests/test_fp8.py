@@ -225,12 +225,17 @@ def test_flags():
     assert ServerConfig().fp8_plan() is None
     plan = ServerConfig(quantize="fp8", fp8_scaling="block", fp8_keep_layers="0,-1", fp8_compile="off").fp8_plan()
     assert plan == fp8.Fp8Plan("block", (0, -1), "off")
+    assert ServerConfig(quantize="fp8", fp8_fast_accum=True).fp8_plan() == fp8.Fp8Plan("row", fast_accum=True)
     from distill_common.settings import ConfigError
 
     with pytest.raises(ConfigError, match="add --quantize fp8"):
         ServerConfig(fp8_keep_layers="1")
     with pytest.raises(ConfigError, match="--fp8-keep-layers 'x'"):
         ServerConfig(quantize="fp8", fp8_keep_layers="x")
+    with pytest.raises(ConfigError, match="add --quantize fp8"):
+        ServerConfig(fp8_fast_accum=True)
+    with pytest.raises(ConfigError, match="--fp8-fast-accum is for --fp8-scaling row"):
+        ServerConfig(quantize="fp8", fp8_scaling="block", fp8_fast_accum=True)
 
 
 # ---- a teacher that runs in FP8 -----------------------------------------------------------
@@ -245,8 +250,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp8_server(model_dir):
+    # Fast accumulation: the CPU's product has one accumulation (the same bits), but it is said everywhere.
     server = ServerProcess("--model", str(model_dir), "--quantize", "fp8", "--fp8-keep-layers", "-1",
-                           "--max-batch-tokens", "256", "--max-seq-len", "64")
+                           "--fp8-fast-accum", "--max-batch-tokens", "256", "--max-seq-len", "64")
     yield server
     server.stop()
 
@@ -277,7 +283,7 @@ def _reference_logits(model_dir, ids: torch.Tensor) -> torch.Tensor:
 def test_fp8_teacher_serves_and_says_so(fp8_server, model_dir):
     ids = torch.randint(0, 384, (2, 11), generator=torch.Generator().manual_seed(7))
     with TeacherClient(fp8_server.address, "cpu", outputs=(Logits(),)) as client:
-        assert client.info.quantization == Quantization("fp8_e4m3", "row", "quantized at load", (1,))
+        assert client.info.quantization == Quantization("fp8_e4m3", "row", "quantized at load", (1,), True)
         assert client.info.dtype == "bfloat16"
         logits = client.submit(ids).result(timeout=60).logits.float()
     reference = _reference_logits(model_dir, ids)
@@ -286,10 +292,10 @@ def test_fp8_teacher_serves_and_says_so(fp8_server, model_dir):
     assert "decoder linears in FP8: fp8_e4m3" in fp8_server.log
     status = requests.get(f"{fp8_server.http}/v1/status", timeout=10).json()
     assert status["quantization"] == {"format": "fp8_e4m3", "scaling": "row", "source": "quantized at load",
-                                      "full_precision_layers": [1]}
+                                      "full_precision_layers": [1], "fast_accumulation": True}
     info = query("info", fp8_server.address, AdminConfig())
-    assert "fp8_e4m3 linears (per-row activation, per-channel weight scales; quantized at load), decoder layers 1" \
-        in info, info
+    assert ("fp8_e4m3 linears (per-row activation, per-channel weight scales; quantized at load; fast accumulation), "
+            "decoder layers 1") in info, info
 
 
 def test_a_student_can_refuse_an_fp8_teacher(fp8_server, caplog):

@@ -73,16 +73,18 @@ class TeacherInfo(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., head: _Optional[_Union[OutputHeadInfo, _Mapping]] = ..., attention: _Optional[_Union[AttentionInputsInfo, _Mapping]] = ..., max_score_ids: _Optional[int] = ..., quantization: _Optional[_Union[QuantizationInfo, _Mapping]] = ..., topk_form: _Optional[_Union[TopKForm, str]] = ...) -> None: ...
 
 class QuantizationInfo(_message.Message):
-    __slots__ = ("format", "scaling", "source", "full_precision_layers")
+    __slots__ = ("format", "scaling", "source", "full_precision_layers", "fast_accumulation")
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     SCALING_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     FULL_PRECISION_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FAST_ACCUMULATION_FIELD_NUMBER: _ClassVar[int]
     format: str
     scaling: str
     source: str
     full_precision_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, format: _Optional[str] = ..., scaling: _Optional[str] = ..., source: _Optional[str] = ..., full_precision_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    fast_accumulation: bool
+    def __init__(self, format: _Optional[str] = ..., scaling: _Optional[str] = ..., source: _Optional[str] = ..., full_precision_layers: _Optional[_Iterable[int]] = ..., fast_accumulation: _Optional[bool] = ...) -> None: ...
 
 class OutputHeadInfo(_message.Message):
     __slots__ = ("bias", "final_logit_softcapping", "logit_scale", "unavailable")
