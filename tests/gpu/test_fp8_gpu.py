@@ -123,6 +123,8 @@ def test_fp8_block_linear_on_the_gpu_equals_dequantize_then_matmul():
             got = layer(x)
             expected = layer.reference(x)  # dequantize, then multiply in float32
             assert _rel(got, expected) < 1e-2, (k, scaling)  # bf16 output, float32 sums in another order
+        fast = fp8.FP8Linear.from_linear(linear, "row", fast_accum=True)  # partial sums not promoted to float32
+        assert _rel(fast(x), fast.reference(x)) < 1e-2, k
 
 
 def test_published_fp8_checkpoint_serves_the_dequantized_model(fp8_dir, bf16_dir):
@@ -199,10 +201,11 @@ def test_quantize_fp8_serves_within_fp8_of_bf16_and_replays_from_cuda_graphs(bf1
     other = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
     replayed, want = graphed.forward(other, mask).logits.float(), compiled.forward(other, mask).logits.float()
     assert graphed.graphs.shapes == 1 and _rel(replayed, want) < FP8_RTOL < _rel(replayed, replays[0])
-    with ServerProcess("--model", str(bf16_dir), "--device", "cuda:0", "--quantize", "fp8", "--max-batch-tokens",
-                       "256", "--max-seq-len", "64") as server:
+    # Served, with fast accumulation (what differs from `base` besides it: the compiled layers).
+    with ServerProcess("--model", str(bf16_dir), "--device", "cuda:0", "--quantize", "fp8", "--fp8-fast-accum",
+                       "--max-batch-tokens", "256", "--max-seq-len", "64") as server:
         with TeacherClient(server.address, "cpu", outputs=(Logits(),), refuse_quantized=False) as client:
-            assert client.info.quantization.format == "fp8_e4m3"
+            assert client.info.quantization.format == "fp8_e4m3" and client.info.quantization.fast_accumulation
             served = client.submit(ids).result(timeout=120).logits.float()
-    print(f"--quantize fp8 served against eager in process: {_rel(served, base):.2e}")
+    print(f"--quantize fp8 --fp8-fast-accum served against eager in process: {_rel(served, base):.2e}")
     assert _rel(served, base) < FP8_RTOL
