@@ -93,16 +93,6 @@ def torchao_quantize(model, scaling: str, fast_accum: bool | None = None) -> int
     return len(names)
 
 
-def compile_layers(model, block: bool) -> None:
-    """fp8.compile_layers for a model quantized by torchao (whose linears it does not recognize)."""
-    import torch._inductor.config as inductor
-
-    options = ({"triton.coalesce_tiling_analysis": False}
-               if block and hasattr(inductor.triton, "coalesce_tiling_analysis") else None)
-    for layer in fp8.decoder_layers(model):
-        layer.compile(dynamic=True, options=options)
-
-
 # ---- speed -----------------------------------------------------------------------------------
 
 def flops(shape: dict, rows: int, seq: int, fp8_layers: int) -> tuple[float, float]:
@@ -184,10 +174,8 @@ def speed(args, rows_out: list, figures: dict) -> None:
             fp8.compile_quantization(model)
         elif mode == "model":  # the whole forward compiled, as torchao's own examples do
             model.compile()
-        elif mode in ("layers", "bf16c", "served") and library == "torchao":
-            compile_layers(model, block=scaling == "block")
         elif mode in ("layers", "bf16c", "served"):
-            fp8.compile_layers(model)
+            fp8.compile_layers(model, block=scaling == "block")  # torchao's linears are not FP8Linear
         if mode == "served":  # what `teacher-server --quantize fp8` runs: its start-up probe included
             from teacher_server.model_runner import ModelRunner
 
@@ -208,7 +196,7 @@ def speed(args, rows_out: list, figures: dict) -> None:
             rows_out.append(f"| {variant} | {rows} x {seq} | {ms:.1f} | {tokens_s / 1e3:.1f}k | {ratio:.2f}x | "
                             f"{share:.0%} | {gib:.1f} | {error:.1e} |")
             figures[f"{variant}/{rows}x{seq}"] = dict(ms=ms, tokens_s=tokens_s, ratio=ratio, share=share, gib=gib,
-                                                       logits_rel_error=error)
+                                                       layer0_rel_error=error)
             print(rows_out[-1], f"({time.perf_counter() - started:.0f} s with compile)", flush=True)
         if args.profile and variant == args.profile:
             profile(model, shapes[0], args.out_dir)

@@ -321,15 +321,17 @@ def quantize_model(model, plan: Fp8Plan) -> int:
     return replaced
 
 
-def compile_layers(model) -> None:
+def compile_layers(model, block: bool | None = None) -> None:
     """Compiles each decoder layer (dynamic shapes: one graph serves every pack shape), so that an
-    activation's quantization fuses into the kernel that produces it."""
+    activation's quantization fuses into the kernel that produces it. `block`: whether the layers
+    hold block-scaled products (None: whether any FP8Linear of the model is block-scaled)."""
     # Block scales: without the compiler's coalescing analysis for tiling, whose check of a fused
     # node's sizes failed on the block quantization's symbolic shapes (an AssertionError in
     # tiling_utils.get_pw_red_splits, torch 2.11, on an H200); it does not apply to dynamic shapes.
     import torch._inductor.config as inductor
 
-    block = any(isinstance(m, FP8Linear) and m.scaling == "block" for m in model.modules())
+    if block is None:
+        block = any(isinstance(m, FP8Linear) and m.scaling == "block" for m in model.modules())
     options = ({"triton.coalesce_tiling_analysis": False}
                if block and hasattr(inductor.triton, "coalesce_tiling_analysis") else None)
     for layer in decoder_layers(model):

@@ -35,11 +35,11 @@ class ThreadOverride:
 
     @contextlib.contextmanager
     def active(self, on: bool = True) -> Iterator[None]:
-        self._state.active = on
+        before, self._state.active = getattr(self._state, "active", False), on
         try:
             yield
         finally:
-            self._state.active = False
+            self._state.active = before
 
 
 # Without a mask and a cache, transformers looks for several sequences packed into one row
