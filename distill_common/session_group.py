@@ -151,6 +151,14 @@ class SessionGroup:
         """
         return [self.send(tensor) for tensor in tensors]
 
+    def send_batch(self, wire_id: int, key: bytes, tensors: list[torch.Tensor]) -> list:
+        """Teacher: posts a batch's sends, its header (`header`) first; returns their works.
+        The same rules as `send_all`: keep `tensors` alive and unchanged until every work completed."""
+        header = self.header(wire_id, key)
+        works = self.send_all([header, *tensors])
+        works.append(_Holds(header))  # the header is read asynchronously too: held with the works
+        return works
+
     def header(self, wire_id: int, key: bytes) -> torch.Tensor:
         """Teacher: the header to send before the outputs of batch `wire_id` (`key`: its batch key).
 
@@ -217,6 +225,8 @@ class SessionGroup:
         second from the training thread that shares this process.
         """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if isinstance(work, _Holds):
+            return
         try:
             if self.backend == "gloo":
                 work.wait(datetime.timedelta(seconds=timeout_s))
@@ -249,6 +259,13 @@ class SessionGroup:
                 log.debug("session group %s() raised %s", method, e)
         if getattr(self, "_waiter", None) is not None:  # its thread ends once the aborted waits return
             self._waiter.close()
+
+
+class _Holds:
+    """Not a transfer: a tensor kept alive among a batch's works until they are waited for."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
 
 
 class _Done(threading.Event):

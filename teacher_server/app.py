@@ -21,6 +21,7 @@ import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from distill_common.channel import read_pem
+from teacher_server import session_process
 from teacher_server.config import ServerConfig
 from teacher_server.edge import (CallGuard, Callers, GuardedH11Protocol, HttpConnections, grpc_connections_limit,
                                  grpc_server_options, install_accept_error_log, raise_descriptor_limit)
@@ -67,7 +68,9 @@ class TeacherServer:
             self.runner, self.metrics, advertise_host=self.advertise_host,
             max_batch_tokens=config.max_batch_tokens, max_sessions=config.max_sessions, lease_s=config.lease_s,
             join_timeout_s=config.join_timeout_s, transfer_timeout_s=config.transfer_timeout_s,
-            cache_bytes=config.cache_bytes)
+            cache_bytes=config.cache_bytes, isolate_sessions=config.session_transport == "process")
+        if config.session_transport == "process":
+            session_process.start()  # the first join does not wait for the fork server
         self.callers = Callers(config)  # the operator's token and the job tokens: who may do what
         self.service = TeacherService(self.engine, config, self.metrics, self.advertise_host, self.callers)
         # The budget of outputs held for students depends on what a batch's outputs can take,

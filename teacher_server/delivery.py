@@ -35,6 +35,7 @@ from distill_common import tracing
 from distill_common.outputs import BatchOutputs, JoinData, TensorSpec
 from distill_common.session_group import TEACHER_RANK, SessionGroup, TransferError, build_group, handshake
 from teacher_server.metrics import Metrics
+from teacher_server.session_process import IsolatedGroup
 from teacher_server.sessions import Batch, Session
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class SharedTensors:
 class _Link:
     """A formed session: its group and the queue of its sender thread."""
 
-    group: SessionGroup
+    group: SessionGroup | IsolatedGroup
     sends: queue.Queue  # _SendJob, then None to stop
 
 
@@ -91,7 +92,7 @@ class _Launched:
 
 class Delivery:
     def __init__(self, metrics: Metrics, *, advertise_host: str, device: torch.device,
-                 join_timeout_s: float, transfer_timeout_s: float, join_data: JoinData,
+                 join_timeout_s: float, transfer_timeout_s: float, join_data: JoinData, isolate: bool,
                  formed: Callable[[Session], bool], sent: Callable[[Session, Batch, int], None],
                  failed: Callable[[Session, Batch], None], end: Callable[..., None]):
         self.metrics = metrics
@@ -100,6 +101,7 @@ class Delivery:
         self.join_timeout_s = join_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self.join_data = join_data  # what the model offers a session once, at join
+        self.isolate = isolate  # each session's end of its group in a process of its own (session_process.py)
         self._formed = formed  # (session) -> False when it ended meanwhile
         self._sent = sent  # (session, batch, bytes sent)
         self._failed = failed  # (session, batch): accepted, never sent
@@ -129,11 +131,18 @@ class Delivery:
         group = None
         try:
             # On the session's own store, in this process: nobody but the student that got
-            # the session's secret at Join wrote the keys it forms from.
-            group = build_group(session.rendezvous.store, backend=session.backend, rank=TEACHER_RANK,
-                                device=self.device, timeout_s=self.join_timeout_s, gloo_host=self.advertise_host)
-            # And the peer that formed it proves it is that student (the teacher refuses it otherwise).
-            handshake(group, session.secret.encode(), self.join_timeout_s)
+            # the session's secret at Join wrote the keys it forms from. The peer that formed
+            # it proves it is that student (the teacher refuses it otherwise).
+            if self.isolate:  # what the peer writes is read by a process that may die alone
+                group = IsolatedGroup(session.rendezvous.store, session_id=session.session_id,
+                                      backend=session.backend, device=self.device, timeout_s=self.join_timeout_s,
+                                      transfer_timeout_s=self.transfer_timeout_s, gloo_host=self.advertise_host,
+                                      secret=session.secret.encode())
+                group.wait_formed(2 * self.join_timeout_s)  # the store wait, then the handshake
+            else:
+                group = build_group(session.rendezvous.store, backend=session.backend, rank=TEACHER_RANK,
+                                    device=self.device, timeout_s=self.join_timeout_s, gloo_host=self.advertise_host)
+                handshake(group, session.secret.encode(), self.join_timeout_s)
             self._send_join_data(session, group)
         except Exception as e:
             if group is not None:
@@ -153,7 +162,7 @@ class Delivery:
         threading.Thread(target=self._send_loop, args=(session, link), name=f"send-to-{session.session_id}",
                          daemon=True).start()
 
-    def _send_join_data(self, session: Session, group: SessionGroup) -> None:
+    def _send_join_data(self, session: Session, group: SessionGroup | IsolatedGroup) -> None:
         """Sends what the session's kinds send once (the output head), before any batch.
 
         Sessions joining at once that ask for the same join-time outputs in the same dtype over
@@ -250,13 +259,12 @@ class Delivery:
         batch.handed = True
         try:
             # The header first: the student checks it names this batch before using what follows.
-            header = link.group.header(batch.batch_id, batch.header_key)
-            works = link.group.send_all([header, *tensors])
+            works = link.group.send_batch(batch.batch_id, batch.header_key, tensors)
         except Exception as e:
             self._end(session, "transfer_failed", f"posting the send of batch {batch.batch_id} failed: {e}")
             return None
         tracing.mark("t_forward", batch.batch_id)
-        link.sends.put(_SendJob(batch, works, [header, *tensors], sum(t.numel() * t.element_size() for t in tensors)))
+        link.sends.put(_SendJob(batch, works, tensors, sum(t.numel() * t.element_size() for t in tensors)))
         # Announced by the announcer thread, not the sender thread (busy waiting for the
         # previous batch): the student posts this batch's receives as soon as the forward
         # is done, so consecutive transfers run back to back.

@@ -88,7 +88,7 @@ class _Forward:
 class Engine:
     def __init__(self, runner: ModelRunner, metrics: Metrics, *, advertise_host: str,
                  max_batch_tokens: int, max_sessions: int, lease_s: float, join_timeout_s: float,
-                 transfer_timeout_s: float, cache_bytes: int = 0):
+                 transfer_timeout_s: float, cache_bytes: int = 0, isolate_sessions: bool = True):
         self.runner = runner
         self.metrics = metrics
         self.cache = OutputCache(cache_bytes)
@@ -100,7 +100,7 @@ class Engine:
                                           lease_s=lease_s, join_timeout_s=join_timeout_s)
         self.delivery = Delivery(metrics, advertise_host=advertise_host, device=runner.device,
                                  join_timeout_s=join_timeout_s, transfer_timeout_s=transfer_timeout_s,
-                                 join_data=runner.join_data, formed=self.lifecycle.formed, sent=self.lifecycle.sent,
+                                 join_data=runner.join_data, isolate=isolate_sessions, formed=self.lifecycle.formed, sent=self.lifecycle.sent,
                                  failed=self.lifecycle.failed, end=self.lifecycle.end)
         self.lifecycle.attach(self.delivery)
         self._accepting = True

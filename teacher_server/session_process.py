@@ -1,0 +1,494 @@
+"""A session's data plane in a process of its own, which may die alone.
+
+The peer of a session group writes what the communication library's C++ reads: gloo's
+rendezvous values (each side's address, whose encoded lengths gloo trusts), the preamble
+and length of every message on the pair, NCCL's unique id, its bootstrap messages and the
+connection details of its transports. Those bytes go from the socket straight into the
+library: no check in Python can stand in front of them, and the libraries' own checks end
+the process (a crafted gloo address made it copy past a buffer, SIGSEGV; a 24-byte answer
+to a 16-byte receive made gloo throw from its event-loop thread, SIGABRT). A process group
+is a trust domain, and the student is outside the teacher's.
+
+So the teacher's end of every session group lives in a child process, the session's
+*transport process* (`_worker`). Whatever its peer sends can at worst end that process:
+the teacher sees it as a failed transfer of that session (its sends fail at once, with
+the process's exit status), ends that session as it ends one whose student died, and
+serves every other session without a pause.
+
+What crosses between the teacher and a transport process:
+- teacher → process, the teacher's own data (trusted direction): commands pickled by
+  torch's ForkingPickler; host tensors as raw bytes on the same pipe, read into buffers
+  the process allocates from the shapes it was told; CUDA tensors as IPC handles, whose
+  event the process's stream waits on before it reads them (torch's reductions).
+- process → teacher: never unpickled, never trusted. JSON messages of at most
+  `_MAX_REPORT_BYTES`, each checked for its fields; anything else ends the session.
+- the rendezvous: the process builds its group on `PipeStore`, whose every operation is a
+  bounded message to the teacher, which runs it on the session's own store
+  (rendezvous.SessionStore) with the same key, size and time limits as the student's
+  `Rendezvous` calls.
+
+Processes are forked from a server process that imported torch once (multiprocessing's
+forkserver, started with the teacher: `start`), so a join does not pay for an interpreter
+and torch's import, and no process is ever forked from the teacher itself (its threads and
+CUDA context stay its own). A process dies with the teacher (PR_SET_PDEATHSIG, and it exits
+when its pipe from the teacher closes).
+
+What this does not cover: a transport process that a peer takes over by exploiting a bug
+in the library (code execution, beyond a crash) runs as the teacher's user and, for NCCL,
+has the teacher's output tensors mapped (CUDA IPC); docs/security.md says what follows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import signal
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from multiprocessing.reduction import ForkingPickler
+
+from torch.multiprocessing.reductions import init_reductions
+
+from distill_common.session_group import TEACHER_RANK, TransferError, build_group, handshake
+
+log = logging.getLogger(__name__)
+
+_MAX_REPORT_BYTES = 4096  # one message from a transport process: a few fields and a bounded error text
+_MAX_KEY_BYTES = 512
+_MAX_VALUE_BYTES = 64 << 10  # rendezvous.MAX_BYTES: a whole session's keys fit in it
+_MAX_KEYS_PER_OP = 8
+_STORE_METHODS = {"set", "get", "wait", "check", "add", "compare_set", "delete_key", "num_keys"}
+_PRELOAD = ["torch", "torch.distributed", __name__]
+
+_context = multiprocessing.get_context("forkserver")
+
+
+def start() -> None:
+    """Starts the forkserver that transport processes are forked from (torch imported once in
+    it), so that the first join does not wait for it. Idempotent."""
+    _context.set_forkserver_preload(_PRELOAD)
+    from multiprocessing import forkserver
+    forkserver.ensure_running()
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What a transport process is told at its start."""
+
+    session_id: str
+    backend: str
+    device: str
+    timeout_s: float  # forming the group and the handshake
+    transfer_timeout_s: float  # one send (the teacher ends the session sooner if its own deadline passes)
+    gloo_host: str
+    secret: bytes
+    log_level: int
+
+
+class _RemoteWork:
+    """One send of a transport process: done when the process reports it sent, failed when
+    it reports a failure or exits."""
+
+    def __init__(self, seq: int):
+        self.seq = seq
+        self.done = threading.Event()
+        self.error: str | None = None
+
+
+class IsolatedGroup:
+    """Teacher: a session group whose end lives in a transport process; the interface
+    teacher_server/delivery.py uses of `SessionGroup` (send, wait, abort).
+
+    Sends are queued to a writer thread, so a transport process that stops reading holds
+    up nobody but its own session: the engine's thread only pickles (and, for CUDA tensors,
+    records the IPC event on the stream that produced them).
+    """
+
+    def __init__(self, store: dist.Store, *, session_id: str, backend: str, device: torch.device,
+                 timeout_s: float, transfer_timeout_s: float, gloo_host: str, secret: bytes):
+        self.backend = backend
+        self.device = device
+        self.timeout_s = timeout_s
+        self.session_id = session_id
+        self._store = store
+        self._seq = 0
+        self._works: dict[int, _RemoteWork] = {}
+        self._lock = threading.Lock()
+        self._failure: str | None = None
+        self._formed = threading.Event()
+        self._closed = False
+        self._outbox: queue.Queue = queue.Queue()  # (frames) to write, then None
+        ctl_parent, ctl_child = _context.Pipe(duplex=True)
+        store_parent, store_child = _context.Pipe(duplex=True)
+        spec = _Spec(session_id, backend, str(device), timeout_s, transfer_timeout_s, gloo_host, secret,
+                     logging.getLogger().level)
+        self._process = _context.Process(target=_worker, args=(ctl_child, store_child, spec),
+                                         name=f"transport-{session_id}", daemon=True)
+        self._process.start()
+        ctl_child.close()
+        store_child.close()
+        self._ctl, self._store_conn = ctl_parent, store_parent
+        self._threads = [threading.Thread(target=target, name=f"{name}-{session_id}", daemon=True)
+                         for target, name in ((self._read_reports, "transport-reports"),
+                                              (self._serve_store, "transport-store"),
+                                              (self._write, "transport-writer"))]
+        for thread in self._threads:
+            thread.start()
+
+    # ---- the interface Delivery uses ---------------------------------------------------
+
+    @property
+    def tensor_device(self) -> torch.device:
+        """Tensors are handed over where the teacher made them: CUDA tensors by IPC, host ones as bytes."""
+        return self.device
+
+    def to_send(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [tensor.contiguous() for tensor in tensors]
+
+    def wait_formed(self, timeout_s: float) -> None:
+        """Blocks until the process formed the group and the peer proved the session's secret."""
+        if not self._formed.wait(timeout_s) and self._failure is None:
+            self._fail(f"the session group did not form within {timeout_s:.0f}s")
+        if self._failure is not None:
+            raise TransferError(self._failure)
+
+    def send_batch(self, wire_id: int, key: bytes, tensors: list[torch.Tensor]) -> list:
+        """Posts a batch's sends (its header, then `tensors`); returns the works to wait on."""
+        return self._post(("batch", wire_id, key), tensors)
+
+    def send_all(self, tensors: list[torch.Tensor]) -> list:
+        return self._post(("tensors",), tensors)
+
+    def wait(self, work: _RemoteWork, timeout_s: float | None = None, what: str = "transfer") -> None:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if not work.done.wait(timeout_s):
+            raise TransferError(f"{what} did not complete within {timeout_s:.1f}s")
+        if work.error is not None:
+            raise TransferError(f"{what} failed: {work.error}")
+
+    def abort(self) -> None:
+        """Ends the transport process at once (its peer may be dead or hostile); other sessions are untouched."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._fail("the session was ended")
+        self._outbox.put(None)
+        if self._process.is_alive():
+            self._process.kill()
+        for conn in (self._ctl, self._store_conn):
+            conn.close()
+        threading.Thread(target=self._process.join, args=(10,), name=f"transport-reap-{self.session_id}",
+                         daemon=True).start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    # ---- sends ---------------------------------------------------------------------
+
+    def _post(self, what: tuple, tensors: list[torch.Tensor]) -> list:
+        host = [t for t in tensors if t.device.type == "cpu"]
+        described = [(tuple(t.shape), t.dtype, None) if t.device.type == "cpu" else (tuple(t.shape), t.dtype, t)
+                     for t in tensors]
+        with self._lock:
+            self._seq += 1
+            work = self._works[self._seq] = _RemoteWork(self._seq)
+            failure = self._failure
+        if failure is not None:
+            work.error = failure
+            work.done.set()
+            return [work]
+        # Pickled here, on the caller's thread and stream: a CUDA tensor's IPC event is
+        # recorded on the stream that produced it, and the process's stream waits for it.
+        command = bytes(ForkingPickler.dumps(("send", work.seq, what, described)))
+        self._outbox.put((command, host))
+        return [work]
+
+    def _write(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            command, host = item
+            try:
+                self._ctl.send_bytes(command)
+                for tensor in host:
+                    if tensor.numel():
+                        self._ctl.send_bytes(tensor.reshape(-1).view(torch.uint8).numpy())
+            except (OSError, ValueError) as e:  # the process is gone or the pipe closed
+                self._fail(f"the session's transport process stopped reading ({e})")
+                return
+
+    # ---- reports -------------------------------------------------------------------
+
+    def _read_reports(self) -> None:
+        """Reads what the process says; anything malformed ends the session."""
+        try:
+            while True:
+                report = json.loads(self._ctl.recv_bytes(_MAX_REPORT_BYTES))
+                if not isinstance(report, dict) or not isinstance(report.get("op"), str):
+                    raise ValueError("a report that is not an object with an 'op'")
+                op = report["op"]
+                if op == "formed":
+                    self._formed.set()
+                elif op == "sent":
+                    seq = report.get("seq")
+                    with self._lock:
+                        work = self._works.pop(seq, None) if isinstance(seq, int) else None
+                    if work is None:
+                        raise ValueError(f"a report of send {seq!r}, which is not in flight")
+                    work.done.set()
+                elif op == "failed":
+                    self._fail(str(report.get("message", ""))[:2000])
+                    return
+                else:
+                    raise ValueError(f"an unknown report {op!r}")
+        except (EOFError, OSError) as e:
+            self._fail(self._exit_reason(e))
+        except (ValueError, UnicodeDecodeError) as e:  # json's errors are ValueErrors
+            self._fail(f"the session's transport process sent a malformed report ({e})")
+            self.abort()
+
+    def _exit_reason(self, error: BaseException) -> str:
+        if self._closed:
+            return "the session was ended"
+        self._process.join(2)
+        code = self._process.exitcode
+        if code is None:
+            return f"the session's transport process closed its pipe ({error})"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"the session's transport process was ended by {name} (its peer may have sent what the " \
+                   "communication library cannot take); the teacher and other sessions go on"
+        return f"the session's transport process exited with status {code}"
+
+    def _fail(self, reason: str) -> None:
+        """Fails every send in flight and every later one with `reason` (the first reason wins)."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = reason
+            works, self._works = list(self._works.values()), {}
+        for work in works:
+            work.error = self._failure
+            work.done.set()
+        self._formed.set()  # a formation waiting learns it failed
+
+    # ---- the rendezvous ---------------------------------------------------------------
+
+    def _serve_store(self) -> None:
+        """Runs the process's store operations on the session's store, each checked and bounded."""
+        try:
+            while True:
+                request = json.loads(self._store_conn.recv_bytes(_MAX_REPORT_BYTES))
+                values = [self._store_conn.recv_bytes(_MAX_VALUE_BYTES) for _ in range(_value_count(request))]
+                try:
+                    reply, value = _run_store_op(self._store, request, values, self.timeout_s)
+                except (ValueError, RuntimeError) as e:  # DistStoreError is a RuntimeError
+                    reply, value = {"ok": False, "error": str(e)[:1000]}, None
+                self._store_conn.send_bytes(json.dumps(reply).encode())
+                if value is not None:
+                    self._store_conn.send_bytes(value)
+        except (EOFError, OSError):
+            return  # the process ended; its reports say why
+        except (ValueError, UnicodeDecodeError, TypeError) as e:
+            self._fail(f"the session's transport process sent a malformed store request ({e})")
+            self.abort()
+
+
+def _value_count(request) -> int:
+    if not isinstance(request, dict) or request.get("m") not in _STORE_METHODS:
+        raise ValueError("not a store request")
+    return {"set": 1, "compare_set": 2}.get(request["m"], 0)
+
+
+def _run_store_op(store: dist.Store, request: dict, values: list[bytes], max_timeout_s: float):
+    keys = request.get("k")
+    if (not isinstance(keys, list) or len(keys) > _MAX_KEYS_PER_OP
+            or not all(isinstance(k, str) and 0 < len(k.encode()) <= _MAX_KEY_BYTES for k in keys)):
+        raise ValueError(f"store keys must be 1 to {_MAX_KEYS_PER_OP} strings of at most {_MAX_KEY_BYTES} bytes")
+    method = request["m"]
+    if method != "num_keys" and not keys:
+        raise ValueError(f"store {method} needs keys")
+    timeout_s = request.get("t", max_timeout_s)
+    if not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s:
+        raise ValueError("a store timeout must be a number of seconds")
+    timeout = datetime.timedelta(seconds=min(float(timeout_s), max_timeout_s))
+    if method == "set":
+        store.set(keys[0], values[0])
+        return {"ok": True}, None
+    if method == "get":
+        store.wait([keys[0]], timeout)
+        return {"ok": True}, store.get(keys[0])
+    if method == "wait":
+        store.wait(keys, timeout)
+        return {"ok": True}, None
+    if method == "check":
+        return {"ok": True, "found": store.check(keys)}, None
+    if method == "add":
+        amount = request.get("n")
+        if not isinstance(amount, int) or isinstance(amount, bool) or abs(amount) >= 1 << 62:
+            raise ValueError("store add needs an integer amount")
+        return {"ok": True, "n": store.add(keys[0], amount)}, None
+    if method == "compare_set":
+        return {"ok": True}, store.compare_set(keys[0], values[0], values[1])
+    if method == "delete_key":
+        return {"ok": True, "found": store.delete_key(keys[0])}, None
+    return {"ok": True, "n": store.num_keys()}, None
+
+
+# ---- the transport process ---------------------------------------------------------------
+
+
+class PipeStore(dist.Store):
+    """Transport process: the session's store, each operation one message to the teacher.
+
+    Called from the group constructor's C++ threads; C++ keeps only a pointer, so the
+    process keeps this object (and its clones) alive for the group's life.
+    """
+
+    def __init__(self, conn: multiprocessing.connection.Connection, timeout_s: float,
+                 lock: threading.Lock | None = None):
+        super().__init__()
+        self._conn = conn
+        self._lock = lock or threading.Lock()
+        self._clones: list[PipeStore] = []
+        self.set_timeout(datetime.timedelta(seconds=timeout_s))
+
+    def _do(self, method: str, keys: list[str], *values: bytes, **fields):
+        with self._lock:
+            self._conn.send_bytes(json.dumps({"m": method, "k": list(keys), **fields}).encode())
+            for value in values:
+                self._conn.send_bytes(value)
+            reply = json.loads(self._conn.recv_bytes())
+            value = self._conn.recv_bytes() if reply.get("ok") and method in ("get", "compare_set") else None
+        if not reply.get("ok"):
+            raise dist.DistStoreError(f"session store {method} {keys}: {reply.get('error')}")
+        return reply, value
+
+    def _timeout_s(self, timeout) -> float:
+        return (timeout or self.timeout).total_seconds()
+
+    def set(self, key, value) -> None:
+        self._do("set", [key], _bytes(value))
+
+    def get(self, key) -> bytes:
+        return self._do("get", [key], t=self._timeout_s(None))[1]
+
+    def wait(self, keys, timeout=None) -> None:
+        self._do("wait", list(keys), t=self._timeout_s(timeout))
+
+    def check(self, keys) -> bool:
+        return self._do("check", list(keys))[0]["found"]
+
+    def add(self, key, amount) -> int:
+        return self._do("add", [key], n=int(amount))[0]["n"]
+
+    def compare_set(self, key, expected, desired) -> bytes:
+        return self._do("compare_set", [key], _bytes(expected), _bytes(desired))[1]
+
+    def delete_key(self, key) -> bool:
+        return self._do("delete_key", [key])[0]["found"]
+
+    def num_keys(self) -> int:
+        return self._do("num_keys", [])[0]["n"]
+
+    def clone(self) -> "PipeStore":
+        clone = PipeStore(self._conn, self.timeout.total_seconds(), self._lock)
+        self._clones.append(clone)
+        return clone
+
+
+def _bytes(value) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the closed pipe still ends the process
+        pass
+
+
+def _worker(ctl, store_conn, spec: _Spec) -> None:
+    """The transport process: forms the group, proves the peer, then sends what the teacher hands over."""
+    _die_with_parent()
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s transport[{spec.session_id}] %(levelname)s "
+                                                     "%(message)s")
+    init_reductions()
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    def report(**fields) -> None:
+        ctl.send_bytes(json.dumps(fields).encode())
+
+    group = None
+    try:
+        store = PipeStore(store_conn, spec.timeout_s)
+        group = build_group(store, backend=spec.backend, rank=TEACHER_RANK, device=device,
+                            timeout_s=spec.timeout_s, gloo_host=spec.gloo_host)
+        handshake(group, spec.secret, spec.timeout_s)
+        report(op="formed")
+        in_flight: queue.Queue = queue.Queue()
+        waiter = threading.Thread(target=_wait_in_order, args=(group, in_flight, report, spec.transfer_timeout_s),
+                                  daemon=True)
+        waiter.start()
+        while True:
+            command = ForkingPickler.loads(ctl.recv_bytes())  # the teacher's own pickle
+            if command[0] != "send":
+                break
+            _, seq, what, described = command
+            tensors = [_receive_host(ctl, shape, dtype) if tensor is None else tensor
+                       for shape, dtype, tensor in described]
+            if group.backend == "gloo":
+                tensors = group.to_send(tensors)  # gloo reads host memory
+            if what[0] == "batch":
+                works = group.send_all([group.header(what[1], what[2]), *tensors])
+            else:
+                works = group.send_all(tensors)
+            in_flight.put((seq, works, tensors))
+    except (EOFError, OSError):
+        pass  # the teacher closed the pipe: the session ended
+    except BaseException as e:
+        try:
+            report(op="failed", message=f"{type(e).__name__}: {e}"[:2000])
+        except (OSError, ValueError):
+            pass
+    finally:
+        if group is not None:
+            group.abort()
+        os._exit(0)  # no interpreter teardown: a group's destructor may wait for its peer
+
+
+def _receive_host(ctl, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    tensor = torch.empty(shape, dtype=dtype)
+    if tensor.numel():
+        ctl.recv_bytes_into(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor
+
+
+def _wait_in_order(group, in_flight: queue.Queue, report, timeout_s: float) -> None:
+    while True:
+        seq, works, tensors = in_flight.get()
+        try:
+            for work in works:
+                group.wait(work, timeout_s, what="a send")
+        except BaseException as e:
+            report(op="failed", message=f"{e}"[:2000])
+            os._exit(1)
+        del tensors  # sent: the buffers (and CUDA IPC mappings) are released
+        report(op="sent", seq=seq)
+
