@@ -9,6 +9,7 @@ client's (TeacherClient's constructor: Join, group, handshake).
 
     python -m bench.connect_time --out connect.md                          # CPU, gloo
     python -m bench.connect_time --teacher-device cuda:0 --student-device cuda:1 --out connect_gpu.md
+    python -m bench.connect_time --session-transport process,inline   # each, side by side
 """
 
 from __future__ import annotations
@@ -102,30 +103,34 @@ def main() -> None:
     parser.add_argument("--teacher-device", default="cpu")
     parser.add_argument("--student-device", default="cpu")
     parser.add_argument("--sessions", type=int, default=8, help="sessions per phase")
+    parser.add_argument("--session-transport", default="process",
+                        help="the teacher's --session-transport; a comma list measures each in turn")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     env = child_env()
     multicast_off(env)
     rows = []
-    with ServerProcess("--model", args.model, "--device", args.teacher_device, "--log-format", "json",
-                       "--max-sessions", str(args.sessions + 2), "--max-seq-len", "256", "--max-batch-tokens", "1024",
-                       env=env) as server:
-        rows.append(_row("one after another", args.sessions,
-                         _phase(server, args.student_device, args.sessions, at_once=False)))
-        rows.append(_row("at once", args.sessions, _phase(server, args.student_device, args.sessions, at_once=True)))
-        stop = threading.Event()
-        busy = threading.Thread(target=_saturate, args=(server.address, args.student_device, stop))
-        busy.start()
-        time.sleep(2.0)
-        try:
-            rows.append(_row("at once, teacher busy", args.sessions,
+    for transport in args.session_transport.split(","):
+        with ServerProcess("--model", args.model, "--device", args.teacher_device, "--log-format", "json",
+                           "--max-sessions", str(args.sessions + 2), "--max-seq-len", "256",
+                           "--max-batch-tokens", "1024", "--session-transport", transport, env=env) as server:
+            rows.append(_row(f"{transport}: one after another", args.sessions,
+                             _phase(server, args.student_device, args.sessions, at_once=False)))
+            rows.append(_row(f"{transport}: at once", args.sessions,
                              _phase(server, args.student_device, args.sessions, at_once=True)))
-        finally:
-            stop.set()
-            busy.join(timeout=300)
+            stop = threading.Event()
+            busy = threading.Thread(target=_saturate, args=(server.address, args.student_device, stop))
+            busy.start()
+            time.sleep(2.0)
+            try:
+                rows.append(_row(f"{transport}: at once, teacher busy", args.sessions,
+                                 _phase(server, args.student_device, args.sessions, at_once=True)))
+            finally:
+                stop.set()
+                busy.join(timeout=300)
     emit([f"Join to group formed, {args.teacher_device} teacher, {args.student_device} students "
           f"(`python -m bench.connect_time`), seconds:", "",
-          "| joins | sessions | teacher p50 | teacher max | client p50 | client max | errors |",
+          "| session transport: joins | sessions | teacher p50 | teacher max | client p50 | client max | errors |",
           "|---|---|---|---|---|---|---|", *rows], args.out)
 
 

@@ -2,8 +2,10 @@
 # One call on the GPU machine: the GPU tests and benches named as arguments, each under its
 # own timeout, each output kept under $OUT:
 #   bash bench/run_gpu.sh stubs e2e tp tpforward transport
-# tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs, dataplane, isolation, logprobs, fp8.
-# Benches: transport, transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, connect, scorecost;
+# tests: every GPU test; or one file each: e2e, tp, restart, faults, graphs, dataplane, isolation, logprobs, fp8,
+# hostile.
+# Benches: transport, transportgraphs, pipeline, busy, trace, tracegraphs, profile, tpforward, connect, connectcpu,
+# scorecost;
 # one GPU: launch, recipe (the seed recipe's student side), eagle3 (EAGLE-3 with a colocated target),
 # store (the store of teacher outputs: bytes per token, dump against the forward alone, reads);
 # fp8speed and fp8quality (the FP8 teacher: bench/fp8_teacher.py's two halves), fp8torchao and
@@ -40,6 +42,11 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     graphs) gpu_test test_cuda_graphs 200 ;;
     # The per-batch header on the device, NCCL on the rendezvous store, a tampering teacher.
     dataplane) gpu_test test_nccl_data_plane 200 ;;
+    # Hostile students of a CUDA teacher (gloo and NCCL peers): their sessions end, the teacher lives.
+    hostile) gpu_test test_hostile_peer_gpu 300 ;;
+    # Join to group formed through a transport process and inline, a CUDA teacher and CPU students.
+    connectcpu) timeout 300 python3 -m bench.connect_time --teacher-device cuda:0 --student-device cpu \
+                  --session-transport process,inline --out "$out/connect_cpu_students.md" 2>&1 | quiet | tail -12 ;;
     # The teacher's memory running out: a pack served batch by batch, top-k of the vocabulary failing alone.
     isolation) gpu_test test_isolation_gpu 150 ;;
     # Log-probabilities at given tokens over NCCL, a 128k vocabulary in row chunks on the device.

@@ -84,8 +84,9 @@ class ServerConfig(ServerLimits):
     session_transport: Literal["process", "inline"] = field(default="process", metadata=_help(
         "where the teacher's end of each session's process group lives: process (a process of its own per "
         "session, which a hostile or broken student can at worst end: the teacher and other sessions go on; a "
-        "fork per join, and on a GPU a CUDA context per session) or inline (in the teacher's process: a student "
-        "can crash the teacher through its data plane; only where every student is trusted). docs/security.md"))
+        "fork per join, and for an NCCL session a CUDA context of its own, 518 MiB on an H200) or inline (in the "
+        "teacher's process: a student can crash the teacher through its data plane; only where every student is "
+        "trusted). docs/security.md"))
     grace_period_s: float = field(default=30.0, metadata=_help(
         "on SIGTERM, how long in-flight batches may take to finish"))
     # Long: loading a large model shard by shard waits for the slowest rank under it too.

@@ -148,11 +148,13 @@ class IsolatedGroup:
 
     @property
     def tensor_device(self) -> torch.device:
-        """Tensors are handed over where the teacher made them: CUDA tensors by IPC, host ones as bytes."""
-        return self.device
+        """Where the teacher hands tensors over: NCCL sends device memory (it crosses by CUDA IPC),
+        gloo host memory (copied here, so a gloo session's process never creates a CUDA context:
+        518 MiB of the GPU each, measured on an H200)."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
 
     def to_send(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [tensor.contiguous() for tensor in tensors]
+        return [tensor.to(self.tensor_device).contiguous() for tensor in tensors]
 
     def wait_formed(self, timeout_s: float) -> None:
         """Blocks until the process formed the group and the peer proved the session's secret."""
@@ -429,7 +431,7 @@ def _worker(ctl, store_conn, spec: _Spec) -> None:
                                                      "%(message)s")
     init_reductions()
     device = torch.device(spec.device)
-    if device.type == "cuda":
+    if spec.backend == "nccl":  # a gloo session's process never touches the GPU
         torch.cuda.set_device(device)
 
     def report(**fields) -> None:
@@ -453,8 +455,6 @@ def _worker(ctl, store_conn, spec: _Spec) -> None:
             _, seq, what, described = command
             tensors = [_receive_host(ctl, shape, dtype) if tensor is None else tensor
                        for shape, dtype, tensor in described]
-            if group.backend == "gloo":
-                tensors = group.to_send(tensors)  # gloo reads host memory
             if what[0] == "batch":
                 works = group.send_all([group.header(what[1], what[2]), *tensors])
             else:

@@ -41,6 +41,18 @@ def descriptors(pid: int) -> int:
     return len(list(Path(f"/proc/{pid}/fd").iterdir()))
 
 
+def transport_processes(teacher_pid: int) -> int:
+    """How many session transport processes (teacher_server/session_process.py) the teacher has:
+    the children of its fork server."""
+    def children(pid: int) -> list[int]:
+        path = Path(f"/proc/{pid}/task/{pid}/children")
+        return [int(child) for child in path.read_text().split()] if path.exists() else []
+
+    servers = [child for child in children(teacher_pid)
+               if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes()]
+    return sum(len(children(server)) for server in servers)
+
+
 def allow_descriptors(count: int) -> None:
     """Raises this process's soft descriptor limit to hold `count` more sockets."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -339,6 +351,44 @@ class SlowConsumers(Attack):
             for thread in closing:
                 thread.join(20)
             Session._post_announced = original
+
+
+class HostilePeers(Attack):
+    """Students of the attacker's job that send, over their own session's rendezvous and data
+    plane, what an honest student never would (tests/hostile_peer.py's modes, in turn, each in
+    a session of its own), in a process of their own. `results` holds each mode's outcome."""
+
+    def __init__(self, address: str, token: str, job_id: str, modes: tuple[str, ...] | None = None,
+                 repeat: bool = True):
+        super().__init__()
+        from tests.hostile_peer import MODES
+
+        self.address, self.token, self.job_id = address, token, job_id
+        self.modes, self.repeat = tuple(modes or MODES), repeat
+        self.results: list[dict] = []
+
+    def run(self, stop: threading.Event) -> None:
+        import json
+        import subprocess
+        import sys
+
+        while not stop.is_set():
+            proc = subprocess.Popen([sys.executable, "-m", "tests.hostile_peer", self.address, self.token, self.job_id,
+                                     *self.modes], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            try:
+                for line in proc.stdout:
+                    if line.startswith("RESULT "):
+                        result = json.loads(line[len("RESULT "):])
+                        self.results.append(result)
+                        self.counts[result["mode"]] += 1
+                    if stop.is_set():
+                        break
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait(10)
+            if not self.repeat:
+                return
 
 
 class Observer:

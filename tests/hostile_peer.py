@@ -15,6 +15,11 @@ Modes (each a message of the handshake or the data plane, wrong):
 - unsolicited_send: proves itself, then sends 1 MiB the teacher never asked for, while batches are sent
 - raw_garbage: proves itself, then connects to the teacher's gloo socket and writes random bytes and
   forged message preambles
+On a CUDA teacher, with this process on the same GPU (tests/gpu/test_hostile_peer_gpu.py):
+- nccl_same_gpu: says its GPU is another one (a made-up UUID), then builds its NCCL end on the
+  teacher's GPU and answers the handshake
+- nccl_bootstrap: reads the NCCL unique id the teacher's end published, connects to the
+  bootstrap root it names with the id's magic, and sends forged sizes and random bytes
 
 Each mode joins a session of its own, one after another. For each it prints
 `RESULT {"mode", "ended", "alive_after_attack"}`: `ended` is the teacher's reason once it
@@ -49,7 +54,7 @@ TEACHER_ADDRESS_KEY = "0/0"
 
 
 class Peer:
-    def __init__(self, address: str, token: str, job_id: str):
+    def __init__(self, address: str, token: str, job_id: str, nccl: bool = False):
         self.channel = grpc.insecure_channel(address)
         self.grpc_port = int(address.rsplit(":", 1)[1])
         self.auth = (("authorization", f"Bearer {token}"),)
@@ -58,6 +63,10 @@ class Peer:
         self.heartbeat_call = self._call("Heartbeat", pb.HeartbeatRequest, pb.HeartbeatResponse)
         self.submit_call = self._call("Submit", pb.SubmitRequest, pb.SubmitResponse)
         peer = pb.PeerInfo(device_type="cpu", torch_version=torch.__version__)
+        if nccl:  # another GPU, it says: the teacher's check of the UUID cannot see through that
+            peer = pb.PeerInfo(device_type="cuda", torch_version=torch.__version__,
+                               device_uuid="GPU-00000000-0000-0000-0000-000000000000",
+                               nccl_version=".".join(map(str, torch.cuda.nccl.version())))
         self.joined = self.join_call(pb.JoinRequest(job_id=job_id, outputs=pb.OutputSpec(logits=True), peer=peer),
                                      metadata=self.auth, timeout=30)
         self.metadata = self.auth + ((SESSION_SECRET_KEY, self.joined.session_secret),)
@@ -75,8 +84,11 @@ class Peer:
         self.rendezvous_call(pb.RendezvousRequest(session_id=self.joined.session_id, op=Op.SET, keys=[key],
                                                   value=value), metadata=self.metadata, timeout=10)
 
-    def group(self):
-        return build_group(self.store(), backend="gloo", rank=STUDENT_RANK, device=torch.device("cpu"),
+    def group(self, store=None):
+        if self.joined.backend == "nccl":
+            return build_group(store or self.store(), backend="nccl", rank=STUDENT_RANK,
+                               device=torch.device("cuda:0"), timeout_s=10)
+        return build_group(store or self.store(), backend="gloo", rank=STUDENT_RANK, device=torch.device("cpu"),
                            timeout_s=10, gloo_host="127.0.0.1")
 
     def submit(self, batch_id: int) -> None:
@@ -133,8 +145,48 @@ def teacher_gloo_address(value: bytes) -> tuple[str, int]:
     return socket.inet_ntoa(value[at + 4:at + 8]), port
 
 
+class _Forged(RuntimeError):
+    pass
+
+
+def forge_nccl_bootstrap(value: bytes) -> None:
+    """Connects to the bootstrap root named in an NCCL unique id (its magic, then a socket
+    address) and sends, after the magic and a socket type, forged lengths and random bytes."""
+    magic = value[:8]
+    family = struct.unpack_from("<H", value, 8)[0]
+    port = struct.unpack_from(">H", value, 10)[0]
+    if family == socket.AF_INET:
+        host = socket.inet_ntop(socket.AF_INET, value[12:16])
+    elif family == socket.AF_INET6:
+        host = socket.inet_ntop(socket.AF_INET6, value[16:32])
+    else:
+        raise ValueError(f"no socket address in the unique id (family {family})")
+    rng = random.Random(1)
+    for attempt in range(12):
+        try:
+            with socket.create_connection((host, port), timeout=5) as sock:
+                sock.sendall(magic + struct.pack("<i", 1 + attempt % 3))
+                sizes = [0xFFFFFFFF, 1 << 31, 1 << 40, 3, 0][attempt % 5]
+                sock.sendall(struct.pack("<Q", sizes) + rng.randbytes(rng.choice([4, 64, 4096])))
+                time.sleep(0.05)
+        except OSError:  # the root closed or stopped listening
+            pass
+
+
+class _ForgingStore(rendezvous.RendezvousStore):
+    """The student's store, except that the first unique id read from it is used to attack the
+    teacher's NCCL bootstrap, and this end's own formation is abandoned."""
+
+    def get(self, key):
+        value = super().get(key)
+        if len(value) == 128:  # sizeof(ncclUniqueId)
+            forge_nccl_bootstrap(value)
+            raise _Forged("forged the bootstrap")
+        return value
+
+
 def handshake_reply(group, secret: bytes, reply: torch.Tensor) -> None:
-    theirs = torch.zeros(2, dtype=torch.int64)
+    theirs = torch.zeros(2, dtype=torch.int64, device=group.tensor_device)
     group.wait(group.recv(theirs), 10, what="the teacher's proof")
     group.wait(group.send(reply), 10, what="our reply")
 
@@ -152,19 +204,30 @@ def run(mode: str, peer: Peer) -> None:
             value = random.Random(os.getpid()).randbytes(random.Random(os.getpid()).choice([1, 9, 64, 170, 4096]))
         peer.set(ADDRESS_KEY, value)
         return
+    if mode == "nccl_bootstrap":
+        store = _ForgingStore(peer.store()._call, peer.joined.session_id, timeout_s=10)
+        peer.group_keepalive = store
+        try:
+            handshake_reply(peer.group(store), secret, honest_reply.cuda())
+        except Exception:  # our own end fails once the store refused it the id
+            pass
+        return
     group = peer.group()
     peer.group_keepalive = group  # the group lives until the mode is over
+    honest_reply = honest_reply.to(group.tensor_device)
     if mode == "close_before_proof":
         drop_connections(peer.grpc_port)
         return
     if mode == "proof_long":
-        handshake_reply(group, secret, torch.zeros(3, dtype=torch.int64))
+        handshake_reply(group, secret, torch.zeros(3, dtype=torch.int64, device=group.tensor_device))
     elif mode == "proof_short":
-        handshake_reply(group, secret, torch.zeros(1, dtype=torch.int64))
+        handshake_reply(group, secret, torch.zeros(1, dtype=torch.int64, device=group.tensor_device))
     elif mode == "proof_wrong":
         handshake_reply(group, secret, honest_reply + 1)
     else:
         handshake_reply(group, secret, honest_reply)
+        if mode == "nccl_same_gpu":
+            return
         for batch_id in range(3):
             peer.submit(batch_id)
         if mode == "close_mid_batch":
@@ -190,10 +253,11 @@ def run(mode: str, peer: Peer) -> None:
 
 MODES = ("address_length", "address_garbage", "address_short", "proof_long", "proof_short", "proof_wrong",
          "close_before_proof", "close_mid_batch", "unsolicited_send", "raw_garbage")
+NCCL_MODES = ("nccl_same_gpu", "nccl_bootstrap")
 
 
 def attack(address: str, token: str, job_id: str, mode: str) -> dict:
-    peer = Peer(address, token, job_id)
+    peer = Peer(address, token, job_id, nccl=mode in NCCL_MODES)
     worker = threading.Thread(target=run, args=(mode, peer), daemon=True)
     worker.start()
     reason = peer.ended(timeout_s=4)
@@ -209,8 +273,8 @@ def attack(address: str, token: str, job_id: str, mode: str) -> dict:
 def main(argv: list[str]) -> None:
     address, token, job_id, *modes = argv
     for mode in modes:
-        if mode not in MODES:
-            raise SystemExit(f"unknown mode {mode!r}; one of {', '.join(MODES)}")
+        if mode not in MODES + NCCL_MODES:
+            raise SystemExit(f"unknown mode {mode!r}; one of {', '.join(MODES + NCCL_MODES)}")
         print(f"RESULT {json.dumps(attack(address, token, job_id, mode))}", flush=True)
     os._exit(0)  # a hostile group's destructor may wait for the teacher
 

@@ -22,9 +22,10 @@ import torch
 
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from teacher_server.launcher import ServerProcess, child_env
-from tests.attacks import (HalfOpenCalls, IdleConnections, Observer, RendezvousWaits, SlowBodies, SlowConsumers, Watch,
-                           bearer, rss_mib)
-from tests.helpers import build_tiny_model, finish_student, free_port, start_student, wait_for_line
+from tests.attacks import (HalfOpenCalls, HostilePeers, IdleConnections, Observer, RendezvousWaits, SlowBodies,
+                           SlowConsumers, Watch, bearer, rss_mib, transport_processes)
+from tests.helpers import build_tiny_model, finish_student, free_port, start_student, wait_for_line, wait_until
+from tests.hostile_peer import MODES
 
 OPERATOR = "availability-operator-token"
 ATTACKER = "attacker-job-token-0123456789"
@@ -128,6 +129,22 @@ ATTACKS = {
     "half_open_calls": lambda server: HalfOpenCalls(server.address, ATTACKER),
     "slow_consumers": lambda server: SlowConsumers(server.address, ATTACKER, "attacker", shape=ATTACK_SHAPE),
     "rendezvous_waits": lambda server: RendezvousWaits(server.address, ATTACKER, "attacker", keys=RENDEZVOUS_KEYS),
+    "hostile_peers": lambda server: HostilePeers(server.address, ATTACKER, "attacker"),
+}
+
+# What the teacher says ended each hostile session: the process of its transport killed by
+# what its peer sent (the teacher itself died of these two before), or its checks refusing it.
+HOSTILE_ENDINGS = {
+    "address_length": "transport process was ended by SIG",
+    "proof_long": "transport process was ended by SIGABRT",
+    "address_garbage": "did not form",
+    "address_short": "did not form",
+    "proof_short": "did not prove it is the student",
+    "proof_wrong": "did not prove it is the student",
+    "close_before_proof": "did not form",
+    "close_mid_batch": "transfer_failed",
+    "unsolicited_send": "has ended",
+    "raw_garbage": "has ended",
 }
 
 
@@ -177,6 +194,22 @@ def test_rendezvous_waits_with_many_keys(server, observer, honest):
     under_attack(attack, observer, server, honest, SHORT_S)
     assert attack.counts["INVALID_ARGUMENT"] > 0 and attack.counts["joined"] >= 1, (attack.counts, attack.details)
     assert "more than the 8 a call may" in attack.details["INVALID_ARGUMENT"], attack.details
+
+
+def test_hostile_data_plane_peers_end_only_their_own_session(server, observer, honest):
+    """Every message of the handshake and the data plane, wrong (tests/hostile_peer.py): the
+    teacher lives, ends that session only, and its transport processes are gone with them."""
+    attack = HostilePeers(server.address, ATTACKER, "attacker", repeat=False)
+    sent_before = honest_batches_sent(server, honest)
+    with observer.watch() as watch, attack:
+        wait_until(lambda: len(attack.results) == len(MODES), 240, "every hostile mode to finish")
+    assert server.proc.poll() is None, "the teacher died"
+    for result in attack.results:
+        assert result["ended"] and HOSTILE_ENDINGS[result["mode"]] in result["ended"], result
+    assert watch.healthz_fraction >= 0.95 and watch.get_info_p99_s < 1.0, watch.summary()
+    assert honest_batches_sent(server, honest) > sent_before, "the honest session was not served"
+    # One transport process per live session: the honest one's, and none left of the attacker's.
+    wait_until(lambda: transport_processes(server.proc.pid) == 1, 10, "the hostile sessions' processes to go")
 
 
 def test_control_characters_in_client_strings_are_refused_at_join(server):
