@@ -234,8 +234,8 @@ def test_futures_fail_naming_the_timeout_when_the_teacher_stays_down(teacher):
         client.submit(torch.randint(0, VOCAB, (1, 8))).result(timeout=60)
         teacher.freeze()
         futures = [client.submit(torch.randint(0, VOCAB, (1, 8))) for _ in range(3)]
+        killed = time.monotonic()  # before kill(), which also waits for the teacher's output to end
         teacher.kill()
-        killed = time.monotonic()
         for future in futures:
             with pytest.raises(TeacherUnavailable, match=r"reconnect_timeout_s=2s") as failure:
                 future.result(timeout=60)
