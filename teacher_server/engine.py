@@ -101,7 +101,8 @@ class Engine:
         self.delivery = Delivery(metrics, advertise_host=advertise_host, device=runner.device,
                                  join_timeout_s=join_timeout_s, transfer_timeout_s=transfer_timeout_s,
                                  join_data=runner.join_data, formed=self.lifecycle.formed, sent=self.lifecycle.sent,
-                                 failed=self.lifecycle.failed, end=self.lifecycle.end)
+                                 failed=self.lifecycle.failed, released=self.lifecycle.released,
+                                 end=self.lifecycle.end)
         self.lifecycle.attach(self.delivery)
         self._accepting = True
         self._stopping = False

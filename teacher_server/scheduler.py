@@ -22,7 +22,10 @@ student receives (backpressure):
 The total held is therefore at most `held_bytes_limit` plus one batch per job: the pool
 bounded by the limit, each job at most one floor batch of at most the largest output a
 session may ask (the teacher's --max-output-bytes). Shares change as jobs come and go; the
-pool's bound does not.
+pool's bound does not. Outputs of a session that ended stay counted, in the pool and as its
+job's, until the engine reports each released (`sent`): a send in progress keeps its
+tensors until it completes or times out, and a job that leaves and joins again must not
+hold a second share meanwhile.
 
 No threads, no torch, no I/O: the engine calls it under its own lock, and tests drive
 it directly. A session is the engine's object, of which the scheduler reads
@@ -104,6 +107,8 @@ class Scheduler:
         self.held_bytes_limit = held_bytes_limit  # 0: outputs held are bounded by max_inflight only
         self._jobs: dict[str, _Job] = {}
         self._queues: dict[str, _Queue] = {}  # by session_id, in admission order
+        # Sessions removed while their outputs were held: counted until each is released (`sent`).
+        self._ended: dict[str, _Queue] = {}
 
     def admit(self, session, max_job_sessions: int = 0, job_limit: str = "") -> None:
         """Gives a new session a queue; refuses it beyond max_sessions, beyond `max_job_sessions`
@@ -139,27 +144,35 @@ class Scheduler:
         self._queues[session.session_id].pending.append(batch)
 
     def sent(self, session, batch=None) -> None:
-        """A planned batch of the session (`batch`; None: the oldest) finished sending or
-        failed: its outputs are no longer held (nothing for a session removed)."""
-        queue = self._queues.get(session.session_id)
+        """A planned batch of the session (`batch`; None: the oldest) finished sending, failed,
+        or (the session removed) its outputs were released: they are no longer held."""
+        ended = session.session_id not in self._queues
+        queue = self._ended.get(session.session_id) if ended else self._queues[session.session_id]
         if queue is None:
             return
         queue.sending -= 1
         held = next((h for h in queue.held if h.batch is batch), None) if batch is not None else None
-        if held is None and queue.held:
+        if held is None and queue.held and not ended:  # an ended session's are released by name only
             held = queue.held[0]
         if held is not None:
             queue.held.remove(held)
             queue.held_bytes -= held.output_bytes
             queue.pool_bytes -= 0 if held.floor else held.output_bytes
+        if ended and not queue.held:
+            del self._ended[session.session_id]
+
+    def _holding(self) -> list[_Queue]:
+        """The queues whose outputs may be held: live sessions' and ended ones' not yet released."""
+        return [*self._queues.values(), *self._ended.values()]
 
     def held_bytes(self) -> int:
-        """Bytes of outputs planned and not yet received, all sessions together (the pool and the floors)."""
-        return sum(q.held_bytes for q in self._queues.values())
+        """Bytes of outputs planned and not yet received or released, all sessions together (the
+        pool and the floors)."""
+        return sum(q.held_bytes for q in self._holding())
 
     def pool_bytes(self) -> int:
         """Bytes of outputs held in the pool: at most `held_bytes_limit`."""
-        return sum(q.pool_bytes for q in self._queues.values())
+        return sum(q.pool_bytes for q in self._holding())
 
     def held_share(self, session) -> float:
         """The bytes of outputs the session may hold from the pool: its job's share of
@@ -170,8 +183,9 @@ class Scheduler:
 
     def _where_held(self, session, session_held: int, job_held: int, pool: int, need: int) -> str | None:
         """Where a batch whose outputs take `need` bytes may be held if planned for `session`
-        (POOL, FLOOR, or None: not now), which holds `session_held` bytes and its job
-        `job_held`, while the pool holds `pool` (each counting this plan's batches)."""
+        (POOL, FLOOR, or None: not now), which holds `session_held` bytes (with what its job's
+        ended sessions hold) and its job `job_held`, while the pool holds `pool` (each counting
+        this plan's batches)."""
         if not self.held_bytes_limit:
             return POOL  # bounded by max_inflight only
         within_share = session_held == 0 or session_held + need <= self.held_share(session)
@@ -182,9 +196,14 @@ class Scheduler:
         return None
 
     def remove(self, session) -> None:
-        """Forgets the session and its queued batches; a job goes with its last session."""
-        if self._queues.pop(session.session_id, None) is None:
+        """Forgets the session and its queued batches; a job goes with its last session. Its
+        outputs still held stay counted until each is released (`sent`)."""
+        queue = self._queues.pop(session.session_id, None)
+        if queue is None:
             return
+        if queue.held:
+            queue.pending.clear()
+            self._ended[session.session_id] = queue
         job = self._jobs[session.job_id]
         job.sessions -= 1
         if job.sessions <= 0:
@@ -223,8 +242,12 @@ class Scheduler:
         taken: dict[str, int] = {}
         planning: dict[str, int] = {}  # by session: output bytes this plan adds
         job_held: dict[str, int] = {}  # by job: output bytes held, this plan's included
-        for q in self._queues.values():
+        for q in self._holding():  # a job that ended and joined again still holds what it held
             job_held[q.session.job_id] = job_held.get(q.session.job_id, 0) + q.held_bytes
+        # What a job's ended sessions still hold counts against each of its sessions' shares.
+        ended_held: dict[str, int] = {}
+        for q in self._ended.values():
+            ended_held[q.session.job_id] = ended_held.get(q.session.job_id, 0) + q.held_bytes
         pool = self.pool_bytes()
         plan: list[Planned] = []
         held_in: list[str] = []  # where each planned batch's outputs are held: POOL or FLOOR
@@ -242,8 +265,8 @@ class Scheduler:
                 candidates.pop(0)
                 continue
             batch = queue.pending[index]
-            where = self._where_held(session, queue.held_bytes + planning.get(session.session_id, 0),
-                                     job_held[session.job_id], pool, batch.output_bytes)
+            session_held = queue.held_bytes + planning.get(session.session_id, 0) + ended_held.get(session.job_id, 0)
+            where = self._where_held(session, session_held, job_held[session.job_id], pool, batch.output_bytes)
             if where is None:
                 candidates.pop(0)  # no room for its outputs: planned again once its student receives
                 continue

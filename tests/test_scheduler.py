@@ -420,19 +420,48 @@ def test_a_job_that_joins_when_the_pool_is_full_gets_its_floor_and_the_pool_stay
     assert scheduler.pool_bytes() == 9 * MIB and scheduler.held_bytes() == 10 * MIB
 
 
+def test_outputs_of_an_ended_session_stay_held_until_released_and_its_job_joining_again_waits_for_them():
+    scheduler = Scheduler(max_batch_tokens=64 * ROWS * SEQ, max_sessions=8, held_bytes_limit=10 * MIB)
+    (first,) = joined(scheduler, FakeSession("first", "job-a", max_inflight=16))
+    for _ in range(10):
+        scheduler.submit(first, sized(1 * MIB))
+    batches = [p.batch for p in scheduler.plan()]
+    scheduler.remove(first)  # its sends still in progress: their tensors are still held
+    assert scheduler.held_bytes() == scheduler.pool_bytes() == 10 * MIB
+    again, other = joined(scheduler, FakeSession("again", "job-a", max_inflight=16),
+                          FakeSession("other", "job-b", max_inflight=16))
+    for session in (again, other):
+        for _ in range(8):
+            scheduler.submit(session, sized(1 * MIB))
+    # job-a still holds 10 MiB: no room in the pool, no floor; job-b holds nothing: its floor.
+    assert [p.session.session_id for p in scheduler.plan()] == ["other"]
+    for batch in batches[:6]:
+        scheduler.sent(first, batch)
+    scheduler.sent(first, sized(1 * MIB))  # not one of its batches: releases nothing
+    assert scheduler.held_bytes() == 5 * MIB
+    # 4 MiB of the pool's 10 still job-a's: again takes one more up to its 5 MiB share, other four.
+    planned = sorted(p.session.session_id for p in scheduler.plan())
+    assert planned == ["again"] + ["other"] * 4 and scheduler.pool_bytes() == 9 * MIB, planned
+    for batch in batches[6:]:
+        scheduler.sent(first, batch)
+    assert scheduler.held_bytes() == 6 * MIB
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_held_outputs_stay_within_the_limit_plus_one_batch_per_job_and_no_job_that_holds_nothing_waits(seed):
     """Random jobs (weights 1 to 100, one to three sessions), random batch sizes up to the
     largest, sessions that never receive and sessions that receive at random, jobs that come and
-    go: after every plan the pool is within the limit and the total within the limit plus one
-    largest batch per job, and every job that held nothing and had a batch that could be planned
-    (its session ready, within max_inflight) got one in that plan."""
+    go (what an ended session held is released later, at random): after every plan the pool is
+    within the limit and the total within the limit plus one largest batch per job holding
+    outputs, and every job that held nothing and had a batch that could be planned (its session
+    ready, within max_inflight) got one in that plan."""
     rng = random.Random(seed)
     limit, largest = 16 * MIB, 5 * MIB
     scheduler = Scheduler(max_batch_tokens=10_000 * ROWS * SEQ, max_sessions=64, held_bytes_limit=limit)
     sessions: list[FakeSession] = []
     never_receive: set[str] = set()
     held: dict[str, list] = defaultdict(list)  # by session: batches planned and not yet sent
+    ended: list[FakeSession] = []  # removed while holding outputs
     names = itertools.count()
 
     def join() -> None:
@@ -452,7 +481,7 @@ def test_held_outputs_stay_within_the_limit_plus_one_batch_per_job_and_no_job_th
             for session in [s for s in sessions if s.job_id == job]:
                 scheduler.remove(session)
                 sessions.remove(session)
-                held.pop(session.session_id, None)
+                ended.append(session)
         if rng.random() < 0.05 or not sessions:
             join()
         for session in sessions:
@@ -465,12 +494,13 @@ def test_held_outputs_stay_within_the_limit_plus_one_batch_per_job_and_no_job_th
         plan = scheduler.plan()
         for planned in plan:
             held[planned.session.session_id].append(planned.batch)
-        jobs = {s.job_id for s in sessions}
+        holding = {s.job_id for s in sessions + ended if held[s.session_id]}
         assert scheduler.pool_bytes() <= limit
-        assert scheduler.held_bytes() <= limit + len(jobs) * largest
+        assert scheduler.held_bytes() == sum(b.output_bytes for batches in held.values() for b in batches)
+        assert scheduler.held_bytes() <= limit + len(holding) * largest
         assert waiting <= {p.session.job_id for p in plan}, "a job that held nothing was not planned"
-        for session in sessions:  # students that receive receive some of what they hold
-            if session.session_id not in never_receive:
+        for session in sessions + ended:  # students that receive (and sends that time out) release some
+            if session in ended or session.session_id not in never_receive:
                 for batch in [b for b in held[session.session_id] if rng.random() < 0.7]:
                     scheduler.sent(session, batch)
                     held[session.session_id].remove(batch)
