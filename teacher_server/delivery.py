@@ -11,8 +11,9 @@ and their sends posted at once, each batch's header first, and one announcer thr
 tells the students, on their submit streams, once the device finished the forward.
 
 What the engine decides stays with the engine: it is told when a group formed
-(`formed`), when a batch finished sending (`sent`) or will never be sent (`failed`), and
-asked to end a session whose transfer failed (`end`).
+(`formed`), when a batch finished sending (`sent`) or will never be sent (`failed`), when
+delivery let go of the outputs of a batch of a session that ended (`released`: the engine
+counts them as held until then), and asked to end a session whose transfer failed (`end`).
 
 A batch that cannot be served (its forward failed, or deriving its outputs did) fails
 alone, through `fail`: its student is told the reason on the submit stream, nothing of
@@ -94,7 +95,8 @@ class Delivery:
     def __init__(self, metrics: Metrics, *, advertise_host: str, device: torch.device,
                  join_timeout_s: float, transfer_timeout_s: float, join_data: JoinData, isolate: bool,
                  formed: Callable[[Session], bool], sent: Callable[[Session, Batch, int], None],
-                 failed: Callable[[Session, Batch], None], end: Callable[..., None]):
+                 failed: Callable[[Session, Batch], None], released: Callable[[Session, Batch], None],
+                 end: Callable[..., None]):
         self.metrics = metrics
         self.advertise_host = advertise_host
         self.device = device
@@ -105,6 +107,7 @@ class Delivery:
         self._formed = formed  # (session) -> False when it ended meanwhile
         self._sent = sent  # (session, batch, bytes sent)
         self._failed = failed  # (session, batch): accepted, never sent
+        self._released = released  # (session, batch): the session ended; its outputs are no longer held here
         self._end = end  # (session, reason, failure)
         self._links: dict[str, _Link] = {}
         self._lock = threading.Lock()
@@ -243,8 +246,9 @@ class Delivery:
         """
         with self._lock:
             link = self._links.get(session.session_id)
-        if link is None:
-            return None  # ended meanwhile
+        if link is None:  # ended meanwhile: nothing of it is sent
+            self._released(session, batch)
+            return None
         # A batch that carries data of its own (ids to score) is derived for itself: an equal
         # request on identical ids and mask does not make equal tensors then.
         key = (id(out), session.outputs, session.backend, id(batch) if session.outputs.reads_batch_data else None)
@@ -262,6 +266,7 @@ class Delivery:
             works = link.group.send_batch(batch.batch_id, batch.header_key, tensors)
         except Exception as e:
             self._end(session, "transfer_failed", f"posting the send of batch {batch.batch_id} failed: {e}")
+            self._released(session, batch)
             return None
         tracing.mark("t_forward", batch.batch_id)
         link.sends.put(_SendJob(batch, works, tensors, sum(t.numel() * t.element_size() for t in tensors)))
@@ -271,10 +276,12 @@ class Delivery:
         return session, batch.batch_id
 
     def _send_loop(self, session: Session, link: _Link) -> None:
-        """Waits, in order, for each batch's sends to complete; fails the session on timeout."""
+        """Waits, in order, for each batch's sends to complete; fails the session on timeout.
+        Once it ends, the batches not sent are released: their tensors are dropped here."""
         while True:
             job = link.sends.get()
             if job is None:
+                self._release_queued(session, link)  # posted after the stop, as the session ended
                 return
             tracing.mark("t_watch", job.batch.batch_id)
             try:
@@ -283,11 +290,27 @@ class Delivery:
             except TransferError as e:
                 log.warning("session %s: %s", session.session_id, e)
                 self._end(session, "transfer_failed", str(e))
+                batch = job.batch
+                del job
+                self._released(session, batch)
+                self._release_queued(session, link)
                 return
             tracing.mark("t_sent", job.batch.batch_id)
             batch, nbytes = job.batch, job.nbytes
             del job  # NCCL is done with the tensors: free them before whatever `sent` does
             self._sent(session, batch, nbytes)
+
+    def _release_queued(self, session: Session, link: _Link) -> None:
+        """Drops the send jobs left on an ended session's queue, each reported released."""
+        while True:
+            try:
+                job = link.sends.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                batch = job.batch
+                del job
+                self._released(session, batch)
 
     # ---- announcements -------------------------------------------------------------
 

@@ -100,8 +100,9 @@ class Engine:
                                           lease_s=lease_s, join_timeout_s=join_timeout_s)
         self.delivery = Delivery(metrics, advertise_host=advertise_host, device=runner.device,
                                  join_timeout_s=join_timeout_s, transfer_timeout_s=transfer_timeout_s,
-                                 join_data=runner.join_data, isolate=isolate_sessions, formed=self.lifecycle.formed, sent=self.lifecycle.sent,
-                                 failed=self.lifecycle.failed, end=self.lifecycle.end)
+                                 join_data=runner.join_data, isolate=isolate_sessions, formed=self.lifecycle.formed,
+                                 sent=self.lifecycle.sent, failed=self.lifecycle.failed,
+                                 released=self.lifecycle.released, end=self.lifecycle.end)
         self.lifecycle.attach(self.delivery)
         self._accepting = True
         self._stopping = False

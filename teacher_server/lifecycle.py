@@ -154,6 +154,12 @@ class SessionLifecycle:
         if finished:
             self.end(session, "left")
 
+    def released(self, session: Session, batch: Batch) -> None:
+        """Delivery let go of the outputs of a batch of an ended session: no longer held."""
+        with self._cond:
+            self.scheduler.sent(session, batch)
+            self._cond.notify_all()
+
     def end(self, session: Session, reason: str, failure: str = "") -> None:
         """Ends a session: drops its queue, aborts its group, deletes its rendezvous keys, forgets its metrics."""
         with self._cond:

@@ -5,12 +5,27 @@ divided by its weight, and the least-served job goes first; within a job, the ra
 (session) with the fewest tokens scheduled goes first. A forward holds batches up to a
 token budget, and a session at most `max_inflight` batches planned or still being sent.
 
-Outputs planned and not yet received wait in teacher memory: with a `held_bytes_limit`,
-each job may hold its share of it by weight (split evenly among its sessions), and a
-session at its share is not planned until its student receives (backpressure). A session
-holding nothing may take one batch over its share while the total stays within the limit,
-or whatever it needs when nothing is held at all, so that a batch larger than a share is
-still served; the total held is at most the limit plus one batch.
+Outputs planned and not yet received wait in teacher memory. With a `held_bytes_limit`
+they are held in two ways, and a session whose batch neither allows is not planned until its
+student receives (backpressure):
+
+- the pool, at most `held_bytes_limit` bytes in all: a session may take a batch from it while
+  the pool has room and the session stays within its share (its job's share of the limit by
+  weight, split evenly among the job's sessions), or holds nothing yet (one batch over its
+  share, so that a batch larger than a share is served while the pool allows it);
+- a job's floor, outside the pool: a job none of whose outputs are held may take one batch,
+  whatever the pool holds. No other job can take it, so however much another job holds or
+  however heavy it is, a job whose students receive what they are sent is planned at least
+  one batch per round trip (in its turn by fair share: when the others have batches that can
+  run, it gets its weight's share of forwards).
+
+The total held is therefore at most `held_bytes_limit` plus one batch per job: the pool
+bounded by the limit, each job at most one floor batch of at most the largest output a
+session may ask (the teacher's --max-output-bytes). Shares change as jobs come and go; the
+pool's bound does not. Outputs of a session that ended stay counted, in the pool and as its
+job's, until the engine reports each released (`sent`): a send in progress keeps its
+tensors until it completes or times out, and a job that leaves and joins again must not
+hold a second share meanwhile.
 
 No threads, no torch, no I/O: the engine calls it under its own lock, and tests drive
 it directly. A session is the engine's object, of which the scheduler reads
@@ -56,8 +71,9 @@ class _Queue:
     session: object
     pending: deque = field(default_factory=deque)  # batches submitted, not yet planned
     sending: int = 0  # planned, sends not yet complete
-    held: deque = field(default_factory=deque)  # (batch, output bytes) of those, in plan order
-    held_bytes: int = 0
+    held: deque = field(default_factory=deque)  # _Held of those, in plan order
+    held_bytes: int = 0  # all of them
+    pool_bytes: int = 0  # those taken from the pool (held_bytes_limit): the others are its job's floor
     # Tokens scheduled for this session (unweighted): orders the ranks of one job.
     virtual_tokens: float = 0.0
     ready: bool = False  # its group formed: its batches may be planned
@@ -65,6 +81,19 @@ class _Queue:
     @property
     def outstanding(self) -> int:
         return len(self.pending) + self.sending
+
+
+@dataclass
+class _Held:
+    """One planned batch's outputs until its sends complete."""
+
+    batch: object
+    output_bytes: int
+    floor: bool  # its job's floor batch, outside the pool
+
+
+# Where a batch's outputs may be held: the pool (held_bytes_limit), its job's floor, or nowhere yet.
+POOL, FLOOR = "pool", "floor"
 
 
 def _no_cache(session, batch) -> None:
@@ -78,6 +107,8 @@ class Scheduler:
         self.held_bytes_limit = held_bytes_limit  # 0: outputs held are bounded by max_inflight only
         self._jobs: dict[str, _Job] = {}
         self._queues: dict[str, _Queue] = {}  # by session_id, in admission order
+        # Sessions removed while their outputs were held: counted until each is released (`sent`).
+        self._ended: dict[str, _Queue] = {}
 
     def admit(self, session, max_job_sessions: int = 0, job_limit: str = "") -> None:
         """Gives a new session a queue; refuses it beyond max_sessions, beyond `max_job_sessions`
@@ -113,44 +144,66 @@ class Scheduler:
         self._queues[session.session_id].pending.append(batch)
 
     def sent(self, session, batch=None) -> None:
-        """A planned batch of the session (`batch`; None: the oldest) finished sending or
-        failed: its outputs are no longer held (nothing for a session removed)."""
-        queue = self._queues.get(session.session_id)
+        """A planned batch of the session (`batch`; None: the oldest) finished sending, failed,
+        or (the session removed) its outputs were released: they are no longer held."""
+        ended = session.session_id not in self._queues
+        queue = self._ended.get(session.session_id) if ended else self._queues[session.session_id]
         if queue is None:
             return
         queue.sending -= 1
-        entry = next((e for e in queue.held if e[0] is batch), None) if batch is not None else None
-        if entry is None and queue.held:
-            entry = queue.held[0]
-        if entry is not None:
-            queue.held.remove(entry)
-            queue.held_bytes -= entry[1]
+        held = next((h for h in queue.held if h.batch is batch), None) if batch is not None else None
+        if held is None and queue.held and not ended:  # an ended session's are released by name only
+            held = queue.held[0]
+        if held is not None:
+            queue.held.remove(held)
+            queue.held_bytes -= held.output_bytes
+            queue.pool_bytes -= 0 if held.floor else held.output_bytes
+        if ended and not queue.held:
+            del self._ended[session.session_id]
+
+    def _holding(self) -> list[_Queue]:
+        """The queues whose outputs may be held: live sessions' and ended ones' not yet released."""
+        return [*self._queues.values(), *self._ended.values()]
 
     def held_bytes(self) -> int:
-        """Bytes of outputs planned and not yet received, all sessions together."""
-        return sum(q.held_bytes for q in self._queues.values())
+        """Bytes of outputs planned and not yet received or released, all sessions together (the
+        pool and the floors)."""
+        return sum(q.held_bytes for q in self._holding())
+
+    def pool_bytes(self) -> int:
+        """Bytes of outputs held in the pool: at most `held_bytes_limit`."""
+        return sum(q.pool_bytes for q in self._holding())
 
     def held_share(self, session) -> float:
-        """The bytes of outputs the session may hold: its job's share of `held_bytes_limit` by
-        weight, split evenly among the job's sessions."""
+        """The bytes of outputs the session may hold from the pool: its job's share of
+        `held_bytes_limit` by weight, split evenly among the job's sessions."""
         job = self._jobs[session.job_id]
         total_weight = sum(j.weight for j in self._jobs.values())
         return self.held_bytes_limit * job.weight / total_weight / job.sessions
 
-    def _may_hold(self, queue: _Queue, planning: int, total: int, need: int) -> bool:
-        """Whether a batch whose outputs take `need` bytes may be planned for `queue`'s session,
-        which holds `planning` more in this plan, while `total` are held in all."""
+    def _where_held(self, session, session_held: int, job_held: int, pool: int, need: int) -> str | None:
+        """Where a batch whose outputs take `need` bytes may be held if planned for `session`
+        (POOL, FLOOR, or None: not now), which holds `session_held` bytes (with what its job's
+        ended sessions hold) and its job `job_held`, while the pool holds `pool` (each counting
+        this plan's batches)."""
         if not self.held_bytes_limit:
-            return True
-        held = queue.held_bytes + planning
-        if held + need <= self.held_share(queue.session):
-            return True
-        return held == 0 and (total + need <= self.held_bytes_limit or total == 0)
+            return POOL  # bounded by max_inflight only
+        within_share = session_held == 0 or session_held + need <= self.held_share(session)
+        if within_share and pool + need <= self.held_bytes_limit:
+            return POOL
+        if job_held == 0:
+            return FLOOR
+        return None
 
     def remove(self, session) -> None:
-        """Forgets the session and its queued batches; a job goes with its last session."""
-        if self._queues.pop(session.session_id, None) is None:
+        """Forgets the session and its queued batches; a job goes with its last session. Its
+        outputs still held stay counted until each is released (`sent`)."""
+        queue = self._queues.pop(session.session_id, None)
+        if queue is None:
             return
+        if queue.held:
+            queue.pending.clear()
+            self._ended[session.session_id] = queue
         job = self._jobs[session.job_id]
         job.sessions -= 1
         if job.sessions <= 0:
@@ -188,8 +241,16 @@ class Scheduler:
         """
         taken: dict[str, int] = {}
         planning: dict[str, int] = {}  # by session: output bytes this plan adds
-        total_held = self.held_bytes() if self.held_bytes_limit else 0
+        job_held: dict[str, int] = {}  # by job: output bytes held, this plan's included
+        for q in self._holding():  # a job that ended and joined again still holds what it held
+            job_held[q.session.job_id] = job_held.get(q.session.job_id, 0) + q.held_bytes
+        # What a job's ended sessions still hold counts against each of its sessions' shares.
+        ended_held: dict[str, int] = {}
+        for q in self._ended.values():
+            ended_held[q.session.job_id] = ended_held.get(q.session.job_id, 0) + q.held_bytes
+        pool = self.pool_bytes()
         plan: list[Planned] = []
+        held_in: list[str] = []  # where each planned batch's outputs are held: POOL or FLOOR
         in_forward: dict[bytes, Planned] = {}
         rows = seq = 0
         candidates = [q for q in self._queues.values() if q.ready and q.pending]
@@ -204,8 +265,10 @@ class Scheduler:
                 candidates.pop(0)
                 continue
             batch = queue.pending[index]
-            if not self._may_hold(queue, planning.get(session.session_id, 0), total_held, batch.output_bytes):
-                candidates.pop(0)  # at its share of held outputs: planned again once its student receives
+            session_held = queue.held_bytes + planning.get(session.session_id, 0) + ended_held.get(session.job_id, 0)
+            where = self._where_held(session, session_held, job_held[session.job_id], pool, batch.output_bytes)
+            if where is None:
+                candidates.pop(0)  # no room for its outputs: planned again once its student receives
                 continue
             b, s = batch.rows, batch.seq_len
             twin = in_forward.get(batch.key)
@@ -222,16 +285,20 @@ class Scheduler:
                 plan.append(planned)
                 in_forward[batch.key] = planned
                 rows, seq = rows + b, max(seq, s)
+            held_in.append(where)
             taken[session.session_id] = index + 1
             planning[session.session_id] = planning.get(session.session_id, 0) + batch.output_bytes
-            total_held += batch.output_bytes
+            job_held[session.job_id] += batch.output_bytes
+            pool += batch.output_bytes if where == POOL else 0
             job = self._jobs[session.job_id]
             job.virtual_tokens += batch.tokens / job.weight
             queue.virtual_tokens += batch.tokens
-        for planned in plan:
+        for planned, where in zip(plan, held_in):
             queue = self._queues[planned.session.session_id]
             queue.pending.popleft()
             queue.sending += 1
-            queue.held.append((planned.batch, planned.batch.output_bytes))
+            floor = where == FLOOR
+            queue.held.append(_Held(planned.batch, planned.batch.output_bytes, floor))
             queue.held_bytes += planned.batch.output_bytes
+            queue.pool_bytes += 0 if floor else planned.batch.output_bytes
         return plan

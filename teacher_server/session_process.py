@@ -184,6 +184,11 @@ class IsolatedGroup:
                 return
             self._closed = True
         self._fail("the session was ended")
+        while True:  # what was never written is dropped now, not when this object is collected
+            try:
+                self._outbox.get_nowait()
+            except queue.Empty:
+                break
         self._outbox.put(None)
         if self._process.is_alive():
             self._process.kill()

@@ -310,12 +310,14 @@ class RendezvousWaits(_AsyncAttack):
 
 
 class SlowConsumers(Attack):
-    """`sessions` real clients (the job token's) that submit their max_inflight batches of
-    `shape` and never post a receive."""
+    """`sessions` real clients (the job token's) that join at `weight`, submit their max_inflight
+    batches of `shape` and never post a receive."""
 
-    def __init__(self, address: str, token: str, job_id: str, sessions: int = 2, shape: tuple = (4, 256)):
+    def __init__(self, address: str, token: str, job_id: str, sessions: int = 2, shape: tuple = (4, 256),
+                 weight: float = 1.0):
         super().__init__()
         self.address, self.token, self.job_id, self.sessions, self.shape = address, token, job_id, sessions, shape
+        self.weight = weight
 
     def run(self, stop: threading.Event) -> None:
         import torch
@@ -336,7 +338,7 @@ class SlowConsumers(Attack):
         try:
             for _ in range(self.sessions):
                 client = TeacherClient(self.address, "cpu", auth_token=self.token, job_id=self.job_id,
-                                       max_inflight=8, join_timeout_s=30)
+                                       max_inflight=8, join_timeout_s=30, weight=self.weight)
                 clients.append(client)
                 self.counts["joined"] += 1
                 for _ in range(8):

@@ -30,11 +30,16 @@ from tests.hostile_peer import MODES
 OPERATOR = "availability-operator-token"
 ATTACKER = "attacker-job-token-0123456789"
 HONEST = "honest-job-token-0123456789ab"
+HEAVY = "heavy-job-token-0123456789abc"  # an entry without max_weight: joins at --max-weight (100)
 GRPC_MAX_CONNECTIONS = 1024
 HELD_LIMIT_BYTES = 4 << 20
 # As many keys as fit a request (--max-request-bytes: 160 KiB for --max-batch-tokens 2048).
 RENDEZVOUS_KEYS = 6000
 ATTACK_SHAPE = (4, 256)  # a slow consumer's batch: 1024 tokens of float32 logits, 1.5 MiB
+# The heavy job's slow consumers: three sessions at weight 100 whose batches (1.31 MiB each) fill
+# the held limit to within 64 KiB, less than the honest student's larger batches (up to 72
+# tokens of logits, top-5 and two hidden layers: 138 KiB).
+HEAVY_SESSIONS, HEAVY_SHAPE, HEAVY_WEIGHT = 3, (4, 224), 100.0
 SHORT_S = 2.0
 LEASE_S = 4.0
 TOLERANCE = 1e-4
@@ -51,7 +56,8 @@ def server(model_dir, tmp_path_factory):
     its model while the teacher starts, then joins): see `honest`."""
     tokens = tmp_path_factory.mktemp("tokens") / "tokens.json"
     tokens.write_text(json.dumps({"attacker": {"token": ATTACKER, "max_sessions": 3},
-                                  "honest": {"token": HONEST, "max_sessions": 2}}))
+                                  "honest": {"token": HONEST, "max_sessions": 2},
+                                  "heavy": {"token": HEAVY, "max_sessions": HEAVY_SESSIONS}}))
     grpc_port, http_port = free_port(), free_port()
     work = tmp_path_factory.mktemp("honest")
     stop, out = work / "stop", work / "report.json"
@@ -128,6 +134,8 @@ ATTACKS = {
     "idle_connections": lambda server: IdleConnections(server.grpc_port, GRPC_MAX_CONNECTIONS + 200),
     "half_open_calls": lambda server: HalfOpenCalls(server.address, ATTACKER),
     "slow_consumers": lambda server: SlowConsumers(server.address, ATTACKER, "attacker", shape=ATTACK_SHAPE),
+    "heavy_slow_consumers": lambda server: SlowConsumers(server.address, HEAVY, "heavy", sessions=HEAVY_SESSIONS,
+                                                         shape=HEAVY_SHAPE, weight=HEAVY_WEIGHT),
     "rendezvous_waits": lambda server: RendezvousWaits(server.address, ATTACKER, "attacker", keys=RENDEZVOUS_KEYS),
     "hostile_peers": lambda server: HostilePeers(server.address, ATTACKER, "attacker"),
 }
@@ -187,6 +195,39 @@ def test_sessions_that_never_receive_hold_their_share_only(server, observer, hon
     # At most the limit plus one batch (a session holding nothing may take one past its share).
     batch_bytes = ATTACK_SHAPE[0] * ATTACK_SHAPE[1] * 384 * 4
     assert 0 < max(held) <= HELD_LIMIT_BYTES + batch_bytes, held
+
+
+def test_a_heavy_job_that_never_receives_leaves_the_others_a_batch_at_a_time(server, observer, honest):
+    """The honest job (weight 1) against one of weight 100 whose sessions never receive: its
+    share of the held limit (1/101, 41 KiB) is smaller than its batches, and the heavy job's
+    outputs fill the rest. It still gets its floor, one batch held at a time, whatever the other
+    holds: served at least a quarter as fast as alone, and at least 2 batches/s."""
+    sent, started = honest_batches_sent(server, honest), time.monotonic()
+    time.sleep(2.0)
+    alone_per_s = (honest_batches_sent(server, honest) - sent) / (time.monotonic() - started)
+    attack = ATTACKS["heavy_slow_consumers"](server)
+    samples = []  # (monotonic s, honest batches sent, held bytes)
+
+    def sample() -> None:
+        status = requests.get(f"{server.http}/v1/status", headers={"Authorization": f"Bearer {OPERATOR}"},
+                              timeout=10).json()
+        session = next((s for s in status["sessions"] if s["session_id"] == honest), None)
+        assert session is not None, f"the honest session {honest} is gone: {status['sessions']}"
+        samples.append((time.monotonic(), session["batches_sent"], status["held_bytes"]))
+
+    under_attack(attack, observer, server, honest, 4.0, during=sample)
+    assert attack.counts["submitted"] == 8 * HEAVY_SESSIONS, attack.counts
+    heavy_batch_bytes = HEAVY_SHAPE[0] * HEAVY_SHAPE[1] * 384 * 4
+    # From when the heavy job holds a batch per session to the end of the attack.
+    filled = [i for i, (_, _, held) in enumerate(samples) if held >= HEAVY_SESSIONS * heavy_batch_bytes]
+    assert filled and samples[-1][0] - samples[filled[0]][0] >= 1.5, f"the heavy job never filled its share: {samples}"
+    (t0, sent0, _), (t1, sent1, _) = samples[filled[0]], samples[-1]
+    attacked_per_s = (sent1 - sent0) / (t1 - t0)
+    print(f"honest batches/s: alone {alone_per_s:.1f}, beside a heavy job holding its share {attacked_per_s:.1f}; "
+          f"held at most {max(h for _, _, h in samples)} bytes")
+    assert attacked_per_s >= max(2.0, alone_per_s / 4), (alone_per_s, attacked_per_s, samples)
+    # The pool (the limit) plus one floor batch per job: the heavy and the honest job.
+    assert max(h for _, _, h in samples) <= HELD_LIMIT_BYTES + 2 * heavy_batch_bytes, samples
 
 
 def test_rendezvous_waits_with_many_keys(server, observer, honest):

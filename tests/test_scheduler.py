@@ -8,6 +8,7 @@ complete before the next (`sent()` at once) unless a test holds them.
 from __future__ import annotations
 
 import itertools
+import random
 import subprocess
 import sys
 from collections import defaultdict
@@ -343,25 +344,166 @@ def test_shares_follow_the_jobs_weights_and_split_among_a_jobs_sessions():
     assert scheduler.held_bytes() == 60 * MIB
 
 
-def test_a_batch_larger_than_a_share_is_served_alone_and_the_total_stays_bounded():
+def test_a_batch_larger_than_a_share_is_served_from_the_pool_while_it_has_room_else_from_its_jobs_floor():
     scheduler = Scheduler(max_batch_tokens=64 * ROWS * SEQ, max_sessions=8, held_bytes_limit=10 * MIB)
     a, b = joined(scheduler, FakeSession("a", "job-a", max_inflight=8), FakeSession("b", "job-b", max_inflight=8))
     scheduler.submit(a, sized(12 * MIB))  # more than the whole limit
     scheduler.submit(b, sized(3 * MIB))
     scheduler.submit(b, sized(3 * MIB))
     first = [p.session.session_id for p in scheduler.plan()]
-    # Nothing held yet: both may start (b within its 5 MiB share: one batch of 3).
-    assert sorted(first) == ["a", "b"] and scheduler.held_bytes() == 15 * MIB
+    # a's batch fits no pool: its job's floor. b's first is within its 5 MiB share, its second is not.
+    assert sorted(first) == ["a", "b"] and scheduler.held_bytes() == 15 * MIB and scheduler.pool_bytes() == 3 * MIB
     assert scheduler.plan() == []
+    scheduler.submit(a, sized(4 * MIB))
+    assert scheduler.plan() == [], "a second batch for a job that holds its floor batch, over its share"
+    scheduler.sent(b)
     scheduler.sent(a)
-    assert [p.session.session_id for p in scheduler.plan()] == [], "b's second batch is over its share"
-    scheduler.sent(b)
-    assert [p.session.session_id for p in scheduler.plan()] == ["b"]
-    # A session holding nothing takes a batch past its share only while the total allows it.
-    scheduler.submit(a, sized(12 * MIB))
-    assert scheduler.plan() == [], "planned 12 MiB over a 10 MiB limit with 3 MiB held"
-    scheduler.sent(b)
-    assert [p.session.session_id for p in scheduler.plan()] == ["a"]
+    assert sorted(p.session.session_id for p in scheduler.plan()) == ["a", "b"]
+    assert scheduler.pool_bytes() == scheduler.held_bytes() == 7 * MIB
+    # A session holding nothing takes one batch past its share from the pool while the pool has room.
+    scheduler.sent(a)
+    scheduler.submit(a, sized(6 * MIB))
+    assert [p.session.session_id for p in scheduler.plan()] == ["a"] and scheduler.pool_bytes() == 9 * MIB
+    scheduler.submit(b, sized(3 * MIB))
+    assert scheduler.plan() == [], "b holds 3 MiB of its 5 MiB share: 3 more is over it"
+
+
+def test_a_heavy_job_that_never_receives_leaves_a_light_job_a_batch_per_round_trip():
+    """Weights 100 and 1: the light job's share (1/101 of the limit) is smaller than one of its
+    batches, and the heavy job's outputs leave the pool less room than one: the light job is
+    still planned a batch whenever its student has received the last one."""
+    batch_bytes = 3 * MIB
+    scheduler = Scheduler(max_batch_tokens=64 * ROWS * SEQ, max_sessions=8, held_bytes_limit=10 * MIB)
+    heavy = joined(scheduler, FakeSession("h0", "heavy", weight=100.0, max_inflight=8),
+                   FakeSession("h1", "heavy", weight=100.0, max_inflight=8))
+    light = joined(scheduler, FakeSession("l0", "light", max_inflight=4), FakeSession("l1", "light", max_inflight=4))
+    assert scheduler.held_share(light[0]) < batch_bytes
+    for session in heavy:
+        for _ in range(8):
+            scheduler.submit(session, sized(1 * MIB))
+    scheduler.plan()
+    # Its share, 4.95 MiB per session: four batches each, 8 MiB of the pool's 10.
+    assert scheduler.pool_bytes() == 8 * MIB and all(scheduler.queued(s) == 4 for s in heavy)
+    served: dict[str, int] = defaultdict(int)
+    for _ in range(40):
+        for session in light:
+            while scheduler.queued(session) < 4:
+                scheduler.submit(session, sized(batch_bytes))
+        plan = scheduler.plan()
+        # One batch of the job (its floor), whichever rank's turn it is; none while it is held.
+        assert [p.session.job_id for p in plan] == ["light"], plan
+        assert scheduler.plan() == []
+        assert scheduler.held_bytes() == 8 * MIB + batch_bytes <= 10 * MIB + 2 * batch_bytes
+        scheduler.sent(plan[0].session, plan[0].batch)
+        served[plan[0].session.session_id] += 1
+    assert served == {"l0": 20, "l1": 20}, dict(served)
+    assert all(scheduler.queued(s) == 4 for s in heavy), "the heavy job was planned past its share"
+
+
+def test_a_job_that_joins_when_the_pool_is_full_gets_its_floor_and_the_pool_stays_within_the_limit():
+    scheduler = Scheduler(max_batch_tokens=64 * ROWS * SEQ, max_sessions=8, held_bytes_limit=10 * MIB)
+    (early,) = joined(scheduler, FakeSession("early", "job-early", max_inflight=16))
+    for _ in range(12):
+        scheduler.submit(early, sized(1 * MIB))
+    scheduler.plan()
+    assert scheduler.pool_bytes() == 10 * MIB
+    (late,) = joined(scheduler, FakeSession("late", "job-late", max_inflight=16))
+    for _ in range(8):
+        scheduler.submit(late, sized(1 * MIB))
+    # early now holds twice its 5 MiB share, late nothing: late's share is no room in a full pool.
+    assert [p.session.session_id for p in scheduler.plan()] == ["late"]
+    assert scheduler.pool_bytes() == 10 * MIB and scheduler.held_bytes() == 11 * MIB
+    for _ in range(6):
+        scheduler.sent(early)
+    # 6 MiB freed: each takes up to its 5 MiB share (late's floor batch counted in its).
+    assert sorted(p.session.session_id for p in scheduler.plan()) == ["early"] + ["late"] * 4
+    assert scheduler.pool_bytes() == 9 * MIB and scheduler.held_bytes() == 10 * MIB
+
+
+def test_outputs_of_an_ended_session_stay_held_until_released_and_its_job_joining_again_waits_for_them():
+    scheduler = Scheduler(max_batch_tokens=64 * ROWS * SEQ, max_sessions=8, held_bytes_limit=10 * MIB)
+    (first,) = joined(scheduler, FakeSession("first", "job-a", max_inflight=16))
+    for _ in range(10):
+        scheduler.submit(first, sized(1 * MIB))
+    batches = [p.batch for p in scheduler.plan()]
+    scheduler.remove(first)  # its sends still in progress: their tensors are still held
+    assert scheduler.held_bytes() == scheduler.pool_bytes() == 10 * MIB
+    again, other = joined(scheduler, FakeSession("again", "job-a", max_inflight=16),
+                          FakeSession("other", "job-b", max_inflight=16))
+    for session in (again, other):
+        for _ in range(8):
+            scheduler.submit(session, sized(1 * MIB))
+    # job-a still holds 10 MiB: no room in the pool, no floor; job-b holds nothing: its floor.
+    assert [p.session.session_id for p in scheduler.plan()] == ["other"]
+    for batch in batches[:6]:
+        scheduler.sent(first, batch)
+    scheduler.sent(first, sized(1 * MIB))  # not one of its batches: releases nothing
+    assert scheduler.held_bytes() == 5 * MIB
+    # 4 MiB of the pool's 10 still job-a's: again takes one more up to its 5 MiB share, other four.
+    planned = sorted(p.session.session_id for p in scheduler.plan())
+    assert planned == ["again"] + ["other"] * 4 and scheduler.pool_bytes() == 9 * MIB, planned
+    for batch in batches[6:]:
+        scheduler.sent(first, batch)
+    assert scheduler.held_bytes() == 6 * MIB
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_held_outputs_stay_within_the_limit_plus_one_batch_per_job_and_no_job_that_holds_nothing_waits(seed):
+    """Random jobs (weights 1 to 100, one to three sessions), random batch sizes up to the
+    largest, sessions that never receive and sessions that receive at random, jobs that come and
+    go (what an ended session held is released later, at random): after every plan the pool is
+    within the limit and the total within the limit plus one largest batch per job holding
+    outputs, and every job that held nothing and had a batch that could be planned (its session
+    ready, within max_inflight) got one in that plan."""
+    rng = random.Random(seed)
+    limit, largest = 16 * MIB, 5 * MIB
+    scheduler = Scheduler(max_batch_tokens=10_000 * ROWS * SEQ, max_sessions=64, held_bytes_limit=limit)
+    sessions: list[FakeSession] = []
+    never_receive: set[str] = set()
+    held: dict[str, list] = defaultdict(list)  # by session: batches planned and not yet sent
+    ended: list[FakeSession] = []  # removed while holding outputs
+    names = itertools.count()
+
+    def join() -> None:
+        job, weight = f"job-{next(names)}", float(rng.choice([1, 2, 10, 100]))
+        for _ in range(rng.randint(1, 3)):
+            session = FakeSession(f"s-{next(names)}", job, weight, rng.randint(1, 8))
+            joined(scheduler, session)
+            sessions.append(session)
+            if rng.random() < 0.4:
+                never_receive.add(session.session_id)
+
+    for _ in range(4):
+        join()
+    for _ in range(400):
+        if rng.random() < 0.03 and sessions:  # a job leaves
+            job = rng.choice(sessions).job_id
+            for session in [s for s in sessions if s.job_id == job]:
+                scheduler.remove(session)
+                sessions.remove(session)
+                ended.append(session)
+        if rng.random() < 0.05 or not sessions:
+            join()
+        for session in sessions:
+            while scheduler.queued(session) < 2:
+                scheduler.submit(session, sized(rng.randint(1, largest)))
+        job_held: dict[str, int] = defaultdict(int)
+        for session in sessions:
+            job_held[session.job_id] += len(held[session.session_id])
+        waiting = {s.job_id for s in sessions if not job_held[s.job_id] and s.max_inflight > 0}
+        plan = scheduler.plan()
+        for planned in plan:
+            held[planned.session.session_id].append(planned.batch)
+        holding = {s.job_id for s in sessions + ended if held[s.session_id]}
+        assert scheduler.pool_bytes() <= limit
+        assert scheduler.held_bytes() == sum(b.output_bytes for batches in held.values() for b in batches)
+        assert scheduler.held_bytes() <= limit + len(holding) * largest
+        assert waiting <= {p.session.job_id for p in plan}, "a job that held nothing was not planned"
+        for session in sessions + ended:  # students that receive (and sends that time out) release some
+            if session in ended or session.session_id not in never_receive:
+                for batch in [b for b in held[session.session_id] if rng.random() < 0.7]:
+                    scheduler.sent(session, batch)
+                    held[session.session_id].remove(batch)
 
 
 def test_without_a_limit_outputs_held_are_bounded_by_max_inflight_only():
