@@ -44,6 +44,8 @@ import ctypes
 import datetime
 import json
 import logging
+import math
+import mmap
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -54,6 +56,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from multiprocessing import reduction
 from multiprocessing.reduction import ForkingPickler
 
 from torch.multiprocessing.reductions import init_reductions
@@ -205,8 +208,13 @@ class IsolatedGroup:
 
     def _post(self, what: tuple, tensors: list[torch.Tensor]) -> list:
         host = [t for t in tensors if t.device.type == "cpu"]
-        described = [(tuple(t.shape), t.dtype, None) if t.device.type == "cpu" else (tuple(t.shape), t.dtype, t)
-                     for t in tensors]
+        described, offset = [], 0
+        for t in tensors:  # host tensors: their place in the batch's shared memory; CUDA ones travel as IPC handles
+            if t.device.type == "cpu":
+                described.append((tuple(t.shape), t.dtype, None, offset))
+                offset += _aligned(t.numel() * t.element_size())
+            else:
+                described.append((tuple(t.shape), t.dtype, t, 0))
         with self._lock:
             self._seq += 1
             work = self._works[self._seq] = _RemoteWork(self._seq)
@@ -217,21 +225,27 @@ class IsolatedGroup:
             return [work]
         # Pickled here, on the caller's thread and stream: a CUDA tensor's IPC event is
         # recorded on the stream that produced it, and the process's stream waits for it.
-        command = bytes(ForkingPickler.dumps(("send", work.seq, what, described)))
-        self._outbox.put((command, host))
+        command = bytes(ForkingPickler.dumps(("send", work.seq, what, described, offset)))
+        self._outbox.put((command, host, offset))
         return [work]
 
     def _write(self) -> None:
+        """Hands each batch over: its host tensors copied into a memory file of its own (one copy;
+        the process sends from it with no other), then the command and the file's descriptor."""
         while True:
             item = self._outbox.get()
             if item is None:
                 return
-            command, host = item
+            command, host, nbytes = item
             try:
-                self._ctl.send_bytes(command)
-                for tensor in host:
-                    if tensor.numel():
-                        self._ctl.send_bytes(tensor.reshape(-1).view(torch.uint8).numpy())
+                fd = _memory_file(host, nbytes) if nbytes else -1
+                try:
+                    self._ctl.send_bytes(command)
+                    if fd >= 0:
+                        reduction.send_handle(self._ctl, fd, self._process.pid)
+                finally:
+                    if fd >= 0:
+                        os.close(fd)
             except (OSError, ValueError) as e:  # the process is gone or the pipe closed
                 self._fail(f"the session's transport process stopped reading ({e})")
                 return
@@ -457,14 +471,15 @@ def _worker(ctl, store_conn, spec: _Spec) -> None:
             command = ForkingPickler.loads(ctl.recv_bytes())  # the teacher's own pickle
             if command[0] != "send":
                 break
-            _, seq, what, described = command
-            tensors = [_receive_host(ctl, shape, dtype) if tensor is None else tensor
-                       for shape, dtype, tensor in described]
+            _, seq, what, described, nbytes = command
+            memory = _map_memory_file(reduction.recv_handle(ctl), nbytes) if nbytes else None
+            tensors = [_view(memory, offset, shape, dtype) if tensor is None else tensor
+                       for shape, dtype, tensor, offset in described]
             if what[0] == "batch":
                 works = group.send_all([group.header(what[1], what[2]), *tensors])
             else:
                 works = group.send_all(tensors)
-            in_flight.put((seq, works, tensors))
+            in_flight.put((seq, works, (tensors, memory)))
     except (EOFError, OSError):
         pass  # the teacher closed the pipe: the session ended
     except BaseException as e:
@@ -478,22 +493,57 @@ def _worker(ctl, store_conn, spec: _Spec) -> None:
         os._exit(0)  # no interpreter teardown: a group's destructor may wait for its peer
 
 
-def _receive_host(ctl, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    tensor = torch.empty(shape, dtype=dtype)
-    if tensor.numel():
-        ctl.recv_bytes_into(tensor.reshape(-1).view(torch.uint8).numpy())
-    return tensor
+_ALIGN_BYTES = 64
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+
+
+def _memory_file(tensors: list[torch.Tensor], nbytes: int) -> int:
+    """A memory file (memfd: no /dev/shm needed, counted as the teacher's memory) holding `tensors`
+    at `_aligned` offsets; returns its descriptor."""
+    fd = os.memfd_create("teacher-outputs", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        with mmap.mmap(fd, nbytes) as memory:
+            flat = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes)
+            offset = 0
+            for tensor in tensors:
+                size = tensor.numel() * tensor.element_size()
+                if size:
+                    flat[offset:offset + size].copy_(tensor.reshape(-1).view(torch.uint8))
+                offset += _aligned(size)
+            del flat  # the map closes only once no tensor points into it
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _map_memory_file(fd: int, nbytes: int) -> mmap.mmap:
+    try:
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)  # the map keeps the memory
+
+
+def _view(memory: mmap.mmap, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    count = math.prod(shape)
+    if not count:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(memory, dtype=dtype, count=count, offset=offset).view(shape)
 
 
 def _wait_in_order(group, in_flight: queue.Queue, report, timeout_s: float) -> None:
     while True:
-        seq, works, tensors = in_flight.get()
+        seq, works, held = in_flight.get()
         try:
             for work in works:
                 group.wait(work, timeout_s, what="a send")
         except BaseException as e:
             report(op="failed", message=f"{e}"[:2000])
             os._exit(1)
-        del tensors  # sent: the buffers (and CUDA IPC mappings) are released
+        del held  # sent: the memory file's map (or the CUDA IPC mappings) is released
         report(op="sent", seq=seq)
 
