@@ -139,8 +139,8 @@ class ServerConfig(ServerLimits):
     # The teacher's socket buffer full and its answer waiting: without a deadline a peer that
     # pipelines requests and never reads holds a connection (and a request in progress) for good.
     http_send_timeout_s: float = field(default=10.0, metadata=_help(
-        "close a HTTP connection whose peer has not taken what the teacher sent (the socket's buffer full) "
-        "within this long"))
+        "close a HTTP connection whose answers have waited this long for the peer to take them (the socket's "
+        "buffers full: a peer that sends requests and reads no answer)"))
     # No endpoint reads a body: one is a request no probe or scraper sends.
     http_max_body_bytes: int = field(default=1024, metadata=_help(
         "largest HTTP request body accepted (413 beyond; no endpoint reads one)"))

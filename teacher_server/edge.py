@@ -409,11 +409,11 @@ class GuardedH11Protocol(H11Protocol):
     - A deadline for the peer to take what the teacher sends, --http-send-timeout-s. The
       kernel's send buffer is fixed and small (`HTTP_SEND_BUFFER_BYTES`), and so is the
       transport's (`HTTP_WRITE_BUFFER_BYTES`), so `pause_writing` means "the peer's TCP has
-      not taken the last few answers": the next response waits (uvicorn's `drain`), reading
-      waits too, and the deadline runs until the transport's buffer is nearly empty again. A peer
-      that pipelines requests and never reads would otherwise hold its connection, with a
-      request in progress, for good. Such a connection is aborted, not closed: asyncio's
-      close waits for the buffer to drain first.
+      not taken the last few answers": the next answer waits (uvicorn's `drain`), reading
+      waits too, and the deadline runs until the transport's buffer is down to its low-water
+      mark. A peer that pipelines requests and never reads would otherwise hold its
+      connection, with a request in progress, for good. A connection closed with bytes
+      unsent is aborted: asyncio's close would wait for the peer to take them first.
     - Pipelined input is bounded: h11 parses one request at a time and uvicorn stops reading
       while one is answered with the next already buffered; here reading also stops while
       the peer has not taken an answer. What a connection can make the teacher buffer is

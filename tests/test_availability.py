@@ -3,9 +3,10 @@ beside an honest student (a real process that compares every batch with the loca
 
 Attacks (tests/attacks.py): HTTP bodies trickled a byte a second, HTTP requests pipelined and
 their answers never read, idle gRPC connections past the connection cap, half-open calls of
-one job, rendezvous waits naming thousands of keys, and sessions that never receive. While each runs: /healthz answers at least 95% of probes,
-the operator's GetInfo answers within 1 s at the 99th percentile, and the honest session is
-served and neither expires nor reconnects (checked at the end: its report). The default
+one job, rendezvous waits naming thousands of keys, and sessions that never receive. While
+each runs: /healthz answers at least 95% of probes, the operator's GetInfo answers within 1 s
+at the 99th percentile, and the honest session is served and neither expires nor reconnects
+(checked at the end: its report). The default
 suite runs each for a few seconds on one shared teacher; the slow version runs each for five
 rounds of 12 s and checks that the teacher's memory comes back after each round.
 """
