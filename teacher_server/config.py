@@ -142,6 +142,11 @@ class ServerConfig(ServerLimits):
     http_header_timeout_s: float = field(default=10.0, metadata=_help(
         "close a HTTP connection that has not sent a whole request (headers and body) within this long of "
         "opening (or of its previous response)"))
+    # The teacher's socket buffer full and its answer waiting: without a deadline a peer that
+    # pipelines requests and never reads holds a connection (and a request in progress) for good.
+    http_send_timeout_s: float = field(default=10.0, metadata=_help(
+        "close a HTTP connection whose answers have waited this long for the peer to take them (the socket's "
+        "buffers full: a peer that sends requests and reads no answer)"))
     # No endpoint reads a body: one is a request no probe or scraper sends.
     http_max_body_bytes: int = field(default=1024, metadata=_help(
         "largest HTTP request body accepted (413 beyond; no endpoint reads one)"))
@@ -232,7 +237,7 @@ class ServerConfig(ServerLimits):
                 raise ConfigError(f"{flag(name)} {getattr(self, name)} must be >= 0 (0: derived from the other limits)")
         if self.http_max_connections < 1:
             raise ConfigError(f"--http-max-connections {self.http_max_connections} must be >= 1")
-        for name in ("http_header_timeout_s", "request_timeout_s", "grpc_idle_timeout_s"):
+        for name in ("http_header_timeout_s", "http_send_timeout_s", "request_timeout_s", "grpc_idle_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{flag(name)} {getattr(self, name)} must be > 0")
         if self.http_max_body_bytes < 0 or self.grpc_max_streams_per_connection < 1:

@@ -9,8 +9,9 @@ token is checked, so that nobody without it can make the teacher buffer, hold or
   their number below the descriptor limit).
 - Who a token belongs to, `Callers`: the operator (--auth-token) or one job (--job-tokens),
   and what that caller may use; the handlers ask it with `Callers.of(context)`.
-- HTTP, `GuardedH11Protocol`: uvicorn's h11 protocol with a deadline for whole requests
-  (headers and body), a cap on request bodies and a cap on open connections.
+- HTTP, `GuardedH11Protocol`: uvicorn's h11 protocol with deadlines for whole requests
+  (headers and body) and for the peer to take the answers, a cap on request bodies and a cap
+  on open connections.
 - `install_accept_error_log`: out of descriptors, asyncio's accept loop logs a traceback
   per failed attempt (thousands a second on Python 3.11); one line every 10 s says it instead.
 """
@@ -19,11 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import hashlib
 import hmac
 import inspect
 import logging
 import resource
+import socket
+import struct
+import termios
 import time
 from dataclasses import dataclass
 
@@ -362,17 +367,35 @@ def _streaming_handler(handler: grpc.RpcMethodHandler, behaviour) -> grpc.RpcMet
 
 
 class HttpConnections:
-    """The open connections of one HTTP server, and those without a complete request, oldest first."""
+    """The open connections of one HTTP server, and those a new one may displace, oldest first."""
 
-    def __init__(self, max_connections: int, header_timeout_s: float, max_body_bytes: int = 1024):
+    def __init__(self, max_connections: int, header_timeout_s: float, send_timeout_s: float,
+                 max_body_bytes: int = 1024):
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
+        self.send_timeout_s = send_timeout_s
         self.max_body_bytes = max_body_bytes
         self.open: set[GuardedH11Protocol] = set()
-        self.waiting: dict[GuardedH11Protocol, None] = {}  # by when they began to wait
+        self.displaceable: dict[GuardedH11Protocol, None] = {}  # by when they became displaceable
         self.displaced_log = RateLimitedLog()
         self.timed_out_log = RateLimitedLog()
+        self.send_timed_out_log = RateLimitedLog()
         self.body_log = RateLimitedLog()
+
+
+# The kernel's send buffer of a HTTP connection, fixed (the kernel's initial size, which it
+# would otherwise grow to megabytes for a peer that never reads): what one connection holds
+# in the kernel, and how many answers a peer that reads none gets before the teacher's sends
+# wait, and --http-send-timeout-s runs. Larger answers wait in the transport's buffer.
+HTTP_SEND_BUFFER_BYTES = 16 << 10
+# What may wait in the transport's buffer (asyncio's default: 64 KiB) before the connection's
+# next answer and its reading wait, and --http-send-timeout-s runs: a few answers. Not 0: a
+# TLS transport pauses at a size >= the mark, and holds the end of its handshake at first.
+HTTP_WRITE_BUFFER_BYTES = 4 << 10
+
+# What a connection waits on its peer for: each has its deadline.
+_REQUEST = "a whole request"
+_TAKEN = "the answer to be taken"
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -383,11 +406,25 @@ class GuardedH11Protocol(H11Protocol):
       connection that never completes a request stays open for good. Here a connection
       must complete its request within --http-header-timeout-s of opening (or of its
       previous response), however slowly it trickles it.
+    - A deadline for the peer to take what the teacher sends, --http-send-timeout-s. The
+      kernel's send buffer is fixed and small (`HTTP_SEND_BUFFER_BYTES`), and so is the
+      transport's (`HTTP_WRITE_BUFFER_BYTES`), so `pause_writing` means "the peer's TCP has
+      not taken the last few answers": the next answer waits (uvicorn's `drain`), reading
+      waits too, and the deadline runs until the transport's buffer is down to its low-water
+      mark. A peer that pipelines requests and never reads would otherwise hold its
+      connection, with a request in progress, for good. A connection closed with bytes
+      unsent is aborted: asyncio's close would wait for the peer to take them first.
+    - Pipelined input is bounded: h11 parses one request at a time and uvicorn stops reading
+      while one is answered with the next already buffered; here reading also stops while
+      the peer has not taken an answer. What a connection can make the teacher buffer is
+      one read (asyncio's, 256 KiB) of requests not yet answered.
     - A cap on open connections, --http-max-connections: a new connection past it closes
-      the oldest connection without a complete request (headers or body still coming; itself
-      if every other one has a request in progress). A probe sends its request as soon as
-      it connects, so sockets held open by others cannot lock it out, as a plain refusal
-      past the cap would; the cap also keeps descriptors for the gRPC port and the data plane.
+      the oldest displaceable one (itself if no other is): one waiting on its peer (for a
+      whole request, or to take an answer) or one that has pipelined (sent a request
+      before taking the answer to the one before). A probe sends its request as soon as it
+      connects and reads the answer, so sockets held open by others cannot lock it out, as
+      a plain refusal past the cap would; the cap also keeps descriptors for the gRPC port
+      and the data plane.
     - A cap on request bodies, --http-max-body-bytes (no endpoint reads one): a larger one,
       declared or sent, is answered 413 and the connection closed.
 
@@ -398,22 +435,33 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args, connections: HttpConnections, **kwargs):
         super().__init__(*args, **kwargs)
         self.guard = connections
+        self._waiting_for: str | None = None  # _REQUEST, _TAKEN or None
         self._deadline: asyncio.TimerHandle | None = None
+        self._pipelined = False
         self._body_bytes = 0  # of the request whose body is coming
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        transport.set_write_buffer_limits(high=HTTP_WRITE_BUFFER_BYTES)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, HTTP_SEND_BUFFER_BYTES)
         self.guard.open.add(self)
         self._track()
         if len(self.guard.open) > self.guard.max_connections:
-            oldest = next((c for c in self.guard.waiting if c is not self), self)
-            self.guard.displaced_log.warning("closed a HTTP connection without a complete request: %d open, the "
-                                             "--http-max-connections limit", len(self.guard.open) - 1)
+            oldest = next((c for c in self.guard.displaceable if c is not self), self)
+            self.guard.displaced_log.warning("closed the oldest HTTP connection waiting on its peer or pipelining: "
+                                             "%d open, the --http-max-connections limit", len(self.guard.open) - 1)
             oldest._close()
 
     def data_received(self, data: bytes) -> None:
         in_body = self.conn.their_state is h11.SEND_BODY
+        # A request complete and not yet answered, and more comes: the peer pipelines.
+        ahead = self.conn.their_state is h11.DONE
         super().data_received(data)
+        # uvicorn pauses reading when h11 holds a request behind the one being answered.
+        if ahead or (self.conn.their_state is h11.DONE and self.flow.read_paused):
+            self._pipelined = True
         if self.conn.their_state is h11.SEND_BODY:
             self._body_bytes = self._body_bytes + len(data) if in_body else 0
             if self._body_too_large():
@@ -422,7 +470,22 @@ class GuardedH11Protocol(H11Protocol):
         self._track()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # resumes reading
+        if self.flow.write_paused:
+            self.flow.pause_reading()
+        self._track()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self.flow.pause_reading()
+        self._track()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        # Only if h11 waits for the peer's bytes: with a request buffered behind the one being
+        # answered, reading resumes when that answer is complete (uvicorn's on_response_complete).
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
+            self.flow.resume_reading()
         self._track()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -451,26 +514,62 @@ class GuardedH11Protocol(H11Protocol):
         self._close()
 
     def _track(self) -> None:
-        """Starts or stops the request deadline as the connection waits for a whole request or not."""
-        if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY) or self.transport.is_closing():
-            self._stop_waiting()
-        elif self not in self.guard.waiting:
-            self.guard.waiting[self] = None
-            self._deadline = self.loop.call_later(self.guard.header_timeout_s, self._header_timeout)
+        """Starts or stops the deadline as the connection waits on its peer (for a whole request,
+        or to take what was sent) or not, and keeps it among the displaceable ones while it
+        waits or once it has pipelined."""
+        if self.flow.write_paused:
+            waiting_for = _TAKEN  # also once closing: the transport closes only when they are taken
+        elif self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+            waiting_for = _REQUEST
+        else:
+            waiting_for = None
+        if waiting_for is not self._waiting_for:
+            self._cancel_deadline()
+            self._waiting_for = waiting_for
+            if waiting_for is _TAKEN:
+                self._deadline = self.loop.call_later(self.guard.send_timeout_s, self._send_timeout)
+            elif waiting_for is _REQUEST:
+                self._deadline = self.loop.call_later(self.guard.header_timeout_s, self._header_timeout)
+        if waiting_for is not None or self._pipelined:
+            self.guard.displaceable.setdefault(self, None)
+        else:
+            self.guard.displaceable.pop(self, None)
 
-    def _stop_waiting(self) -> None:
-        self.guard.waiting.pop(self, None)
+    def _cancel_deadline(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+
+    def _stop_waiting(self) -> None:
+        self._cancel_deadline()
+        self._waiting_for = None
+        self.guard.displaceable.pop(self, None)
 
     def _header_timeout(self) -> None:
         self.guard.timed_out_log.warning("closed a HTTP connection with no complete request after %.0f s "
                                          "(--http-header-timeout-s)", self.guard.header_timeout_s)
         self._close()
 
+    def _send_timeout(self) -> None:
+        self.guard.send_timed_out_log.warning("closed a HTTP connection whose peer had not taken the answer after "
+                                              "%.0f s (--http-send-timeout-s)", self.guard.send_timeout_s)
+        self._close()
+
     def _close(self) -> None:
         """Leaves the open set at once: the transport reports the loss only on a later tick."""
         self._stop_waiting()
         self.guard.open.discard(self)
-        self.transport.close()
+        if self._unsent_bytes():
+            # close() would wait for the peer to take them first (asyncio's buffer), or leave
+            # the kernel holding them after the descriptor is gone (its own).
+            self.transport.abort()
+        else:
+            self.transport.close()
+
+    def _unsent_bytes(self) -> int:
+        """Bytes written and not yet acknowledged by the peer: in the transport's buffer and the kernel's."""
+        sock = self.transport.get_extra_info("socket")
+        in_kernel = 0
+        if sock is not None and sock.fileno() >= 0:
+            in_kernel = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+        return self.transport.get_write_buffer_size() + in_kernel

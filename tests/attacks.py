@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import multiprocessing
 import queue
 import resource
 import socket
+import struct
+import termios
 import threading
 import time
 from collections import Counter
@@ -177,6 +180,88 @@ class IdleConnections(_Sockets):
 
     def opening(self, index: int) -> bytes:
         return H2_PREFACE
+
+
+class PipelinedUnread(Attack):
+    """`connections` HTTP connections that each pipeline `requests` GET /healthz and never read
+    an answer, with a small receive buffer so that the teacher's sends block soon; a new one
+    for each the teacher closes. `stalled_s`, per connection: how long it stayed open once the
+    teacher's answers stopped arriving (its receive queue stopped growing), or once it opened
+    if none came; those still open when the attack stops included."""
+
+    REQUEST = b"GET /healthz HTTP/1.1\r\nHost: teacher\r\n\r\n"
+
+    def __init__(self, port: int, connections: int, requests: int = 20_000, receive_buffer_bytes: int = 4096):
+        super().__init__()
+        self.port, self.connections, self.receive_buffer_bytes = port, connections, receive_buffer_bytes
+        self.pipeline = memoryview(self.REQUEST * requests)
+        self.stalled_s: list[float] = []
+        allow_descriptors(connections)
+
+    def run(self, stop: threading.Event) -> None:
+        sockets: dict[socket.socket, _Pipelining] = {}
+        try:
+            while not stop.is_set():
+                while len(sockets) < self.connections:
+                    sock = socket.socket()
+                    # Set before connecting, so that the window the teacher sees is small from the start.
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.receive_buffer_bytes)
+                    sock.setblocking(False)
+                    sock.connect_ex(("127.0.0.1", self.port))
+                    sockets[sock] = _Pipelining(time.monotonic())
+                    self.counts["opened"] += 1
+                for sock, state in list(sockets.items()):
+                    tcp_state = _tcp_state(sock)
+                    closed = tcp_state not in (_TCP_ESTABLISHED, _TCP_SYN_SENT)
+                    if tcp_state == _TCP_ESTABLISHED:
+                        state.received(_unread_bytes(sock))
+                        if state.sent_bytes < len(self.pipeline):
+                            try:
+                                sent = sock.send(self.pipeline[state.sent_bytes:])
+                                self.counts["requests sent"] += ((state.sent_bytes + sent) // len(self.REQUEST)
+                                                                 - state.sent_bytes // len(self.REQUEST))
+                                state.sent_bytes += sent
+                            except (BlockingIOError, InterruptedError):
+                                pass  # the teacher reads no further: its answers wait for us
+                            except OSError:
+                                closed = True
+                    if closed:
+                        self.counts["closed by the teacher"] += 1
+                        self.stalled_s.append(time.monotonic() - state.last_arrival)
+                        sock.close()
+                        del sockets[sock]
+                stop.wait(0.05)
+        finally:
+            now = time.monotonic()
+            for sock, state in sockets.items():
+                self.stalled_s.append(now - state.last_arrival)
+                sock.close()
+
+
+class _Pipelining:
+    """One connection of PipelinedUnread: what it sent, and when answers last arrived."""
+
+    def __init__(self, opened: float):
+        self.sent_bytes = 0
+        self.unread_bytes = 0
+        self.last_arrival = opened
+
+    def received(self, unread_bytes: int) -> None:
+        if unread_bytes != self.unread_bytes:
+            self.unread_bytes, self.last_arrival = unread_bytes, time.monotonic()
+
+
+# Linux's TCP states (include/net/tcp_states.h), the first byte of TCP_INFO: a connection the
+# teacher closed is seen without reading what it sent.
+_TCP_ESTABLISHED, _TCP_SYN_SENT = 1, 2
+
+
+def _tcp_state(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+
+
+def _unread_bytes(sock: socket.socket) -> int:
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
 
 
 class _AsyncAttack(Attack):

@@ -1,11 +1,12 @@
 """Nothing a client can do stops the teacher for the others: each attack that once did, run
 beside an honest student (a real process that compares every batch with the local model).
 
-Attacks (tests/attacks.py): HTTP bodies trickled a byte a second, idle gRPC connections past
-the connection cap, half-open calls of one job, rendezvous waits naming thousands of keys,
-and sessions that never receive. While each runs: /healthz answers at least 95% of probes,
-the operator's GetInfo answers within 1 s at the 99th percentile, and the honest session is
-served and neither expires nor reconnects (checked at the end: its report). The default
+Attacks (tests/attacks.py): HTTP bodies trickled a byte a second, HTTP requests pipelined and
+their answers never read, idle gRPC connections past the connection cap, half-open calls of
+one job, rendezvous waits naming thousands of keys, and sessions that never receive. While
+each runs: /healthz answers at least 95% of probes, the operator's GetInfo answers within 1 s
+at the 99th percentile, and the honest session is served and neither expires nor reconnects
+(checked at the end: its report). The default
 suite runs each for a few seconds on one shared teacher; the slow version runs each for five
 rounds of 12 s and checks that the teacher's memory comes back after each round.
 """
@@ -22,8 +23,8 @@ import torch
 
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from teacher_server.launcher import ServerProcess, child_env
-from tests.attacks import (HalfOpenCalls, HostilePeers, IdleConnections, Observer, RendezvousWaits, SlowBodies,
-                           SlowConsumers, Watch, bearer, rss_mib, transport_processes)
+from tests.attacks import (HalfOpenCalls, HostilePeers, IdleConnections, Observer, PipelinedUnread, RendezvousWaits,
+                           SlowBodies, SlowConsumers, Watch, bearer, rss_mib, transport_processes)
 from tests.helpers import build_tiny_model, finish_student, free_port, start_student, wait_for_line, wait_until
 from tests.hostile_peer import MODES
 
@@ -32,6 +33,7 @@ ATTACKER = "attacker-job-token-0123456789"
 HONEST = "honest-job-token-0123456789ab"
 HEAVY = "heavy-job-token-0123456789abc"  # an entry without max_weight: joins at --max-weight (100)
 GRPC_MAX_CONNECTIONS = 1024
+HTTP_MAX_CONNECTIONS = 32
 HELD_LIMIT_BYTES = 4 << 20
 # As many keys as fit a request (--max-request-bytes: 160 KiB for --max-batch-tokens 2048).
 RENDEZVOUS_KEYS = 6000
@@ -69,7 +71,8 @@ def server(model_dir, tmp_path_factory):
                                "--max-sessions", "8", "--max-batch-tokens", "2048",
                                "--max-seq-len", "512", "--lease-s", str(LEASE_S), "--heartbeat-interval-s", "0.5",
                                "--join-timeout-s", "5", "--job-tokens", str(tokens),
-                               "--http-max-connections", "32", "--http-header-timeout-s", "2",
+                               "--http-max-connections", str(HTTP_MAX_CONNECTIONS), "--http-header-timeout-s", "2",
+                               "--http-send-timeout-s", "2",
                                "--grpc-idle-timeout-s", "2", "--request-timeout-s", "3",
                                "--grpc-max-connections", str(GRPC_MAX_CONNECTIONS),
                                "--max-held-bytes", str(HELD_LIMIT_BYTES), "--transfer-timeout-s", "60",
@@ -131,6 +134,7 @@ def under_attack(attack, observer: Observer, server, honest: str, seconds: float
 
 ATTACKS = {
     "slow_bodies": lambda server: SlowBodies(server.http_port, 80),
+    "pipelined_unread": lambda server: PipelinedUnread(server.http_port, HTTP_MAX_CONNECTIONS),
     "idle_connections": lambda server: IdleConnections(server.grpc_port, GRPC_MAX_CONNECTIONS + 200),
     "half_open_calls": lambda server: HalfOpenCalls(server.address, ATTACKER),
     "slow_consumers": lambda server: SlowConsumers(server.address, ATTACKER, "attacker", shape=ATTACK_SHAPE),
@@ -162,6 +166,15 @@ def test_http_bodies_trickled_a_byte_a_second(server, observer, honest):
     # Gigabyte bodies are refused at their headers; the others end at the request deadline
     # (2 s) or when a newer connection displaces them.
     assert attack.counts["413"] > 0 and attack.counts["closed by the teacher"] > 40, attack.counts
+    assert watch.peak_descriptors < 400, watch.summary()
+
+
+def test_http_requests_pipelined_and_never_read(server, observer, honest):
+    attack = ATTACKS["pipelined_unread"](server)
+    watch = under_attack(attack, observer, server, honest, SHORT_S)
+    # As many as the cap: each probe displaces the oldest connection that pipelines (the
+    # others close once their answers have waited 2 s, past this short run).
+    assert attack.counts["requests sent"] > 20_000 and attack.counts["closed by the teacher"] > 0, attack.counts
     assert watch.peak_descriptors < 400, watch.summary()
 
 

@@ -3,9 +3,9 @@ teacher whose descriptor limit is the common default soft limit of 1024.
 
 Each test is an attack that worked before the bounds of teacher_server/edge.py: big
 requests buffered before the token check, streams and calls without limit, HTTP
-connections that never send a request, a flood of sockets that exhausted descriptors
-(/healthz dead, a traceback per failed accept), /metrics and /openapi.json open, and a
-self-declared job weight without bound.
+connections that never send a request, or that pipeline requests and never read an answer,
+a flood of sockets that exhausted descriptors (/healthz dead, a traceback per failed accept),
+/metrics and /openapi.json open, and a self-declared job weight without bound.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from student_trainer import TeacherClient
 from student_trainer.errors import InvalidRequest
 from teacher_server.launcher import ServerProcess, child_env
+from tests.attacks import PipelinedUnread
 from tests.helpers import build_tiny_model, wait_until
 
 TOKEN = "edge-token"
@@ -38,6 +39,7 @@ MAX_BATCH_TOKENS = 16384
 REQUEST_LIMIT_BYTES = (16 + 4 * 8) * MAX_BATCH_TOKENS + (64 << 10)
 HTTP_MAX_CONNECTIONS = 32
 HEADER_TIMEOUT_S = 2.0
+SEND_TIMEOUT_S = 2.0
 MAX_WEIGHT = 10.0
 LEASE_S = 3.0
 FD_SOFT_LIMIT = 1024
@@ -48,7 +50,8 @@ def server(tmp_path_factory):
     model_dir = build_tiny_model(tmp_path_factory.mktemp("teacher") / "model")
     server = ServerProcess("--model", str(model_dir), "--max-sessions", str(MAX_SESSIONS), "--max-batch-tokens",
                            str(MAX_BATCH_TOKENS), "--http-max-connections", str(HTTP_MAX_CONNECTIONS),
-                           "--http-header-timeout-s", str(HEADER_TIMEOUT_S), "--max-weight", str(MAX_WEIGHT),
+                           "--http-header-timeout-s", str(HEADER_TIMEOUT_S), "--http-send-timeout-s",
+                           str(SEND_TIMEOUT_S), "--max-weight", str(MAX_WEIGHT),
                            "--lease-s", str(LEASE_S), "--heartbeat-interval-s", "0.5",
                            env=child_env(TEACHER_AUTH_TOKEN=TOKEN))
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
@@ -257,6 +260,43 @@ def test_half_sent_headers_and_idle_connections_time_out(server):
         assert _closed_within(sock, HEADER_TIMEOUT_S + 5), "a connection without a complete request stayed open"
     for sock in (idle, half, kept, trickle):
         sock.close()
+
+
+def test_answers_never_read_close_their_connection_at_the_send_deadline(server):
+    start = len(server.log_lines)
+    # Fewer than the cap, so that nothing displaces them: only the deadline closes them.
+    with PipelinedUnread(server.http_port, 4) as attack:
+        wait_until(lambda: attack.counts["closed by the teacher"] >= 4, 3 * SEND_TIMEOUT_S + 5,
+                   "the teacher to close connections whose answers are never read")
+    # The slack: the teacher's own buffers fill after the attacker's stops growing.
+    assert max(attack.stalled_s) < SEND_TIMEOUT_S + 3, sorted(attack.stalled_s)
+    assert "(--http-send-timeout-s)" in "".join(server.log_lines[start:])
+
+
+def test_pipelined_requests_never_read_starve_no_probes(server):
+    pid = server.proc.pid
+    start = len(server.log_lines)
+    before_mib = _rss_mib(pid)
+    answered = []
+    # As many as the cap, each with 20,000 requests: the answers to the first two hundred or
+    # so fill the socket buffers, then the rest wait on a peer that never reads.
+    with PipelinedUnread(server.http_port, HTTP_MAX_CONNECTIONS) as attack:
+        deadline = time.monotonic() + 2 * SEND_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:  # a connection of its own each time, as kubelet's probes
+                ok = requests.get(f"{server.http}/healthz", timeout=2, headers={"Connection": "close"}).status_code
+                answered.append(ok == 200)
+            except requests.RequestException:
+                answered.append(False)
+            time.sleep(0.1)
+        peak_mib = _rss_mib(pid)
+    assert sum(answered) >= 0.95 * len(answered), f"/healthz answered {sum(answered)} of {len(answered)}"
+    # Each probe displaced the oldest pipelining connection; none stayed long once stalled.
+    assert attack.counts["closed by the teacher"] > 0, attack.counts
+    assert "--http-max-connections limit" in "".join(server.log_lines[start:])
+    assert max(attack.stalled_s) < SEND_TIMEOUT_S + 3, sorted(attack.stalled_s)[-5:]
+    # Reading waits while an answer does: each connection buffers at most one read of requests.
+    assert peak_mib - before_mib < 50, f"teacher RSS {before_mib:.0f} -> {peak_mib:.0f} MiB"
 
 
 def test_thousands_of_open_sockets_starve_neither_probes_nor_sessions(server):
