@@ -305,29 +305,38 @@ def decompress_row(frame: bytes, codec: TensorCodec) -> torch.Tensor:
 
 def open_in_store(directory: Path, name: object, field: str) -> int:
     """A read-only descriptor of the regular file `name` (what a manifest names, `field` saying
-    where: "DIR/manifest.json's shards[2].file") inside the store `directory`.
+    where: "DIR/manifest.json's shards[2].file") inside the store `directory`: `resolve_in_store`,
+    then `open_resolved`."""
+    return open_resolved(os.path.realpath(directory), resolve_in_store(directory, name, field), field, name)
 
-    A store is input from whoever wrote the directory, so the name is confined before anything is
-    opened: a relative path without `..`, which resolved (links followed) stays inside the resolved
-    directory; then each component is opened from the directory with O_NOFOLLOW (a link swapped in
-    after resolving is refused, not followed), the file with O_NONBLOCK (a FIFO does not block the
-    open) and fstat must say a regular file (not a FIFO, a device, a directory). StoreCorrupt
-    otherwise, the same for any path outside, whether it exists or not: the message tells nothing
-    of files outside the store. FileNotFoundError when the file inside it does not exist."""
-    shown = repr(name)[:200]
-    why_outside = (f"a path outside {directory} (absolute, through '..', or a link leading out of it): a store reads "
-                   "only files inside its directory")
+
+def resolve_in_store(directory: Path, name: object, field: str) -> str:
+    """Where `name` (what a manifest's `field` names) lies in the store `directory`: its path from
+    the resolved directory, links followed. A store is input from whoever wrote the directory, so
+    the name is confined before anything is opened: a relative path without `..` that, resolved,
+    stays inside the resolved directory. StoreCorrupt otherwise, the same for any path outside
+    whether it exists or not: the message tells nothing of files outside the store."""
     if not isinstance(name, str) or not name or "\0" in name:
-        raise _refused(field, shown, "not a file name")
+        raise _refused(field, name, "not a file name")
     if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
-        raise _refused(field, shown, why_outside)
+        raise _refused(field, name, _outside(directory))
     root = os.path.realpath(directory)
     relative = os.path.relpath(os.path.realpath(os.path.join(root, name)), root)
-    if relative == os.curdir or relative == os.pardir or relative.startswith(os.pardir + os.sep):
-        raise _refused(field, shown, why_outside if relative != os.curdir else "not a regular file (a directory)")
+    if relative == os.curdir:
+        raise _refused(field, name, "not a regular file (a directory)")
+    if relative == os.pardir or relative.startswith(os.pardir + os.sep):
+        raise _refused(field, name, _outside(directory))
+    return relative
+
+
+def open_resolved(root: str, relative: str, field: str, name: object) -> int:
+    """A read-only descriptor of the regular file at `relative` (`resolve_in_store`'s) in the
+    resolved store directory `root`: each component opened from the directory with O_NOFOLLOW (a
+    link swapped in since it was resolved is refused, not followed), the file with O_NONBLOCK (a
+    FIFO does not block the open, the flag cleared once fstat says a regular file). StoreCorrupt
+    otherwise; FileNotFoundError when the file does not exist."""
     *folders, file_name = relative.split(os.sep)
     directory_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    fd = -1
     try:
         for folder in folders:
             inner = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory_fd)
@@ -335,31 +344,30 @@ def open_in_store(directory: Path, name: object, field: str) -> int:
             directory_fd = inner
         fd = os.open(file_name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
                      dir_fd=directory_fd)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _refused(field, shown, "not a regular file (a FIFO, a device, a directory)")
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-        return fd
-    except FileNotFoundError:
-        if fd >= 0:
-            os.close(fd)
-        raise
     except OSError as e:
-        if fd >= 0:
-            os.close(fd)
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):  # changed into a link since it was resolved
-            raise _refused(field, shown, why_outside) from None
-        raise
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):  # a link where the name resolved to none
+            raise _refused(field, name, _outside(root)) from None
         raise
     finally:
         os.close(directory_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _refused(field, name, "not a regular file (a FIFO, a device, a directory)")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
-def _refused(field: str, shown: str, why: str) -> StoreCorrupt:
-    return StoreCorrupt(f"{field} is {shown}: {why}; nothing of it is read (dump the store again into a new "
-                        "directory)")
+def _outside(directory) -> str:
+    return (f"a path outside {directory} (absolute, through '..', or a link leading out of it): a store reads only "
+            "files inside its directory")
+
+
+def _refused(field: str, name: object, why: str) -> StoreCorrupt:
+    return StoreCorrupt(f"{field} is {repr(name)[:200]}: {why}; nothing of it is read (dump the store again into a "
+                        "new directory)")
 
 
 def read_at_most(fd: int, limit_bytes: int) -> bytes | None:

@@ -48,6 +48,7 @@ def teacher_facts(source, model_name: str, architecture: str = "", quantization:
 @dataclass
 class _Shard:
     path: Path
+    relative: str  # its path from the resolved store directory (fmt.resolve_in_store), opened for each read
     entry: dict
     places: dict  # tensor name -> fmt.TensorPlace
     row_sha256: bytes  # its rows' digests, 32 bytes each (checked against the manifest)
@@ -58,6 +59,7 @@ class TeacherStore:
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
+        self._root = os.path.realpath(self.directory)
         manifest = fmt.read_manifest(self.directory)
         if manifest is None:
             raise StoreMissing(f"{self.directory / fmt.MANIFEST} does not exist: dump the teacher's outputs first "
@@ -173,12 +175,15 @@ class TeacherStore:
         return StoreCorrupt(f"{self.manifest_path}: malformed: {what}; not a manifest this project wrote (dump the "
                             "store again into a new directory)")
 
-    def _open(self, entry: dict, field: str) -> tuple[int, Path]:
+    def _open(self, entry: dict, field: str, relative: str | None = None) -> tuple[int, Path]:
         """A descriptor of the file the manifest's `field` names (inside the store, a regular file:
-        `fmt.open_in_store`) whose size is the one recorded, and its path for messages."""
-        path = self.directory / entry["file"]
+        `fmt.open_in_store`; `relative`: where it was found to lie when the shard was opened) whose
+        size is the one recorded, and its path for messages."""
+        path, field = self.directory / entry["file"], f"{self.manifest_path}'s {field}.file"
         try:
-            fd = fmt.open_in_store(self.directory, entry["file"], f"{self.manifest_path}'s {field}.file")
+            if relative is None:
+                relative = fmt.resolve_in_store(self.directory, entry["file"], field)
+            fd = fmt.open_resolved(self._root, relative, field, entry["file"])
         except FileNotFoundError:
             raise StoreCorrupt(f"{path} is missing: {self.manifest_path} names it ({entry['bytes']} bytes); the "
                                "store is incomplete (dump it again into a new directory)") from None
@@ -194,7 +199,7 @@ class TeacherStore:
         """StoreCorrupt unless shard `number`'s whole file has the sha256 the manifest records (what a
         resumed dump checks of the shards it continues after)."""
         shard = self.shards[number]
-        fd, path = self._open(shard.entry, f"shards[{number}]")
+        fd, path = self._open(shard.entry, f"shards[{number}]", shard.relative)
         try:
             digest = fmt.sha256_of_fd(fd)
         finally:
@@ -211,7 +216,9 @@ class TeacherStore:
         for number, entry in enumerate(entries[len(self.shards):], len(self.shards)):
             self._check_entry(entry, f"shards[{number}]", ("file", "rows", "bytes", "sha256", "header_sha256",
                                                            "row_keys_sha256", "row_sha256_sha256"))
-            fd, path = self._open(entry, f"shards[{number}]")
+            relative = fmt.resolve_in_store(self.directory, entry["file"],
+                                            f"{self.manifest_path}'s shards[{number}].file")
+            fd, path = self._open(entry, f"shards[{number}]", relative)
             try:
                 places, header = fmt.read_layout(fd, path, entry["bytes"])
                 self._check_digest(path, "header", header, entry["header_sha256"])
@@ -222,7 +229,7 @@ class TeacherStore:
                 os.close(fd)
             self._check_digest(path, "row keys (row_key)", keys, entry["row_keys_sha256"])
             self._check_digest(path, "row digests (row_sha256)", row_sha256, entry["row_sha256_sha256"])
-            self.shards.append(_Shard(path, entry, places, row_sha256))
+            self.shards.append(_Shard(path, relative, entry, places, row_sha256))
             for row in range(entry["rows"]):
                 self.index.setdefault(keys[row * 32:(row + 1) * 32], (number, row))
 
@@ -354,7 +361,7 @@ class TeacherStore:
         for number, row, rows, position in runs:
             shard = self.shards[number]
             with stage(self.times, "read rows (pread into the batch's buffers)"):
-                fd, _ = self._open(shard.entry, f"shards[{number}]")
+                fd, _ = self._open(shard.entry, f"shards[{number}]", shard.relative)
                 try:
                     frames = {codec.name: self._read_frames(fd, shard, codec, row, rows)
                               for codec in self.codecs if codec.zstd_level}
