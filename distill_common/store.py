@@ -57,6 +57,15 @@ store. A reader then checks each row it reads against its `row_sha256`; a shard 
 differs, or whose header, keys, digests or a row read differ from what is recorded is refused
 (`StoreCorrupt`) naming the file (and the row), never read around or recomputed.
 
+A store is input from whoever wrote the directory. A reader opens only regular files inside it
+(`open_in_store`: a name with `..` or absolute, or a link leading out, is refused with the same
+message whether the file outside exists or not; a FIFO or device is refused without blocking);
+reads a manifest of at most MAX_MANIFEST_BYTES, nested at most MAX_MANIFEST_DEPTH deep, both
+checked before it is parsed; checks each entry's fields for their type, the teacher facts against
+FACT_LIMITS and MAX_SEQ_LEN, and every shape a shard's or the head's header states against the
+facts and the file's size, before anything is allocated for it. A dump started again removes the
+temporary files (`.shard-PID-HEX.tmp`, `.manifest.json.tmp-PID`) of writers no longer running.
+
 Checking a shard without this project (`tensors`: the manifest's `outputs.tensors`; `entry`:
 the shard's entry in `shards`):
 
@@ -435,7 +444,7 @@ def write_atomic(path: Path, data: bytes) -> None:
 def locked(directory: Path):
     """The store's lock, held while its manifest is read, changed and written (dump, write-through
     from several ranks). The lock file is never a link followed out of the store."""
-    try:
+    try:  # O_NONBLOCK: a FIFO of its name does not block the open (flock waits all the same)
         fd = os.open(Path(directory) / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
                      | os.O_CLOEXEC, 0o644)
     except OSError as e:

@@ -80,9 +80,9 @@ class TeacherStore:
                                          zstd_level=int(outputs["zstd_level"]))
             if not isinstance(manifest["shards"], list):
                 raise TypeError("shards is not a list")
+        except StoreError:
+            raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            if isinstance(e, StoreError):
-                raise
             raise StoreCorrupt(f"{self.directory / fmt.MANIFEST}: malformed ({type(e).__name__}: {e})") from e
         if [codec.to_json() for codec in self.codecs] != outputs["tensors"]:
             raise StoreCorrupt(f"{self.directory / fmt.MANIFEST}: its tensors {outputs['tensors']} are not what its "
