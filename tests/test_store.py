@@ -687,7 +687,8 @@ def outside(tmp_path) -> dict[str, Path]:
     return {"secret": folder / "secret", "fifo": folder / "fifo", "absent": folder / "absent"}
 
 
-OUTSIDE = r"a path outside .* \(absolute, through '\.\.', or a link leading out of it\): a store reads only files inside"
+OUTSIDE = (r"a path outside .* \(absolute, through '\.\.', or a link leading out of it\): a store reads only files "
+           "inside")
 
 
 @pytest.mark.parametrize("how", ["absolute", "through ..", "a link"])
@@ -706,7 +707,8 @@ def test_a_shard_outside_the_store_is_refused_and_nothing_outside_is_opened(setu
             link.symlink_to(outside[target])
             name = link.name
         name_in_manifest(small_store, "shards.1", name)
-        with within(10), pytest.raises(StoreCorrupt, match=rf"manifest\.json's shards\[1\]\.file is .*: {OUTSIDE}") as e:
+        refused = rf"manifest\.json's shards\[1\]\.file is .*: {OUTSIDE}"
+        with within(10), pytest.raises(StoreCorrupt, match=refused) as e:
             TeacherStore(small_store)
         messages.append(str(e.value).replace(target, "X"))
     assert messages[0] == messages[1] == messages[2] and "12345" not in messages[0], messages
@@ -735,8 +737,8 @@ def test_a_shard_that_is_a_fifo_or_a_directory_inside_the_store_is_refused(setup
     (small_store / "folder").mkdir()
     for name in ("fifo", "folder", "."):
         name_in_manifest(small_store, "shards.0", name)
-        with within(10), pytest.raises(StoreCorrupt, match=rf"shards\[0\]\.file is '{re.escape(name)}': not a regular "
-                                                           r"file"):
+        refused = rf"shards\[0\]\.file is '{re.escape(name)}': not a regular file"
+        with within(10), pytest.raises(StoreCorrupt, match=refused):
             TeacherStore(small_store)
     # A link inside the store to a shard inside it is followed.
     (small_store / "linked").symlink_to("shard-000001.safetensors")
@@ -766,7 +768,8 @@ def test_a_manifest_too_large_too_deep_or_not_a_regular_file_is_refused_before_i
     os.truncate(manifest, 1 << 30)
     rchar = lambda: int(re.search(r"^rchar: (\d+)$", Path("/proc/self/io").read_text(), re.M).group(1))  # noqa: E731
     before = rchar()
-    with within(10), pytest.raises(StoreCorrupt, match=r"manifest\.json is longer than 16 MiB \(MAX_MANIFEST_BYTES\)"):
+    too_long = r"manifest\.json is longer than 16 MiB \(MAX_MANIFEST_BYTES\)"
+    with within(10), pytest.raises(StoreCorrupt, match=too_long):
         TeacherStore(small_store)
     assert rchar() - before < 1 << 16
 
@@ -801,8 +804,8 @@ def test_shapes_beyond_the_teachers_the_store_describes_are_refused_before_anyth
     size = max(place.end for place in places.values())
     os.truncate(shard, size)  # sparse: zeros
     zeros = hashlib.sha256(bytes(32 * rows)).hexdigest()
-    manifest["shards"] = [{**manifest["shards"][0], "bytes": size, "header_sha256": hashlib.sha256(header).hexdigest(),
-                           "row_keys_sha256": zeros, "row_sha256_sha256": zeros}]
+    manifest["shards"] = [{**manifest["shards"][0], "bytes": size, "row_keys_sha256": zeros, "row_sha256_sha256": zeros,
+                           "header_sha256": hashlib.sha256(header).hexdigest()}]
     fmt.write_manifest(store, manifest)
     assert size > 8 * SEQ * (1 << 20) * 4
     with pytest.raises(StoreCorrupt, match=r"manifest\.json: teacher\.facts\.hidden_size is 1048576, outside "
@@ -830,7 +833,8 @@ def test_writers_never_write_through_a_link_planted_at_their_temporary_names(sma
     planted.symlink_to(outside["secret"])
     manifest = json.loads((small_store / fmt.MANIFEST).read_text())
     fmt.write_manifest(small_store, manifest)
-    assert outside["secret"].read_bytes() == before and json.loads((small_store / fmt.MANIFEST).read_text()) == manifest
+    assert outside["secret"].read_bytes() == before
+    assert json.loads((small_store / fmt.MANIFEST).read_text()) == manifest
     (small_store / fmt.LOCK_FILE).unlink(missing_ok=True)
     (small_store / fmt.LOCK_FILE).symlink_to(outside["absent"])
     with pytest.raises(StoreError, match=r"\.lock: cannot open the store's lock"):
