@@ -125,7 +125,7 @@ LOCK_FILE = ".lock"
 # bytes a shard: this is some 40,000 shards; a dump with more takes a larger --rows-per-shard).
 MAX_MANIFEST_BYTES = 16 << 20
 # JSON nested deeper than this is refused before it is parsed (a manifest this project writes nests
-# 7 deep, a shard's header 3).
+# 5 deep, every output kind asked; a shard's header 3).
 MAX_MANIFEST_DEPTH = 32
 MAX_HEADER_DEPTH = 4
 # The largest teacher a store describes (a manifest's `teacher.facts`; `data.seq_len`): every shape
