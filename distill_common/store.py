@@ -57,6 +57,15 @@ store. A reader then checks each row it reads against its `row_sha256`; a shard 
 differs, or whose header, keys, digests or a row read differ from what is recorded is refused
 (`StoreCorrupt`) naming the file (and the row), never read around or recomputed.
 
+A store is input from whoever wrote the directory. A reader opens only regular files inside it
+(`open_in_store`: a name with `..` or absolute, or a link leading out, is refused with the same
+message whether the file outside exists or not; a FIFO or device is refused without blocking);
+reads a manifest of at most MAX_MANIFEST_BYTES, nested at most MAX_MANIFEST_DEPTH deep, both
+checked before it is parsed; checks each entry's fields for their type, the teacher facts against
+FACT_LIMITS and MAX_SEQ_LEN, and every shape a shard's or the head's header states against the
+facts and the file's size, before anything is allocated for it. A dump started again removes the
+temporary files (`.shard-PID-HEX.tmp`, `.manifest.json.tmp-PID`) of writers no longer running.
+
 Checking a shard without this project (`tensors`: the manifest's `outputs.tensors`; `entry`:
 the shard's entry in `shards`):
 
@@ -88,11 +97,16 @@ the shard's entry in `shards`):
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import re
+import secrets
+import stat
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
@@ -107,6 +121,24 @@ HEAD_FILE = "head.safetensors"
 ROW_KEY = "row_key"
 ROW_SHA256 = "row_sha256"
 LOCK_FILE = ".lock"
+# A manifest longer than this is refused before it is read (one of this project's holds some 400
+# bytes a shard: this is some 40,000 shards; a dump with more takes a larger --rows-per-shard).
+MAX_MANIFEST_BYTES = 16 << 20
+# JSON nested deeper than this is refused before it is parsed (a manifest this project writes nests
+# 5 deep, every output kind asked; a shard's header 3).
+MAX_MANIFEST_DEPTH = 32
+MAX_HEADER_DEPTH = 4
+# The largest teacher a store describes (a manifest's `teacher.facts`; `data.seq_len`): every shape
+# a store holds is derived from these, and a manifest stating more is refused before any of them is
+# allocated. Released models stay far below (vocabularies up to 262,144, hidden sizes up to 25,600).
+FACT_LIMITS = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "num_layers": 1 << 10,
+               "attention.query_width": 1 << 18, "attention.key_width": 1 << 18,
+               "attention.value_width": 1 << 18}
+MAX_SEQ_LEN = 1 << 20
+# The temporary files a store's writers create: a shard's (`ShardFile`) and a file written
+# atomically (`write_atomic`); a dump removes those a killed writer left (`remove_stale_temporaries`).
+_TEMPORARY = re.compile(r"\.shard-(?P<shard_pid>\d+)-[0-9a-f]+\.tmp"
+                        r"|\.(?:manifest\.json|head\.safetensors)\.tmp-(?P<file_pid>\d+)")
 
 
 class StoreError(ValueError):
@@ -277,14 +309,126 @@ def decompress_row(frame: bytes, codec: TensorCodec) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(stored_dtype).reshape(1, *shape)
 
 
-# ---- files written atomically --------------------------------------------------------------------
+# ---- the files of a store: opened inside its directory only, written atomically -----------------
+
+
+def open_in_store(directory: Path, name: object, field: str) -> int:
+    """A read-only descriptor of the regular file `name` (what a manifest names, `field` saying
+    where: "DIR/manifest.json's shards[2].file") inside the store `directory`: `resolve_in_store`,
+    then `open_resolved`."""
+    return open_resolved(os.path.realpath(directory), resolve_in_store(directory, name, field), field, name)
+
+
+def resolve_in_store(directory: Path, name: object, field: str) -> str:
+    """Where `name` (what a manifest's `field` names) lies in the store `directory`: its path from
+    the resolved directory, links followed. A store is input from whoever wrote the directory, so
+    the name is confined before anything is opened: a relative path without `..` that, resolved,
+    stays inside the resolved directory. StoreCorrupt otherwise, the same for any path outside
+    whether it exists or not: the message tells nothing of files outside the store."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise _refused(field, name, "not a file name")
+    if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
+        raise _refused(field, name, _outside(directory))
+    root = os.path.realpath(directory)
+    relative = os.path.relpath(os.path.realpath(os.path.join(root, name)), root)
+    if relative == os.curdir:
+        raise _refused(field, name, "not a regular file (a directory)")
+    if relative == os.pardir or relative.startswith(os.pardir + os.sep):
+        raise _refused(field, name, _outside(directory))
+    return relative
+
+
+def open_resolved(root: str, relative: str, field: str, name: object) -> int:
+    """A read-only descriptor of the regular file at `relative` (`resolve_in_store`'s) in the
+    resolved store directory `root`: each component opened from the directory with O_NOFOLLOW (a
+    link swapped in since it was resolved is refused, not followed), the file with O_NONBLOCK (a
+    FIFO does not block the open, the flag cleared once fstat says a regular file). StoreCorrupt
+    otherwise; FileNotFoundError when the file does not exist."""
+    *folders, file_name = relative.split(os.sep)
+    directory_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for folder in folders:
+            inner = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory_fd)
+            os.close(directory_fd)
+            directory_fd = inner
+        fd = os.open(file_name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
+                     dir_fd=directory_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):  # a link where the name resolved to none
+            raise _refused(field, name, _outside(root)) from None
+        raise
+    finally:
+        os.close(directory_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _refused(field, name, "not a regular file (a FIFO, a device, a directory)")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _outside(directory) -> str:
+    return (f"a path outside {directory} (absolute, through '..', or a link leading out of it): a store reads only "
+            "files inside its directory")
+
+
+def _refused(field: str, name: object, why: str) -> StoreCorrupt:
+    return StoreCorrupt(f"{field} is {repr(name)[:200]}: {why}; nothing of it is read (dump the store again into a "
+                        "new directory)")
+
+
+def read_at_most(fd: int, limit_bytes: int) -> bytes | None:
+    """The file at `fd` from its start, if it holds at most `limit_bytes` (None otherwise): its size
+    checked with fstat before anything is read, and reading stops past the limit if it grows."""
+    if os.fstat(fd).st_size > limit_bytes:
+        return None
+    parts, total = [], 0
+    while total <= limit_bytes:
+        part = os.pread(fd, limit_bytes + 1 - total, total)
+        if not part:
+            break
+        parts.append(part)
+        total += len(part)
+    return b"".join(parts) if total <= limit_bytes else None
+
+
+def json_depth(data: bytes) -> int:
+    """How deep the JSON text `data` nests its arrays and objects, counted without parsing it (its
+    strings taken out first), so that a deeply nested text is refused before the parser recurses."""
+    import numpy as np
+
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", data).translate(None, _NOT_A_BRACKET), dtype=np.uint8)
+    if not len(brackets):
+        return 0
+    return int(np.cumsum(np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)).max())
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_A_BRACKET = bytes(byte for byte in range(256) if byte not in b"[]{}")
+
+
+def loads_bounded(data: bytes, max_depth: int, what: str) -> object:
+    """`data` parsed as JSON nested at most `max_depth` deep; ValueError saying `what` otherwise."""
+    depth = json_depth(data)
+    if depth > max_depth:
+        raise ValueError(f"{what} nests {depth} deep, more than the {max_depth} it may")
+    try:
+        return json.loads(data)
+    except RecursionError as e:
+        raise ValueError(f"{what} nests too deep to parse") from e
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """`data` at `path`, or `path` unchanged: a temporary file, synced, renamed, the directory synced."""
+    """`data` at `path`, or `path` unchanged: a temporary file, synced, renamed, the directory synced.
+    The temporary file is created anew (O_EXCL, O_NOFOLLOW): a file or link of its name that another
+    process left is removed first, never written through."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temporary, "wb") as handle:
+    temporary.unlink(missing_ok=True)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with open(fd, "wb") as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
@@ -299,15 +443,63 @@ def write_atomic(path: Path, data: bytes) -> None:
 @contextlib.contextmanager
 def locked(directory: Path):
     """The store's lock, held while its manifest is read, changed and written (dump, write-through
-    from several ranks)."""
-    import fcntl
-
-    with open(Path(directory) / LOCK_FILE, "a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    from several ranks). The lock file is never a link followed out of the store."""
+    try:  # O_NONBLOCK: a FIFO of its name does not block the open (flock waits all the same)
+        fd = os.open(Path(directory) / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        raise StoreError(f"{Path(directory) / LOCK_FILE}: cannot open the store's lock ({e}): remove it if it is "
+                         "not a regular file") from e
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StoreError(f"{Path(directory) / LOCK_FILE} is not a regular file: remove it")
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(directory: Path) -> list[str]:
+    """Removes the temporary files a writer of this store left when it was killed: regular files
+    directly inside `directory` whose names are those writers create, of a process that is not
+    running on this host (another dump's files in progress are left alone). Returns their names."""
+    removed = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            found = _TEMPORARY.fullmatch(entry.name)
+            if found is None or not entry.is_file(follow_symlinks=False):
+                continue
+            pid = int(found["shard_pid"] or found["file_pid"])
+            if pid != os.getpid() and _running(pid):
+                continue
+            os.unlink(os.path.join(directory, entry.name))
+            removed.append(entry.name)
+    return sorted(removed)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    except OverflowError:
+        return False
+    return True
+
+
+def sha256_of_fd(fd: int, chunk_bytes: int = 16 << 20) -> str:
+    """The sha256 of the file open at `fd`, from its start (as `sha256_of`)."""
+    digest, buffer = hashlib.sha256(), bytearray(chunk_bytes)
+    view, offset = memoryview(buffer), 0
+    while count := os.preadv(fd, [buffer], offset):
+        digest.update(view[:count])
+        offset += count
+    return digest.hexdigest()
 
 
 def sha256_of(path: Path, chunk_bytes: int = 16 << 20) -> str:
@@ -390,17 +582,17 @@ def read_layout(fd: int, path: Path, size: int) -> tuple[dict[str, TensorPlace],
         raise corrupt(f"a header of {length} bytes in a file of {size}")
     text = os.pread(fd, length, 8)
     try:
-        header = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise corrupt(f"its header is not JSON: {e}") from e
+        header = loads_bounded(text, MAX_HEADER_DEPTH, "its header")
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise corrupt(f"its header is not a safetensors header: {e}") from e
     if not isinstance(header, dict):
         raise corrupt("its header is not a JSON object")
     header.pop("__metadata__", None)
     places, data_start, end = {}, 8 + length, 8 + length
     try:
         for name, entry in sorted(header.items(), key=lambda item: tuple(item[1]["data_offsets"])):
-            dtype, shape = _DTYPE_OF[entry["dtype"]], tuple(int(size) for size in entry["shape"])
-            begin, stop = (int(offset) for offset in entry["data_offsets"])
+            dtype, shape = _DTYPE_OF[entry["dtype"]], tuple(_whole(size) for size in entry["shape"])
+            begin, stop = (_whole(offset) for offset in entry["data_offsets"])
             count = 1
             for dim in shape:
                 count *= dim
@@ -413,6 +605,13 @@ def read_layout(fd: int, path: Path, size: int) -> tuple[dict[str, TensorPlace],
     if end != size:
         raise corrupt(f"its tensors end at byte {end}, the file has {size}")
     return places, prefix + text
+
+
+def _whole(value: object) -> int:
+    """A size or offset of a header: a whole number, not negative (ValueError otherwise)."""
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{value!r} is not a size (a whole number, 0 or more)")
+    return value
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -444,8 +643,10 @@ class ShardFile:
         self._row_digests = [hashlib.sha256() for _ in range(rows)]
         self._row_parts = [0] * rows  # of each row: how many of `row_tensors` its digest has taken
         self._rows_put = dict.fromkeys(row_tensors, 0)
-        self.path = Path(directory) / f".shard-{os.getpid()}-{id(self):x}.tmp"
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # A new file of a name no other writer picks (_TEMPORARY): never one another process left, or
+        # a link it planted.
+        self.path = Path(directory) / f".shard-{os.getpid()}-{secrets.token_hex(8)}.tmp"
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         self._write(0, memoryview(header))
 
     def put(self, name: str, rows: torch.Tensor, row_bytes: list[int] | None = None) -> None:
@@ -541,9 +742,7 @@ def facts_to_json(facts: TeacherFacts) -> dict:
 
 
 def facts_from_json(value: dict) -> TeacherFacts:
-    from google.protobuf import json_format
-
-    return TeacherFacts.from_info(json_format.ParseDict(value, pb.TeacherInfo()))
+    return TeacherFacts.from_info(_message_from_json(value, pb.TeacherInfo()))
 
 
 def spec_to_json(spec: pb.OutputSpec) -> dict:
@@ -551,9 +750,17 @@ def spec_to_json(spec: pb.OutputSpec) -> dict:
 
 
 def spec_from_json(value: dict) -> pb.OutputSpec:
+    return _message_from_json(value, pb.OutputSpec())
+
+
+def _message_from_json(value: dict, message):
+    """`message` filled from `value`; ValueError when `value` is not one (a manifest is input)."""
     from google.protobuf import json_format
 
-    return json_format.ParseDict(value, pb.OutputSpec())
+    try:
+        return json_format.ParseDict(value, message)
+    except json_format.ParseError as e:
+        raise ValueError(f"not a {type(message).__name__}: {e}") from e
 
 
 def _message_to_json(message) -> dict:
@@ -563,12 +770,24 @@ def _message_to_json(message) -> dict:
 
 
 def read_manifest(directory: Path) -> dict | None:
+    """The manifest of the store at `directory` (None when it has none), checked to be a JSON object
+    of this format: read from a regular file of at most MAX_MANIFEST_BYTES (its size checked before
+    it is read), nested at most MAX_MANIFEST_DEPTH deep (checked before it is parsed)."""
     path = Path(directory) / MANIFEST
-    if not path.exists():
+    try:
+        fd = open_in_store(Path(directory), MANIFEST, str(path))
+    except FileNotFoundError:
         return None
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = read_at_most(fd, MAX_MANIFEST_BYTES)
+    finally:
+        os.close(fd)
+    if data is None:
+        raise StoreCorrupt(f"{path} is longer than {MAX_MANIFEST_BYTES >> 20} MiB (MAX_MANIFEST_BYTES), more than a "
+                           "manifest this project writes: not read (dump the store again into a new directory)")
+    try:
+        manifest = loads_bounded(data, MAX_MANIFEST_DEPTH, "it")
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise StoreCorrupt(f"{path}: not a readable manifest ({e})") from e
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise StoreCorrupt(f"{path}: format {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
@@ -578,4 +797,22 @@ def read_manifest(directory: Path) -> dict | None:
 
 
 def write_manifest(directory: Path, manifest: dict) -> None:
-    write_atomic(Path(directory) / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    data = (json.dumps(manifest, indent=1) + "\n").encode()
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise StoreError(f"{Path(directory) / MANIFEST} would hold {len(data)} bytes, more than the "
+                         f"{MAX_MANIFEST_BYTES >> 20} MiB a reader reads (MAX_MANIFEST_BYTES): dump into a new "
+                         "directory with a larger --rows-per-shard (fewer shards)")
+    write_atomic(Path(directory) / MANIFEST, data)
+
+
+def check_facts(facts: TeacherFacts, seq_len: int, manifest_path: Path) -> None:
+    """StoreCorrupt naming the field when a manifest's teacher facts or row length exceed what a
+    store describes (FACT_LIMITS, MAX_SEQ_LEN): every shape of its shards is derived from them."""
+    import operator
+
+    stated = [(f"teacher.facts.{name}", operator.attrgetter(name)(facts), limit) for name, limit in FACT_LIMITS.items()]
+    for field, value, limit in [*stated, ("data.seq_len", seq_len, MAX_SEQ_LEN)]:
+        if not 0 <= value <= limit:
+            raise StoreCorrupt(f"{manifest_path}: {field} is {value}, outside [0, {limit}], the largest a store "
+                               "describes: not a manifest this project wrote; nothing of the store is read (dump it "
+                               "again into a new directory)")

@@ -5,6 +5,7 @@ in tests/test_trainer.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import os
@@ -20,7 +21,7 @@ import torch
 
 from distill_common import store as fmt
 from distill_common.outputs import (Argmax, AttentionInputs, AuxHiddenStates, FinalHidden, HiddenStates, Logits,
-                                    NextTokenLogprobs, SubsetLogits, TopK)
+                                    NextTokenLogprobs, OutputRequest, SubsetLogits, TopK)
 from student_trainer.config import DumpConfig
 from student_trainer.data import BatchIterator, PackedDataset
 from student_trainer.store import (StoreCorrupt, StoreError, StoreMismatch, StoreMissing, StoreTeacher, TeacherStore,
@@ -207,14 +208,26 @@ def test_a_dump_stopped_mid_way_continues_to_the_same_bytes(setup, reference_dum
     for entry in manifest["shards"][kept + 1:]:
         (stopped / entry["file"]).unlink()
     (stopped / manifest["shards"][kept]["file"]).write_bytes(b"half a shard")  # renamed, not yet named
-    (stopped / f".shard-{kept + 1:06d}.safetensors.tmp-1").write_bytes(b"half")
     manifest["shards"] = manifest["shards"][:kept]
     fmt.write_manifest(stopped, manifest)
+    # The temporary files of the stopped dump (a process no longer running) go; what is not one of
+    # them stays: a link of such a name, another running process's, a name no writer makes.
+    stopped_pid = subprocess.Popen(["true"])
+    stopped_pid.wait()
+    stale = [f".shard-{stopped_pid.pid}-9f3a.tmp", f".manifest.json.tmp-{stopped_pid.pid}"]
+    kept_files = [f".shard-{os.getppid()}-77.tmp", ".shard-notes.tmp", f".shard-{stopped_pid.pid}-aa.tmp"]
+    for name in [*stale, *kept_files[:2]]:
+        (stopped / name).write_bytes(b"half")
+    (tmp_path / "elsewhere").write_bytes(b"not the store's")
+    (stopped / kept_files[2]).symlink_to(tmp_path / "elsewhere")
 
     resumed = dump(dump_config(setup, stopped, **TWO_ROW_SHARDS))
     assert resumed.resumed_at_row == 2 * kept and resumed.rows_written == len(setup["dataset"]) - 2 * kept
     assert shard_bytes(stopped) == shard_bytes(reference_dump)
     assert (stopped / fmt.MANIFEST).read_bytes() == (reference_dump / fmt.MANIFEST).read_bytes()
+    assert not any((stopped / name).exists() for name in stale)
+    assert all((stopped / name).is_symlink() or (stopped / name).exists() for name in kept_files)
+    assert (tmp_path / "elsewhere").read_bytes() == b"not the store's"
     with pytest.raises(StoreMismatch, match=r"was dumped with .*rows_per_shard.*continue it with the same settings"):
         dump(dump_config(setup, stopped, batch_size=2, rows_per_shard=4))
 
@@ -635,3 +648,196 @@ def test_dump_rows_in_batches_that_straddle_shards_continue_to_the_same_bytes(se
     run(stopped, 4)  # the first run's second batch began at row 3
     assert shard_bytes(stopped) == shard_bytes(tmp_path / "whole")
     assert not list(stopped.glob(".shard-*")) and not list((tmp_path / "whole").glob(".shard-*"))
+
+
+# ---- a store is input from whoever wrote the directory --------------------------------------------
+
+
+@contextlib.contextmanager
+def within(seconds: float):
+    """Fails the block if it runs longer than `seconds` (SIGALRM interrupts an open() that blocks)."""
+    def expired(*_):
+        raise TimeoutError(f"still running after {seconds}s (blocked on a FIFO?)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def name_in_manifest(directory: Path, field: str, name: str) -> None:
+    """The manifest's `field` ("shards.1" or "head") made to name `name`."""
+    manifest = json.loads((directory / fmt.MANIFEST).read_text())
+    entry = manifest["head"] if field == "head" else manifest["shards"][int(field.split(".")[1])]
+    entry["file"] = name
+    fmt.write_manifest(directory, manifest)
+
+
+@pytest.fixture
+def outside(tmp_path) -> dict[str, Path]:
+    """Files outside the store: a secret of a telling size, a FIFO (opening it would block) and a path
+    that does not exist."""
+    folder = tmp_path / "outside"
+    folder.mkdir()
+    (folder / "secret").write_bytes(b"s" * 12345)
+    os.mkfifo(folder / "fifo")
+    return {"secret": folder / "secret", "fifo": folder / "fifo", "absent": folder / "absent"}
+
+
+OUTSIDE = (r"a path outside .* \(absolute, through '\.\.', or a link leading out of it\): a store reads only files "
+           "inside")
+
+
+@pytest.mark.parametrize("how", ["absolute", "through ..", "a link"])
+def test_a_shard_outside_the_store_is_refused_and_nothing_outside_is_opened(setup, small_store, outside, how):
+    """Whatever lies at the path outside (a secret, a FIFO, nothing), the refusal is the same and
+    tells nothing of it; a FIFO outside, were it opened, would block."""
+    messages = []
+    for target in ("secret", "fifo", "absent"):
+        if how == "absolute":
+            name = str(outside[target])
+        elif how == "through ..":
+            name = os.path.relpath(outside[target], small_store)
+        else:
+            link = small_store / "shard-000001.safetensors"
+            link.unlink(missing_ok=True)
+            link.symlink_to(outside[target])
+            name = link.name
+        name_in_manifest(small_store, "shards.1", name)
+        refused = rf"manifest\.json's shards\[1\]\.file is .*: {OUTSIDE}"
+        with within(10), pytest.raises(StoreCorrupt, match=refused) as e:
+            TeacherStore(small_store)
+        messages.append(str(e.value).replace(target, "X"))
+    assert messages[0] == messages[1] == messages[2] and "12345" not in messages[0], messages
+
+
+def test_a_head_outside_the_store_or_not_a_regular_file_is_refused(setup, tmp_path, outside):
+    """A head naming /dev/zero (which would hash for ever), a link to it, or a FIFO inside the store."""
+    store = tmp_path / "s"
+    fill(store, setup, local_teacher(setup, (FinalHidden(),)), batches(setup["dataset"])[:1])
+    assert TeacherStore(store).head is not None
+    for name in ("/dev/zero", "zero-link"):
+        (store / "zero-link").unlink(missing_ok=True)
+        (store / "zero-link").symlink_to("/dev/zero")
+        name_in_manifest(store, "head", name)
+        with within(10), pytest.raises(StoreCorrupt, match=rf"manifest\.json's head\.file is '{name}': {OUTSIDE}"):
+            TeacherStore(store)
+    os.mkfifo(store / "fifo")
+    name_in_manifest(store, "head", "fifo")
+    with within(10), pytest.raises(StoreCorrupt, match=r"manifest\.json's head\.file is 'fifo': not a regular file "
+                                                       r"\(a FIFO, a device, a directory\)"):
+        TeacherStore(store)
+
+
+def test_a_shard_that_is_a_fifo_or_a_directory_inside_the_store_is_refused(setup, small_store):
+    os.mkfifo(small_store / "fifo")
+    (small_store / "folder").mkdir()
+    for name in ("fifo", "folder", "."):
+        name_in_manifest(small_store, "shards.0", name)
+        refused = rf"shards\[0\]\.file is '{re.escape(name)}': not a regular file"
+        with within(10), pytest.raises(StoreCorrupt, match=refused):
+            TeacherStore(small_store)
+    # A link inside the store to a shard inside it is followed.
+    (small_store / "linked").symlink_to("shard-000001.safetensors")
+    name_in_manifest(small_store, "shards.0", "shard-000000.safetensors")
+    name_in_manifest(small_store, "shards.1", "linked")
+    read_all(small_store, setup)
+
+
+def test_a_manifest_too_large_too_deep_or_not_a_regular_file_is_refused_before_it_is_parsed(small_store, outside):
+    manifest = small_store / fmt.MANIFEST
+    text = manifest.read_bytes()
+    assert fmt.json_depth(text) <= fmt.MAX_MANIFEST_DEPTH
+    # Deeper than the parser recurses: json.loads itself raises RecursionError.
+    deep = b'{"format": "' + fmt.FORMAT.encode() + b'", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(RecursionError):
+        json.loads(deep)
+    manifest.write_bytes(deep)
+    with pytest.raises(StoreCorrupt, match=rf"manifest\.json: not a readable manifest \(it nests 100001 deep, more "
+                                           rf"than the {fmt.MAX_MANIFEST_DEPTH} it may\)"):
+        TeacherStore(small_store)
+    # Brackets inside strings are not nesting.
+    manifest.write_bytes(text[:-2] + b', "note": "' + b"[{" * 1000 + b'"}\n')
+    TeacherStore(small_store)
+
+    # A manifest of 1 GiB (sparse: nothing to read but its size) is refused by its size, unread.
+    manifest.write_bytes(text)
+    os.truncate(manifest, 1 << 30)
+    rchar = lambda: int(re.search(r"^rchar: (\d+)$", Path("/proc/self/io").read_text(), re.M).group(1))  # noqa: E731
+    before = rchar()
+    too_long = r"manifest\.json is longer than 16 MiB \(MAX_MANIFEST_BYTES\)"
+    with within(10), pytest.raises(StoreCorrupt, match=too_long):
+        TeacherStore(small_store)
+    assert rchar() - before < 1 << 16
+
+    for target in ("fifo", "secret"):
+        manifest.unlink()
+        manifest.symlink_to(outside[target])
+        with within(10), pytest.raises(StoreCorrupt, match=rf"manifest\.json is 'manifest\.json': {OUTSIDE}"):
+            TeacherStore(small_store)
+
+
+def test_shapes_beyond_the_teachers_the_store_describes_are_refused_before_anything_is_allocated(setup, tmp_path):
+    """A manifest stating a hidden size of 2**20, with a sparse shard of the size, header and digests
+    that agree with it (rows of 96 MiB each, 805 MB for 8): refused by the teacher facts' bound
+    when the store is opened, before any row is read."""
+    import hashlib
+
+    store = tmp_path / "s"
+    fill(store, setup, local_teacher(setup, (FinalHidden(),)), batches(setup["dataset"])[:2])
+    manifest = json.loads((store / fmt.MANIFEST).read_text())
+    manifest["teacher"]["facts"]["hidden_size"] = 1 << 20
+    manifest["head"] = None  # a head of 300 x 2**20 is not needed to make the point
+    facts = fmt.facts_from_json(manifest["teacher"]["facts"])
+    request = OutputRequest.resolve(fmt.spec_from_json(manifest["outputs"]["spec"]), facts)
+    codecs = fmt.codecs_for(request, SEQ)
+    manifest["outputs"]["tensors"] = [codec.to_json() for codec in codecs]
+    rows = manifest["shards"][0]["rows"]
+    specs = {fmt.ROW_KEY: (torch.uint8, (rows, 32)), fmt.ROW_SHA256: (torch.uint8, (rows, 32)),
+             **{codec.name: (codec.dtype, (rows, *codec.row_shape)) for codec in codecs}}
+    header, places = fmt.shard_layout(specs)
+    shard = store / manifest["shards"][0]["file"]
+    shard.write_bytes(header)
+    size = max(place.end for place in places.values())
+    os.truncate(shard, size)  # sparse: zeros
+    zeros = hashlib.sha256(bytes(32 * rows)).hexdigest()
+    manifest["shards"] = [{**manifest["shards"][0], "bytes": size, "row_keys_sha256": zeros, "row_sha256_sha256": zeros,
+                           "header_sha256": hashlib.sha256(header).hexdigest()}]
+    fmt.write_manifest(store, manifest)
+    assert size > 8 * SEQ * (1 << 20) * 4
+    with pytest.raises(StoreCorrupt, match=r"manifest\.json: teacher\.facts\.hidden_size is 1048576, outside "
+                                           r"\[0, 65536\], the largest a store describes"):
+        TeacherStore(store)
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("rows", "8", r"shards\[1\]\.rows is '8', not a whole number above 0"),
+    ("bytes", -1, r"shards\[1\]\.bytes is -1, not a whole number, 0 or more"),
+    ("file", ["shard-000001.safetensors"], r"shards\[1\]\.file is \['shard-000001\.safetensors'\], not a file name"),
+    ("sha256", "00", r"shards\[1\]\.sha256 is '00', not a sha256"),
+])
+def test_a_malformed_shard_entry_is_refused_naming_its_field(small_store, field, value, says):
+    manifest = json.loads((small_store / fmt.MANIFEST).read_text())
+    manifest["shards"][1][field] = value
+    fmt.write_manifest(small_store, manifest)
+    with pytest.raises(StoreCorrupt, match=rf"manifest\.json: malformed: {says}"):
+        TeacherStore(small_store)
+
+
+def test_writers_never_write_through_a_link_planted_at_their_temporary_names(small_store, outside):
+    before = outside["secret"].read_bytes()
+    planted = small_store / f".{fmt.MANIFEST}.tmp-{os.getpid()}"
+    planted.symlink_to(outside["secret"])
+    manifest = json.loads((small_store / fmt.MANIFEST).read_text())
+    fmt.write_manifest(small_store, manifest)
+    assert outside["secret"].read_bytes() == before
+    assert json.loads((small_store / fmt.MANIFEST).read_text()) == manifest
+    (small_store / fmt.LOCK_FILE).unlink(missing_ok=True)
+    (small_store / fmt.LOCK_FILE).symlink_to(outside["absent"])
+    with pytest.raises(StoreError, match=r"\.lock: cannot open the store's lock"):
+        with fmt.locked(small_store):
+            pass
+    assert not outside["absent"].exists()

@@ -1,6 +1,12 @@
 """One store directory: its manifest checked against a run, its index of rows, its shards read
 (each row read checked against its digest) and written (atomically, then named in the
-manifest)."""
+manifest).
+
+A store is input from whoever wrote the directory: every file its manifest names is opened by
+`fmt.open_in_store` (inside the directory, a regular file), every entry's fields are checked for
+their type before use, and every shape a shard or the head states is checked against the
+manifest's teacher facts (themselves bounded, `fmt.check_facts`) and the file's size before
+anything is allocated for it."""
 
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ def teacher_facts(source, model_name: str, architecture: str = "", quantization:
 @dataclass
 class _Shard:
     path: Path
+    relative: str  # its path from the resolved store directory (fmt.resolve_in_store), opened for each read
     entry: dict
     places: dict  # tensor name -> fmt.TensorPlace
     row_sha256: bytes  # its rows' digests, 32 bytes each (checked against the manifest)
@@ -52,21 +59,30 @@ class TeacherStore:
 
     def __init__(self, directory: str | Path):
         self.directory = Path(directory)
+        self._root = os.path.realpath(self.directory)
         manifest = fmt.read_manifest(self.directory)
         if manifest is None:
             raise StoreMissing(f"{self.directory / fmt.MANIFEST} does not exist: dump the teacher's outputs first "
                                "(student-trainer dump --teacher-outputs DIR ...), or give --teacher too to fill the "
                                "store while training")
         self.manifest = manifest
+        self.manifest_path = self.directory / fmt.MANIFEST
         try:
             outputs = manifest["outputs"]
             self.facts: TeacherFacts = fmt.facts_from_json(manifest["teacher"]["facts"])
+            self.seq_len = manifest["data"]["seq_len"]
+            if type(self.seq_len) is not int:
+                raise TypeError(f"data.seq_len is {self.seq_len!r}, not a whole number")
+            fmt.check_facts(self.facts, self.seq_len, self.manifest_path)  # before any shape is derived from them
             spec = fmt.spec_from_json(outputs["spec"])
             self.request = OutputRequest.resolve(spec, self.facts)
-            self.seq_len = int(manifest["data"]["seq_len"])
             self.codecs = fmt.codecs_for(self.request, self.seq_len, pack=outputs["pack_ids"],
                                          zstd_level=int(outputs["zstd_level"]))
-        except (KeyError, TypeError, ValueError) as e:
+            if not isinstance(manifest["shards"], list):
+                raise TypeError("shards is not a list")
+        except StoreError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise StoreCorrupt(f"{self.directory / fmt.MANIFEST}: malformed ({type(e).__name__}: {e})") from e
         if [codec.to_json() for codec in self.codecs] != outputs["tensors"]:
             raise StoreCorrupt(f"{self.directory / fmt.MANIFEST}: its tensors {outputs['tensors']} are not what its "
@@ -101,40 +117,108 @@ class TeacherStore:
                            quantization=self.facts.quantization)
 
     def _read_head(self) -> OutputHead | None:
+        """The head the manifest names, read from its file: the file's header checked against the
+        tensors the outputs' join layout holds (shapes from the teacher facts) and its size, each
+        tensor read into its place and the whole file's sha256 checked before anything is used.
+        Nothing of the file reaches a parser but this module's (`fmt.read_layout`)."""
         entry = self.manifest.get("head")
         if not entry:
             return None
-        path = self.directory / entry["file"]
-        self._check_file(path, entry)
-        from safetensors.torch import load_file
-
-        tensors = load_file(path)
-        joined = self.request.join_assemble([tensors[f"join.{i}"] for i in range(len(tensors))])
-        return joined.head
-
-    def _check_file(self, path: Path, entry: dict, *, digest: bool = True) -> None:
+        self._check_entry(entry, "head", ("file", "bytes", "sha256"))
+        expected = self.request.join_layout()
+        if not expected:
+            raise StoreCorrupt(f"{self.manifest_path}: it names a head, which its outputs ({self.request}) do not "
+                               "use: not a manifest this project wrote (dump the store again into a new directory)")
+        fd, path = self._open(entry, "head")
         try:
-            size = path.stat().st_size
+            places, header = fmt.read_layout(fd, path, entry["bytes"])
+            places = {name: (place.dtype, place.shape) for name, place in places.items()}
+            wanted = {f"join.{index}": (spec.dtype, tuple(spec.shape)) for index, spec in enumerate(expected)}
+            if places != wanted:
+                raise StoreCorrupt(f"{path}: not a head this store wrote: it holds {places}, the manifest's outputs "
+                                   f"hold {wanted}; nothing of it is read (dump the store again into a new directory)")
+            digest, tensors, offset = hashlib.sha256(header), [], len(header)
+            for dtype, shape in wanted.values():  # in file order: safetensors' order, as `read_layout` checked
+                tensor = torch.empty(shape, dtype=dtype)
+                view = fmt.tensor_bytes(tensor)
+                _pread_into(fd, view, offset, path)
+                digest.update(view)
+                tensors.append(tensor)
+                offset += len(view)
+        finally:
+            os.close(fd)
+        if digest.hexdigest() != entry["sha256"]:
+            raise StoreCorrupt(f"{path}: its sha256 differs from the one {self.manifest_path} records: the file "
+                               "changed after it was written (a flipped byte, a copy gone wrong); nothing of it is "
+                               "read (dump it again into a new directory)")
+        return self.request.join_assemble(tensors).head
+
+    def _check_entry(self, entry: object, field: str, names: tuple[str, ...]) -> None:
+        """StoreCorrupt naming the field unless `entry` (the manifest's `field`) holds `names`, each
+        of its type: `file` a string (`_open` confines it), sizes whole numbers, digests sha256 hex."""
+        if not isinstance(entry, dict):
+            raise self._malformed(f"{field} is not a JSON object")
+        for name in names:
+            value = entry.get(name)
+            if name == "file":
+                good = isinstance(value, str)
+            elif name.endswith("sha256"):
+                good = isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+            else:
+                good = type(value) is int and value >= (1 if name == "rows" else 0)
+            if not good:
+                kind = ("a file name" if name == "file" else "a sha256 (64 hex digits)" if name.endswith("sha256")
+                        else "a whole number above 0" if name == "rows" else "a whole number, 0 or more")
+                raise self._malformed(f"{field}.{name} is {repr(value)[:80]}, not {kind}")
+
+    def _malformed(self, what: str) -> StoreCorrupt:
+        return StoreCorrupt(f"{self.manifest_path}: malformed: {what}; not a manifest this project wrote (dump the "
+                            "store again into a new directory)")
+
+    def _open(self, entry: dict, field: str, relative: str | None = None) -> tuple[int, Path]:
+        """A descriptor of the file the manifest's `field` names (inside the store, a regular file:
+        `fmt.open_in_store`; `relative`: where it was found to lie when the shard was opened) whose
+        size is the one recorded, and its path for messages."""
+        path, field = self.directory / entry["file"], f"{self.manifest_path}'s {field}.file"
+        try:
+            if relative is None:
+                relative = fmt.resolve_in_store(self.directory, entry["file"], field)
+            fd = fmt.open_resolved(self._root, relative, field, entry["file"])
         except FileNotFoundError:
-            raise StoreCorrupt(f"{path} is missing: {self.directory / fmt.MANIFEST} names it ({entry['bytes']} "
-                               "bytes); the store is incomplete (dump it again into a new directory)") from None
+            raise StoreCorrupt(f"{path} is missing: {self.manifest_path} names it ({entry['bytes']} bytes); the "
+                               "store is incomplete (dump it again into a new directory)") from None
+        size = os.fstat(fd).st_size
         if size != entry["bytes"]:
+            os.close(fd)
             raise StoreCorrupt(f"{path} has {size} bytes, the manifest records {entry['bytes']}: the file is "
                                f"{'truncated' if size < entry['bytes'] else 'longer than written'}; nothing of it is "
                                "read (dump it again into a new directory)")
-        if digest and fmt.sha256_of(path) != entry["sha256"]:
-            raise StoreCorrupt(f"{path}: its sha256 differs from the one {self.directory / fmt.MANIFEST} records: "
-                               "the file changed after it was written (a flipped byte, a copy gone wrong); nothing of "
-                               "it is read (dump it again into a new directory)")
+        return fd, path
+
+    def check_whole(self, number: int) -> None:
+        """StoreCorrupt unless shard `number`'s whole file has the sha256 the manifest records (what a
+        resumed dump checks of the shards it continues after)."""
+        shard = self.shards[number]
+        fd, path = self._open(shard.entry, f"shards[{number}]", shard.relative)
+        try:
+            digest = fmt.sha256_of_fd(fd)
+        finally:
+            os.close(fd)
+        if digest != shard.entry["sha256"]:
+            raise StoreCorrupt(f"{path}: its sha256 differs from the one {self.manifest_path} records: the file "
+                               "changed after it was written (a flipped byte, a copy gone wrong); nothing of it is "
+                               "read (dump it again into a new directory)")
 
     def _add_shards(self, entries: list[dict]) -> None:
         """Opens the shards of `entries` this store has not opened: each one's size, header, row keys
         and row digests checked against the manifest (a few bytes a row; the rows themselves are
         checked as they are read)."""
-        for entry in entries[len(self.shards):]:
-            path = self.directory / entry["file"]
-            self._check_file(path, entry, digest=False)
-            fd = os.open(path, os.O_RDONLY)
+        for number, entry in enumerate(entries[len(self.shards):], len(self.shards)):
+            self._check_entry(entry, f"shards[{number}]", ("file", "rows", "bytes", "sha256", "header_sha256",
+                                                           "row_keys_sha256", "row_sha256_sha256"))
+            relative = fmt.resolve_in_store(self.directory, entry["file"],
+                                            f"{self.manifest_path}'s shards[{number}].file")
+            fd, path = self._open(entry, f"shards[{number}]", relative)
             try:
                 places, header = fmt.read_layout(fd, path, entry["bytes"])
                 self._check_digest(path, "header", header, entry["header_sha256"])
@@ -145,8 +229,7 @@ class TeacherStore:
                 os.close(fd)
             self._check_digest(path, "row keys (row_key)", keys, entry["row_keys_sha256"])
             self._check_digest(path, "row digests (row_sha256)", row_sha256, entry["row_sha256_sha256"])
-            number = len(self.shards)
-            self.shards.append(_Shard(path, entry, places, row_sha256))
+            self.shards.append(_Shard(path, relative, entry, places, row_sha256))
             for row in range(entry["rows"]):
                 self.index.setdefault(keys[row * 32:(row + 1) * 32], (number, row))
 
@@ -183,6 +266,8 @@ class TeacherStore:
         self._manifest_mtime_ns = changed
         manifest = fmt.read_manifest(self.directory)
         with self._lock:
+            if manifest is not None and not isinstance(manifest.get("shards"), list):
+                raise self._malformed("shards is not a list")
             if manifest is not None and len(manifest["shards"]) > len(self.shards):
                 self.manifest["shards"] = manifest["shards"]
                 self._add_shards(manifest["shards"])
@@ -276,7 +361,7 @@ class TeacherStore:
         for number, row, rows, position in runs:
             shard = self.shards[number]
             with stage(self.times, "read rows (pread into the batch's buffers)"):
-                fd = os.open(shard.path, os.O_RDONLY)
+                fd, _ = self._open(shard.entry, f"shards[{number}]", shard.relative)
                 try:
                     frames = {codec.name: self._read_frames(fd, shard, codec, row, rows)
                               for codec in self.codecs if codec.zstd_level}

@@ -65,8 +65,14 @@ def dump(cfg) -> DumpResult:
         shards = stored["shards"]
         if any("first_row" not in entry for entry in shards):
             raise StoreMismatch(f"{directory} holds rows written through by training: dump into a new directory")
-        for shard in store.shards:  # what a resumed dump continues must be intact
-            store._check_file(shard.path, shard.entry)
+        for number in range(len(store.shards)):  # what a resumed dump continues must be intact
+            store.check_whole(number)
+        # What a killed dump was writing is not part of the store: its temporary files go (the
+        # shard it was filling is written whole again).
+        stale = fmt.remove_stale_temporaries(directory)
+        if stale:
+            log.info("removed %d temporary files a stopped dump left in %s: %s", len(stale), directory,
+                     ", ".join(stale))
         start_row = sum(entry["rows"] for entry in shards)
         if start_row:
             log.info("continuing the dump in %s after row %d (%d complete shards)", directory, start_row, len(shards))
