@@ -299,4 +299,6 @@ def test_five_rounds_of_each_attack_for_a_minute(server, observer, honest, kind)
         print(f"{kind} round {round_ + 1}: {watch.summary()}; RSS after {after_mib[-1]:.0f} MiB "
               f"(start {start_mib:.0f}); attack {dict(attack.counts)}")
         assert after_mib[-1] <= start_mib + 100, after_mib
+        # The attacker's sessions ended with their transport processes: the honest one's is left.
+        wait_until(lambda: transport_processes(pid) == 1, 30, "the attacker's transport processes to go")
     assert after_mib[-1] <= after_mib[0] + 30, f"RSS grew round after round: {after_mib}"
