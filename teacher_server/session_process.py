@@ -322,11 +322,12 @@ class IsolatedGroup:
                 self._store_conn.send_bytes(json.dumps(reply).encode())
                 if value is not None:
                     self._store_conn.send_bytes(value)
-        except (EOFError, OSError):
+        except EOFError:
             return  # the process ended; its reports say why
-        except (ValueError, UnicodeDecodeError, TypeError) as e:
-            self._fail(f"the session's transport process sent a malformed store request ({e})")
-            self.abort()
+        except (OSError, ValueError, UnicodeDecodeError, TypeError) as e:  # OSError: a message over its bound
+            if not self._closed:
+                self._fail(f"the session's transport process sent a malformed store request ({e})")
+                self.abort()
 
 
 def _value_count(request) -> int:
