@@ -1,0 +1,126 @@
+"""The teacher's side of a session's transport process (teacher_server/session_process.py) trusts
+nothing the process sends: a process that a hostile peer took over, crashed or confused is
+played here by workers of the test's own, started the way the teacher starts the real one.
+Each one's session fails with a reason that says what happened; nothing it sent is unpickled,
+and the teacher's process is untouched.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pickle
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distill_common.session_group import TransferError
+from teacher_server import session_process
+
+
+def _report_then_wait(ctl, store_conn, spec, *messages: bytes) -> None:
+    for message in messages:
+        ctl.send_bytes(message)
+    time.sleep(30)  # killed by the teacher's side long before
+
+
+def huge_report(ctl, store_conn, spec):
+    _report_then_wait(ctl, store_conn, spec, b"{" + b" " * (1 << 20) + b"}")
+
+
+def unknown_send(ctl, store_conn, spec):
+    _report_then_wait(ctl, store_conn, spec, json.dumps({"op": "formed"}).encode(),
+                      json.dumps({"op": "sent", "seq": 999}).encode())
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/teacher-unpickled-a-report",))
+
+
+def pickled_report(ctl, store_conn, spec):
+    _report_then_wait(ctl, store_conn, spec, pickle.dumps(_Boom()))
+
+
+def crash(ctl, store_conn, spec):
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def store_abuse(ctl, store_conn, spec):
+    """Too many keys (refused, the process told why), then a value over the bound (the session ends)."""
+    store_conn.send_bytes(json.dumps({"m": "check", "k": [f"k{i}" for i in range(100)]}).encode())
+    reply = json.loads(store_conn.recv_bytes())
+    ctl.send_bytes(json.dumps({"op": "failed", "message": f"store said {reply}"}).encode())
+    time.sleep(30)
+
+
+def store_oversized(ctl, store_conn, spec):
+    store_conn.send_bytes(json.dumps({"m": "set", "k": ["0/1"]}).encode())
+    store_conn.send_bytes(b"x" * (1 << 20))
+    time.sleep(30)
+
+
+def start(monkeypatch, worker) -> session_process.IsolatedGroup:
+    monkeypatch.setattr(session_process, "_worker", worker)
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=5))
+    return session_process.IsolatedGroup(store, session_id="test", backend="gloo", device=torch.device("cpu"),
+                                         timeout_s=5, transfer_timeout_s=5, gloo_host="127.0.0.1",
+                                         secret=b"s" * 32)
+
+
+def ended(group: session_process.IsolatedGroup, timeout_s: float = 20) -> str:
+    with pytest.raises(TransferError) as failure:
+        group.wait_formed(timeout_s)
+        group.wait(group.send_all([torch.zeros(4)])[0], timeout_s)
+    return str(failure.value)
+
+
+def gone(group: session_process.IsolatedGroup, timeout_s: float = 20) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while group._process.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not group._process.is_alive()
+
+
+def test_a_report_over_its_bound_ends_the_session_and_its_process(monkeypatch):
+    group = start(monkeypatch, huge_report)
+    reason = ended(group)
+    assert "closed its pipe" in reason or "malformed" in reason, reason
+    group.abort()
+    assert gone(group)
+
+
+def test_a_report_of_a_send_not_in_flight_is_malformed(monkeypatch):
+    group = start(monkeypatch, unknown_send)
+    assert "malformed report" in ended(group)
+    assert gone(group), "the teacher's side did not end a process that sent a malformed report"
+
+
+def test_a_pickled_report_is_never_unpickled(monkeypatch, tmp_path):
+    marker = "/tmp/teacher-unpickled-a-report"
+    if os.path.exists(marker):
+        os.unlink(marker)
+    group = start(monkeypatch, pickled_report)
+    assert "malformed report" in ended(group)
+    assert not os.path.exists(marker)
+    assert gone(group)
+
+
+def test_a_crashed_process_is_named_by_its_signal(monkeypatch):
+    group = start(monkeypatch, crash)
+    assert "ended by SIGSEGV" in ended(group)
+
+
+def test_store_requests_are_bounded(monkeypatch):
+    group = start(monkeypatch, store_abuse)
+    reason = ended(group)
+    assert "store keys must be 1 to 8 strings" in reason, reason
+    group.abort()
+    group = start(monkeypatch, store_oversized)
+    assert "malformed store request" in ended(group)
+    assert gone(group)
