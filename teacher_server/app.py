@@ -157,6 +157,7 @@ class TeacherServer:
             log.warning("grace period over with batches still in flight; ending their sessions")
         await asyncio.to_thread(self.engine.stop)
         await server.stop(grace=1.0)
+        self.service.joining.work.close()
         http.should_exit = True
         await http_task
         log.info("teacher stopped")
