@@ -46,6 +46,10 @@ class AlignmentError(ValueError):
     over the limit); the message names the row or the field and says what to change."""
 
 
+class BatchTooLarge(AlignmentError):
+    """A batch whose rows, in the teacher's tokens, take more than the tokens a batch may have."""
+
+
 # ---- the bytes each id stands for -------------------------------------------------------
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -324,10 +328,12 @@ def row_texts(ids: torch.Tensor, mask: torch.Tensor, vocabulary: StudentVocabula
 
 
 def align_batch(ids: torch.Tensor, mask: torch.Tensor, texts: Sequence[bytes], vocabulary: StudentVocabulary,
-                teacher: TeacherTokenizer, match: VocabularyMatch, max_teacher_tokens: int) -> AlignedBatch:
+                teacher: TeacherTokenizer, match: VocabularyMatch, max_teacher_tokens: int,
+                max_batch_tokens: int = 0) -> AlignedBatch:
     """Checks each row's ids against its text, re-tokenizes the text with the teacher's
     tokenizer and aligns the two; AlignmentError naming the row where they disagree, or where
-    a row needs more than `max_teacher_tokens` teacher tokens."""
+    a row needs more than `max_teacher_tokens` teacher tokens; BatchTooLarge as soon as the
+    rows, right-padded, must take more than `max_batch_tokens` (0: no bound) teacher tokens."""
     rows, seq = ids.shape
     if len(texts) != rows:
         raise AlignmentError(f"student_text has {len(texts)} rows, input_ids {rows}: send one text per row")
@@ -357,12 +363,26 @@ def align_batch(ids: torch.Tensor, mask: torch.Tensor, texts: Sequence[bytes], v
                                  f"{teacher.fewest_tokens(text)} tokens in the teacher's tokenizer, more than the "
                                  f"teacher's --max-seq-len {max_teacher_tokens}: send shorter rows")
         checked.append((positions, lengths, ends))
+    # The widest row bounds the batch: known after each row from the rows encoded and the others'
+    # lower bounds, so that a batch too large is refused once it is known, not once all of it is encoded.
+    fewest = [teacher.fewest_tokens(text) for text in texts]
+    widest_after = [max(fewest[row + 1:], default=0) for row in range(rows)]
+    width = 0
     teacher_rows, owners, exact, context = [], [], np.zeros((rows, seq), bool), np.full((rows, seq), -1, np.int64)
     for row, (text, (positions, lengths, ends)) in enumerate(zip(texts, checked)):
+        if max_batch_tokens and rows * max(width, fewest[row], widest_after[row]) > max_batch_tokens:
+            raise BatchTooLarge(f"its {rows} rows take at least {rows} x {max(width, fewest[row], widest_after[row])} "
+                                f"tokens in the teacher's tokenizer (rows are padded to the longest), more than the "
+                                f"teacher's --max-batch-tokens {max_batch_tokens}: send smaller batches")
         teacher_ids = teacher.encode(text, row)
         if len(teacher_ids) > max_teacher_tokens:
             raise AlignmentError(f"row {row}: the teacher's tokenizer makes {len(teacher_ids)} tokens of its text, "
                                  f"more than the teacher's --max-seq-len {max_teacher_tokens}: send shorter rows")
+        width = max(width, len(teacher_ids))
+        if max_batch_tokens and rows * max(width, widest_after[row]) > max_batch_tokens:
+            raise BatchTooLarge(f"its {rows} rows take at least {rows} x {max(width, widest_after[row])} tokens in the "
+                                f"teacher's tokenizer (rows are padded to the longest), more than the teacher's "
+                                f"--max-batch-tokens {max_batch_tokens}: send smaller batches")
         teacher_ends = np.cumsum([len(teacher.pieces[i]) for i in teacher_ids]).astype(np.int64)
         teacher_starts = teacher_ends - [len(teacher.pieces[i]) for i in teacher_ids]
         starts = ends - lengths

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from distill_common.alignment import AlignmentError, StudentVocabulary, TeacherTokenizer, VocabularyMatch, align_batch
+from distill_common.alignment import (AlignmentError, BatchTooLarge, StudentVocabulary, TeacherTokenizer,
+                                      VocabularyMatch, align_batch)
 from distill_common.outputs import (ALIGNMENT, CrossTokenizerKind, OutputRequest, OutputSpecError, TeacherFacts,
                                     VocabularyMismatch)
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
@@ -289,25 +290,18 @@ class Joining:
         return await self.work.run(session.job_id, self._retokenized, batch, session.alignment)
 
     def _retokenized(self, batch: Batch, alignment: SessionAlignment) -> Batch:
-        texts = batch.data.pop(CrossTokenizerKind.batch_field)
-        teacher = self._teacher_tokenizer()
-        # No row is shorter in the teacher's tokens than this: refused before any is encoded.
-        fewest = batch.rows * max(map(teacher.fewest_tokens, texts), default=0)
-        if fewest > self.config.max_batch_tokens:
-            raise ResourceExhausted(f"batch {batch.batch_id} is at least {batch.rows} x {fewest // batch.rows} tokens "
-                                    f"in the teacher's tokenizer (its longest row's bytes over the longest teacher "
-                                    f"token), more than the teacher's --max-batch-tokens "
-                                    f"{self.config.max_batch_tokens}: send smaller batches")
+        # Refused as soon as the batch is known to be too large: before any row is encoded when the
+        # rows' bytes show it, else after the row that shows it. A batch refused costs at most what
+        # one of --max-batch-tokens teacher tokens (and one more row) costs to accept.
         try:
-            aligned = align_batch(batch.input_ids, batch.attention_mask, texts, alignment.vocabulary, teacher,
-                                  alignment.match, max_teacher_tokens=self.config.max_seq_len)
+            aligned = align_batch(batch.input_ids, batch.attention_mask, batch.data.pop(CrossTokenizerKind.batch_field),
+                                  alignment.vocabulary, self._teacher_tokenizer(), alignment.match,
+                                  max_teacher_tokens=self.config.max_seq_len,
+                                  max_batch_tokens=self.config.max_batch_tokens)
+        except BatchTooLarge as e:
+            raise ResourceExhausted(f"batch {batch.batch_id}: {e}") from e
         except AlignmentError as e:
             raise InvalidArgument(f"batch {batch.batch_id}: {e}") from e
-        rows, seq = aligned.teacher_ids.shape
-        if rows * seq > self.config.max_batch_tokens:
-            raise ResourceExhausted(f"batch {batch.batch_id} is {rows} x {seq} tokens in the teacher's tokenizer, more "
-                                    f"than the teacher's --max-batch-tokens {self.config.max_batch_tokens}: send "
-                                    "smaller batches")
         return Batch(batch_id=batch.batch_id, input_ids=aligned.teacher_ids, attention_mask=aligned.teacher_mask,
                      data={ALIGNMENT: aligned}, student_shape=(batch.rows, batch.seq_len),
                      student_key=batch_key(batch.input_ids, batch.attention_mask))
