@@ -301,11 +301,11 @@ class RendezvousWaits(_AsyncAttack):
 
 def unmatched_vocabulary(entries: int) -> bytes:
     """A JoinRequest.student_vocabulary of `entries` 4-byte pieces no byte-level teacher spells
-    (0xff 0xfe is no UTF-8 and no merge), serialized."""
+    (0xff starts no UTF-8 and no merge), serialized."""
     from distill_common.alignment import StudentVocabulary
 
     message = pb.StudentVocabulary()
-    StudentVocabulary(tuple(b"\xff\xfe" + i.to_bytes(2, "big") for i in range(entries))).to_proto(message)
+    StudentVocabulary(tuple(b"\xff" + i.to_bytes(3, "big") for i in range(entries))).to_proto(message)
     return message.SerializeToString()
 
 
