@@ -80,7 +80,13 @@ class ChargedWork:
             self._done(job_id, turn)
             raise
         future.add_done_callback(lambda _: _call_soon(loop, self._done, job_id, turn))
-        return await asyncio.wrap_future(future, loop=loop)
+        try:
+            return await asyncio.wrap_future(future, loop=loop)
+        finally:
+            # A refusal's traceback holds this frame, which would hold the future, which holds the
+            # refusal: a cycle that keeps the piece's memory (a vocabulary and its match) until a full
+            # garbage collection, hundreds of MiB under a flood of refused Joins.
+            del future
 
     def waiting(self, job_id: str) -> int:
         """Pieces of the job running or waiting for their turn."""

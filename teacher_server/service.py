@@ -371,11 +371,16 @@ def _handler(service: TeacherService, name: str, request_class, metrics: Metrics
             return await method(_parse(request_class, raw), context)
         except ServiceError as e:
             metrics.rpc_errors.labels(name, e.code.name).inc()
-            await context.abort(e.code, str(e))
+            code, message = e.code, str(e)
         except Exception as e:
             log.exception("%s failed", name)
             metrics.rpc_errors.labels(name, "INTERNAL").inc()
-            await context.abort(grpc.StatusCode.INTERNAL, bounded_message(f"{name} failed inside the teacher: {e}"))
+            code, message = grpc.StatusCode.INTERNAL, bounded_message(f"{name} failed inside the teacher: {e}")
+        # Aborted outside the except clause, with the request dropped: grpc keeps the abort's exception a
+        # while, and through its traceback (and the refusal it would chain) every frame's locals (a request
+        # of up to --max-request-bytes, a vocabulary) would live as long.
+        del raw
+        await context.abort(code, message)
 
     return handle
 
