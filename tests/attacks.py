@@ -400,7 +400,7 @@ class RefusedCrossBatches(_AsyncAttack):
     they expire), each streaming batches that the teacher refuses only once it re-tokenized them:
     `rows` rows of one student token spelling `row_bytes` bytes that the teacher's tokenizer
     makes as many tokens, together more than its --max-batch-tokens (each row within
-    --max-seq-len, and no shorter bound shows it)."""
+    --max-seq-len, and the rows' bytes alone do not show it: a row must be encoded first)."""
 
     def __init__(self, address: str, token: str, job_id: str, sessions: int = 3, rows: int = 20,
                  row_bytes: int = 500, byte: bytes = b"z"):
