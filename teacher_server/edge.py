@@ -13,6 +13,8 @@ token is checked, so that nobody without it can make the teacher buffer, hold or
   (headers and body), a cap on request bodies and a cap on open connections.
 - `install_accept_error_log`: out of descriptors, asyncio's accept loop logs a traceback
   per failed attempt (thousands a second on Python 3.11); one line every 10 s says it instead.
+- `release_free_memory`: what refused requests leave in the allocator's heap goes back to the
+  system, every RELEASE_INTERVAL_S.
 """
 
 from __future__ import annotations

@@ -680,7 +680,8 @@ class CrossWindow:
         return times[min(len(times) - 1, int(q * len(times)))] if times else float("inf")
 
     def summary(self) -> str:
-        return (f"cross-tokenizer student: {len(self.latencies_s)} batches, p50 {self.percentile_s(0.5) * 1000:.0f} ms, "
+        return (f"cross-tokenizer student: {len(self.latencies_s)} batches, "
+                f"p50 {self.percentile_s(0.5) * 1000:.0f} ms, "
                 f"p99 {self.percentile_s(0.99) * 1000:.0f} ms, worst difference {self.worst:.2g}, errors {self.errors}")
 
 

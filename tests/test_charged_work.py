@@ -38,7 +38,8 @@ def test_one_jobs_pieces_run_one_at_a_time_and_another_jobs_do_not_wait_behind_t
         started: list[str] = []
         releases = {name: threading.Event() for name in ("a1", "a2", "a3", "b1")}
         try:
-            a = [asyncio.create_task(work.run("a", _piece(started, name, releases[name]))) for name in ("a1", "a2", "a3")]
+            a = [asyncio.create_task(work.run("a", _piece(started, name, releases[name])))
+                 for name in ("a1", "a2", "a3")]
             await _until(lambda: started == ["a1"], "the attacker's first piece")
             b = asyncio.create_task(work.run("b", _piece(started, "b1", releases["b1"])))
             await _until(lambda: "b1" in started, "the other job's piece, while job a's first runs")
