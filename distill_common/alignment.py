@@ -46,6 +46,10 @@ class AlignmentError(ValueError):
     over the limit); the message names the row or the field and says what to change."""
 
 
+class BatchTooLarge(AlignmentError):
+    """A batch whose rows, in the teacher's tokens, take more than the tokens a batch may have."""
+
+
 # ---- the bytes each id stands for -------------------------------------------------------
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -146,21 +150,29 @@ class StudentVocabulary:
         message.token_bytes = b"".join(self.pieces)
         message.token_lengths.extend(len(piece) for piece in self.pieces)
 
+    @staticmethod
+    def check_size(message, max_entries: int) -> None:
+        """The limits a vocabulary's size is held to, read off the message without building
+        anything (the entries' count and the bytes of their pieces): AlignmentError naming the
+        limit when over it."""
+        entries = len(message.token_lengths)
+        if not entries:
+            raise AlignmentError("student_vocabulary is empty: send the bytes of every id of the student's tokenizer "
+                                 "(distill_common.alignment.StudentVocabulary.of(tokenizer))")
+        if entries > max_entries:
+            raise AlignmentError(f"student_vocabulary has {entries} entries, more than the teacher's "
+                                 f"--max-student-vocab {max_entries}: start the teacher with a larger one")
+        if len(message.token_bytes) > VOCABULARY_BYTES_PER_ENTRY * max_entries:
+            raise AlignmentError(f"student_vocabulary holds {len(message.token_bytes)} bytes of pieces, more than "
+                                 f"{VOCABULARY_BYTES_PER_ENTRY} x --max-student-vocab {max_entries}: start the teacher "
+                                 "with a larger --max-student-vocab")
+
     @classmethod
     def from_proto(cls, message, max_entries: int) -> "StudentVocabulary":
         """The vocabulary a Join sent, checked: AlignmentError naming the limit when over it."""
+        cls.check_size(message, max_entries)
         lengths = np.asarray(message.token_lengths, dtype=np.int64)
-        if not len(lengths):
-            raise AlignmentError("student_vocabulary is empty: send the bytes of every id of the student's tokenizer "
-                                 "(distill_common.alignment.StudentVocabulary.of(tokenizer))")
-        if len(lengths) > max_entries:
-            raise AlignmentError(f"student_vocabulary has {len(lengths)} entries, more than the teacher's "
-                                 f"--max-student-vocab {max_entries}: start the teacher with a larger one")
         data = message.token_bytes
-        if len(data) > VOCABULARY_BYTES_PER_ENTRY * max_entries:
-            raise AlignmentError(f"student_vocabulary holds {len(data)} bytes of pieces, more than "
-                                 f"{VOCABULARY_BYTES_PER_ENTRY} x --max-student-vocab {max_entries}: start the teacher "
-                                 "with a larger --max-student-vocab")
         if int(lengths.max()) > MAX_PIECE_BYTES:
             raise AlignmentError(f"student_vocabulary has a piece of {int(lengths.max())} bytes (id "
                                  f"{int(lengths.argmax())}); pieces are at most {MAX_PIECE_BYTES} bytes")
@@ -237,6 +249,12 @@ class TeacherTokenizer:
         self.pieces = vocabulary_bytes(tokenizer)
         self.byte_ids = {piece[0]: index for index, piece in reversed(list(enumerate(self.pieces)))
                          if len(piece) == 1}
+        self.longest_piece_bytes = max(map(len, self.pieces), default=1) or 1
+
+    def fewest_tokens(self, text: bytes) -> int:
+        """A lower bound on the ids `encode(text)` makes, known without encoding: no piece is
+        longer than the longest."""
+        return -(-len(text) // self.longest_piece_bytes)
 
     def encode(self, text: bytes, row: int = 0) -> list[int]:
         """The ids of `text`: valid UTF-8 runs through the tokenizer (without special tokens), bytes
@@ -310,15 +328,19 @@ def row_texts(ids: torch.Tensor, mask: torch.Tensor, vocabulary: StudentVocabula
 
 
 def align_batch(ids: torch.Tensor, mask: torch.Tensor, texts: Sequence[bytes], vocabulary: StudentVocabulary,
-                teacher: TeacherTokenizer, match: VocabularyMatch, max_teacher_tokens: int) -> AlignedBatch:
+                teacher: TeacherTokenizer, match: VocabularyMatch, max_teacher_tokens: int,
+                max_batch_tokens: int = 0) -> AlignedBatch:
     """Checks each row's ids against its text, re-tokenizes the text with the teacher's
     tokenizer and aligns the two; AlignmentError naming the row where they disagree, or where
-    a row needs more than `max_teacher_tokens` teacher tokens."""
+    a row needs more than `max_teacher_tokens` teacher tokens; BatchTooLarge as soon as the
+    rows, right-padded, must take more than `max_batch_tokens` (0: no bound) teacher tokens."""
     rows, seq = ids.shape
     if len(texts) != rows:
         raise AlignmentError(f"student_text has {len(texts)} rows, input_ids {rows}: send one text per row")
     pieces = vocabulary.pieces
-    teacher_rows, owners, exact, context = [], [], np.zeros((rows, seq), bool), np.full((rows, seq), -1, np.int64)
+    # Every row is checked before any is re-tokenized (the costly part), and so is a lower bound
+    # on its length in the teacher's tokens: a batch refused for either costs no encoding.
+    checked = []
     for row, (row_ids, row_mask, text) in enumerate(zip(ids.tolist(), mask.tolist(), texts)):
         positions = [t for t, real in enumerate(row_mask) if real]
         if any(row_ids[t] >= len(pieces) for t in positions):
@@ -336,10 +358,31 @@ def align_batch(ids: torch.Tensor, mask: torch.Tensor, texts: Sequence[bytes], v
                 f"text has {len(text)}; near the row's token {min(token, len(positions) - 1)}): send the bytes "
                 "the row's ids spell (distill_common.alignment.row_texts) and the vocabulary of the tokenizer that "
                 "made them")
+        if teacher.fewest_tokens(text) > max_teacher_tokens:
+            raise AlignmentError(f"row {row}: its {len(text)} bytes of text make at least "
+                                 f"{teacher.fewest_tokens(text)} tokens in the teacher's tokenizer, more than the "
+                                 f"teacher's --max-seq-len {max_teacher_tokens}: send shorter rows")
+        checked.append((positions, lengths, ends))
+    # The widest row bounds the batch: known after each row from the rows encoded and the others'
+    # lower bounds, so that a batch too large is refused once it is known, not once all of it is encoded.
+    fewest = [teacher.fewest_tokens(text) for text in texts]
+    widest_after = [max(fewest[row + 1:], default=0) for row in range(rows)]
+    width = 0
+    teacher_rows, owners, exact, context = [], [], np.zeros((rows, seq), bool), np.full((rows, seq), -1, np.int64)
+    for row, (text, (positions, lengths, ends)) in enumerate(zip(texts, checked)):
+        if max_batch_tokens and rows * max(width, fewest[row], widest_after[row]) > max_batch_tokens:
+            raise BatchTooLarge(f"its {rows} rows take at least {rows} x {max(width, fewest[row], widest_after[row])} "
+                                f"tokens in the teacher's tokenizer (rows are padded to the longest), more than the "
+                                f"teacher's --max-batch-tokens {max_batch_tokens}: send smaller batches")
         teacher_ids = teacher.encode(text, row)
         if len(teacher_ids) > max_teacher_tokens:
             raise AlignmentError(f"row {row}: the teacher's tokenizer makes {len(teacher_ids)} tokens of its text, "
                                  f"more than the teacher's --max-seq-len {max_teacher_tokens}: send shorter rows")
+        width = max(width, len(teacher_ids))
+        if max_batch_tokens and rows * max(width, widest_after[row]) > max_batch_tokens:
+            raise BatchTooLarge(f"its {rows} rows take at least {rows} x {max(width, widest_after[row])} tokens in the "
+                                f"teacher's tokenizer (rows are padded to the longest), more than the teacher's "
+                                f"--max-batch-tokens {max_batch_tokens}: send smaller batches")
         teacher_ends = np.cumsum([len(teacher.pieces[i]) for i in teacher_ids]).astype(np.int64)
         teacher_starts = teacher_ends - [len(teacher.pieces[i]) for i in teacher_ids]
         starts = ends - lengths

@@ -1,5 +1,6 @@
 """The client end of the control plane: a gRPC channel, plaintext or TLS, and a wait
-for the teacher that tells a TLS mismatch apart from a teacher that is not up yet.
+for the teacher that tells a TLS mismatch apart from a teacher that is not up yet, and
+from one that closes every new connection because it is at its connection cap.
 
 Used by `TeacherClient` and by `teacher-server status|info`. Each caller names its own
 flags (`flags`), so the hints say what to change where the user typed it.
@@ -7,6 +8,8 @@ flags (`flags`), so the hints say what to change where the user typed it.
 
 from __future__ import annotations
 
+import socket
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -79,8 +82,58 @@ def open_channel(address: str, credentials: grpc.ChannelCredentials | None, opti
     return grpc.secure_channel(address, credentials, options=list(options))
 
 
-def connection_hint(details: str, tls: bool, flags: TlsFlags = TlsFlags()) -> str:
-    """What a connection error from grpc most likely means, or "" when it says nothing about TLS."""
+AT_CONNECTION_CAP = ("the teacher closes every new connection at once, before any TLS or HTTP/2: it is at its "
+                     "--grpc-max-connections cap (gRPC connections open at once; one without a call closes after "
+                     "its --grpc-idle-timeout-s). Retry later; its operator can raise --grpc-max-connections or find "
+                     "what holds its connections")
+
+
+def closes_at_once(address: str, timeout_s: float = 2.0) -> bool | None:
+    """Whether the server at `address` closes a new connection before it answers a TLS handshake.
+
+    grpc gives one message, "Socket closed", for a plaintext client of a TLS teacher, for a
+    TLS client that a teacher asking for client certificates refuses, and for any client of a
+    teacher at its connection cap (grpc.max_allowed_incoming_connections), which closes each new
+    connection as it accepts it. A TLS handshake (certificates not checked) tells them apart: a
+    TLS teacher answers it, client certificate or not; a teacher at its cap closes first. None:
+    cannot tell (no host:port address, nothing listening, no answer in time).
+    """
+    target = _host_port(address)
+    if target is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection(target, timeout=timeout_s) as sock:
+            with context.wrap_socket(sock, server_hostname=target[0]):
+                return False  # handshake done: it speaks TLS
+    except (ssl.SSLEOFError, ConnectionResetError, ConnectionAbortedError, BrokenPipeError):
+        return True
+    except ssl.SSLError:  # an alert: it answered in TLS (a client certificate asked for, say)
+        return False
+    except OSError:  # refused, unreachable, timed out
+        return None
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a gRPC target such as "host:port", "dns:///host:port", "ipv4:1.2.3.4:5" or
+    "[::1]:5"; None for other forms (unix sockets, several addresses)."""
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if address.startswith(scheme):
+            address = address[len(scheme):]
+            break
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "," in address or "/" in address:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def connection_hint(details: str, tls: bool, flags: TlsFlags = TlsFlags(), address: str = "") -> str:
+    """What a connection error from grpc most likely means, or "" when it says nothing about TLS.
+
+    With `address`, a connection the teacher closed is told apart (`closes_at_once`): one at its
+    connection cap gets AT_CONNECTION_CAP, not a TLS hint."""
     if "WRONG_VERSION_NUMBER" in details:
         return (f"the TLS handshake failed because the teacher does not speak TLS (started without --tls-cert): "
                 f"drop {flags.ca}, or start the teacher with --tls-cert/--tls-key")
@@ -91,6 +144,8 @@ def connection_hint(details: str, tls: bool, flags: TlsFlags = TlsFlags()) -> st
         return (f"the TLS handshake with the teacher failed: check {flags.ca}, and that the certificate names "
                 "the host you dial (its subjectAltName)")
     if "Socket closed" in details:
+        if address and closes_at_once(address):
+            return AT_CONNECTION_CAP
         if tls:
             return (f"the teacher closed the connection during TLS set-up: it may require a client certificate "
                     f"(--tls-client-ca): pass {flags.cert} and {flags.key}")
@@ -105,13 +160,15 @@ def wait_until_reachable(channel: grpc.Channel, address: str, timeout_s: float, 
 
     A failed TLS handshake does not heal, so it is reported at once; a connection the
     server keeps closing (plaintext against TLS, a missing client certificate) after
-    `closed_for_s`; anything else (nothing listening yet: the model is loading) is retried
-    until `timeout_s`.
+    `closed_for_s`, unless the teacher closes every new connection at once, at its
+    connection cap, which heals as connections close; that and anything else (nothing
+    listening yet: the model is loading) is retried until `timeout_s`.
     """
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout_s
     closed_since = None
     details = "no answer"
+    cap_hint = ""  # the last verdict on a closed connection: the teacher at its connection cap
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -130,11 +187,14 @@ def wait_until_reachable(channel: grpc.Channel, address: str, timeout_s: float, 
         if hint:
             closed_since = closed_since or now
             if now - closed_since >= closed_for_s:
-                raise TeacherUnreachable(f"cannot talk to the teacher at {address}: {hint} (grpc: {details})")
+                hint = cap_hint = connection_hint(details, tls, flags, address)
+                if hint != AT_CONNECTION_CAP:
+                    raise TeacherUnreachable(f"cannot talk to the teacher at {address}: {hint} (grpc: {details})")
+                closed_since = now  # asked again after another closed_for_s
         else:
-            closed_since = None
+            closed_since, cap_hint = None, ""
         time.sleep(min(0.2, max(0.0, deadline - now)))
-    hint = connection_hint(details, tls, flags)
+    hint = cap_hint or connection_hint(details, tls, flags)
     raise TeacherUnreachable(
         f"no teacher answered at {address} within {timeout_s:.0f}s (grpc: {details}): "
         + (hint if hint else "start one (python -m teacher_server --model ...) or check the address"))

@@ -21,7 +21,9 @@ calls it makes from C++ threads can run.
 Bounds, each a refusal that names the limit: a session's store holds at most
 `MAX_KEYS` keys and `MAX_BYTES` bytes written by its student (a gloo or NCCL group
 needs a handful of keys and well under a KiB); a call names at most `MAX_KEYS_PER_CALL`
-keys and waits at most `MAX_WAIT_S` (the student asks again until its own deadline). A
+keys (counted before any is read), carries at most `MAX_REQUEST_BYTES` (checked by the
+service before the request is parsed) and waits at most `MAX_WAIT_S` (the student asks
+again until its own deadline). A
 waiting call costs nothing until one of its keys is written: every write, the student's
 through the RPC and the teacher's own end's from the threads that build its group, wakes
 the calls waiting on that key (`_NotifyingStore`), which then check their keys once.
@@ -44,6 +46,10 @@ MAX_KEYS = 64
 MAX_BYTES = 64 << 10
 MAX_WAIT_S = 5.0
 MAX_KEYS_PER_CALL = 8
+# The largest request a call needs: a COMPARE_SET's expected and new value, each at most what the
+# session's store holds, and 4 KiB for its keys and other fields. The service refuses a larger
+# one before parsing it.
+MAX_REQUEST_BYTES = 2 * MAX_BYTES + (4 << 10)
 _Op = pb.RendezvousRequest.Op
 
 
@@ -79,7 +85,8 @@ class SessionStore:
         except RendezvousError:
             raise
         except (ValueError, RuntimeError) as e:  # the store's own refusal: ADD to a value that is no number
-            raise RendezvousError("invalid", f"rendezvous {_op_name(request.op)} on {list(request.keys)}: {e}") from e
+            keys = list(request.keys[:MAX_KEYS_PER_CALL])
+            raise RendezvousError("invalid", f"rendezvous {_op_name(request.op)} on {keys}: {e}") from e
 
     async def _serve(self, request: pb.RendezvousRequest) -> pb.RendezvousResponse:
         op = request.op
@@ -132,13 +139,15 @@ class SessionStore:
 
     @staticmethod
     def _keys(request: pb.RendezvousRequest, one: bool = False) -> list[str]:
+        """The call's keys, counted before any is read into a list."""
+        count = len(request.keys)
+        if count > MAX_KEYS_PER_CALL:
+            raise RendezvousError("invalid", f"rendezvous {_op_name(request.op)} names {count} keys, more than the "
+                                  f"{MAX_KEYS_PER_CALL} a call may (a process group waits on one or two at a time)")
         keys = list(request.keys)
         if not keys or (one and len(keys) != 1) or any(not key for key in keys):
             raise RendezvousError("invalid", f"rendezvous {_op_name(request.op)} needs {'one key' if one else 'keys'}, "
                                   f"got {len(keys)}")
-        if len(keys) > MAX_KEYS_PER_CALL:
-            raise RendezvousError("invalid", f"rendezvous {_op_name(request.op)} names {len(keys)} keys, more than the "
-                                  f"{MAX_KEYS_PER_CALL} a call may (a process group waits on one or two at a time)")
         return keys
 
     def _account(self, key: str, value: bytes) -> None:

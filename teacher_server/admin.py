@@ -95,7 +95,7 @@ def query(command: str, address: str, config: AdminConfig) -> str:
                 return format_info(stub.GetInfo(pb.GetInfoRequest(), timeout=config.timeout_s, metadata=metadata))
             return format_status(stub.GetStatus(pb.GetStatusRequest(), timeout=config.timeout_s, metadata=metadata))
         except grpc.RpcError as e:
-            hint = connection_hint(e.details() or "", bool(config.tls_ca), TLS_FLAGS) \
+            hint = connection_hint(e.details() or "", bool(config.tls_ca), TLS_FLAGS, address) \
                 if e.code() == grpc.StatusCode.UNAVAILABLE else ""
             raise AdminError(f"{address} answered {e.code().name}: {e.details()}" + (f"\n{hint}" if hint else "")) \
                 from e

@@ -23,8 +23,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from distill_common.channel import read_pem
 from teacher_server import session_process
 from teacher_server.config import ServerConfig
-from teacher_server.edge import (CallGuard, Callers, GuardedH11Protocol, HttpConnections, grpc_connections_limit,
-                                 grpc_server_options, install_accept_error_log, raise_descriptor_limit)
+from teacher_server.edge import (RELEASE_INTERVAL_S, CallGuard, Callers, GuardedH11Protocol, HttpConnections,
+                                 grpc_connections_limit, grpc_server_options, install_accept_error_log,
+                                 raise_descriptor_limit, release_free_memory)
 from teacher_server.engine import Engine
 from teacher_server.http_app import create_app
 from teacher_server.metrics import Metrics
@@ -95,6 +96,7 @@ class TeacherServer:
         # larger than max (N vs. LIMIT)"); docs/security.md names the flag. The CallGuard runs
         # first on every call, so a call without the token is refused before its request is read.
         descriptors = raise_descriptor_limit()
+        releasing = asyncio.create_task(self._release_free_memory())
         self.grpc_max_connections = grpc_connections_limit(c, descriptors)
         server = grpc.aio.server(interceptors=[CallGuard(self.callers, c, self.metrics)],
                                  options=grpc_server_options(c, self.grpc_max_connections))
@@ -147,7 +149,14 @@ class TeacherServer:
         print(f"READY grpc={self.grpc_port} http={self.http_port}", flush=True)
 
         await stop.wait()
+        releasing.cancel()
         await self._shutdown(server, http, http_task)
+
+    async def _release_free_memory(self) -> None:
+        """Every RELEASE_INTERVAL_S, the allocator's free pages back to the system (edge.release_free_memory)."""
+        while await asyncio.to_thread(release_free_memory):
+            await asyncio.sleep(RELEASE_INTERVAL_S)
+        log.info("the allocator is not glibc's: freed requests go back to the system as it decides")
 
     async def _shutdown(self, server, http, http_task) -> None:
         """Graceful: refuse new sessions, finish batches in flight, then close."""
@@ -160,6 +169,7 @@ class TeacherServer:
             log.warning("grace period over with batches still in flight; ending their sessions")
         await asyncio.to_thread(self.engine.stop)
         await server.stop(grace=1.0)
+        self.service.joining.work.close()
         http.should_exit = True
         await http_task
         log.info("teacher stopped")

@@ -148,6 +148,10 @@ class Engine:
         """Admits a session; `max_job_sessions` (0: none) caps its job's sessions, `job_limit` says where it is set."""
         self.lifecycle.admit(session, max_job_sessions, job_limit)
 
+    def check_room(self, job_id: str, weight: float, max_job_sessions: int = 0, job_limit: str = "") -> None:
+        """Refuses a session `admit` would refuse now (the caps, the job's weight), admitting nothing."""
+        self.lifecycle.check_room(job_id, weight, max_job_sessions, job_limit)
+
     def session(self, session_id: str) -> Session:
         return self.lifecycle.session(session_id)
 

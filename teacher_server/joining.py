@@ -8,15 +8,27 @@ cross-tokenizer session sends its vocabulary, matched here with the teacher's
 tokenizer (read once, at the first such Join), and each of its batches is re-tokenized
 here into the teacher's tokens (distill_common/alignment.py). The session's own
 rendezvous store (distill_common/rendezvous.py) is made with it.
+
+Cheap checks come first: a Join is checked in full (`checked`: its sizes, counts and
+limits, and by the service the session caps) before its vocabulary is matched, and a
+batch's rows are checked before any is re-tokenized. The work that remains, matching a
+vocabulary and re-tokenizing a batch, is CPU time a caller spends of the teacher: it runs
+in `ChargedWork`'s threads, charged to the caller's job, so that it does not stop the
+event loop and one job's work waits behind its own, not in front of another job's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
-from distill_common.alignment import AlignmentError, StudentVocabulary, TeacherTokenizer, VocabularyMatch, align_batch
+from distill_common.alignment import (AlignmentError, BatchTooLarge, StudentVocabulary, TeacherTokenizer,
+                                      VocabularyMatch, align_batch)
 from distill_common.outputs import (ALIGNMENT, CrossTokenizerKind, OutputRequest, OutputSpecError, TeacherFacts,
                                     VocabularyMismatch)
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
@@ -30,9 +42,101 @@ from teacher_server.model_runner import ModelRunner
 from teacher_server.sessions import Batch, Session, SessionAlignment
 
 
+# What the charged work may run at once: one piece per job, and this many, all jobs together. The
+# work holds the interpreter lock most of its time, so more threads would not run it faster; the
+# bound also bounds the memory it holds (a vocabulary of --max-student-vocab entries and its match,
+# a batch of --max-batch-tokens tokens, per piece).
+CHARGED_WORKERS = 4
+
+
+class ChargedWork:
+    """CPU work a request costs the teacher past its checks, run in threads and charged to a job.
+
+    One job's pieces run one at a time, in the order they came: a job that sends many waits
+    behind itself, and another job's piece waits for at most one piece of each other job (and
+    a free worker, CHARGED_WORKERS of them). A piece whose caller went away still holds its
+    job's turn until its thread finishes, so cancelling calls buys no more threads.
+    """
+
+    def __init__(self, workers: int = CHARGED_WORKERS):
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="charged-work")
+        self._turns: dict[str, _Turn] = {}  # by job id, while a piece of the job runs or waits
+
+    async def run(self, job_id: str, work, *args):
+        """`work(*args)` in a worker thread, once the job's earlier pieces are done; its result or error."""
+        loop = asyncio.get_running_loop()
+        turn = self._turns.get(job_id)
+        if turn is None:
+            turn = self._turns[job_id] = _Turn()
+        turn.users += 1
+        try:
+            await turn.lock.acquire()
+        except BaseException:
+            self._leave(job_id, turn)
+            raise
+        try:
+            future = self._pool.submit(work, *args)
+        except BaseException:
+            self._done(job_id, turn)
+            raise
+        future.add_done_callback(lambda _: _call_soon(loop, self._done, job_id, turn))
+        try:
+            return await asyncio.wrap_future(future, loop=loop)
+        finally:
+            # A refusal's traceback holds this frame, which would hold the future, which holds the
+            # refusal: a cycle that keeps the piece's memory (a vocabulary and its match) until a full
+            # garbage collection, hundreds of MiB under a flood of refused Joins.
+            del future
+
+    def waiting(self, job_id: str) -> int:
+        """Pieces of the job running or waiting for their turn."""
+        turn = self._turns.get(job_id)
+        return turn.users if turn is not None else 0
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _done(self, job_id: str, turn: "_Turn") -> None:
+        turn.lock.release()
+        self._leave(job_id, turn)
+
+    def _leave(self, job_id: str, turn: "_Turn") -> None:
+        turn.users -= 1
+        if not turn.users and self._turns.get(job_id) is turn:
+            del self._turns[job_id]
+
+
+class _Turn:
+    """One job's place in ChargedWork: its lock (held while a piece of it runs), and its pieces
+    running or waiting."""
+
+    def __init__(self):
+        self.lock = asyncio.Lock()
+        self.users = 0
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:  # the loop closed: the server is gone, and the work's caller with it
+        pass
+
+
+@dataclass
+class CheckedJoin:
+    """A Join that passed every check made without matching its vocabulary (`Joining.checked`)."""
+
+    request: pb.JoinRequest
+    job_id: str
+    outputs: OutputRequest  # resolved; not yet aligned with the student's vocabulary
+    backend: str
+    max_inflight: int
+    weight: float
+
+
 class Joining:
-    """Turns a JoinRequest into a Session, checked (`session`); re-tokenizes a cross-tokenizer
-    session's batches (`retokenized`)."""
+    """Turns a JoinRequest into a Session, checked (`checked`, then `session`); re-tokenizes a
+    cross-tokenizer session's batches (`retokenized`)."""
 
     def __init__(self, runner: ModelRunner, config: ServerConfig, facts: TeacherFacts):
         self.runner = runner
@@ -40,10 +144,14 @@ class Joining:
         self.info = runner.info
         self.teacher_uuid = device_uuid(self.info.device)
         self.facts = facts  # what a session's outputs are checked against
+        self.work = ChargedWork()  # vocabularies matched and batches re-tokenized, charged to their job
         self._teacher_tokens: TeacherTokenizer | None = None  # read at the first cross-tokenizer Join
+        self._teacher_tokens_lock = threading.Lock()
 
-    def session(self, request: pb.JoinRequest, caller: Caller) -> Session:
-        """The session the Join asks for, checked; not yet admitted."""
+    def checked(self, request: pb.JoinRequest, caller: Caller) -> CheckedJoin:
+        """Every check of a Join that needs no vocabulary matched: names, the job against the
+        caller's token, the outputs (their size for the smallest match a vocabulary can have),
+        the peer, the student vocabulary's size, in-flight bound and weight."""
         _check_printable("job_id", request.job_id)
         for name in ("device_type", "device_uuid", "torch_version", "nccl_version"):
             _check_printable(f"peer.{name}", getattr(request.peer, name))
@@ -56,10 +164,9 @@ class Joining:
             outputs = OutputRequest.resolve(request.outputs, self.facts)
         except OutputSpecError as e:
             raise InvalidArgument(str(e)) from e
-        alignment = self._alignment(request, outputs)
-        if alignment is not None:
-            outputs = outputs.aligned(len(alignment.vocabulary), alignment.match.size)
-        self._check_output_bytes(outputs)
+        entries = self._check_vocabulary_size(request, outputs)
+        # Outputs grow with the match, which has at least one entry: refused now if even that is too much.
+        self._check_output_bytes(outputs.aligned(entries, 1) if entries else outputs)
         backend = self._check_peer(request.peer)
         try:
             outputs.check_student(request.vocab_size, request.tokenizer_fingerprint)
@@ -75,22 +182,41 @@ class Joining:
         if weight > caller.max_weight:
             raise InvalidArgument(f"weight {weight} exceeds {caller.limit('max_weight')}: ask for less, or raise "
                                   "that limit")
-        return Session(job_id=job_id, job_rank=request.job_rank, outputs=outputs,
-                       backend=backend, peer_device_type=request.peer.device_type, max_inflight=max_inflight,
-                       weight=weight, stream_refusals_only=request.stream_refusals_only, alignment=alignment,
+        return CheckedJoin(request, job_id, outputs, backend, max_inflight, weight)
+
+    async def session(self, join: CheckedJoin) -> Session:
+        """The session a checked Join asks for; not yet admitted. A cross-tokenizer session's
+        vocabulary is matched in `work`, charged to its job."""
+        outputs, alignment = join.outputs, None
+        if outputs.cross_tokenizer:
+            alignment = await self.work.run(join.job_id, self._alignment, join.request, outputs)
+            outputs = outputs.aligned(len(alignment.vocabulary), alignment.match.size)
+            self._check_output_bytes(outputs)
+        request = join.request
+        return Session(job_id=join.job_id, job_rank=request.job_rank, outputs=outputs,
+                       backend=join.backend, peer_device_type=request.peer.device_type, max_inflight=join.max_inflight,
+                       weight=join.weight, stream_refusals_only=request.stream_refusals_only, alignment=alignment,
                        rendezvous=SessionStore(self.config.join_timeout_s))
 
-    def _alignment(self, request: pb.JoinRequest, outputs: OutputRequest) -> SessionAlignment | None:
-        """A cross-tokenizer session's vocabulary, checked, and its match with the teacher's (None
+    def _check_vocabulary_size(self, request: pb.JoinRequest, outputs: OutputRequest) -> int:
+        """A cross-tokenizer Join's vocabulary against its limits, as sizes only: its entries (0
         for a session of the teacher's tokens)."""
         if not outputs.cross_tokenizer:
             if request.HasField("student_vocabulary"):
                 raise InvalidArgument("student_vocabulary was sent, but the outputs asked are shaped to the teacher's "
                                       "tokens: leave it out, or ask for cross_tokenizer outputs")
-            return None
+            return 0
         if not request.HasField("student_vocabulary"):
             raise InvalidArgument("cross_tokenizer outputs need the student's vocabulary: send "
                                   "JoinRequest.student_vocabulary (the bytes each id stands for)")
+        try:
+            StudentVocabulary.check_size(request.student_vocabulary, self.config.student_vocab_limit)
+        except AlignmentError as e:
+            raise InvalidArgument(str(e)) from e
+        return len(request.student_vocabulary.token_lengths)
+
+    def _alignment(self, request: pb.JoinRequest, outputs: OutputRequest) -> SessionAlignment:
+        """A cross-tokenizer session's vocabulary, checked, and its match with the teacher's (in a worker thread)."""
         try:
             vocabulary = StudentVocabulary.from_proto(request.student_vocabulary, self.config.student_vocab_limit)
         except AlignmentError as e:
@@ -104,7 +230,11 @@ class Joining:
         return SessionAlignment(vocabulary, match)
 
     def _teacher_tokenizer(self) -> TeacherTokenizer:
-        """The teacher's tokenizer, read once, at the first cross-tokenizer Join."""
+        """The teacher's tokenizer, read once, at the first cross-tokenizer Join (from any worker thread)."""
+        with self._teacher_tokens_lock:
+            return self._read_teacher_tokenizer()
+
+    def _read_teacher_tokenizer(self) -> TeacherTokenizer:
         if self._teacher_tokens is None:
             tokenizer = getattr(self.runner, "tokenizer", None)
             if tokenizer is None:
@@ -159,20 +289,25 @@ class Joining:
                 f"{self.info.nccl_version}: install the same torch/NCCL build on both sides")
         return "nccl"
 
-    def retokenized(self, batch: Batch, alignment: SessionAlignment) -> Batch:
+    async def retokenized(self, batch: Batch, session: Session) -> Batch:
         """A cross-tokenizer session's batch as the teacher's forward takes it: its rows' text in the
-        teacher's tokens, aligned with the student's (distill_common/alignment.py)."""
+        teacher's tokens, aligned with the student's (distill_common/alignment.py). Re-tokenized in
+        `work`, charged to the session's job."""
+        return await self.work.run(session.job_id, self._retokenized, batch, session.alignment)
+
+    def _retokenized(self, batch: Batch, alignment: SessionAlignment) -> Batch:
+        # Refused as soon as the batch is known to be too large: before any row is encoded when the
+        # rows' bytes show it, else after the row that shows it. A batch refused costs at most what
+        # one of --max-batch-tokens teacher tokens (and one more row) costs to accept.
         try:
             aligned = align_batch(batch.input_ids, batch.attention_mask, batch.data.pop(CrossTokenizerKind.batch_field),
                                   alignment.vocabulary, self._teacher_tokenizer(), alignment.match,
-                                  max_teacher_tokens=self.config.max_seq_len)
+                                  max_teacher_tokens=self.config.max_seq_len,
+                                  max_batch_tokens=self.config.max_batch_tokens)
+        except BatchTooLarge as e:
+            raise ResourceExhausted(f"batch {batch.batch_id}: {e}") from e
         except AlignmentError as e:
             raise InvalidArgument(f"batch {batch.batch_id}: {e}") from e
-        rows, seq = aligned.teacher_ids.shape
-        if rows * seq > self.config.max_batch_tokens:
-            raise ResourceExhausted(f"batch {batch.batch_id} is {rows} x {seq} tokens in the teacher's tokenizer, more "
-                                    f"than the teacher's --max-batch-tokens {self.config.max_batch_tokens}: send "
-                                    "smaller batches")
         return Batch(batch_id=batch.batch_id, input_ids=aligned.teacher_ids, attention_mask=aligned.teacher_mask,
                      data={ALIGNMENT: aligned}, student_shape=(batch.rows, batch.seq_len),
                      student_key=batch_key(batch.input_ids, batch.attention_mask))

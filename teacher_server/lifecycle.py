@@ -65,6 +65,14 @@ class SessionLifecycle:
         self.metrics.sessions_connected.inc()
         self.delivery.connect(session)
 
+    def check_room(self, job_id: str, weight: float, max_job_sessions: int = 0, job_limit: str = "") -> None:
+        """Refuses, as `admit` would, a session of `job_id` that would not be admitted now; the
+        cheap check a Join makes before any work of its own (admit checks again)."""
+        with self._cond:
+            if not self._accepting():
+                raise Unavailable("the teacher is shutting down or unhealthy; join another replica or retry later")
+            self.scheduler.check_room(job_id, weight, max_job_sessions, job_limit)
+
     def session(self, session_id: str) -> Session:
         with self._cond:
             session = self._sessions.get(session_id)

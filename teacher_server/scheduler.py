@@ -111,20 +111,9 @@ class Scheduler:
         self._ended: dict[str, _Queue] = {}
 
     def admit(self, session, max_job_sessions: int = 0, job_limit: str = "") -> None:
-        """Gives a new session a queue; refuses it beyond max_sessions, beyond `max_job_sessions`
-        of its job (0: no such cap; `job_limit` names where it is set), or with another weight
-        than its job's."""
-        if len(self._queues) >= self.max_sessions:
-            raise ResourceExhausted(f"the teacher already serves {len(self._queues)} sessions (--max-sessions "
-                                    f"{self.max_sessions}); retry later or raise --max-sessions")
+        """Gives a new session a queue; refuses it as `check_room` does."""
+        self.check_room(session.job_id, session.weight, max_job_sessions, job_limit)
         job = self._jobs.get(session.job_id)
-        if max_job_sessions and job is not None and job.sessions >= max_job_sessions:
-            raise ResourceExhausted(f"job {session.job_id!r} already has {job.sessions} sessions, its limit "
-                                    f"({job_limit or max_job_sessions}); retry once one ends, or raise that limit")
-        if job is not None and job.weight != session.weight:
-            raise InvalidArgument(f"job {session.job_id!r} already has weight {job.weight:g} (set by the rank "
-                                  f"that joined first), this session asks {session.weight:g}: give every rank "
-                                  "of a job the same weight")
         if job is None:
             # A new job starts at the least-served job's clock: it gets its fair share
             # from now on, not a burst that makes up for the time before it joined.
@@ -134,6 +123,21 @@ class Scheduler:
         clocks = [q.virtual_tokens for q in self._queues.values() if q.session.job_id == session.job_id]
         job.sessions += 1
         self._queues[session.session_id] = _Queue(session, virtual_tokens=min(clocks, default=0.0))
+
+    def check_room(self, job_id: str, weight: float, max_job_sessions: int = 0, job_limit: str = "") -> None:
+        """Refuses a session of `job_id` beyond max_sessions, beyond `max_job_sessions` of its job
+        (0: no such cap; `job_limit` names where it is set), or with another weight than its job's."""
+        if len(self._queues) >= self.max_sessions:
+            raise ResourceExhausted(f"the teacher already serves {len(self._queues)} sessions (--max-sessions "
+                                    f"{self.max_sessions}); retry later or raise --max-sessions")
+        job = self._jobs.get(job_id)
+        if max_job_sessions and job is not None and job.sessions >= max_job_sessions:
+            raise ResourceExhausted(f"job {job_id!r} already has {job.sessions} sessions, its limit "
+                                    f"({job_limit or max_job_sessions}); retry once one ends, or raise that limit")
+        if job is not None and job.weight != weight:
+            raise InvalidArgument(f"job {job_id!r} already has weight {job.weight:g} (set by the rank "
+                                  f"that joined first), this session asks {weight:g}: give every rank "
+                                  "of a job the same weight")
 
     def ready(self, session) -> None:
         """The session can receive: its batches may be planned from now on."""

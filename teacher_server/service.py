@@ -27,7 +27,7 @@ import torch
 from google.protobuf import message as pb_message
 from google.protobuf import message_factory
 
-from distill_common import tracing, wire
+from distill_common import rendezvous, tracing, wire
 from distill_common.channel import SESSION_SECRET_KEY
 from distill_common.outputs import BatchDataError, TeacherFacts, TopK
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
@@ -69,7 +69,12 @@ class TeacherService:
 
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
         caller = self.callers.of(context)
-        session = self.joining.session(request, caller)
+        # Cheap refusals first (sizes, counts, limits, the session caps), then the vocabulary's
+        # match, charged to the job (joining.py); admit checks the caps again.
+        join = self.joining.checked(request, caller)
+        self.engine.check_room(join.job_id, join.weight, max_job_sessions=caller.max_sessions,
+                               job_limit=caller.limit("max_sessions"))
+        session = await self.joining.session(join)
         outputs, alignment, backend = session.outputs, session.alignment, session.backend
         self.engine.admit(session, max_job_sessions=caller.max_sessions, job_limit=caller.limit("max_sessions"))
         log.info("session %s joined: job %s rank %d, %s, outputs %s", session.session_id, session.job_id,
@@ -137,7 +142,8 @@ class TeacherService:
         # and being sent are bounded by the scheduler, which plans no more than
         # max_inflight of a session. (Counting sends too would race the student, which
         # sees its receive finish a moment before the teacher sees its send finish.)
-        queued = self.engine.queued(session)
+        # Batches being re-tokenized count as queued: a batch refused once re-tokenized has held its slot meanwhile.
+        queued = self.engine.queued(session) + session.retokenizing
         if queued >= session.max_inflight:
             raise ResourceExhausted(f"session already has {queued} batches queued (its "
                                     f"max_inflight, at most the teacher's --max-inflight {self.config.max_inflight}); "
@@ -156,13 +162,18 @@ class TeacherService:
             batch.output_bytes = output_bytes
             inflight = self.engine.submit(session, batch)
         else:
-            # Re-tokenizing takes ~5 ms per 1,000 tokens: in a thread, so that one session's batches do not
-            # hold up every other call. The session's lock keeps its batches in submit order: the id was
-            # taken above, before the first await, and the lock hands itself on first come, first served.
-            async with session.submit_order:
-                batch = await asyncio.to_thread(self.joining.retokenized, batch, alignment)
-                batch.output_bytes = output_bytes
-                inflight = self.engine.submit(session, batch)
+            # Re-tokenizing takes ~5 ms per 1,000 tokens: in a thread, charged to the session's job (joining.py),
+            # so that one job's batches do not hold up every other call. The session's lock keeps its batches in
+            # submit order: the id was taken above, before the first await, and the lock hands itself on first
+            # come, first served.
+            session.retokenizing += 1
+            try:
+                async with session.submit_order:
+                    batch = await self.joining.retokenized(batch, session)
+                    batch.output_bytes = output_bytes
+                    inflight = self.engine.submit(session, batch)
+            finally:
+                session.retokenizing -= 1
         return session, pb.SubmitResponse(batch_id=request.batch_id, inflight=inflight)
 
     async def SubmitStream(self, requests, context):
@@ -331,6 +342,14 @@ class TeacherService:
         return Batch(batch_id=request.batch_id, input_ids=ids, attention_mask=mask)
 
 
+# Calls whose requests are small by nature, refused past this before they are parsed: the
+# teacher's --max-request-bytes is sized for a batch or a Join, and parsing a request that size
+# into thousands of fields costs the event loop what the call is not worth.
+_REQUEST_LIMIT_BYTES = {"Rendezvous": rendezvous.MAX_REQUEST_BYTES}
+_REQUEST_LIMIT_WHY = {"Rendezvous": f"{rendezvous.MAX_KEYS_PER_CALL} keys, and a value and an expected value of "
+                                    f"at most the {rendezvous.MAX_BYTES} bytes a session's rendezvous holds"}
+
+
 def _parse(request_class, raw: bytes):
     try:
         return request_class.FromString(raw)
@@ -342,16 +361,26 @@ def _handler(service: TeacherService, name: str, request_class, metrics: Metrics
     """Parses the raw request and maps typed errors to status codes: the one place for both."""
     method = getattr(service, name)
 
+    limit_bytes = _REQUEST_LIMIT_BYTES.get(name)
+
     async def handle(raw: bytes, context: grpc.aio.ServicerContext):
         try:
+            if limit_bytes is not None and len(raw) > limit_bytes:
+                raise InvalidArgument(f"a {name} request of {len(raw)} bytes is larger than any this call needs "
+                                      f"({limit_bytes} bytes at most: {_REQUEST_LIMIT_WHY[name]}): refused unread")
             return await method(_parse(request_class, raw), context)
         except ServiceError as e:
             metrics.rpc_errors.labels(name, e.code.name).inc()
-            await context.abort(e.code, str(e))
+            code, message = e.code, str(e)
         except Exception as e:
             log.exception("%s failed", name)
             metrics.rpc_errors.labels(name, "INTERNAL").inc()
-            await context.abort(grpc.StatusCode.INTERNAL, bounded_message(f"{name} failed inside the teacher: {e}"))
+            code, message = grpc.StatusCode.INTERNAL, bounded_message(f"{name} failed inside the teacher: {e}")
+        # Aborted outside the except clause, with the request dropped: grpc keeps the abort's exception a
+        # while, and through its traceback (and the refusal it would chain) every frame's locals (a request
+        # of up to --max-request-bytes, a vocabulary) would live as long.
+        del raw
+        await context.abort(code, message)
 
     return handle
 

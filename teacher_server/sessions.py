@@ -99,6 +99,8 @@ class Session:
     alignment: "SessionAlignment | None" = None
     # Its re-tokenized batches reach the engine in submit order (TeacherService._submit).
     submit_order: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    # Its batches accepted and not yet re-tokenized: they count against max_inflight as queued ones do.
+    retokenizing: int = 0
     session_id: str = field(default_factory=lambda: secrets.token_hex(8))
     # The capability: every call about the session must carry it (TeacherService.session_for),
     # and the student proves it over the formed group (session_group.handshake). The id is not

@@ -344,9 +344,12 @@ class RendezvousWaits(_AsyncAttack):
         channel = self.channel()
         join = channel.unary_unary(SERVICE + "Join", request_serializer=pb.JoinRequest.SerializeToString,
                                    response_deserializer=pb.JoinResponse.FromString)
-        rendezvous = channel.unary_unary(SERVICE + "Rendezvous",
-                                         request_serializer=pb.RendezvousRequest.SerializeToString,
+        rendezvous = channel.unary_unary(SERVICE + "Rendezvous", request_serializer=None,
                                          response_deserializer=pb.RendezvousResponse.FromString)
+        # The keys serialized once (short: as many as a request holds); a message's bytes followed by
+        # another's parse as one message with the fields of both.
+        many = pb.RendezvousRequest(keys=[f"{k:x}" for k in range(self.keys)]).SerializeToString()
+        few = pb.RendezvousRequest(keys=[f"never-set-{k}" for k in range(4)]).SerializeToString()
         joined: list[pb.JoinResponse | None] = [None]
         joining = asyncio.Lock()
 
@@ -364,8 +367,6 @@ class RendezvousWaits(_AsyncAttack):
                 return joined[0]
 
         async def wait(index: int) -> None:
-            many = [f"never-set-{index}-{k}" for k in range(self.keys)]
-            few = many[:4]
             while not stop.is_set():
                 current = await session()
                 if current is None:
@@ -374,7 +375,7 @@ class RendezvousWaits(_AsyncAttack):
                 started = time.monotonic()
                 try:
                     await rendezvous(pb.RendezvousRequest(session_id=current.session_id, op=pb.RendezvousRequest.WAIT,
-                                                          keys=keys, wait_s=5.0),
+                                                          wait_s=5.0).SerializeToString() + keys,
                                      metadata=bearer(self.token) + ((SESSION_SECRET_KEY, current.session_secret),),
                                      timeout=15)
                     self.note("OK")
@@ -391,6 +392,188 @@ class RendezvousWaits(_AsyncAttack):
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await leave(channel, self.token, [joined[0]] if joined[0] is not None else [])
+        await channel.close()
+
+
+def unmatched_vocabulary(entries: int) -> bytes:
+    """A JoinRequest.student_vocabulary of `entries` 4-byte pieces no byte-level teacher spells
+    (0xff starts no UTF-8 and no merge), serialized."""
+    from distill_common.alignment import StudentVocabulary
+
+    message = pb.StudentVocabulary()
+    StudentVocabulary(tuple(b"\xff" + i.to_bytes(3, "big") for i in range(entries))).to_proto(message)
+    return message.SerializeToString()
+
+
+class VocabularyJoins(_AsyncAttack):
+    """`calls` cross-tokenizer Joins at once, each with a student vocabulary of `entries` pieces
+    that match none of the teacher's, sent again as soon as answered. With `hold_cap`, the job
+    keeps its session cap full with plain Joins (never connected; joined again as they expire),
+    so that the cross-tokenizer ones are refused for the cap; without, for the empty match."""
+
+    def __init__(self, address: str, token: str, job_id: str, entries: int = 32_000, calls: int = 24,
+                 hold_cap: bool = True):
+        super().__init__(address, token)
+        self.job_id, self.entries, self.calls, self.hold_cap = job_id, entries, calls, hold_cap
+
+    async def attack(self, stop: threading.Event) -> None:
+        import torch
+
+        channel = self.channel()
+        join = channel.unary_unary(SERVICE + "Join", request_serializer=None, response_deserializer=None)
+        peer = pb.PeerInfo(device_type="cpu", torch_version=torch.__version__)
+        plain = pb.JoinRequest(job_id=self.job_id, outputs=pb.OutputSpec(logits=True), peer=peer).SerializeToString()
+        cross = pb.JoinRequest(job_id=self.job_id, peer=peer, outputs=pb.OutputSpec(
+            cross_tokenizer=pb.CrossTokenizerOutputs(span_logprobs=True)))
+        # Serialized once: the attacker spends nothing per call but the sending.
+        cross = cross.SerializeToString() + _field(pb.JoinRequest, "student_vocabulary",
+                                                   unmatched_vocabulary(self.entries))
+
+        held: list[pb.JoinResponse] = []
+
+        async def fill() -> None:
+            while not stop.is_set():
+                try:
+                    held.append(pb.JoinResponse.FromString(await join(plain, metadata=bearer(self.token), timeout=10)))
+                    self.counts["held"] += 1
+                    continue  # another, until the cap refuses
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        self.note(e)
+                await asyncio.sleep(0.2)
+
+        async def send() -> None:
+            while not stop.is_set():
+                try:
+                    await join(cross, metadata=bearer(self.token), timeout=30)
+                    self.note("OK")
+                except grpc.RpcError as e:
+                    self.note(e)
+
+        tasks = [asyncio.create_task(fill())] if self.hold_cap else []
+        if self.hold_cap:
+            await asyncio.sleep(0.5)  # the cap full before the first cross-tokenizer Join
+        tasks += [asyncio.create_task(send()) for _ in range(self.calls)]
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await leave(channel, self.token, held)
+        await channel.close()
+
+
+async def leave(channel: grpc.aio.Channel, token: str, sessions: list[pb.JoinResponse]) -> None:
+    """Ends the sessions an attack joined (or finds them ended), so that the next attack finds its job's cap free."""
+    call = channel.unary_unary(SERVICE + "Leave", request_serializer=pb.LeaveRequest.SerializeToString,
+                               response_deserializer=pb.LeaveResponse.FromString)
+    for joined in sessions:
+        try:
+            await call(pb.LeaveRequest(session_id=joined.session_id),
+                       metadata=bearer(token) + ((SESSION_SECRET_KEY, joined.session_secret),), timeout=10)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:  # expired already
+                raise
+
+
+def _field(message_class, name: str, serialized: bytes) -> bytes:
+    """The wire bytes of one length-delimited field of `message_class` holding `serialized`."""
+    number = message_class.DESCRIPTOR.fields_by_name[name].number
+    return _varint(number << 3 | 2) + _varint(len(serialized)) + serialized
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+class RefusedCrossBatches(_AsyncAttack):
+    """`sessions` cross-tokenizer sessions of the job (joined, never connected: joined again as
+    they expire), each streaming batches that the teacher refuses only once it re-tokenized them:
+    `rows` rows of one student token spelling `row_bytes` bytes that the teacher's tokenizer
+    makes as many tokens, together more than its --max-batch-tokens (each row within
+    --max-seq-len, and the rows' bytes alone do not show it: a row must be encoded first)."""
+
+    def __init__(self, address: str, token: str, job_id: str, sessions: int = 3, rows: int = 20,
+                 row_bytes: int = 500, byte: bytes = b"z"):
+        super().__init__(address, token)
+        self.job_id, self.sessions, self.rows, self.row_bytes, self.byte = job_id, sessions, rows, row_bytes, byte
+
+    async def attack(self, stop: threading.Event) -> None:
+        import torch
+
+        from distill_common.alignment import StudentVocabulary
+        from distill_common.wire import encode
+
+        channel = self.channel()
+        join = channel.unary_unary(SERVICE + "Join", request_serializer=pb.JoinRequest.SerializeToString,
+                                   response_deserializer=pb.JoinResponse.FromString)
+        long_piece = self.byte * self.row_bytes
+        request = pb.JoinRequest(job_id=self.job_id, peer=pb.PeerInfo(device_type="cpu",
+                                                                      torch_version=torch.__version__),
+                                 outputs=pb.OutputSpec(cross_tokenizer=pb.CrossTokenizerOutputs(span_logprobs=True)))
+        StudentVocabulary(tuple(bytes([b]) for b in range(256)) + (long_piece,)).to_proto(request.student_vocabulary)
+        ids = torch.full((self.rows, 1), 256, dtype=torch.int64)
+
+        def batch(session_id: str, batch_id: int) -> pb.SubmitRequest:
+            return pb.SubmitRequest(session_id=session_id, batch_id=batch_id, input_ids=encode(ids),
+                                    student_text=pb.RowTexts(rows=[long_piece] * self.rows))
+
+        async def one_session() -> None:
+            while not stop.is_set():
+                try:
+                    joined = await join(request, metadata=bearer(self.token), timeout=30)
+                    held.append(joined)
+                    self.counts["joined"] += 1
+                except grpc.RpcError as e:
+                    self.note(e)
+                    await asyncio.sleep(0.5)
+                    continue
+                metadata = bearer(self.token) + ((SESSION_SECRET_KEY, joined.session_secret),)
+                answered = asyncio.Queue()
+
+                async def requests():
+                    batch_id = 0
+                    while not stop.is_set():
+                        yield batch(joined.session_id, batch_id).SerializeToString()
+                        batch_id += 1
+                        await answered.get()  # one batch at a time: the next once this one is answered
+
+                call = channel.stream_stream(SERVICE + "SubmitStream", request_serializer=None,
+                                             response_deserializer=pb.SubmitResponse.FromString)(
+                    requests(), metadata=metadata)
+                try:
+                    async for response in call:
+                        if response.HasField("events"):
+                            continue
+                        if response.error_code:
+                            code = next((c.name for c in grpc.StatusCode if c.value[0] == response.error_code),
+                                        str(response.error_code))
+                            self.counts[code] += 1
+                            self.details.setdefault(code, response.error_message[:300])
+                            if code == "NOT_FOUND":
+                                break  # expired: join again
+                        else:
+                            self.counts["accepted"] += 1
+                        answered.put_nowait(None)
+                except grpc.RpcError as e:
+                    self.note(e)
+                finally:
+                    call.cancel()
+
+        held: list[pb.JoinResponse] = []
+        tasks = [asyncio.create_task(one_session()) for _ in range(self.sessions)]
+        while not stop.is_set():
+            await asyncio.sleep(0.1)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await leave(channel, self.token, held)
         await channel.close()
 
 
@@ -583,3 +766,97 @@ def _observe(address: str, http: str, pid: int, token: str, interval_s: float, c
                     pass
             results.put({"probes": dict(probes), "get_info_s": get_info_s, "peak_rss_mib": peak_rss,
                          "peak_descriptors": peak_descriptors})
+
+
+class CrossStudent:
+    """An honest student with a tokenizer of its own (cross-tokenizer outputs: SpanLogprobs), in a
+    process of its own, started once; `window()` is one window of its batches.
+
+    It sends one batch again and again, one at a time: the first answer, before any window, is
+    the reference every later one must equal; a window records each batch's latency (submit to
+    outputs received) and the largest difference from the reference."""
+
+    def __init__(self, address: str, token: str, job_id: str, tokenizer_json: str, texts: list[str]):
+        context = multiprocessing.get_context("spawn")
+        self.commands, self.results = context.Queue(), context.Queue()
+        self._process = context.Process(target=_cross_student, daemon=True, args=(
+            address, token, job_id, tokenizer_json, texts, self.commands, self.results))
+        self._process.start()
+        ready = self.results.get(timeout=120)
+        assert ready == "ready", ready
+
+    def window(self) -> "CrossWindow":
+        return CrossWindow(self)
+
+    def close(self) -> None:
+        self.commands.put(None)
+        self._process.join(30)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+class CrossWindow:
+    def __init__(self, student: CrossStudent):
+        self._student = student
+        self.latencies_s: list[float] = []
+        self.worst = float("inf")
+        self.errors: list[str] = []
+
+    def __enter__(self):
+        self._student.commands.put("start")
+        assert self._student.results.get(timeout=30) == "watching"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._student.commands.put("stop")
+        seen = self._student.results.get(timeout=120)
+        self.latencies_s, self.worst, self.errors = seen["latencies_s"], seen["worst"], seen["errors"]
+
+    def percentile_s(self, q: float) -> float:
+        times = sorted(self.latencies_s)
+        return times[min(len(times) - 1, int(q * len(times)))] if times else float("inf")
+
+    def summary(self) -> str:
+        return (f"cross-tokenizer student: {len(self.latencies_s)} batches, "
+                f"p50 {self.percentile_s(0.5) * 1000:.0f} ms, "
+                f"p99 {self.percentile_s(0.99) * 1000:.0f} ms, worst difference {self.worst:.2g}, errors {self.errors}")
+
+
+def _cross_student(address: str, token: str, job_id: str, tokenizer_json: str, texts: list[str], commands,
+                   results) -> None:
+    """CrossStudent's process."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from student_trainer import SpanLogprobs, TeacherClient
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_json))
+    rows = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, :len(row)], mask[r, :len(row)] = torch.tensor(row), 1
+    valid = mask.bool()
+    with TeacherClient(address, "cpu", outputs=[SpanLogprobs()], tokenizer=tokenizer, auth_token=token,
+                       job_id=job_id, join_timeout_s=60) as client:
+        reference = client.submit(ids, mask).result(timeout=60).span_logprobs[valid]
+        results.put("ready")
+        while commands.get() == "start":
+            latencies_s, worst, errors = [], 0.0, []
+            results.put("watching")
+            while True:
+                started = time.monotonic()
+                try:
+                    out = client.submit(ids, mask).result(timeout=60)
+                    latencies_s.append(time.monotonic() - started)
+                    worst = max(worst, (out.span_logprobs[valid] - reference).abs().max().item())
+                except Exception as e:  # reported to the test, which fails on it
+                    errors.append(repr(e)[:300])
+                try:
+                    if commands.get_nowait() == "stop":
+                        break
+                except queue.Empty:
+                    pass
+            results.put({"latencies_s": latencies_s, "worst": worst, "errors": errors})

@@ -18,8 +18,8 @@ import torch
 from tokenizers import SentencePieceBPETokenizer, Tokenizer, decoders, models, pre_tokenizers
 from tokenizers import AddedToken
 
-from distill_common.alignment import (AlignmentError, StudentVocabulary, TeacherTokenizer, VocabularyMatch,
-                                      align_batch, row_texts, vocabulary_bytes)
+from distill_common.alignment import (AlignmentError, BatchTooLarge, StudentVocabulary, TeacherTokenizer,
+                                      VocabularyMatch, align_batch, row_texts, vocabulary_bytes)
 from distill_common.outputs import (ALIGNMENT, BatchOutputs, OutputRequest, OutputSpecError, ProjectedNext,
                                     SortedProbs, SpanLogprobs, TeacherFacts, TopK, output_spec)
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
@@ -350,6 +350,33 @@ def test_a_row_longer_in_the_teachers_tokens_than_its_limit_is_refused(student_v
     match = VocabularyMatch.build(student_vocab.pieces, teacher.pieces)
     with pytest.raises(AlignmentError, match="row 0: the teacher's tokenizer makes 4 tokens .* --max-seq-len 3"):
         align_batch(ids, mask, texts, student_vocab, teacher, match, max_teacher_tokens=3)
+
+
+def test_a_batch_too_large_in_the_teachers_tokens_is_refused_before_it_is_all_encoded(student_vocab):
+    """Refused once known: from the rows' bytes before any is encoded, else after the row that shows it."""
+    teacher = TeacherTokenizer(byte_level_tokenizer(TEACHER_MERGES))  # no merge of "z": a token a byte
+    encoded = []
+    encode = teacher.encode
+    teacher.encode = lambda text, row=0: encoded.append(row) or encode(text, row)
+    vocabulary = StudentVocabulary(student_vocab.pieces + (b"z" * 500, b"z" * 3000))
+    match = VocabularyMatch.build(vocabulary.pieces, teacher.pieces)
+    many = len(vocabulary) - 2
+    ids, mask = torch.full((20, 1), many), torch.ones(20, 1, dtype=torch.int64)
+    # 20 rows of 500 bytes: at least 20 x 100 tokens (the longest teacher piece is 5 bytes), within 2048;
+    # the first row's 500 tokens show 20 x 500.
+    with pytest.raises(BatchTooLarge, match="its 20 rows take at least 20 x 500 tokens .* --max-batch-tokens 2048"):
+        align_batch(ids, mask, [b"z" * 500] * 20, vocabulary, teacher, match, 512, max_batch_tokens=2048)
+    assert encoded == [0]
+    encoded.clear()
+    with pytest.raises(BatchTooLarge, match="its 4 rows take at least 4 x 600 tokens"):
+        align_batch(torch.full((4, 1), many + 1), torch.ones(4, 1, dtype=torch.int64), [b"z" * 3000] * 4, vocabulary,
+                    teacher, match, 4096, max_batch_tokens=2048)
+    with pytest.raises(AlignmentError, match="row 0: its 3000 bytes of text make at least 600 tokens .* --max-seq-len"):
+        align_batch(torch.full((1, 1), many + 1), torch.ones(1, 1, dtype=torch.int64), [b"z" * 3000], vocabulary,
+                    teacher, match, 512)
+    assert encoded == []
+    aligned = align_batch(ids[:4], mask[:4], [b"z" * 500] * 4, vocabulary, teacher, match, 512, max_batch_tokens=2048)
+    assert aligned.teacher_ids.shape == (4, 500) and encoded == [0, 1, 2, 3]
 
 
 def test_a_vocabulary_over_the_limit_or_malformed_is_refused(student_vocab):

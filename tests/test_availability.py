@@ -3,16 +3,22 @@ beside an honest student (a real process that compares every batch with the loca
 
 Attacks (tests/attacks.py): HTTP bodies trickled a byte a second, HTTP requests pipelined and
 their answers never read, idle gRPC connections past the connection cap, half-open calls of
-one job, rendezvous waits naming thousands of keys, and sessions that never receive. While
-each runs: /healthz answers at least 95% of probes, the operator's GetInfo answers within 1 s
-at the 99th percentile, and the honest session is served and neither expires nor reconnects
-(checked at the end: its report). The default
+one job, rendezvous waits naming thousands of keys, sessions that never receive (of a heavy
+job too), cross-tokenizer Joins with a 128,000-entry vocabulary refused for the job's session
+cap or for matching nothing, cross-tokenizer batches refused once re-tokenized, and hostile
+students of their own sessions' data plane (tests/hostile_peer.py). While each runs: /healthz
+answers at least 95% of probes, the operator's GetInfo answers within 1 s at the 99th
+percentile, and the honest session is served and neither expires nor reconnects (checked at
+the end: its report). A second honest student, of another tokenizer (its text re-tokenized by
+the teacher), has its batches' latency bounded under the cross-tokenizer attacks, and every
+answer equal to the one it had before them. The default
 suite runs each for a few seconds on one shared teacher; the slow version runs each for five
 rounds of 12 s and checks that the teacher's memory comes back after each round.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -20,13 +26,16 @@ import grpc
 import pytest
 import requests
 import torch
+from transformers import PreTrainedTokenizerFast
 
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from teacher_server.launcher import ServerProcess, child_env
-from tests.attacks import (HalfOpenCalls, HostilePeers, IdleConnections, Observer, PipelinedUnread, RendezvousWaits,
-                           SlowBodies, SlowConsumers, Watch, bearer, rss_mib, transport_processes)
+from tests.attacks import (CrossStudent, HalfOpenCalls, HostilePeers, IdleConnections, Observer, PipelinedUnread,
+                           RefusedCrossBatches, RendezvousWaits, SlowBodies, SlowConsumers, VocabularyJoins, Watch,
+                           bearer, rss_mib, transport_processes)
 from tests.helpers import build_tiny_model, finish_student, free_port, start_student, wait_for_line, wait_until
 from tests.hostile_peer import MODES
+from tests.test_alignment import STUDENT_MERGES, TEACHER_MERGES, byte_level_tokenizer
 
 OPERATOR = "availability-operator-token"
 ATTACKER = "attacker-job-token-0123456789"
@@ -35,8 +44,11 @@ HEAVY = "heavy-job-token-0123456789abc"  # an entry without max_weight: joins at
 GRPC_MAX_CONNECTIONS = 1024
 HTTP_MAX_CONNECTIONS = 32
 HELD_LIMIT_BYTES = 4 << 20
-# As many keys as fit a request (--max-request-bytes: 160 KiB for --max-batch-tokens 2048).
-RENDEZVOUS_KEYS = 6000
+# A cross-tokenizer student may send this many vocabulary entries at join (Llama-3's has 128,256); it
+# sets --max-request-bytes (14 bytes an entry + 64 KiB: 1.8 MiB), which every call may fill.
+MAX_STUDENT_VOCAB = 128_000
+# As many keys as fit such a request.
+RENDEZVOUS_KEYS = 180_000
 ATTACK_SHAPE = (4, 256)  # a slow consumer's batch: 1024 tokens of float32 logits, 1.5 MiB
 # The heavy job's slow consumers: three sessions at weight 100 whose batches (1.31 MiB each) fill
 # the held limit to within 64 KiB, less than the honest student's larger batches (up to 72
@@ -49,7 +61,10 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("teacher") / "model")
+    """The tiny model, with a byte-level tokenizer: what cross-tokenizer students are re-tokenized with."""
+    path = build_tiny_model(tmp_path_factory.mktemp("teacher") / "model")
+    PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer(TEACHER_MERGES)).save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +91,7 @@ def server(model_dir, tmp_path_factory):
                                "--grpc-idle-timeout-s", "2", "--request-timeout-s", "3",
                                "--grpc-max-connections", str(GRPC_MAX_CONNECTIONS),
                                "--max-held-bytes", str(HELD_LIMIT_BYTES), "--transfer-timeout-s", "60",
+                               "--max-student-vocab", str(MAX_STUDENT_VOCAB),
                                env=child_env(TEACHER_AUTH_TOKEN=OPERATOR))
     except BaseException:
         student.kill()
@@ -108,6 +124,19 @@ def observer(server):
     observer.close()
 
 
+@pytest.fixture(scope="module")
+def cross_student(server, honest):
+    """An honest student of the honest job with a tokenizer of its own (tests/attacks.py CrossStudent)."""
+    student = CrossStudent(server.address, HONEST, "honest", byte_level_tokenizer(STUDENT_MERGES).to_str(),
+                           CROSS_TEXTS)
+    with student.window() as quiet:  # its latency with no attack running
+        time.sleep(SHORT_S)
+    student.quiet = quiet
+    print(f"quiet: {quiet.summary()}")
+    yield student
+    student.close()
+
+
 def honest_batches_sent(server, session_id: str) -> int:
     """The honest session's batches sent so far; fails if it is gone (expired)."""
     status = requests.get(f"{server.http}/v1/status", headers={"Authorization": f"Bearer {OPERATOR}"},
@@ -117,10 +146,15 @@ def honest_batches_sent(server, session_id: str) -> int:
     return session["batches_sent"]
 
 
-def under_attack(attack, observer: Observer, server, honest: str, seconds: float, during=None) -> Watch:
-    """Runs `attack` for `seconds` with the honest side watching; checks what it saw."""
+def under_attack(attack, observer: Observer, server, honest: str, seconds: float, during=None,
+                 cross: CrossStudent | None = None) -> Watch:
+    """Runs `attack` for `seconds` with the honest side watching (and `cross`'s batches: `watch.cross`);
+    checks what it saw."""
     sent_before = honest_batches_sent(server, honest)
-    with observer.watch() as watch, attack:
+    with contextlib.ExitStack() as stack:
+        watch = stack.enter_context(observer.watch())
+        watch.cross = stack.enter_context(cross.window()) if cross is not None else None
+        stack.enter_context(attack)
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             if during is not None:
@@ -141,6 +175,11 @@ ATTACKS = {
     "heavy_slow_consumers": lambda server: SlowConsumers(server.address, HEAVY, "heavy", sessions=HEAVY_SESSIONS,
                                                          shape=HEAVY_SHAPE, weight=HEAVY_WEIGHT),
     "rendezvous_waits": lambda server: RendezvousWaits(server.address, ATTACKER, "attacker", keys=RENDEZVOUS_KEYS),
+    "vocabulary_joins_at_the_cap": lambda server: VocabularyJoins(server.address, ATTACKER, "attacker",
+                                                                  entries=MAX_STUDENT_VOCAB, hold_cap=True),
+    "vocabulary_joins_matching_nothing": lambda server: VocabularyJoins(server.address, ATTACKER, "attacker",
+                                                                        entries=MAX_STUDENT_VOCAB, hold_cap=False),
+    "cross_batches_refused_once_retokenized": lambda server: RefusedCrossBatches(server.address, ATTACKER, "attacker"),
     "hostile_peers": lambda server: HostilePeers(server.address, ATTACKER, "attacker"),
 }
 
@@ -158,6 +197,20 @@ HOSTILE_ENDINGS = {
     "unsolicited_send": "has ended",
     "raw_garbage": "has ended",
 }
+# Attacks that cost the teacher CPU time per call (vocabularies matched, batches re-tokenized): the
+# cross-tokenizer student runs beside them.
+CHARGED = {"vocabulary_joins_at_the_cap", "vocabulary_joins_matching_nothing", "cross_batches_refused_once_retokenized"}
+# The cross-tokenizer student's batches under such an attack: p50 within this many times its
+# quiet p50 (plus 50 ms for a loaded machine's noise), every answer equal to its first.
+CROSS_SLOWDOWN = 3.0
+CROSS_TEXTS = ["def hello(world):\n    return 1234  # café", "x = [12, 345]\nprint(x) and hello world 1234"]
+
+
+def check_cross(watch: Watch, cross: CrossStudent) -> None:
+    window = watch.cross
+    assert not window.errors and window.latencies_s and window.worst <= TOLERANCE, window.summary()
+    bound_s = CROSS_SLOWDOWN * cross.quiet.percentile_s(0.5) + 0.05
+    assert window.percentile_s(0.5) <= bound_s, f"{window.summary()}; quiet: {cross.quiet.summary()}"
 
 
 def test_http_bodies_trickled_a_byte_a_second(server, observer, honest):
@@ -245,9 +298,42 @@ def test_a_heavy_job_that_never_receives_leaves_the_others_a_batch_at_a_time(ser
 
 def test_rendezvous_waits_with_many_keys(server, observer, honest):
     attack = ATTACKS["rendezvous_waits"](server)
-    under_attack(attack, observer, server, honest, SHORT_S)
+    watch = under_attack(attack, observer, server, honest, SHORT_S)
+    print(f"rendezvous waits: {watch.summary()}; attack {dict(attack.counts)}")
     assert attack.counts["INVALID_ARGUMENT"] > 0 and attack.counts["joined"] >= 1, (attack.counts, attack.details)
-    assert "more than the 8 a call may" in attack.details["INVALID_ARGUMENT"], attack.details
+    # Refused by their size, before they are parsed: 8 keys and two values of 64 KiB at most.
+    assert "Rendezvous request of" in attack.details["INVALID_ARGUMENT"], attack.details
+    assert "8 keys" in attack.details["INVALID_ARGUMENT"], attack.details
+
+
+def test_cross_tokenizer_joins_over_the_cap_are_refused_before_their_vocabulary_is_read(server, observer, honest,
+                                                                                       cross_student):
+    attack = ATTACKS["vocabulary_joins_at_the_cap"](server)
+    watch = under_attack(attack, observer, server, honest, SHORT_S, cross=cross_student)
+    print(f"joins at the cap: {watch.summary()}; {watch.cross.summary()}; attack {dict(attack.counts)}")
+    check_cross(watch, cross_student)
+    assert attack.counts["held"] >= 1 and attack.counts["RESOURCE_EXHAUSTED"] > 100, attack.counts
+    assert "job 'attacker' already has 3 sessions" in attack.details["RESOURCE_EXHAUSTED"], attack.details
+
+
+def test_cross_tokenizer_joins_matching_nothing_wait_behind_their_own_job(server, observer, honest, cross_student):
+    attack = ATTACKS["vocabulary_joins_matching_nothing"](server)
+    watch = under_attack(attack, observer, server, honest, SHORT_S, cross=cross_student)
+    print(f"joins matching nothing: {watch.summary()}; {watch.cross.summary()}; attack {dict(attack.counts)}")
+    check_cross(watch, cross_student)
+    assert attack.counts["FAILED_PRECONDITION"] > 0, (attack.counts, attack.details)
+    assert "no piece of the student's vocabulary" in attack.details["FAILED_PRECONDITION"], attack.details
+
+
+def test_cross_tokenizer_batches_refused_once_retokenized_wait_behind_their_own_job(server, observer, honest,
+                                                                                    cross_student):
+    attack = ATTACKS["cross_batches_refused_once_retokenized"](server)
+    watch = under_attack(attack, observer, server, honest, SHORT_S, cross=cross_student)
+    print(f"cross batches refused: {watch.summary()}; {watch.cross.summary()}; attack {dict(attack.counts)}")
+    check_cross(watch, cross_student)
+    assert attack.counts["RESOURCE_EXHAUSTED"] > 0, (attack.counts, attack.details)
+    assert "tokens in the teacher's tokenizer (rows are padded to the longest), more than the teacher's " \
+        "--max-batch-tokens 2048" in attack.details["RESOURCE_EXHAUSTED"], attack.details
 
 
 def test_hostile_data_plane_peers_end_only_their_own_session(server, observer, honest):
@@ -283,7 +369,7 @@ def test_control_characters_in_client_strings_are_refused_at_join(server):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(ATTACKS))
-def test_five_rounds_of_each_attack_for_a_minute(server, observer, honest, kind):
+def test_five_rounds_of_each_attack_for_a_minute(server, observer, honest, cross_student, kind):
     """Five rounds of 12 s: the bounds hold throughout, and after each round the teacher's RSS
     comes back within 100 MB of where it started, no higher after the fifth than the first."""
     pid = server.proc.pid
@@ -291,7 +377,11 @@ def test_five_rounds_of_each_attack_for_a_minute(server, observer, honest, kind)
     after_mib = []
     for round_ in range(5):
         attack = ATTACKS[kind](server)
-        watch = under_attack(attack, observer, server, honest, 12.0)
+        cross = cross_student if kind in CHARGED else None
+        watch = under_attack(attack, observer, server, honest, 12.0, cross=cross)
+        if cross is not None:
+            print(watch.cross.summary())
+            check_cross(watch, cross)
         deadline = time.monotonic() + 20  # closed connections and ended sessions give their memory back
         while rss_mib(pid) > start_mib + 50 and time.monotonic() < deadline:
             time.sleep(0.5)

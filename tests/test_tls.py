@@ -9,6 +9,7 @@ unrelated CA (the wrong one). No key is committed.
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from student_trainer.config import TrainConfig
 from student_trainer.errors import AuthenticationFailed, LimitExceeded, TeacherUnavailable
 from teacher_server.config import ServerConfig
 from teacher_server.launcher import ServerProcess, child_env
+from tests.attacks import H2_PREFACE
 from tests.helpers import ROOT, build_tiny_model
 
 TOKEN = "tls-and-token"
@@ -72,14 +74,15 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def servers(pki, model_dir):
-    """Three teachers, started side by side: plaintext (with a 1 MiB request limit), TLS with
-    an auth token, and mutual TLS."""
+    """Four teachers, started side by side: plaintext (with a 1 MiB request limit), TLS with
+    an auth token, mutual TLS, and plaintext with room for one gRPC connection."""
     tls = ("--tls-cert", str(pki / "server.pem"), "--tls-key", str(pki / "server.key"))
     specs = {
         "plain": (("--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-batch-tokens", "4096",
                    "--max-seq-len", "1024"), None),
         "tls": (tls, child_env(TEACHER_AUTH_TOKEN=TOKEN)),
         "mtls": ((*tls, "--tls-client-ca", str(pki / "client-ca.pem")), None),
+        "capped": (("--grpc-max-connections", "1"), None),
     }
     started, errors = {}, []
 
@@ -152,6 +155,26 @@ def test_a_plaintext_client_of_a_tls_teacher_is_told_to_pass_the_ca(servers):
 def test_a_tls_client_of_a_plaintext_teacher_is_told_to_drop_the_ca(servers, pki):
     _fails_fast(lambda: TeacherClient(servers["plain"].address, "cpu", tls_ca=str(pki / "ca.pem"), join_timeout_s=30),
                 TeacherUnavailable, "does not speak TLS")
+
+
+def test_a_client_of_a_teacher_at_its_connection_cap_is_told_so_and_not_to_configure_tls(servers):
+    """The teacher closes each new connection at once while its one allowed connection is held: the
+    client says so (after waiting its join timeout: the cap heals as connections close), as does the
+    CLI; once the connection is gone the same client is served."""
+    server = servers["capped"]
+    with socket.create_connection(("127.0.0.1", server.grpc_port)) as held:
+        held.sendall(H2_PREFACE)
+        time.sleep(0.5)
+        start = time.monotonic()
+        with pytest.raises(TeacherUnavailable, match="--grpc-max-connections cap") as info:
+            TeacherClient(server.address, "cpu", join_timeout_s=4)
+        assert time.monotonic() - start >= 3.5, f"gave up before its join timeout: {info.value}"
+        assert "tls_ca" not in str(info.value) and "--tls-cert" not in str(info.value), info.value
+        cli = _cli("status", server.address, "--timeout-s", "3")
+        assert cli.returncode == 1 and "--grpc-max-connections cap" in cli.stderr, cli.stderr
+        assert "--tls-ca" not in cli.stderr, cli.stderr
+    with TeacherClient(server.address, "cpu", join_timeout_s=30) as client:
+        assert client.submit(torch.randint(0, 384, (1, 5))).result(timeout=60).logits.shape == (1, 5, 384)
 
 
 def test_https_with_the_ca_works_and_plain_http_does_not(servers, pki):
