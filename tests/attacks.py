@@ -682,26 +682,41 @@ class Observer:
         self._process.join(30)
 
 
-class Watch:
+class _Window:
+    """A window of what a process of the honest side sees: entering tells it to start
+    watching, leaving to stop and say what it saw (`seen`)."""
+
+    stop_timeout_s = 60.0
+
+    def __init__(self, source):
+        self._source = source  # has `commands` and `results` queues to that process
+
+    def __enter__(self):
+        self._source.commands.put("start")
+        assert self._source.results.get(timeout=30) == "watching"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._source.commands.put("stop")
+        self.seen(self._source.results.get(timeout=self.stop_timeout_s))
+
+    def seen(self, seen: dict) -> None:
+        raise NotImplementedError
+
+
+class Watch(_Window):
     """What honest parties saw in one window: every `interval_s` a liveness probe (GET
     /healthz) and the operator's GetInfo (on the operator's connection), each second a grpc
     health check on a new connection; the teacher's RSS and descriptors at their highest."""
 
     def __init__(self, observer: Observer):
-        self._observer = observer
+        super().__init__(observer)
         self.probes = Counter()
         self.get_info_s: list[float] = []
         self.peak_rss_mib = 0.0
         self.peak_descriptors = 0
 
-    def __enter__(self):
-        self._observer.commands.put("start")
-        assert self._observer.results.get(timeout=30) == "watching"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._observer.commands.put("stop")
-        seen = self._observer.results.get(timeout=60)
+    def seen(self, seen: dict) -> None:
         self.probes = Counter(seen["probes"])
         self.get_info_s = seen["get_info_s"]
         self.peak_rss_mib, self.peak_descriptors = seen["peak_rss_mib"], seen["peak_descriptors"]
@@ -795,21 +810,19 @@ class CrossStudent:
             self._process.kill()
 
 
-class CrossWindow:
+class CrossWindow(_Window):
+    """What the cross-tokenizer student saw in one window: its batches' latencies, the largest
+    difference from its first answers, its errors."""
+
+    stop_timeout_s = 120.0
+
     def __init__(self, student: CrossStudent):
-        self._student = student
+        super().__init__(student)
         self.latencies_s: list[float] = []
         self.worst = float("inf")
         self.errors: list[str] = []
 
-    def __enter__(self):
-        self._student.commands.put("start")
-        assert self._student.results.get(timeout=30) == "watching"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._student.commands.put("stop")
-        seen = self._student.results.get(timeout=120)
+    def seen(self, seen: dict) -> None:
         self.latencies_s, self.worst, self.errors = seen["latencies_s"], seen["worst"], seen["errors"]
 
     def percentile_s(self, q: float) -> float:
