@@ -241,12 +241,17 @@ def _align_rows(rows: list[list[bytes]], vocabulary, teacher, pad_left: bool = F
     return ids, mask, texts, align_batch(ids, mask, texts, vocabulary, teacher, match, max_teacher_tokens=64)
 
 
-@pytest.mark.parametrize("pad_left, by_prefix", [(False, False), (True, False), (False, True)])
-def test_hard_cases_align_as_the_reference_says(student_vocab, teacher, pad_left, by_prefix):
+# extra_rows: the teacher's embedding has more rows than its tokenizer has entries (Qwen's
+# 151,936 against 151,665): the logits are that much wider, and those ids spell nothing.
+@pytest.mark.parametrize("pad_left, by_prefix, extra_rows", [(False, False, 0), (True, False, 0), (False, True, 0),
+                                                            (False, False, 64), (False, True, 64)])
+def test_hard_cases_align_as_the_reference_says(student_vocab, teacher, pad_left, by_prefix, extra_rows):
     rows = list(HARD_ROWS.values())
     ids, mask, texts, aligned = _align_rows(rows, student_vocab, teacher, pad_left=pad_left, by_prefix=by_prefix)
-    logits = torch.randn(*aligned.teacher_ids.shape, len(teacher.pieces), generator=torch.Generator().manual_seed(1))
-    request = OutputRequest.resolve(output_spec([SpanLogprobs(), ProjectedNext(3), SortedProbs(4)]), facts_of(teacher))
+    width = len(teacher.pieces) + extra_rows
+    logits = torch.randn(*aligned.teacher_ids.shape, width, generator=torch.Generator().manual_seed(1))
+    request = OutputRequest.resolve(output_spec([SpanLogprobs(), ProjectedNext(3), SortedProbs(4)]),
+                                    facts_of(teacher, width))
     request = request.aligned(len(student_vocab), aligned.match.size)
     batch = _Batch(aligned)
     span, exact, projected, mass, rest, top = request.derive(BatchOutputs(logits), batch)
@@ -271,7 +276,7 @@ def test_hard_cases_align_as_the_reference_says(student_vocab, teacher, pad_left
             probs = torch.softmax(logits[r, want_context[k]].double(), -1)
             for column, u in enumerate(matched):
                 assert projected[r, t, column].item() == pytest.approx(probs[sources[u]].sum().item(), abs=1e-6)
-            unmatched = [v for v in range(len(teacher.pieces)) if not any(v in s for s in sources.values())]
+            unmatched = [v for v in range(width) if not any(v in s for s in sources.values())]
             assert mass[r, t].item() == pytest.approx(probs[unmatched].sum().item(), abs=1e-5)
             want_rest = (sorted(probs[unmatched].tolist(), reverse=True) + [0.0] * 3)[:3]  # zeros past the last
             assert rest[r, t].tolist() == pytest.approx(want_rest, abs=1e-6)
@@ -414,8 +419,10 @@ def test_cross_tokenizer_kinds_are_not_mixed_with_kinds_of_the_teachers_tokens(t
 
 # ---- helpers -------------------------------------------------------------------------------
 
-def facts_of(teacher) -> TeacherFacts:
-    return TeacherFacts(vocab_size=len(teacher.pieces), hidden_size=8, num_layers=1, dtype=torch.float32)
+def facts_of(teacher, vocab_size: int = 0) -> TeacherFacts:
+    """`vocab_size`: the logits' width, the embedding's rows (default: the tokenizer's entries)."""
+    return TeacherFacts(vocab_size=vocab_size or len(teacher.pieces), hidden_size=8, num_layers=1,
+                        dtype=torch.float32)
 
 
 class _Batch:
@@ -444,3 +451,28 @@ def test_reference_spans_sum_to_the_rows_log_likelihood(student_vocab, teacher):
                            if sum(len(teacher.pieces[i]) for i in t_ids[:j + 1]) <= first)
         assert span[r].sum().item() == pytest.approx(total - inside_first, abs=1e-3)
         assert math.isfinite(span[r].sum().item())
+
+
+def test_the_unmatched_mass_of_a_large_vocabulary_adds_up_to_one_with_the_matched(student_vocab, teacher):
+    """A 262,144-wide teacher (Gemma 3's vocabulary): the unmatched column sums nearly all of it.
+    Summed in float32 it missed 1 by up to 6.3e-4; it must equal a float64 reference."""
+    rows = list(HARD_ROWS.values())
+    ids, mask, texts, aligned = _align_rows(rows, student_vocab, teacher)
+    width = 262_144
+    logits = torch.randn(*aligned.teacher_ids.shape, width, generator=torch.Generator().manual_seed(2)) * 3
+    request = OutputRequest.resolve(output_spec([ProjectedNext()]), facts_of(teacher, width))
+    request = request.aligned(len(student_vocab), aligned.match.size)
+    projected, mass = request.derive(BatchOutputs(logits), _Batch(aligned))
+    column = torch.from_numpy(aligned.match.teacher_column)
+    checked = 0
+    for r in range(len(rows)):
+        for t in mask[r].nonzero()[:, 0].tolist():
+            context = int(aligned.context[r, t])
+            if context < 0:
+                continue
+            probs = torch.softmax(logits[r, context].double(), -1)
+            unmatched = probs[len(column):].sum() + probs[:len(column)][column == aligned.match.size].sum()
+            assert mass[r, t].item() == pytest.approx(unmatched.item(), abs=1e-6)
+            assert projected[r, t].double().sum().item() + mass[r, t].item() == pytest.approx(1.0, abs=1e-6)
+            checked += 1
+    assert checked > 5
