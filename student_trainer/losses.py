@@ -71,7 +71,7 @@ ids, the divergence is the full one on the k + 1 "bucket logits" (s at the ids, 
 gradient ``_divergence_and_grad`` gives, and d u / d s_i = exp(s_i - u) off the ids. Chunked as
 the full loss, with two float32 [chunk_tokens, V] temporaries (the chunk and its gradient). The
 teacher's tail is known to float32 resolution at best (worse when the values come in 16 bits:
-a bfloat16 log-probability l carries an error of up to |l| 2^-9, so p = e^l one of p |l| 2^-9),
+a bfloat16 log-probability l carries an error of up to |l| 2^-8, so p = e^l one of p |l| 2^-8),
 so it is floored at ``TAIL_FLOOR`` and the k + 1 masses renormalised.
 
 The teacher's head on the student (``kd_loss_from_hidden``). The teacher sends its final hidden
