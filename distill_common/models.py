@@ -65,8 +65,10 @@ def model_config(spec: str, trust_remote_code: bool = False):
 
 
 def load_causal_lm(spec: str, *, device: torch.device, dtype: torch.dtype | None = None,
-                   trust_remote_code: bool = False):
-    """The model named by `spec` on `device` (dtype None: the model's own, float32 for random ones)."""
+                   trust_remote_code: bool = False, random_seed: int = 0):
+    """The model named by `spec` on `device` (dtype None: the model's own, float32 for random ones).
+    `random_seed` draws a `random:` model's weights: the same seed, the same weights in every
+    process (a teacher's ranks, a student's DDP ranks); the trainer passes its `--seed`."""
     from transformers import AutoModelForCausalLM
 
     if spec.startswith(BUILTIN_PREFIX):
@@ -81,7 +83,8 @@ def load_causal_lm(spec: str, *, device: torch.device, dtype: torch.dtype | None
             torch.set_default_dtype(dtype or torch.float32)
             try:
                 return _seeded_init(lambda: AutoModelForCausalLM.from_config(config,
-                                                                             trust_remote_code=trust_remote_code))
+                                                                             trust_remote_code=trust_remote_code),
+                                    random_seed)
             finally:
                 torch.set_default_dtype(previous)
     try:

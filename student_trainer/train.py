@@ -313,7 +313,8 @@ def build_student(cfg: TrainConfig, device: torch.device, checkpoint: Path | Non
             raise ConfigError("--lora-r needs peft: pip install 'teacher-service[lora]'") from e
         # The frozen base in bf16 under --bf16 (half the memory of its weights; autocast computes in
         # bf16 anyway); PEFT keeps the adapter's own weights in float32.
-        base = load_causal_lm(cfg.model, device=device, dtype=torch.bfloat16 if cfg.bf16 else torch.float32)
+        base = load_causal_lm(cfg.model, device=device, dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+                              random_seed=cfg.seed)
         if checkpoint is not None:
             return PeftModel.from_pretrained(base, checkpoint / "model", is_trainable=True)
         targets = cfg.lora_target_modules
@@ -321,7 +322,7 @@ def build_student(cfg: TrainConfig, device: torch.device, checkpoint: Path | Non
                                                target_modules=targets if targets == "all-linear" else targets.split(","),
                                                task_type="CAUSAL_LM"))
     source = str(checkpoint / "model") if checkpoint is not None else cfg.model
-    return load_causal_lm(source, device=device, dtype=torch.float32)
+    return load_causal_lm(source, device=device, dtype=torch.float32, random_seed=cfg.seed)
 
 
 @torch.no_grad()

@@ -583,3 +583,23 @@ def test_a_store_dumped_from_the_served_teacher_trains_as_the_teacher_does(serve
                                      output_dir=str(tmp_path / name)))
             for name, store, address in (("live", "", server.address), ("from-dump", str(tmp_path / "dumped"), ""))]
     assert_same_run(runs[0]["history"], runs[1]["history"])
+
+
+def test_the_seed_draws_a_random_students_weights(tmp_path):
+    """`random:CONFIG` students built the way the trainer builds them: --seed decides the weights,
+    the same seed gives the same weights."""
+    from transformers import LlamaConfig
+
+    from student_trainer.config import TrainConfig
+    from student_trainer.train import build_student
+
+    LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=2).save_pretrained(tmp_path)
+
+    def weights(seed: int) -> torch.Tensor:
+        cfg = TrainConfig(model=f"random:{tmp_path}", data="data", teacher="host:1", seed=seed)
+        model = build_student(cfg, torch.device("cpu"), None)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    assert not torch.equal(weights(0), weights(1))
+    assert torch.equal(weights(1), weights(1))
