@@ -28,6 +28,7 @@ from teacher_server.edge import (RELEASE_INTERVAL_S, CallGuard, Callers, Guarded
                                  raise_descriptor_limit, release_free_memory)
 from teacher_server.engine import Engine
 from teacher_server.http_app import create_app
+from teacher_server.limits import HELD_MEMORY_SHARE, available_memory_bytes
 from teacher_server.metrics import Metrics
 from teacher_server.model_runner import ModelRunner
 from teacher_server.service import SERVICE_NAME, TeacherService, generic_handler
@@ -76,7 +77,15 @@ class TeacherServer:
         self.service = TeacherService(self.engine, config, self.metrics, self.advertise_host, self.callers)
         # The budget of outputs held for students depends on what a batch's outputs can take,
         # which the service knows from the model.
-        self.engine.scheduler.held_bytes_limit = config.held_bytes_limit(self.service.facts)
+        available_bytes = available_memory_bytes(config.device)
+        held_limit_bytes = config.held_bytes_limit(self.service.facts, available_bytes)
+        self.engine.scheduler.held_bytes_limit = held_limit_bytes
+        if not config.max_held_bytes:
+            log.info("--max-held-bytes %d (%.1f GiB): the lesser of --max-inflight %d batches of the largest outputs "
+                     "(%.1f GiB) and %d%% of the %.1f GiB available on %s; set --max-held-bytes to choose",
+                     held_limit_bytes, held_limit_bytes / 2**30, config.max_inflight,
+                     config.max_inflight * config.output_bytes_limit(self.service.facts) / 2**30,
+                     round(100 * HELD_MEMORY_SHARE), available_bytes / 2**30, config.device)
         self.health = health.aio.HealthServicer()
         self._shutting_down = False
         self.grpc_port = 0

@@ -183,7 +183,8 @@ class ServerConfig(ServerLimits):
         "outputs computed and not yet received that the teacher holds, all sessions together, e.g. 8GiB; each "
         "job holds at most its share by weight, its sessions that reach it are not scheduled until their students "
         "receive, and beyond it one batch per job that holds nothing, so that every job is served "
-        "(0: --max-inflight batches of the largest outputs --max-output-bytes allows)")})
+        "(0: --max-inflight batches of the largest outputs --max-output-bytes allows, at most a quarter of the "
+        "memory available on --device once the model is loaded)")})
 
     def __post_init__(self) -> None:
         check_choices(self)

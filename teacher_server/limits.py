@@ -11,6 +11,7 @@ default is computed in one place. `ServerConfig` inherits these: a caller asks
 from __future__ import annotations
 
 import math
+import os
 from typing import TYPE_CHECKING
 
 from distill_common.settings import ConfigError
@@ -22,6 +23,30 @@ if TYPE_CHECKING:  # torch is imported after the flags are checked
 
 # --max-seq-len for a model whose positions have no hard limit (rotary, ALiBi).
 DEFAULT_MAX_SEQ_LEN = 8192
+
+# The default --max-held-bytes takes at most this share of the memory available where the
+# outputs are held, once the model is loaded: the rest is left to the forward's activations,
+# the transport's copies and the host's other work, so students that stop receiving cannot
+# make the teacher run out of memory.
+HELD_MEMORY_SHARE = 0.25
+
+
+def available_memory_bytes(device: str) -> int:
+    """Memory free for new allocations on `device` (cpu, cuda, cuda:N), where the teacher's
+    outputs are held: the GPU's free memory, or the host's MemAvailable (/proc/meminfo; the
+    free physical pages where there is no such file)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kiB
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class ServerLimits:
@@ -120,5 +145,9 @@ class ServerLimits:
         reconnecting student's old stream ends), at most --max-streams."""
         return min(2 * (job_sessions or self.max_sessions), self.streams_limit)
 
-    def held_bytes_limit(self, teacher: TeacherFacts) -> int:
-        return self.max_held_bytes or self.max_inflight * self.output_bytes_limit(teacher)
+    def held_bytes_limit(self, teacher: TeacherFacts, available_bytes: int) -> int:
+        """--max-held-bytes, or by default --max-inflight batches of the largest outputs, at most
+        HELD_MEMORY_SHARE of `available_bytes` (the memory available where they are held)."""
+        if self.max_held_bytes:
+            return self.max_held_bytes
+        return min(self.max_inflight * self.output_bytes_limit(teacher), int(HELD_MEMORY_SHARE * available_bytes))

@@ -4,6 +4,7 @@ defaults and checks (distill_common/settings.py). No server, no model."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import pytest
@@ -97,3 +98,23 @@ def test_the_eagle3_settings_take_their_teacher_connection_checks_from_the_train
             config(teacher_max_resubmits=-1)
         with pytest.raises(ConfigError, match="--teacher-tls-cert"):
             config(teacher_tls_cert="cert.pem")  # a client certificate without its key
+
+
+def test_the_default_held_outputs_take_at_most_a_quarter_of_the_memory_available():
+    from distill_common.outputs import TeacherFacts
+    from teacher_server.limits import available_memory_bytes
+
+    gib = 2**30
+    facts = TeacherFacts(vocab_size=128_256, hidden_size=4096, num_layers=32, dtype=torch.bfloat16)
+    config = ServerConfig(max_batch_tokens=2048)
+    # float32 full logits, the default --max-topk 1024 (values and ids), 33 hidden states, the next
+    # token's log-probability and the default --max-score-ids 8, for each of 2048 tokens.
+    batch_bytes = 2048 * 4 * (128_256 + 2 * 1024 + 33 * 4096 + 1 + 8)
+    assert config.held_bytes_limit(facts, available_bytes=1024 * gib) == config.max_inflight * batch_bytes
+    # A 12 GiB host, where the batches alone would take more than it has.
+    assert config.max_inflight * batch_bytes > 12 * gib
+    assert config.held_bytes_limit(facts, available_bytes=12 * gib) == 3 * gib
+    # The operator's figure is kept, whatever the machine has.
+    assert ServerConfig(max_held_bytes=40 * gib).held_bytes_limit(facts, available_bytes=24 * gib) == 40 * gib
+    total_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < available_memory_bytes("cpu") <= total_bytes
