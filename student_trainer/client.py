@@ -170,7 +170,8 @@ class TeacherClient:
         self._join_request = _join_request(self.device, spec, self.vocabulary, fingerprint, job_id=job_id,
                                            job_rank=job_rank, max_inflight=max_inflight, vocab_size=vocab_size,
                                            weight=weight)
-        first_join = FirstJoin(address, join_timeout_s)
+        first_join = FirstJoin(address, join_timeout_s,
+                               student_vocab_entries=len(self.vocabulary.pieces) if self.vocabulary else 0)
         joining.wait_for_server(self, join_timeout_s)
         joined = joining.join_first(self, first_join)
         self.info = TeacherInfo.from_proto(joined.info)

@@ -93,10 +93,13 @@ class FirstJoin:
     capped, jittered) and never go past `timeout_s` from the start.
     """
 
-    def __init__(self, address: str, timeout_s: float, *, clock: Callable[[], float] = time.monotonic,
-                 jitter: Callable[[float, float], float] = random.uniform):
+    def __init__(self, address: str, timeout_s: float, *, student_vocab_entries: int = 0,
+                 clock: Callable[[], float] = time.monotonic, jitter: Callable[[float, float], float] = random.uniform):
         self.address = address
         self.timeout_s = timeout_s
+        # The entries of the student vocabulary the Join carries (0: none): what sizes a
+        # cross-tokenizer Join, and what the teacher's --max-student-vocab must admit.
+        self.student_vocab_entries = student_vocab_entries
         self.deadline = clock() + timeout_s
         self.attempts = 0  # refused so far
         self._delay_s = RECONNECT_FIRST_DELAY_S
@@ -121,6 +124,14 @@ class FirstJoin:
 
     def final(self, error: TeacherError) -> TeacherError:
         """What to raise when giving up: `error`, saying how long the client asked when it was full."""
+        if too_large(error) and self.student_vocab_entries:
+            # The teacher sizes its request limit by --max-student-vocab (docs/security.md,
+            # "Limits"): that flag, not --max-request-bytes, is the one that admits a vocabulary.
+            return LimitExceeded(f"{error}: the Join carries this student's vocabulary of "
+                                 f"{self.student_vocab_entries:,} entries, more than the teacher's request limit "
+                                 "holds; start the teacher with --max-student-vocab "
+                                 f"{self.student_vocab_entries} (or more: it defaults to the teacher's own "
+                                 "vocabulary size, and sizes --max-request-bytes)", error.code)
         if too_large(error):
             return LimitExceeded(f"{error}: the Join request is larger than the teacher's --max-request-bytes "
                                  "(a long logit subset, say): ask for fewer ids, or start the teacher with a larger "

@@ -603,3 +603,27 @@ def test_the_seed_draws_a_random_students_weights(tmp_path):
 
     assert not torch.equal(weights(0), weights(1))
     assert torch.equal(weights(1), weights(1))
+
+
+def test_a_student_vocabulary_too_large_for_the_join_is_told_to_raise_max_student_vocab(server):
+    """A 262,144-entry student vocabulary (Gemma's size) joining a teacher with default limits:
+    grpc refuses the Join for its size, and the client names --max-student-vocab, the flag that
+    admits it, with the vocabulary's entries."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from distill_common.outputs import SpanLogprobs
+    from student_trainer.errors import LimitExceeded
+    from tests.test_alignment import byte_level
+
+    entries = 262_144
+    # Distinct 3-byte pieces: 1 MiB of Join, over the teacher's default request limit (about 160 KiB).
+    vocab = {byte_level(i.to_bytes(3, "big")): i for i in range(entries)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=byte_level(b"\0\0\0")))
+    tokenizer.decoder = decoders.ByteLevel()
+    with pytest.raises(LimitExceeded) as refused:
+        TeacherClient(server.address, "cpu", outputs=[SpanLogprobs()],
+                      tokenizer=PreTrainedTokenizerFast(tokenizer_object=tokenizer), join_timeout_s=30)
+    message = str(refused.value)
+    assert "Received message larger than max" in message
+    assert f"--max-student-vocab {entries}" in message and "262,144 entries" in message
