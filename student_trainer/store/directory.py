@@ -19,7 +19,7 @@ from distill_common import wire
 from distill_common.outputs import (FinalHidden, JoinData, Output, OutputRequest, SubsetLogits, TeacherFacts,
                                     output_spec)
 from distill_common.store import StoreCorrupt, StoreError, StoreMismatch, StoreMissing
-from student_trainer.client import TeacherInfo
+from student_trainer.link import TeacherInfo
 from student_trainer.store.files import ShardFiles, stored_spec
 from student_trainer.store.timing import StageTimes, stage
 
