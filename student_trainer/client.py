@@ -27,7 +27,8 @@ RESOURCE_EXHAUSTED, UNAUTHENTICATED, PERMISSION_DENIED) is final, but for a firs
 refused because the teacher is full (RESOURCE_EXHAUSTED), asked again until
 `join_timeout_s`. What a failure leads to is decided in one place, the connection's state
 machine (student_trainer/connection.py); joining, noticing a failure and joining again are
-carried out by student_trainer/joining.py. Batch ids restart at 0 on every session (see
+carried out by student_trainer/joining.py, on what it shares with the client: their `Link`
+(student_trainer/link.py: the channel, the undelivered batches, the locks). Batch ids restart at 0 on every session (see
 SubmitRequest.batch_id); `TeacherOutput.batch_id` is the client's own id, which does not.
 
 Every call about a session carries the secret its Join returned (the gRPC metadata key
@@ -42,54 +43,23 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import grpc
 import torch
 
 from distill_common import tracing, wire
-from distill_common.channel import SESSION_SECRET_KEY, channel_credentials, open_channel
-from distill_common.outputs import JoinData, Logits, Output, OutputRequest, output_spec
+from distill_common.outputs import Logits, Output, OutputRequest, output_spec
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
-from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
-from distill_common.quantization import Quantization
 from distill_common.session_group import device_uuid, nccl_version
 from distill_common.alignment import StudentVocabulary, row_texts
 from distill_common.vocab import tokenizer_fingerprint
 from student_trainer import joining
 from student_trainer.connection import MAX_RESUBMITS, Connection, FirstJoin, State
-from student_trainer.errors import Incompatible, TeacherError, TeacherUnavailable, from_rpc_error
-from student_trainer.session import Batch, Session
+from student_trainer.errors import Incompatible, TeacherError, TeacherUnavailable
+from student_trainer.link import Link, TeacherChannel, TeacherInfo
+from student_trainer.session import Batch
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TeacherInfo:
-    model_name: str
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    dtype: str
-    tokenizer_fingerprint: str
-    max_batch_tokens: int
-    max_seq_len: int
-    quantization: Quantization = Quantization()  # what the teacher's decoder linears run in (FP8, or its dtype)
-
-    @classmethod
-    def from_proto(cls, info: pb.TeacherInfo) -> "TeacherInfo":
-        return cls(model_name=info.model_name, architecture=info.architecture, vocab_size=info.vocab_size,
-                   hidden_size=info.hidden_size, num_layers=info.num_layers, dtype=info.dtype,
-                   tokenizer_fingerprint=info.tokenizer_fingerprint, max_batch_tokens=info.max_batch_tokens,
-                   max_seq_len=info.max_seq_len, quantization=Quantization.from_info(info.quantization))
-
-
-def _grpc_options() -> list:
-    # A restarted teacher is dialled again within a second or two: grpc's own reconnect
-    # backoff would grow to two minutes, longer than a restart takes.
-    return [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 def _join_request(device: torch.device, spec, vocabulary: StudentVocabulary | None, fingerprint: str, *,
@@ -138,24 +108,11 @@ class TeacherClient:
         ended; past that it fails with BatchNotServed, naming why each session ended.
         `refuse_quantized`: refuse a teacher whose decoder runs in FP8 (TeacherInfo.quantization)
         at join, with Incompatible, for a student that must learn the full-precision distribution."""
-        self.address = address
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.rpc_timeout_s = rpc_timeout_s
-        self._tls = bool(tls_ca)
-        self._channel = open_channel(address, channel_credentials(tls_ca, tls_cert, tls_key), _grpc_options())
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         token = os.environ.get("TEACHER_AUTH_TOKEN", "") if auth_token is None else auth_token
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._stub = pb_grpc.TeacherServiceStub(self._channel)
-        self._submit_lock = threading.Lock()  # client ids, each session's wire ids and its stream in one order
-        self._cond = threading.Condition()  # the connection and _undelivered
-        self.reconnect_timeout_s = reconnect_timeout_s
-        self.join_timeout_s = join_timeout_s
-        self.reconnects = 0  # joins after the first, each after the teacher went away
-        # Every batch whose future is not resolved, by its client id, in submit order: what a
-        # new session is sent after a reconnect. Resolving takes a batch out (_resolve).
-        self._undelivered: dict[int, Batch] = {}
+        channel = TeacherChannel(address, rpc_timeout_s, token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self._next_batch_id = 0  # the client's own batch ids (see Batch.batch_id)
 
         fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
@@ -167,44 +124,43 @@ class TeacherClient:
             if tokenizer is None:
                 raise ValueError("cross-tokenizer outputs need the student's tokenizer: pass tokenizer=")
             self.vocabulary = StudentVocabulary.of(tokenizer)
-        self._join_request = _join_request(self.device, spec, self.vocabulary, fingerprint, job_id=job_id,
-                                           job_rank=job_rank, max_inflight=max_inflight, vocab_size=vocab_size,
-                                           weight=weight)
+        join_request = _join_request(device, spec, self.vocabulary, fingerprint, job_id=job_id, job_rank=job_rank,
+                                     max_inflight=max_inflight, vocab_size=vocab_size, weight=weight)
+        # What this client and its joining procedure (student_trainer/joining.py) share.
+        self._link = link = Link(channel, device, join_request, join_timeout_s=join_timeout_s,
+                                 reconnect_timeout_s=reconnect_timeout_s, transfer_timeout_s=transfer_timeout_s)
         first_join = FirstJoin(address, join_timeout_s,
                                student_vocab_entries=len(self.vocabulary.pieces) if self.vocabulary else 0)
-        joining.wait_for_server(self, join_timeout_s)
-        joined = joining.join_first(self, first_join)
-        self.info = TeacherInfo.from_proto(joined.info)
+        channel.wait_for_server(join_timeout_s)
+        joined = joining.join_first(link, first_join)
+        link.info = TeacherInfo.from_proto(joined.info)
         if refuse_quantized and self.info.quantization.format:
-            self._leave(joined)
-            self._channel.close()
+            channel.leave(joined)
+            channel.close()
             raise Incompatible(f"teacher {address} runs its decoder in {self.info.quantization}, and this student "
                                "refuses a quantized teacher (--refuse-fp8-teacher): serve the teacher without "
                                "--quantize and from a checkpoint in its full dtype, or drop the flag",
                                grpc.StatusCode.FAILED_PRECONDITION)
-        self.backend = joined.backend
+        link.backend = joined.backend
         self.max_inflight = joined.max_inflight
-        self.output_dtype = wire.parse_output_dtype(joined.output_dtype)
-        self.outputs = OutputRequest.granted(self._join_request.outputs, joined)
-        # Cross-tokenizer outputs: the student ids of ProjectedNext's columns, int64 [M] (None otherwise).
-        self.matched_student_ids: torch.Tensor | None = joining.matched_student_ids(joined)
-        self._transfer_timeout_arg = transfer_timeout_s
-        self.transfer_timeout_s = transfer_timeout_s or joined.timeout_s
-        self.heartbeat_interval_s = joined.heartbeat_interval_s
+        link.output_dtype = wire.parse_output_dtype(joined.output_dtype)
+        link.outputs = OutputRequest.granted(join_request.outputs, joined)
+        link.matched_student_ids = joining.matched_student_ids(joined)
+        link.transfer_timeout_s = transfer_timeout_s or joined.timeout_s
+        link.heartbeat_interval_s = joined.heartbeat_interval_s
         self._slots = threading.Semaphore(self.max_inflight)
         # A join after a restart asks for what this one was granted: the slots are sized by it.
-        self._join_request.max_inflight = self.max_inflight
+        join_request.max_inflight = self.max_inflight
         try:
-            session = joining.connect(self, joined, join_timeout_s)
+            session = joining.connect(link, joined, join_timeout_s)
         except BaseException:
-            self._leave(joined)
-            self._channel.close()
+            channel.leave(joined)
+            channel.close()
             raise
-        # What the kinds asked sent once at join (TeacherOutput's companions: the output head).
-        self.joined: JoinData = session.joined_data
-        self._connection = Connection(session, address, reconnect_timeout_s, max_resubmits=max_resubmits)
-        self._start(session)
-        self._heartbeat_thread = threading.Thread(target=joining.send_heartbeats, args=(self,), name="send-heartbeats",
+        link.joined = session.joined_data
+        link.connection = Connection(session, address, reconnect_timeout_s, max_resubmits=max_resubmits)
+        link.start(session)
+        self._heartbeat_thread = threading.Thread(target=joining.send_heartbeats, args=(link,), name="send-heartbeats",
                                                   daemon=True)
         self._heartbeat_thread.start()
         log.info("joined teacher %s as session %s (%s, %s, %s; decoder linears: %s)", address, self.session_id,
@@ -217,6 +173,27 @@ class TeacherClient:
     def session_id(self) -> str:
         """The current session's id (a new one after each reconnect)."""
         return self._connection.session.session_id
+
+    # What the first Join granted, kept where the joining procedure checks a teacher that came back against it.
+    address = property(lambda self: self._link.channel.address)
+    device = property(lambda self: self._link.device)
+    info = property(lambda self: self._link.info, doc="The teacher's model and limits (TeacherInfo).")
+    backend = property(lambda self: self._link.backend, doc="The data plane's backend: nccl or gloo.")
+    output_dtype = property(lambda self: self._link.output_dtype)
+    outputs = property(lambda self: self._link.outputs, doc="What was granted (OutputRequest).")
+    matched_student_ids = property(lambda self: self._link.matched_student_ids,
+                                   doc="Cross-tokenizer outputs: the student ids of ProjectedNext's columns, "
+                                       "int64 [M] (None otherwise).")
+    joined = property(lambda self: self._link.joined,
+                      doc="What the kinds asked sent once at join (TeacherOutput's companions: the output head).")
+    rpc_timeout_s = property(lambda self: self._link.channel.rpc_timeout_s)
+    join_timeout_s = property(lambda self: self._link.join_timeout_s)
+    reconnect_timeout_s = property(lambda self: self._link.reconnect_timeout_s)
+    transfer_timeout_s = property(lambda self: self._link.transfer_timeout_s)
+    heartbeat_interval_s = property(lambda self: self._link.heartbeat_interval_s)
+    reconnects = property(lambda self: self._link.reconnects, doc="Joins after the first, each after the teacher "
+                                                                  "went away.")
+    _connection = property(lambda self: self._link.connection)
 
     def submit(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                timeout_s: float | None = None, *, score_ids: torch.Tensor | None = None,
@@ -254,13 +231,13 @@ class TeacherClient:
         self._acquire_slot(wait_s)
         future: Future = Future()
         future.add_done_callback(lambda _: self._slots.release())
-        with self._submit_lock:
-            with self._cond:
+        with self._link.submit_lock:
+            with self._link.cond:
                 error = self._connection.unusable()
                 if error is None:
                     batch = Batch(self._next_batch_id, tuple(input_ids.shape), request, future)
                     self._next_batch_id += 1
-                    self._undelivered[batch.batch_id] = batch
+                    self._link.undelivered[batch.batch_id] = batch
                     session = self._connection.current()
             if error is not None:
                 future.set_exception(error)  # frees the slot
@@ -274,24 +251,24 @@ class TeacherClient:
         if self._connection.state is State.CLOSED:
             return
         deadline = time.monotonic() + (self.transfer_timeout_s if timeout_s is None else timeout_s)
-        with self._cond:
-            while self._undelivered and self._connection.error is None and time.monotonic() < deadline:
-                self._cond.wait(0.05)
+        with self._link.cond:
+            while self._link.undelivered and self._connection.error is None and time.monotonic() < deadline:
+                self._link.cond.wait(0.05)
             if not self._connection.close():
                 return
             session = self._connection.session  # a reconnect that finishes now gives its new session up itself
-            self._cond.notify_all()
+            self._link.cond.notify_all()
         session.finish()  # the stream ends: the teacher ends its answers too
         session.join(timeout_s=5)
-        self._leave(session.joined, timeout_s=min(self.rpc_timeout_s, 5.0))
+        self._link.channel.leave(session.joined, timeout_s=min(self.rpc_timeout_s, 5.0))
         session.stop()
-        self._channel.close()  # cancels a heartbeat in flight
+        self._link.channel.close()  # cancels a heartbeat in flight
         # Threads end here, not during interpreter shutdown: a daemon thread that drops the
         # last reference to a process group then runs its destructor without a GIL to take
         # back, and the process aborts ("terminate called without an active exception").
         self._heartbeat_thread.join(timeout=5)
         session.join(timeout_s=5)
-        self._fail_undelivered(TeacherError("the client was closed before this batch arrived"))
+        self._link.fail_undelivered(TeacherError("the client was closed before this batch arrived"))
 
     def __enter__(self) -> "TeacherClient":
         return self
@@ -316,72 +293,7 @@ class TeacherClient:
                 raise TeacherUnavailable(f"no batch finished within {wait_s:.0f}s while {self.max_inflight} were "
                                          "in flight: the teacher is overloaded or stuck", grpc.StatusCode.UNAVAILABLE)
 
-    def _resolve(self, batch: Batch, session: Session, result=None, error: BaseException | None = None) -> bool:
-        """Resolves `batch`'s future unless it was resolved already or `session` no longer serves.
-
-        The one place a future is resolved: taking the batch out of _undelivered under the
-        lock decides it, so a batch is delivered once, and once delivered never sent again.
-        """
-        with self._cond:
-            if not self._connection.serves(session):
-                return False  # a reconnect sends the batch again, or has already
-            if self._undelivered.pop(batch.batch_id, None) is None:
-                return False
-            self._cond.notify_all()  # close() waits for _undelivered to empty
-        if error is None:
-            batch.future.set_result(result)
-        else:
-            batch.future.set_exception(error)
-        return True
-
-    def _fail_undelivered(self, error: TeacherError) -> None:
-        with self._cond:
-            failed = list(self._undelivered.values())
-            self._undelivered.clear()
-        for batch in failed:
-            batch.future.set_exception(error)
-
     def _check_usable(self) -> None:
         error = self._connection.unusable()
         if error is not None:
             raise error
-
-    # ---- joining (the procedure: student_trainer/joining.py) -------------------
-
-    def _start(self, session: Session) -> None:
-        """Opens the submit stream of `session` (already made current) and starts its threads."""
-        # One stream carries every Submit of the session: no round trip per batch.
-        metadata = self._metadata + self._secret(session.joined)
-        session.start(lambda requests: self._stub.SubmitStream(requests, metadata=metadata), self.transfer_timeout_s)
-
-    # ---- plumbing ----------------------------------------------------------------
-
-    @staticmethod
-    def _secret(joined: pb.JoinResponse) -> tuple:
-        """The metadata that lets a call act on the session `joined`: its secret."""
-        return ((SESSION_SECRET_KEY, joined.session_secret),)
-
-    def _call(self, method: str, request, timeout_s: float | None = None, joined: pb.JoinResponse | None = None):
-        """`joined`: the session the call is about, whose secret it carries."""
-        timeout_s = self.rpc_timeout_s if timeout_s is None else timeout_s
-        metadata = self._metadata if joined is None else self._metadata + self._secret(joined)
-        try:
-            return getattr(self._stub, method)(request, timeout=timeout_s, metadata=metadata)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e, f"{method} to teacher {self.address}") from None
-
-    def _wait_closed(self, timeout_s: float) -> bool:
-        """Sleeps `timeout_s`, less when the client is closed meanwhile; True when it is."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._connection.state is State.CLOSED, timeout_s)
-
-    def _leave(self, joined: pb.JoinResponse, timeout_s: float | None = None) -> TeacherError | None:
-        """Leaves the session; the teacher's error, if any (NOT_FOUND names why it had ended it)."""
-        if not joined.session_id:
-            return None
-        try:
-            self._call("Leave", pb.LeaveRequest(session_id=joined.session_id, drain=False), timeout_s, joined=joined)
-        except TeacherError as e:
-            log.debug("leave: %s", e)
-            return e
-        return None

@@ -1,6 +1,6 @@
 """How TeacherClient joins the teacher, notices its session failed, and joins again.
 
-The first join: `wait_for_server`, then `join_first`, which asks again while the teacher
+The first join: `TeacherChannel.wait_for_server`, then `join_first`, which asks again while the teacher
 is full (the connection module's FirstJoin decides), then `connect`, which forms the
 session's group over its rendezvous keys and receives what the kinds asked sent once.
 
@@ -11,8 +11,9 @@ session (the teacher says why it ended it), joins again with the first Join's re
 backoff until the connection's deadline, refuses a teacher that came back different
 (`check_same_teacher`, `check_same_join_data`: its outputs would not continue the run), and
 makes the new session current and sends it every undelivered batch, in submit order
-(`install`). Every decision is the connection's; this module carries it out, on the
-client's channel and under the client's locks (its `_cond` and `_submit_lock`).
+(`install`). Every decision is the connection's; this module carries it out on what it
+shares with the client, its `Link` (student_trainer/link.py): the channel, the undelivered
+batches and the locks over them (`cond` and `submit_lock`).
 """
 
 from __future__ import annotations
@@ -21,47 +22,35 @@ import logging
 import threading
 import time
 from functools import partial
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
 from distill_common import wire
-from distill_common.channel import TeacherUnreachable, wait_until_reachable
 from distill_common.outputs import JoinData, OutputRequest
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.quantization import Quantization
 from distill_common.rendezvous import RendezvousStore
 from distill_common.session_group import STUDENT_RANK, build_group, handshake, local_address_towards
 from student_trainer.connection import Action, FirstJoin, State
-from student_trainer.errors import Incompatible, TeacherError, TeacherUnavailable
+from student_trainer.errors import Incompatible, TeacherError
+from student_trainer.link import Link, TeacherInfo
 from student_trainer.session import Session
-
-if TYPE_CHECKING:
-    from student_trainer.client import TeacherClient, TeacherInfo
 
 # The client's logger: what a TeacherClient says about its connection is one log, whichever module says it.
 log = logging.getLogger("student_trainer.client")
 
 
-def wait_for_server(client: TeacherClient, timeout_s: float) -> None:
-    try:  # a TLS mismatch is reported at once, with the argument to change
-        wait_until_reachable(client._channel, client.address, timeout_s, tls=client._tls)
-    except TeacherUnreachable as e:
-        client._channel.close()
-        raise TeacherUnavailable(str(e)) from None
-
-
-def join_first(client: TeacherClient, first_join: FirstJoin) -> pb.JoinResponse:
+def join_first(link: Link, first_join: FirstJoin) -> pb.JoinResponse:
     """The first Join, asked again while the teacher is full (FirstJoin decides), within join_timeout_s."""
     while True:
         try:
-            return client._call("Join", client._join_request,
-                                timeout_s=max(0.1, min(client.rpc_timeout_s, first_join.deadline - time.monotonic())))
+            return link.channel.call("Join", link.join_request, timeout_s=max(
+                0.1, min(link.channel.rpc_timeout_s, first_join.deadline - time.monotonic())))
         except TeacherError as e:
             pause_s = first_join.refused(e)
             if pause_s is None:
-                client._channel.close()
+                link.channel.close()
                 raise first_join.final(e) from None
             log.warning("%s", first_join.waiting(e, pause_s))
             time.sleep(pause_s)
@@ -75,23 +64,24 @@ def matched_student_ids(joined: pb.JoinResponse) -> torch.Tensor | None:
                        max_elements=max(1, joined.alignment.student_vocab_size)).long()
 
 
-def connect(client: TeacherClient, joined: pb.JoinResponse, timeout_s: float) -> Session:
+def connect(link: Link, joined: pb.JoinResponse, timeout_s: float) -> Session:
     """The session `joined` names, its group formed and the join-time outputs received (not yet started)."""
     # The session's rendezvous keys, over the client's channel: the token and the session's secret.
-    store = RendezvousStore(lambda request, call_timeout_s: client._call("Rendezvous", request, call_timeout_s, joined),
-                            joined.session_id, timeout_s, client.rpc_timeout_s)
+    channel = link.channel
+    store = RendezvousStore(lambda request, call_timeout_s: channel.call("Rendezvous", request, call_timeout_s, joined),
+                            joined.session_id, timeout_s, channel.rpc_timeout_s)
     # The address the teacher reaches this process at, where gloo listens (NCCL finds its own).
     local_host = local_address_towards(joined.data_plane_host)
-    group = build_group(store, backend=joined.backend, rank=STUDENT_RANK, device=client.device,
+    group = build_group(store, backend=joined.backend, rank=STUDENT_RANK, device=link.device,
                         timeout_s=timeout_s, gloo_host=local_host)
     try:
         handshake(group, joined.session_secret.encode(), timeout_s)  # each end proves it knows the secret
-        joined_data = _receive_join_data(client.outputs, group, timeout_s)
+        joined_data = _receive_join_data(link.outputs, group, timeout_s)
     except BaseException:
         group.abort()
         raise
-    session = Session(joined, group, client.outputs, client.address, on_failure=partial(session_failed, client),
-                      resolve=client._resolve)
+    session = Session(joined, group, link.outputs, link.channel.address, on_failure=partial(session_failed, link),
+                      resolve=link.resolve)
     session.joined_data = joined_data
     return session
 
@@ -107,119 +97,119 @@ def _receive_join_data(outputs: OutputRequest, group, timeout_s: float) -> JoinD
     return outputs.join_assemble(group.delivered(buffers))
 
 
-def send_heartbeats(client: TeacherClient) -> None:
+def send_heartbeats(link: Link) -> None:
     """The heartbeat thread: keeps the current session's lease, and reports the teacher gone."""
-    while not client._wait_closed(client.heartbeat_interval_s):
-        with client._cond:
-            state, session = client._connection.state, client._connection.session
+    while not link.wait_closed(link.heartbeat_interval_s):
+        with link.cond:
+            state, session = link.connection.state, link.connection.session
         if state is State.BROKEN:
             return
         if state is not State.CONNECTED:
             continue  # reconnecting: the next session's lease starts at its Join
         try:
-            client._call("Heartbeat", pb.HeartbeatRequest(session_id=session.session_id), joined=session.joined)
+            link.channel.call("Heartbeat", pb.HeartbeatRequest(session_id=session.session_id), joined=session.joined)
         except TeacherError as e:
-            if client._connection.state is State.CLOSED:
+            if link.connection.state is State.CLOSED:
                 return
             log.warning("heartbeat failed: %s", e)
-            session_failed(client, session, e, heartbeat=True)
+            session_failed(link, session, e, heartbeat=True)
 
 
-def session_failed(client: TeacherClient, session: Session, error: TeacherError, heartbeat: bool = False) -> None:
+def session_failed(link: Link, session: Session, error: TeacherError, heartbeat: bool = False) -> None:
     """A thread of `session` hit `error`: the connection decides whether to join again or fail for good."""
-    with client._cond:
-        connection = client._connection
+    with link.cond:
+        connection = link.connection
         action = (connection.heartbeat_failed if heartbeat else connection.failed)(session, error,
-                                                                                   list(client._undelivered))
-        client._cond.notify_all()
+                                                                                   list(link.undelivered))
+        link.cond.notify_all()
     if action is Action.IGNORE:
         return
     session.stop()
     if action is Action.REJOIN:
-        threading.Thread(target=rejoin, args=(client,), name="rejoin-teacher", daemon=True).start()
+        threading.Thread(target=rejoin, args=(link,), name="rejoin-teacher", daemon=True).start()
     else:
-        client._fail_undelivered(connection.error)
+        link.fail_undelivered(connection.error)
 
 
-def _broke(client: TeacherClient) -> None:
+def _broke(link: Link) -> None:
     """The connection broke while rejoining: the lost session is gone, every undelivered batch fails."""
-    client._connection.session.stop()
-    client._fail_undelivered(client._connection.error)
+    link.connection.session.stop()
+    link.fail_undelivered(link.connection.error)
 
 
-def rejoin(client: TeacherClient) -> None:
+def rejoin(link: Link) -> None:
     """Joins again and sends the new session every undelivered batch, or fails them all.
 
     Retries with exponential backoff (jittered, capped) for at most reconnect_timeout_s.
     A refusal that retrying would not change (a different model, a wrong token) ends it
     at once.
     """
-    with client._cond:
-        if not client._connection.start_rejoining():
+    with link.cond:
+        if not link.connection.start_rejoining():
             return  # closed meanwhile
-        lost, cause, deadline = client._connection.session, client._connection.cause, client._connection.deadline
+        lost, cause, deadline = link.connection.session, link.connection.cause, link.connection.deadline
     start = time.monotonic()
     log.warning("lost teacher %s (session %s): %s; joining again for up to %gs (reconnect_timeout_s)",
-                client.address, lost.session_id, cause, client.reconnect_timeout_s)
+                link.channel.address, lost.session_id, cause, link.reconnect_timeout_s)
     # A teacher that is still up (it dropped the session, or the network blinked) frees its slot;
     # one that ended the session says why.
-    answer = client._leave(lost.joined, timeout_s=min(client.rpc_timeout_s, 5.0))
+    answer = link.channel.leave(lost.joined, timeout_s=min(link.channel.rpc_timeout_s, 5.0))
     if answer is not None:
-        with client._cond:
-            client._connection.explained(answer)
+        with link.cond:
+            link.connection.explained(answer)
     attempt = 0
     while True:
-        with client._cond:
-            go = client._connection.may_attempt()
-            broken = client._connection.state is State.BROKEN
+        with link.cond:
+            go = link.connection.may_attempt()
+            broken = link.connection.state is State.BROKEN
         if not go:
             if broken:
-                _broke(client)
+                _broke(link)
             return
         attempt += 1
         try:
-            session = join_again(client, deadline)
+            session = join_again(link, deadline)
         except Exception as e:
-            with client._cond:
-                pause_s = client._connection.attempt_failed(e)
-                broken = client._connection.state is State.BROKEN
+            with link.cond:
+                pause_s = link.connection.attempt_failed(e)
+                broken = link.connection.state is State.BROKEN
             if pause_s is None:
                 if broken:
-                    _broke(client)
+                    _broke(link)
                 return
             log.warning("reconnect attempt %d to teacher %s failed, %.1fs after losing it: %s; next in %.1fs",
-                        attempt, client.address, time.monotonic() - start, e, pause_s)
-            client._wait_closed(pause_s)
+                        attempt, link.channel.address, time.monotonic() - start, e, pause_s)
+            link.wait_closed(pause_s)
             continue
         try:
-            resent = install(client, session)
+            resent = install(link, session)
         except Exception:
-            if client._connection.state is State.CLOSED:
+            if link.connection.state is State.CLOSED:
                 return  # closed while starting the new session
             raise
         if resent is not None:
             log.info("reconnected to teacher %s as session %s after %.1fs (attempt %d); re-submitted %d batches",
-                     client.address, session.session_id, time.monotonic() - start, attempt, resent)
+                     link.channel.address, session.session_id, time.monotonic() - start, attempt, resent)
         return
 
 
-def join_again(client: TeacherClient, deadline: float) -> Session:
+def join_again(link: Link, deadline: float) -> Session:
     """One attempt: Join with the first Join's request, check the teacher serves the same, form the group."""
-    joined = client._call("Join", client._join_request, timeout_s=max(0.1, min(client.rpc_timeout_s,
-                                                                              deadline - time.monotonic())))
+    joined = link.channel.call("Join", link.join_request, timeout_s=max(
+        0.1, min(link.channel.rpc_timeout_s, deadline - time.monotonic())))
     try:
-        check_same_teacher(client.address, client.info, client.backend, client.output_dtype,
-                           client.matched_student_ids, joined)
+        check_same_teacher(link.channel.address, link.info, link.backend, link.output_dtype,
+                           link.matched_student_ids, joined)
         # The group forms in about a second; a last attempt gets that much even past the deadline.
-        session = connect(client, joined, min(client.join_timeout_s, max(1.0, deadline - time.monotonic())))
+        session = connect(link, joined, min(link.join_timeout_s, max(1.0, deadline - time.monotonic())))
         try:
-            check_same_join_data(client.joined, session.joined_data)
+            check_same_join_data(link.joined, session.joined_data)
         except BaseException:
             session.stop()
             raise
         return session
     except BaseException:
-        client._leave(joined, timeout_s=min(client.rpc_timeout_s, 5.0))
+        link.channel.leave(joined, timeout_s=min(link.channel.rpc_timeout_s, 5.0))
         raise
 
 
@@ -260,30 +250,30 @@ def check_same_teacher(address: str, before: TeacherInfo, backend: str, output_d
         log.warning("teacher %s came back serving %s (was %s)", address, info.model_name, before.model_name)
 
 
-def install(client: TeacherClient, session: Session) -> int | None:
+def install(link: Link, session: Session) -> int | None:
     """Makes `session` current and sends it every undelivered batch, in submit order.
 
     Returns how many were sent, or None when the client was closed meanwhile.
     """
-    with client._submit_lock:  # no submit in between: it would go to the lost session or be sent twice
-        with client._cond:
-            installed = client._connection.rejoined(session)
+    with link.submit_lock:  # no submit in between: it would go to the lost session or be sent twice
+        with link.cond:
+            installed = link.connection.rejoined(session)
             if installed:
-                hopeless = client._connection.not_to_resubmit(client._undelivered)
-                failed = [(client._undelivered.pop(batch_id), error) for batch_id, error in hopeless.items()]
-                batches = list(client._undelivered.values())
-                client._cond.notify_all()  # close() waits for _undelivered to empty
+                hopeless = link.connection.not_to_resubmit(link.undelivered)
+                failed = [(link.undelivered.pop(batch_id), error) for batch_id, error in hopeless.items()]
+                batches = list(link.undelivered.values())
+                link.cond.notify_all()  # close() waits for _undelivered to empty
         if not installed:
             session.stop()
-            client._leave(session.joined, timeout_s=min(client.rpc_timeout_s, 5.0))
+            link.channel.leave(session.joined, timeout_s=min(link.channel.rpc_timeout_s, 5.0))
             return None
-        client.heartbeat_interval_s = session.joined.heartbeat_interval_s
-        if client._transfer_timeout_arg is None:
-            client.transfer_timeout_s = session.joined.timeout_s
-        client._start(session)
+        link.heartbeat_interval_s = session.joined.heartbeat_interval_s
+        if link.transfer_timeout_arg is None:
+            link.transfer_timeout_s = session.joined.timeout_s
+        link.start(session)
         for batch in batches:
             session.send(batch)
-    client.reconnects += 1
+    link.reconnects += 1
     for batch, error in failed:  # taken out of _undelivered above: resolved here, once
         log.error("%s", error)
         batch.future.set_exception(error)

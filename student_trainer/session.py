@@ -17,7 +17,7 @@ Every Join makes a Session: the session group, the submit stream and three threa
 
 A thread that fails hands its error to `on_failure`; the client decides what that leads to
 (student_trainer/connection.py). Results and refusals go to `resolve`, which delivers
-only what the current session sends (TeacherClient._resolve, the one place a future is
+only what the current session sends (Link.resolve, the one place a future is
 resolved). When the teacher goes away the session is stopped: its stream is cancelled,
 its group aborted, and whatever its threads still finish is dropped. The client joins
 again as a new Session with threads of its own, so a thread stuck on the old teacher

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -40,6 +39,7 @@ from student_trainer.errors import TeacherUnavailable
 from student_trainer.loop import resume, run_loop
 from student_trainer.losses import (HiddenProjection, attention_relation_loss, gold_loss, hidden_state_loss, kd_loss,
                                     kd_loss_from_hidden, topk_kd_loss, uld_loss)
+from student_trainer.rank import set_up_rank
 
 log = logging.getLogger(__name__)
 
@@ -389,25 +389,6 @@ def distill_step(cfg: TrainConfig, trained, params: list[torch.Tensor], optimize
 
 
 # ---- the loop ------------------------------------------------------------------------------
-
-
-def set_up_rank(device: str, output_dir: str, seed: int):
-    """This process's place in its job, as torchrun describes it (RANK, WORLD_SIZE, LOCAL_RANK;
-    one process: rank 0 of 1): (rank, world size, device, barrier, output directory). Joins the
-    job's process group when there are several ranks, makes the output directory, seeds torch.
-    `device` empty: the local rank's GPU, or the CPU without one."""
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    barrier = dist.barrier if world_size > 1 else (lambda: None)
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    return rank, world_size, device, barrier, output_dir
 
 
 def train(cfg: TrainConfig) -> dict:

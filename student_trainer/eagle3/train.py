@@ -32,7 +32,8 @@ from student_trainer.eagle3.precision import MasterWeights
 from student_trainer.eagle3.target import target_config, target_embedding
 from student_trainer.eagle3.vocab import draft_vocabulary
 from student_trainer.loop import resume, run_loop
-from student_trainer.train import TeacherPrefetcher, lr_lambda, open_teacher, set_up_rank
+from student_trainer.rank import set_up_rank
+from student_trainer.train import TeacherPrefetcher, lr_lambda, open_teacher
 
 log = logging.getLogger(__name__)
 

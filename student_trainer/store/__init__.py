@@ -8,10 +8,12 @@ The format (safetensors shards, a JSON manifest, ids packed to the vocabulary's 
 distill_common/store.py's. Here, a module each:
 
 - `directory.TeacherStore`: one store directory: its manifest checked against what a run asks (the data,
-  the packing, the outputs, the teacher), the index from a row's key to where it lies, rows
-  read with `os.preadv` into (pinned) batch buffers (each row hashed there and checked against
-  its digest, the shard's `row_sha256`) and shards written (under a temporary name, synced,
+  the packing, the outputs, the teacher), and shards written (under a temporary name, synced,
   renamed, then named in the manifest).
+- `files.ShardFiles`: the files its manifest names (the shards, the head), each opened and checked
+  against the manifest, the index from a row's key to where it lies, and rows read with
+  `os.preadv` into (pinned) batch buffers (each row hashed there and checked against its
+  digest, the shard's `row_sha256`).
 - `writer.ShardWriter`: rows written into shards by a thread of its own (a dump's batch by batch
   as they reach the host), so that a dump's forwards never wait for a write.
 - `timing.StageTimes`: where reads and writes spend their time (the bench's `--profile`).

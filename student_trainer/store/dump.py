@@ -15,6 +15,7 @@ from distill_common import store as fmt
 from distill_common import wire
 from distill_common.outputs import OutputRequest, TeacherFacts
 from distill_common.store import StoreMismatch
+from student_trainer.rank import set_up_rank
 from student_trainer.store.directory import TeacherStore, data_facts, teacher_facts
 from student_trainer.store.writer import ShardWriter
 
@@ -38,7 +39,6 @@ def dump(cfg) -> DumpResult:
     from transformers import AutoTokenizer
 
     from student_trainer.data import PackedDataset
-    from student_trainer.train import set_up_rank
 
     _, _, device, _, directory = set_up_rank(cfg.device, cfg.teacher_outputs, 0)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or cfg.model)
