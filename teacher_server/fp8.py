@@ -202,7 +202,11 @@ class FP8Linear(nn.Module):
         self.quantize = quantize_rows if scaling == "row" else quantize_row_blocks
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, scaling: str, fast_accum: bool = False) -> "FP8Linear":
+    def from_linear(cls, linear: nn.Linear, scaling: str, fast_accum: bool = False,
+                    input_mean: torch.Tensor | None = None) -> "FP8Linear":
+        """`input_mean` [in_features]: the mean input on a calibration batch; given, the weight's
+        rounding error on it is added to the bias (bias correction: the systematic part of the
+        error, which the same weights make on every token, costs nothing at run time)."""
         weight = linear.weight.detach()
         if hasattr(weight, "full_tensor"):
             raise ValueError("FP8 quantization at load needs plain weight tensors, not DTensors (transformers' "
@@ -210,7 +214,11 @@ class FP8Linear(nn.Module):
         if weight.shape[1] % BLOCK and scaling == "block":
             raise ValueError(f"block-wise FP8 needs in_features divisible by {BLOCK}, not {weight.shape[1]}")
         q, scale = quantize_rows(weight) if scaling == "row" else quantize_tiles(weight)
-        layer = cls(q, scale, scaling, linear.bias, fast_accum)
+        bias = linear.bias
+        if input_mean is not None:
+            correction = input_mean.float().to(weight.device) @ (weight.float() - dequantize(q, scale)).t()
+            bias = correction.to(weight.dtype) if bias is None else (bias.detach().float() + correction).to(bias.dtype)
+        layer = cls(q, scale, scaling, bias, fast_accum)
         # Hooks that parallelize_module put on the Linear (the TP collectives) move with it.
         layer._forward_hooks.update(linear._forward_hooks)
         layer._forward_pre_hooks.update(linear._forward_pre_hooks)
@@ -287,6 +295,17 @@ class Fp8Plan:
     keep_layers: tuple[int, ...] = ()  # decoder layers left in the model's dtype (negative: from the end)
     compile: str = "auto"  # COMPILE_MODES: auto is layers on one process, quantize under tensor parallelism
     fast_accum: bool = False  # row scales only: cuBLAS's fast accumulation (docs/performance.md weighs it)
+    # Single linears left in the model's dtype, by module name (model.named_modules(), e.g.
+    # "model.layers.29.mlp.down_proj"): what the start-up calibration keeps under --fp8-max-kl.
+    keep_linears: tuple[str, ...] = ()
+    # The start-up calibration (teacher_server/fp8_calibration.py): its text (a file, "" the
+    # built-in sample), its batch (0 rows: not measured), the bound on the measured KL per token
+    # (0: measured, nothing kept for it), and the bias correction computed on it.
+    calibration: str = ""
+    calibration_rows: int = 4
+    calibration_seq: int = 256
+    max_kl: float = 0.0
+    bias_correction: bool = True
 
 
 def decoder_layers(model) -> nn.ModuleList:
@@ -298,27 +317,50 @@ def decoder_layers(model) -> nn.ModuleList:
     return layers
 
 
-def quantize_model(model, plan: Fp8Plan) -> int:
-    """Replaces the decoder layers' linears by FP8Linear in place (but those of `plan.keep_layers`);
-    returns how many were replaced."""
+def decoder_linears(model) -> dict[str, tuple[int, nn.Module, str, nn.Module]]:
+    """The decoder layers' linears FP8 applies to (plain or already FP8), by module name:
+    name -> (decoder layer index, parent module, attribute name, the linear)."""
+    layers = decoder_layers(model)
+    names = {id(module): name for name, module in model.named_modules()}
+    found = {}
+    for index, layer in enumerate(layers):
+        for parent in layer.modules():
+            for name, child in parent.named_children():
+                if name in LINEAR_NAMES and isinstance(child, (nn.Linear, FP8Linear)):
+                    found[f"{names[id(parent)]}.{name}"] = (index, parent, name, child)
+    return found
+
+
+def quantize_model(model, plan: Fp8Plan, input_means: dict[str, torch.Tensor] | None = None) -> int:
+    """Replaces the decoder layers' linears by FP8Linear in place (but those of `plan.keep_layers`
+    and `plan.keep_linears`); returns how many were replaced. `input_means`: each linear's mean
+    input on a calibration batch, by module name, for bias correction (FP8Linear.from_linear)."""
     layers = decoder_layers(model)
     outside = [i for i in plan.keep_layers if not -len(layers) <= i < len(layers)]
     if outside:
         raise ValueError(f"--fp8-keep-layers {','.join(map(str, outside))}: the model has {len(layers)} decoder "
                          f"layers (0..{len(layers) - 1}, or -1 for the last)")
     keep = {i % len(layers) for i in plan.keep_layers}
+    linears = decoder_linears(model)
+    unknown = sorted(set(plan.keep_linears) - set(linears))
+    if unknown:
+        raise ValueError(f"FP8 plan keeps {unknown[0]} in the model's dtype, but the model has no decoder linear of "
+                         f"that name (they are named like {next(iter(linears), '?')})")
     replaced = 0
-    for index, layer in enumerate(layers):
-        if index in keep:
+    for full_name, (index, parent, name, child) in linears.items():
+        if index in keep or full_name in plan.keep_linears or not isinstance(child, nn.Linear):
             continue
-        for parent in layer.modules():
-            for name, child in list(parent.named_children()):
-                if name in LINEAR_NAMES and isinstance(child, nn.Linear):
-                    setattr(parent, name, FP8Linear.from_linear(child, plan.scaling, plan.fast_accum))
-                    replaced += 1
+        mean = None if input_means is None else input_means.get(full_name)
+        setattr(parent, name, FP8Linear.from_linear(child, plan.scaling, plan.fast_accum, mean))
+        replaced += 1
     if not replaced:
         raise ValueError(f"{type(model).__name__}: no decoder linear ({', '.join(LINEAR_NAMES)}) to quantize")
     return replaced
+
+
+def linear_flops(module: nn.Module) -> int:
+    """Multiply-adds per token of a linear (plain or FP8): in_features x out_features."""
+    return module.in_features * module.out_features
 
 
 def compile_layers(model, block: bool | None = None) -> None:
