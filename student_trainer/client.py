@@ -90,7 +90,7 @@ class TeacherClient:
                  join_timeout_s: float = 120.0, transfer_timeout_s: float | None = None,
                  tls_ca: str | bool | None = None, tls_cert: str | None = None, tls_key: str | None = None,
                  reconnect_timeout_s: float = 300.0, max_resubmits: int = MAX_RESUBMITS,
-                 refuse_quantized: bool = False):
+                 refuse_quantized: bool = False, max_teacher_kl: float = 0.0):
         """`outputs`: the kinds of teacher output to receive (distill_common.outputs: Logits(),
         TopK(k), HiddenStates(layers), NextTokenLogprobs(), ScoredLogprobs(k)), in `dtype`
         (None: the teacher's; TopK's log-probabilities too, NextTokenLogprobs' and ScoredLogprobs'
@@ -107,7 +107,11 @@ class TeacherClient:
         `max_resubmits`: how many times a batch is sent again after the session holding it
         ended; past that it fails with BatchNotServed, naming why each session ended.
         `refuse_quantized`: refuse a teacher whose decoder runs in FP8 (TeacherInfo.quantization)
-        at join, with Incompatible, for a student that must learn the full-precision distribution."""
+        at join, with Incompatible, for a student that must learn the full-precision distribution.
+        `max_teacher_kl`: refuse, the same way, a quantized teacher whose start-up measurement of
+        what quantization costs it (KL to its own dtype per token) is above this or missing (0: no bound)."""
+        if not 0 <= max_teacher_kl < float("inf"):
+            raise ValueError(f"--max-teacher-kl {max_teacher_kl} must be a finite number >= 0 (0: no bound)")
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -141,6 +145,14 @@ class TeacherClient:
                                "refuses a quantized teacher (--refuse-fp8-teacher): serve the teacher without "
                                "--quantize and from a checkpoint in its full dtype, or drop the flag",
                                grpc.StatusCode.FAILED_PRECONDITION)
+        refusal = self.info.quantization.above(max_teacher_kl) if max_teacher_kl else ""
+        if refusal:
+            channel.leave(joined)
+            channel.close()
+            raise Incompatible(f"teacher {address}: {refusal}, and this student's --max-teacher-kl is "
+                               f"{max_teacher_kl:g}: serve the teacher with --fp8-max-kl {max_teacher_kl:g} (it keeps "
+                               "its costliest linears in its dtype until its measured KL is under that), without "
+                               "--quantize, or raise this student's bound", grpc.StatusCode.FAILED_PRECONDITION)
         link.backend = joined.backend
         self.max_inflight = joined.max_inflight
         link.output_dtype = wire.parse_output_dtype(joined.output_dtype)

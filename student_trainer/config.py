@@ -145,6 +145,10 @@ class TrainConfig:
     refuse_fp8_teacher: bool = field(default=False, metadata=_help(
         "refuse, at join, a teacher whose decoder runs in FP8 (its --quantize fp8, or an FP8 checkpoint): the KL "
         "it adds to the distribution is in docs/performance.md (default: accept it; the log says what it runs in)"))
+    max_teacher_kl: float = field(default=0.0, metadata=_help(
+        "refuse, at join, a teacher in FP8 whose start-up measurement of what FP8 costs it (KL to its own dtype, "
+        "nats per token, TeacherInfo.quantization) is above this, or that measured nothing (a published FP8 "
+        "checkpoint, tensor parallelism); a teacher in its dtype always passes (0: no bound)"))
     teacher_dtype: str = field(default="", metadata=_help(
         "the dtype the teacher sends its outputs in: float32, bfloat16 or float16 (default: the teacher's)"))
     job_id: str = field(default="", metadata=_help("shown in the teacher's status (default: the run directory)"))
@@ -359,6 +363,7 @@ class DumpConfig:
     teacher_max_resubmits: int = _as_in_train("teacher_max_resubmits")
     teacher_weight: float = _as_in_train("teacher_weight")
     refuse_fp8_teacher: bool = _as_in_train("refuse_fp8_teacher")
+    max_teacher_kl: float = _as_in_train("max_teacher_kl")
     job_id: str = field(default="", metadata=_help("shown in the teacher's status (default: dump-DIRNAME)"))
     teacher_tls_ca: str = _as_in_train("teacher_tls_ca")
     teacher_tls_cert: str = _as_in_train("teacher_tls_cert")

@@ -117,7 +117,7 @@ def open_teacher(cfg, device: torch.device, outputs: tuple[Output, ...], *, toke
             cfg.teacher, device, outputs=outputs, dtype=dtype, tokenizer=tokenizer, vocab_size=vocab_size,
             max_inflight=cfg.prefetch + 1, job_id=job_id, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s,
             reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, max_resubmits=cfg.teacher_max_resubmits,
-            weight=cfg.teacher_weight, refuse_quantized=cfg.refuse_fp8_teacher,
+            weight=cfg.teacher_weight, refuse_quantized=cfg.refuse_fp8_teacher, max_teacher_kl=cfg.max_teacher_kl,
             tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
     if not cfg.teacher_outputs:
         return live

@@ -66,6 +66,22 @@ class ServerConfig(ServerLimits):
         "--quantize fp8 with row scales: accumulate the FP8 products with cuBLAS's fast accumulation (no float32 "
         "promotion along K, as torchao's row-wise float8 does by default): 1.07x the FP8 forward of an 8B model "
         "on an H200, the same KL to bf16 on the model measured (docs/performance.md); students see it"))
+    fp8_calibration: str = field(default="", metadata={"metavar": "FILE", "help": (
+        "--quantize fp8: UTF-8 text the teacher measures what FP8 costs it on at start-up (KL to the model in "
+        "--dtype per token, top-1 agreement; in the join answer, /v1/status, teacher-server info and the log), "
+        "and computes the bias correction on (default: a built-in sample of English prose and Python source)")})
+    fp8_calibration_rows: int = field(default=4, metadata=_help(
+        "--quantize fp8: sequences in the start-up calibration batch (0: nothing measured, no bias correction; "
+        "under tensor parallelism nothing is measured)"))
+    fp8_calibration_seq: int = field(default=256, metadata=_help(
+        "--quantize fp8: tokens per sequence of the start-up calibration batch"))
+    fp8_max_kl: float = field(default=0.0, metadata=_help(
+        "--quantize fp8: the most KL (nats per token, on the calibration batch) the teacher may add; the linears "
+        "that cost the most KL per FLOP stay in --dtype until the measured KL is at most this (0: no bound). "
+        "docs/performance.md gives SmolLM2-135M's KL against the share of FLOPs in FP8"))
+    fp8_bias_correction: Literal["on", "off"] = field(default="on", metadata=_help(
+        "--quantize fp8: add each FP8 linear's weight rounding error on the calibration batch's mean input to its "
+        "bias (no cost at run time; KL 3.2e-2 -> 2.8e-2 on SmolLM2-135M, docs/performance.md)"))
     fp8_compile: Literal["auto", "layers", "quantize", "off"] = field(default="auto", metadata=_help(
         "how FP8 layers are compiled: layers (each decoder layer, so the activation quantization fuses into the "
         "norm or product before it), quantize (the quantization alone), off (eager: slower than bf16); auto: "
@@ -218,6 +234,21 @@ class ServerConfig(ServerLimits):
         if not self.quantize and (self.fp8_keep_layers or self.fp8_scaling != "row" or self.fp8_fast_accum):
             raise ConfigError("--fp8-scaling, --fp8-keep-layers and --fp8-fast-accum set how --quantize fp8 "
                               "quantizes: add --quantize fp8")
+        if not self.quantize and (self.fp8_calibration or self.fp8_max_kl or self.fp8_calibration_rows != 4
+                                  or self.fp8_calibration_seq != 256 or self.fp8_bias_correction != "on"):
+            raise ConfigError("--fp8-calibration, --fp8-calibration-rows, --fp8-calibration-seq, --fp8-max-kl and "
+                              "--fp8-bias-correction set how --quantize fp8 measures itself: add --quantize fp8")
+        if self.fp8_calibration_rows < 0 or self.fp8_calibration_seq < 1:
+            raise ConfigError("--fp8-calibration-rows must be >= 0 (0: not measured) and --fp8-calibration-seq >= 1")
+        if not 0 <= self.fp8_max_kl < math.inf:
+            raise ConfigError(f"--fp8-max-kl {self.fp8_max_kl} must be a finite number >= 0 (nats per token; 0: no "
+                              "bound)")
+        if self.fp8_max_kl and not self.fp8_calibration_rows:
+            raise ConfigError("--fp8-max-kl bounds the KL measured on the calibration batch: give "
+                              "--fp8-calibration-rows above 0")
+        if self.fp8_calibration and not os.path.isfile(self.fp8_calibration):
+            raise ConfigError(f"--fp8-calibration {self.fp8_calibration}: no such file (give a UTF-8 text file, or "
+                              "leave the flag out for the built-in sample)")
         if self.fp8_fast_accum and self.fp8_scaling != "row":
             raise ConfigError("--fp8-fast-accum is for --fp8-scaling row: block-scaled products accumulate in "
                               "float32; leave one of the two out")
@@ -270,7 +301,10 @@ class ServerConfig(ServerLimits):
         """--quantize fp8's plan for the model runner (None: no quantization at load)."""
         from teacher_server.fp8 import Fp8Plan
 
-        return (Fp8Plan(self.fp8_scaling, self.fp8_keep_layer_list, self.fp8_compile, self.fp8_fast_accum)
+        return (Fp8Plan(self.fp8_scaling, self.fp8_keep_layer_list, self.fp8_compile, self.fp8_fast_accum,
+                        calibration=self.fp8_calibration, calibration_rows=self.fp8_calibration_rows,
+                        calibration_seq=self.fp8_calibration_seq, max_kl=self.fp8_max_kl,
+                        bias_correction=self.fp8_bias_correction == "on")
                 if self.quantize else None)
 
     def _check_tls(self) -> None:

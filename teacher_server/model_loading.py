@@ -9,6 +9,7 @@ quantization, the self-check) is teacher_server/fp8.py's.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -16,7 +17,7 @@ import torch
 
 from distill_common.models import load_causal_lm
 from distill_common.wire import parse_output_dtype
-from teacher_server import fp8, parallel
+from teacher_server import fp8, fp8_calibration, parallel
 from teacher_server.parallel import World
 
 log = logging.getLogger(__name__)
@@ -40,17 +41,15 @@ def load_model(model_name: str, device: torch.device, world: World | None, dtype
     quantization = fp8.Quantization()
     if published:
         fp8.adopt_published(model)
-        quantization = fp8.Quantization(fp8.FP8_E4M3, "block", "checkpoint")
+        quantization = fp8.Quantization(fp8.FP8_E4M3, "block", "checkpoint",
+                                        fp8_flop_share=fp8_calibration.fp8_flop_share(model))
     elif quantize is not None:
         problem = fp8.fp8_device_problem(device, quantize.scaling)
         if problem:
             raise fp8.FP8Unsupported(f"--quantize fp8: {problem}. Serve the model in its dtype (leave --quantize "
                                      "out) or on such a GPU" + (" (--fp8-scaling row runs on CPU)"
                                                                 if quantize.scaling == "block" else ""))
-        fp8.quantize_model(model, quantize)
-        layers = fp8.decoder_layers(model)
-        quantization = fp8.Quantization(fp8.FP8_E4M3, quantize.scaling, "quantized at load", tuple(
-            sorted({i % len(layers) for i in quantize.keep_layers})), quantize.fast_accum)
+        quantization = _quantize_at_load(model, model_name, quantize, world)
     if quantization.format:
         dtype = next(p.dtype for p in model.parameters() if p.dtype != fp8.FP8)
         try:
@@ -64,6 +63,41 @@ def load_model(model_name: str, device: torch.device, world: World | None, dtype
         log.info("FP8 self-check: %d layer shapes match the dequantize-then-multiply reference", checked)
         _compile_fp8(model, quantize.compile if quantize is not None else "auto", device, world)
     return model, quantization
+
+
+def _quantize_at_load(model, model_name: str, plan: fp8.Fp8Plan, world: World | None) -> fp8.Quantization:
+    """Quantizes the decoder's linears as `plan` says; on one process, measured against the model
+    in its dtype on the calibration batch first (and linears kept for --fp8-max-kl)."""
+    layers = fp8.decoder_layers(model)
+    calibrated = None
+    if world is not None or not plan.calibration_rows:
+        if plan.max_kl:
+            raise ValueError("--fp8-max-kl needs the start-up calibration, which runs on one process with "
+                             "--fp8-calibration-rows above 0: under tensor parallelism keep layers by hand "
+                             "(--fp8-keep-layers) and measure them with bench/fp8_teacher.py")
+        if world is not None and plan.calibration_rows:
+            log.info("FP8 under tensor parallelism: the start-up calibration (KL to the model's dtype, bias "
+                     "correction) runs on one process only; not measured")
+        plan = dataclasses.replace(plan, bias_correction=False)
+        fp8.quantize_model(model, plan)
+    else:
+        tokenizer = load_tokenizer(model_name)
+        texts = fp8_calibration.calibration_texts(plan.calibration)
+        ids = fp8_calibration.calibration_batch(tokenizer, texts, plan.calibration_rows, plan.calibration_seq,
+                                                model.get_input_embeddings().num_embeddings)
+        calibrated = fp8_calibration.quantize_and_measure(model, plan, ids)
+        plan = calibrated.plan
+    quantization = fp8.Quantization(
+        fp8.FP8_E4M3, plan.scaling, "quantized at load", tuple(sorted({i % len(layers) for i in plan.keep_layers})),
+        plan.fast_accum, plan.keep_linears, plan.bias_correction, fp8_calibration.fp8_flop_share(model))
+    if calibrated is not None:
+        cost = calibrated.cost
+        quantization = dataclasses.replace(quantization, calibration_tokens=cost.tokens, kl_mean=cost.kl_mean,
+                                           kl_p99=cost.kl_p99, top1_agreement=cost.top1_agreement, max_kl=plan.max_kl)
+        log.info("FP8 cost measured in %.1f s on %d tokens of %s: %s; %.0f%% of the decoder's linear FLOPs in FP8",
+                 calibrated.seconds, cost.tokens, plan.calibration or "the built-in sample (prose and Python)",
+                 quantization.cost(), 100 * quantization.fp8_flop_share)
+    return quantization
 
 
 def _published_fp8(model_name: str, device: torch.device, world: World | None, trust_remote_code: bool,

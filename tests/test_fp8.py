@@ -251,8 +251,11 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fp8_server(model_dir):
     # Fast accumulation: the CPU's product has one accumulation (the same bits), but it is said everywhere.
+    # No bias correction: the served logits are held to the plain FP8 product below. The calibration
+    # batch is small (the tiny model has no tokenizer: the built-in sample's bytes stand for ids).
     server = ServerProcess("--model", str(model_dir), "--quantize", "fp8", "--fp8-keep-layers", "-1",
-                           "--fp8-fast-accum", "--max-batch-tokens", "256", "--max-seq-len", "64")
+                           "--fp8-fast-accum", "--fp8-bias-correction", "off", "--fp8-calibration-rows", "2",
+                           "--fp8-calibration-seq", "64", "--max-batch-tokens", "256", "--max-seq-len", "64")
     yield server
     server.stop()
 
@@ -290,12 +293,19 @@ def test_fp8_teacher_serves_and_says_so(fp8_server, model_dir):
     # bf16 rounding of the activations between layers: a few bf16 steps of the logits, no more.
     assert (logits - reference).abs().max() <= 0.02 * reference.abs().max()
     assert "decoder linears in FP8: fp8_e4m3" in fp8_server.log
-    status = requests.get(f"{fp8_server.http}/v1/status", timeout=10).json()
-    assert status["quantization"] == {"format": "fp8_e4m3", "scaling": "row", "source": "quantized at load",
-                                      "full_precision_layers": [1], "fast_accumulation": True}
+    status = requests.get(f"{fp8_server.http}/v1/status", timeout=10).json()["quantization"]
+    measured = {key: status.pop(key) for key in ("kl_mean", "kl_p99", "top1_agreement")}
+    assert status == {"format": "fp8_e4m3", "scaling": "row", "source": "quantized at load",
+                      "full_precision_layers": [1], "fast_accumulation": True, "full_precision_linears": [],
+                      "bias_correction": False, "fp8_flop_share": 0.5, "calibration_tokens": 128, "max_kl": 0.0}
+    # What the join answer says is what the teacher measured (the status reads the same record).
+    joined = client.info.quantization
+    assert (joined.kl_mean, joined.kl_p99, joined.top1_agreement) == tuple(measured.values())
+    assert 0 < measured["kl_mean"] <= measured["kl_p99"] and 0 < measured["top1_agreement"] <= 1
     info = query("info", fp8_server.address, AdminConfig())
     assert ("fp8_e4m3 linears (per-row activation, per-channel weight scales; quantized at load; fast accumulation), "
-            "decoder layers 1") in info, info
+            "decoder layers 1 in the model's dtype; 50% of the linear FLOPs in FP8; KL ") in info, info
+    assert "FP8 cost measured in" in fp8_server.log
 
 
 def test_a_student_can_refuse_an_fp8_teacher(fp8_server, caplog):
@@ -305,6 +315,12 @@ def test_a_student_can_refuse_an_fp8_teacher(fp8_server, caplog):
         with TeacherClient(fp8_server.address, "cpu"):
             pass
     assert "decoder linears: fp8_e4m3 linears" in caplog.text
+    with TeacherClient(fp8_server.address, "cpu") as client:
+        measured = client.info.quantization.kl_mean
+    with pytest.raises(Incompatible, match=r"costs it a KL of .* --max-teacher-kl is .*--fp8-max-kl"):
+        TeacherClient(fp8_server.address, "cpu", max_teacher_kl=measured / 2)
+    with TeacherClient(fp8_server.address, "cpu", max_teacher_kl=measured * 2):
+        pass
 
 
 def test_the_runner_reports_fp8_and_sends_the_head_in_the_model_dtype(model_dir):

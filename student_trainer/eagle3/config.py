@@ -87,6 +87,7 @@ class Eagle3Config:
     teacher_max_resubmits: int = _as_in_train("teacher_max_resubmits")
     teacher_weight: float = _as_in_train("teacher_weight")
     refuse_fp8_teacher: bool = _as_in_train("refuse_fp8_teacher")
+    max_teacher_kl: float = _as_in_train("max_teacher_kl")
     job_id: str = _as_in_train("job_id")
     teacher_tls_ca: str = _as_in_train("teacher_tls_ca")
     teacher_tls_cert: str = _as_in_train("teacher_tls_cert")

@@ -139,7 +139,7 @@ def _dump_teacher(cfg, device: torch.device, tokenizer):
             cfg.teacher, device, outputs=kinds, dtype=cfg.dtype or None, tokenizer=tokenizer,
             max_inflight=cfg.prefetch + 1, job_id=cfg.job_id or f"dump-{Path(cfg.teacher_outputs).name}",
             transfer_timeout_s=cfg.teacher_timeout_s, reconnect_timeout_s=cfg.teacher_reconnect_timeout_s,
-            weight=cfg.teacher_weight, refuse_quantized=cfg.refuse_fp8_teacher, tls_ca=cfg.teacher_tls,
+            weight=cfg.teacher_weight, refuse_quantized=cfg.refuse_fp8_teacher, max_teacher_kl=cfg.max_teacher_kl, tls_ca=cfg.teacher_tls,
             tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
         return client, client.info.model_name, str(client.info.quantization), client.info.architecture
     from distill_common.models import load_causal_lm

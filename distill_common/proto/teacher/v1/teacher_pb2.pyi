@@ -73,18 +73,34 @@ class TeacherInfo(_message.Message):
     def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., head: _Optional[_Union[OutputHeadInfo, _Mapping]] = ..., attention: _Optional[_Union[AttentionInputsInfo, _Mapping]] = ..., max_score_ids: _Optional[int] = ..., quantization: _Optional[_Union[QuantizationInfo, _Mapping]] = ..., topk_form: _Optional[_Union[TopKForm, str]] = ...) -> None: ...
 
 class QuantizationInfo(_message.Message):
-    __slots__ = ("format", "scaling", "source", "full_precision_layers", "fast_accumulation")
+    __slots__ = ("format", "scaling", "source", "full_precision_layers", "fast_accumulation", "full_precision_linears", "bias_correction", "fp8_flop_share", "calibration_tokens", "kl_mean", "kl_p99", "top1_agreement", "max_kl")
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     SCALING_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     FULL_PRECISION_LAYERS_FIELD_NUMBER: _ClassVar[int]
     FAST_ACCUMULATION_FIELD_NUMBER: _ClassVar[int]
+    FULL_PRECISION_LINEARS_FIELD_NUMBER: _ClassVar[int]
+    BIAS_CORRECTION_FIELD_NUMBER: _ClassVar[int]
+    FP8_FLOP_SHARE_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KL_MEAN_FIELD_NUMBER: _ClassVar[int]
+    KL_P99_FIELD_NUMBER: _ClassVar[int]
+    TOP1_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    MAX_KL_FIELD_NUMBER: _ClassVar[int]
     format: str
     scaling: str
     source: str
     full_precision_layers: _containers.RepeatedScalarFieldContainer[int]
     fast_accumulation: bool
-    def __init__(self, format: _Optional[str] = ..., scaling: _Optional[str] = ..., source: _Optional[str] = ..., full_precision_layers: _Optional[_Iterable[int]] = ..., fast_accumulation: _Optional[bool] = ...) -> None: ...
+    full_precision_linears: _containers.RepeatedScalarFieldContainer[str]
+    bias_correction: bool
+    fp8_flop_share: float
+    calibration_tokens: int
+    kl_mean: float
+    kl_p99: float
+    top1_agreement: float
+    max_kl: float
+    def __init__(self, format: _Optional[str] = ..., scaling: _Optional[str] = ..., source: _Optional[str] = ..., full_precision_layers: _Optional[_Iterable[int]] = ..., fast_accumulation: _Optional[bool] = ..., full_precision_linears: _Optional[_Iterable[str]] = ..., bias_correction: _Optional[bool] = ..., fp8_flop_share: _Optional[float] = ..., calibration_tokens: _Optional[int] = ..., kl_mean: _Optional[float] = ..., kl_p99: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., max_kl: _Optional[float] = ...) -> None: ...
 
 class OutputHeadInfo(_message.Message):
     __slots__ = ("bias", "final_logit_softcapping", "logit_scale", "unavailable")
