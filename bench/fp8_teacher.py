@@ -16,7 +16,10 @@ bf16 (eager, and its decoder layers compiled) and the FP8 variants of teacher_se
   model     the whole forward compiled at once
 
 (`+keep`: the first --keep decoder layers left in bf16; `+fastacc`: row products with cuBLAS's
-fast accumulation), and torchao's float8 on the same linears (`ao-SCALING-MODE`: its
+fast accumulation; `+plan`: the linears a calibrated plan keeps in bf16 (--plan FILE, chosen on
+SmolLM2 by the smollm2 section below or by a teacher's --fp8-max-kl), mapped onto the 8B shape's
+layers by relative depth, so its share of FP8 FLOPs and its pattern are timed; `+bc`: bias
+correction, a bias on every FP8 product, as the start-up calibration adds), and torchao's float8 on the same linears (`ao-SCALING-MODE`: its
 Float8DynamicActivationFloat8WeightConfig with row or 1 x 128 / 128 x 128 block scales, as its
 defaults have it (fast accumulation for row scales) or with `+nofastacc` (accumulated as
 teacher_server/fp8.py does): the library weighed against our own path; `pip install torchao`,
@@ -32,6 +35,17 @@ tokenizer. On held-out text: per-token KL(bf16 || FP8) (mean, p99, max; float32 
 top-1 agreement and held-out CE for each scaling (and bf16 against float32, the floor), then the
 held-out CE of a student distilled from the bf16 teacher and from each FP8 one (same seeds,
 same steps, --seeds of them). With --torchao, torchao's float8 is measured there too.
+
+A real teacher (--sections smollm2): SmolLM2-135M-Instruct (distill_common/smollm2.py builds it
+from its PyPI package), KL(bf16 || FP8) on --smollm2-rows sequences of English prose and Python
+source for row scales, bias-corrected, and the plans the start-up calibration keeps for each of
+--smollm2-bounds (written as fp8_plan_smollm2_BOUND.json beside --out, for the '+plan' speed
+variants); with --smollm2-student-steps, students distilled from it in bf16 and in FP8. The
+kept plan's speed on the 8B shape, at 2 x 4096:
+
+    python3 -m bench.fp8_teacher --sections smollm2 --device cpu --out smollm2.md
+    python3 -m bench.fp8_teacher --sections speed --shapes 2x4096 --plan fp8_plan_smollm2_0.01.json \\
+        --variants bf16,row-layers,row-layers+bc,row-layers+bc+plan
 """
 
 from __future__ import annotations
@@ -48,6 +62,7 @@ import torch.nn.functional as F
 from bench.cuda_timing import median_call_ms
 from bench.table import emit
 from teacher_server import fp8
+from teacher_server.fp8_calibration import fp8_flop_share
 
 DEVICE = "cuda"  # --device cpu: a smoke test of the quality section
 BF16_PEAK = 790e12  # H200 dense bf16, as measured here (DESIGN.md); FP8 is twice that
@@ -95,16 +110,41 @@ def torchao_quantize(model, scaling: str, fast_accum: bool | None = None) -> int
 
 # ---- speed -----------------------------------------------------------------------------------
 
-def flops(shape: dict, rows: int, seq: int, fp8_layers: int) -> tuple[float, float]:
-    """(FLOPs at the FP8 rate, FLOPs at the bf16 rate) of one forward."""
+def flops(shape: dict, rows: int, seq: int, fp8_share: float) -> tuple[float, float]:
+    """(FLOPs at the FP8 rate, FLOPs at the bf16 rate) of one forward, `fp8_share` of the
+    decoder's linear FLOPs in FP8."""
     h, i, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
     per_layer = h * h * 2 + h * kv * 2 + 3 * h * i
     tokens = rows * seq
-    linear = 2 * per_layer * tokens
+    linear = 2 * per_layer * tokens * layers
     attention = 2 * seq * seq * h * rows * layers
     head = 2 * h * shape["vocab_size"] * tokens
-    return linear * fp8_layers, linear * (layers - fp8_layers) + attention + head
+    return linear * fp8_share, linear * (1 - fp8_share) + attention + head
+
+
+def plan_for(model, path: str) -> tuple[str, ...]:
+    """The linears a calibrated plan keeps in bf16 (--plan: JSON with "keep_linears", or a teacher's
+    /v1/status "quantization" object with "full_precision_linears", and "num_layers", the layer count
+    of the model it was chosen on), mapped onto `model`'s layers by relative depth: the same kinds
+    of linear kept at the same places, so the timed forward has the plan's share and pattern."""
+    import json
+    import re
+
+    if not path:
+        raise SystemExit("a '+plan' variant needs --plan FILE (bench/investigations/fp8_smollm2.py writes one per bound)")
+    raw = json.loads(open(path).read())
+    names = raw.get("keep_linears", raw.get("full_precision_linears"))
+    source_layers = int(raw["num_layers"])
+    target_layers = len(fp8.decoder_layers(model))
+    mapped = set()
+    for name in names:
+        match = re.fullmatch(r"(.*layers\.)(\d+)(\..*)", name)
+        if match is None:
+            raise SystemExit(f"--plan {path}: {name!r} names no decoder layer")
+        index = round(int(match.group(2)) * (target_layers - 1) / max(source_layers - 1, 1))
+        mapped.add(f"{match.group(1)}{index}{match.group(3)}")
+    return tuple(sorted(mapped))
 
 
 def time_forward(model, rows: int, seq: int, vocab: int, iters: int, runner=None) -> tuple[float, float]:
@@ -150,21 +190,28 @@ def speed(args, rows_out: list, figures: dict) -> None:
         torch._dynamo.reset()
         model = llama(LLAMA3_8B, torch.bfloat16, "cuda")
         library, scaling, mode, options = parse(variant)
-        quantized = 0
+        share = 0.0
         if reference is None:
             reference = first_layer_out(model)  # the same weights every variant starts from (seed 0)
         try:
             if library == "torchao":
                 fast_accum = False if "nofastacc" in options else None
-                quantized = torchao_quantize(model, scaling, fast_accum) // len(fp8.LINEAR_NAMES)
+                share = torchao_quantize(model, scaling, fast_accum) / len(fp8.LINEAR_NAMES) / LLAMA3_8B[
+                    "num_hidden_layers"]
             elif scaling:
                 keep = tuple(range(args.keep)) if args.keep and "keep" in options else ()
-                plan = fp8.Fp8Plan(scaling, keep, fast_accum="fastacc" in options)
-                quantized = fp8.quantize_model(model, plan) // len(fp8.LINEAR_NAMES)
+                # +plan: the linears a calibrated plan keeps in bf16 (--plan); +bc: bias correction (a bias
+                # on every FP8 product; its value does not change the time: zero means here).
+                plan = fp8.Fp8Plan(scaling, keep, fast_accum="fastacc" in options,
+                                   keep_linears=plan_for(model, args.plan) if "plan" in options else ())
+                means = ({name: torch.zeros(entry[3].in_features, device="cuda")
+                          for name, entry in fp8.decoder_linears(model).items()} if "bc" in options else None)
+                fp8.quantize_model(model, plan, means)
+                share = fp8_flop_share(model)
                 fp8.verify(model, torch.bfloat16)  # a wrong product would time as fast as a right one
             error = ((first_layer_out(model) - reference).norm() / reference.norm()).item()
         except Exception as e:  # a variant this torch, GPU or install cannot run: its row says why
-            rows_out.append(f"| {variant} | | failed: {type(e).__name__}: {str(e).splitlines()[0][:160]} | | | | | |")
+            rows_out.append(f"| {variant} | | | failed: {type(e).__name__}: {str(e).splitlines()[0][:160]} | | | | | |")
             print(rows_out[-1], flush=True)
             del model
             torch.cuda.empty_cache()
@@ -185,18 +232,18 @@ def speed(args, rows_out: list, figures: dict) -> None:
             try:
                 ms, gib = time_forward(model, rows, seq, LLAMA3_8B["vocab_size"], args.iters, runner)
             except Exception as e:  # a variant this torch cannot run: its row says why
-                rows_out.append(f"| {variant} | {rows} x {seq} | failed: {str(e).splitlines()[0][:120]} | | | | | |")
+                rows_out.append(f"| {variant} | {rows} x {seq} | | failed: {str(e).splitlines()[0][:120]} | | | | | |")
                 print(f"{variant} {rows}x{seq} failed: {e}", flush=True)
                 continue
-            fast, slow = flops(LLAMA3_8B, rows, seq, quantized)
-            share = (fast / (2 * BF16_PEAK) + slow / BF16_PEAK) * 1e3 / ms
+            fast, slow = flops(LLAMA3_8B, rows, seq, share)
             tokens_s = rows * seq / ms * 1e3
             baseline.setdefault((rows, seq), tokens_s)
             ratio = tokens_s / baseline[(rows, seq)]
-            rows_out.append(f"| {variant} | {rows} x {seq} | {ms:.1f} | {tokens_s / 1e3:.1f}k | {ratio:.2f}x | "
-                            f"{share:.0%} | {gib:.1f} | {error:.1e} |")
-            figures[f"{variant}/{rows}x{seq}"] = dict(ms=ms, tokens_s=tokens_s, ratio=ratio, share=share, gib=gib,
-                                                       layer0_rel_error=error)
+            peak_share = (fast / (2 * BF16_PEAK) + slow / BF16_PEAK) * 1e3 / ms
+            rows_out.append(f"| {variant} | {rows} x {seq} | {share:.0%} | {ms:.1f} | {tokens_s / 1e3:.1f}k | "
+                            f"{ratio:.2f}x | {peak_share:.0%} | {gib:.1f} | {error:.1e} |")
+            figures[f"{variant}/{rows}x{seq}"] = dict(ms=ms, tokens_s=tokens_s, ratio=ratio, share=peak_share,
+                                                       fp8_flop_share=share, gib=gib, layer0_rel_error=error)
             print(rows_out[-1], f"({time.perf_counter() - started:.0f} s with compile)", flush=True)
         if args.profile and variant == args.profile:
             profile(model, shapes[0], args.out_dir)
@@ -385,6 +432,122 @@ def quality(args, rows_out: list, figures: dict) -> None:
         print(rows_out[-1], flush=True)
 
 
+# ---- a real teacher: SmolLM2-135M-Instruct -----------------------------------------------------
+
+# Evaluation text: English prose (the language reference's, in Python's pydoc_data.topics) and Python
+# source (standard-library modules); the start-up calibration's built-in sample is other text.
+PROSE_TOPICS = ("execmodel", "calls", "import", "types", "class", "exceptions")
+SOURCE_FILES = ("textwrap.py", "heapq.py", "fractions.py", "statistics.py", "shlex.py", "calendar.py")
+
+
+def smollm2_texts() -> tuple[str, str]:
+    import sysconfig
+    from pathlib import Path
+
+    import pydoc_data.topics
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return ("\n\n".join(pydoc_data.topics.topics[name] for name in PROSE_TOPICS),
+            "\n\n".join((stdlib / name).read_text() for name in SOURCE_FILES))
+
+
+def smollm2_eval_batch(tokenizer, rows: int, seq: int) -> torch.Tensor:
+    """`rows` x `seq` ids, half prose and half source, windows spread over each text."""
+    out = []
+    for text in smollm2_texts():
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        count = rows // 2
+        stride = (len(ids) - seq) // count
+        out += [ids[i * stride:i * stride + seq] for i in range(count)]
+    return torch.tensor(out, dtype=torch.long)
+
+
+def smollm2_train_ids(tokenizer) -> torch.Tensor:
+    """Students' training text: standard-library source and language-reference prose, the
+    evaluation's files and topics left out."""
+    import sysconfig
+    from pathlib import Path
+
+    import pydoc_data.topics
+
+    from distill_demo.corpus import stdlib_files
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [text for name, text in sorted(pydoc_data.topics.topics.items()) if name not in PROSE_TOPICS]
+    texts += [p.read_text(errors="replace") for p in stdlib_files()[:400]
+              if p.relative_to(stdlib).as_posix() not in SOURCE_FILES]
+    eos = tokenizer.eos_token_id
+    ids = []
+    for text in texts:
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"] + [eos]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def smollm2(args, rows_out: list, figures: dict) -> None:
+    """KL(bf16 || FP8) on SmolLM2-135M-Instruct for the served plans (eager, on DEVICE), the
+    calibrated plans written to --out's folder for '+plan' speed variants, and, with
+    --smollm2-student-steps, students distilled from bf16 and from each calibrated plan."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from distill_common.smollm2 import model_dir
+    from teacher_server import fp8_calibration as calibration
+
+    path = model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    teacher = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEVICE).eval()
+    heldout = smollm2_eval_batch(tokenizer, args.smollm2_rows, args.smollm2_seq + 1).to(DEVICE)
+    labels = heldout[:, 1:]
+    calib = calibration.calibration_batch(tokenizer, calibration.calibration_texts(""), 4, 256,
+                                          teacher.config.vocab_size)
+    ref = log_probs(teacher, heldout)
+    model32 = copy.deepcopy(teacher).float()
+    floor = compare(log_probs(model32, heldout), ref, labels)
+    del model32
+    rows_out.append(f"| bf16 vs float32 (floor) | | {floor['kl_mean']:.2e} | {floor['kl_p99']:.2e} | "
+                    f"{floor['kl_max']:.2e} | {floor['top1']:.2%} | {compare(ref, ref, labels)['ce']:.4f} |")
+    figures["smollm2/floor"] = floor
+    teachers = {"bf16": teacher}
+    plans = {"row": fp8.Fp8Plan("row", bias_correction=False), "row, bias-corrected": fp8.Fp8Plan("row")}
+    plans.update({f"row, bias-corrected, --fp8-max-kl {b:g}": fp8.Fp8Plan("row", max_kl=b) for b in args.smollm2_bounds})
+    for name, plan in plans.items():
+        model = copy.deepcopy(teacher)
+        done = calibration.quantize_and_measure(model, plan, calib.to(DEVICE))
+        got = compare(ref, log_probs(model, heldout), labels)
+        figures[f"smollm2/{name}"] = dict(got, fp8_flop_share=done.fp8_flop_share, calibration_s=done.seconds,
+                                          calibration_kl=done.cost.kl_mean, keep_linears=done.plan.keep_linears)
+        rows_out.append(f"| {name} | {done.fp8_flop_share:.1%} | {got['kl_mean']:.2e} | {got['kl_p99']:.2e} | "
+                        f"{got['kl_max']:.2e} | {got['top1']:.2%} | {got['ce']:.4f} |")
+        print(rows_out[-1], f"(calibration {done.seconds:.0f} s, KL {done.cost.kl_mean:.2e} on its batch)", flush=True)
+        if plan.max_kl and args.out_dir:
+            with open(f"{args.out_dir}/fp8_plan_smollm2_{plan.max_kl:g}.json", "w") as f:
+                json.dump({"num_layers": len(fp8.decoder_layers(model)), "keep_linears": done.plan.keep_linears,
+                           "fp8_flop_share": done.fp8_flop_share}, f, indent=1)
+        teachers[name] = model
+    if not args.smollm2_student_steps:
+        return
+    train_ids = smollm2_train_ids(tokenizer)
+    shape = dict(vocab_size=teacher.config.vocab_size, max_position_embeddings=args.smollm2_seq,
+                 **llama_shape(args.student_layers, args.student_hidden))
+    rows_out += ["", f"Students of SmolLM2 ({args.student_layers} x {args.student_hidden}, {args.smollm2_student_steps} "
+                 f"steps of {args.batch_rows} x {args.smollm2_seq} tokens, forward KL to the teacher): held-out CE per seed", "",
+                 "| teacher | " + " | ".join(f"seed {s}" for s in range(args.seeds)) + " | mean | spread |",
+                 "|---|" + "---|" * (args.seeds + 2)]
+    for name in ["bf16"] + [n for n in teachers if "max-kl" in n or n == "row"]:
+        ces = []
+        for seed in range(args.seeds):
+            student = llama(shape, torch.float32, DEVICE, seed=100 + seed)
+            train(student, batches(train_ids, args.batch_rows, args.smollm2_seq, torch.Generator().manual_seed(100 + seed)),
+                  0, lr=2e-3, teacher=teachers[name], steps=args.smollm2_student_steps)
+            ces.append(held_out_ce(student, heldout))
+            del student
+        figures[f"smollm2/student/{name}"] = ces
+        rows_out.append(f"| {name} | " + " | ".join(f"{c:.4f}" for c in ces) +
+                        f" | {sum(ces) / len(ces):.4f} | {max(ces) - min(ces):.4f} |")
+        print(rows_out[-1], flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", default="speed,quality")
@@ -394,6 +557,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--keep", type=int, default=2, help="decoder layers kept in bf16 by the '+keep' plans")
     parser.add_argument("--profile", default="", help="a variant to profile at the first shape")
+    parser.add_argument("--plan", default="", help="the '+plan' variants' calibrated plan: JSON with keep_linears "
+                        "(or full_precision_linears) and num_layers, e.g. from bench/investigations/fp8_smollm2.py")
     parser.add_argument("--train-s", type=float, default=100.0)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=512)
@@ -407,6 +572,12 @@ def main() -> None:
     parser.add_argument("--students", type=int, default=3, help="teachers a student is distilled from (bf16 first)")
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--torchao", action="store_true", help="torchao's float8 in the quality section too")
+    parser.add_argument("--smollm2-rows", type=int, default=8, help="the smollm2 section's held-out sequences")
+    parser.add_argument("--smollm2-seq", type=int, default=256, help="their tokens (and the students')")
+    parser.add_argument("--smollm2-bounds", type=lambda v: [float(x) for x in v.split(",") if x],
+                        default=[2e-2, 1e-2, 5e-3], help="--fp8-max-kl values of the smollm2 section's plans")
+    parser.add_argument("--smollm2-student-steps", type=int, default=0,
+                        help="students distilled from SmolLM2 in bf16 and in FP8 (0: none)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -416,8 +587,8 @@ def main() -> None:
     figures: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "torch": torch.__version__}
     lines = [f"FP8 teacher on {figures['device']} (torch {torch.__version__})", ""]
     if "speed" in args.sections:
-        table = ["| variant | tokens | ms | tokens/s | vs bf16 | share of peak | peak GiB | layer 0 vs bf16 |",
-                 "|---|---|---|---|---|---|---|---|"]
+        table = ["| variant | tokens | linear FLOPs in FP8 | ms | tokens/s | vs bf16 | share of peak | peak GiB | "
+                 "layer 0 vs bf16 |", "|---|---|---|---|---|---|---|---|---|"]
         speed(args, table, figures)
         lines += ["Llama-3-8B-shaped forward (random weights), logits out:", ""] + table + [""]
     if "quality" in args.sections:
@@ -426,6 +597,12 @@ def main() -> None:
         quality(args, table, figures)
         lines += [f"Trained {args.teacher_layers} x {args.teacher_hidden} Llama, {args.heldout_rows} held-out "
                   f"sequences of {args.seq} tokens (nats per token, float32):", ""] + table
+    if "smollm2" in args.sections:
+        table = ["| teacher vs bf16 | linear FLOPs in FP8 | KL mean | KL p99 | KL max | top-1 agree | held-out CE |",
+                 "|---|---|---|---|---|---|---|"]
+        smollm2(args, table, figures)
+        lines += ["", f"SmolLM2-135M-Instruct, {args.smollm2_rows} held-out sequences of {args.smollm2_seq} tokens of prose "
+                  "and Python source (nats per token, float32):", ""] + table
     emit(lines, args.out, figures)
 
 

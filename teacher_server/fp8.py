@@ -376,7 +376,17 @@ def compile_layers(model, block: bool | None = None) -> None:
         block = any(isinstance(m, FP8Linear) and m.scaling == "block" for m in model.modules())
     options = ({"triton.coalesce_tiling_analysis": False}
                if block and hasattr(inductor.triton, "coalesce_tiling_analysis") else None)
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    # The layers share one code object, so one compilation serves every layer of the same make-up;
+    # a plan that keeps single linears in bf16 (--fp8-max-kl) gives layers of several make-ups, one
+    # compilation each, and past dynamo's recompile limit (8) the remaining layers would run
+    # uncompiled without an error: the limit is raised to their number (and the layer kinds' eight).
+    makeups = {tuple(type(m).__name__ for m in layer.modules()) for layer in layers}
+    import torch._dynamo.config as dynamo
+
+    if len(makeups) + 8 > dynamo.recompile_limit:
+        dynamo.recompile_limit = len(makeups) + 8
+    for layer in layers:
         layer.compile(dynamic=True, options=options)
 
 

@@ -34,7 +34,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from teacher_server import fp8

@@ -5,7 +5,8 @@
     python -m bench.investigations.fp8_smollm2 --sections floor,wa,outliers,types,layers,methods
 
 Text: --rows sequences of --seq tokens, half English prose (the language reference's prose,
-Python's own pydoc_data.topics) and half Python source (standard-library modules), none of it
+Python's own pydoc_data.topics) and half Python source (standard-library modules; both as
+bench/fp8_teacher.py's smollm2 section takes them), none of it
 the start-up calibration's built-in sample (teacher_server/calibration_sample.py), which the
 calibrated plans are chosen on. KL(bf16 || X) per token in nats, float32 log-softmax.
 
@@ -28,37 +29,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sysconfig
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from bench.fp8_teacher import smollm2_eval_batch
 from bench.table import emit
 from teacher_server import fp8
 from teacher_server import fp8_calibration as calibration
-
-PROSE_TOPICS = ("execmodel", "calls", "import", "types", "class", "exceptions")
-SOURCE_FILES = ("textwrap.py", "heapq.py", "fractions.py", "statistics.py", "shlex.py", "calendar.py")
-
-
-def eval_batch(tokenizer, rows: int, seq: int) -> torch.Tensor:
-    """`rows` x `seq` ids: half prose, half source."""
-    import pydoc_data.topics
-
-    prose = "\n\n".join(pydoc_data.topics.topics[name] for name in PROSE_TOPICS)
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    source = "\n\n".join((stdlib / name).read_text() for name in SOURCE_FILES)
-    out = []
-    for text in (prose, source):
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        # Windows spread over the text rather than its first pages only.
-        count = rows // 2
-        stride = (len(ids) - seq) // count
-        out += [ids[i * stride:i * stride + seq] for i in range(count)]
-    return torch.tensor(out, dtype=torch.long)
-
 
 def load(dtype=torch.bfloat16):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -116,7 +95,7 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.tokenizer, self.model = load()
-        self.ids = eval_batch(self.tokenizer, args.rows, args.seq)
+        self.ids = smollm2_eval_batch(self.tokenizer, args.rows, args.seq)
         self.calib = calibration.calibration_batch(self.tokenizer, calibration.calibration_texts(""),
                                                    args.calibration_rows, args.seq, self.model.config.vocab_size)
         self.linears = fp8.decoder_linears(self.model)
