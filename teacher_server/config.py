@@ -55,7 +55,8 @@ class ServerConfig(ServerLimits):
     quantize: Literal["", "fp8"] = field(default="", metadata=_help(
         "fp8: quantize the decoder's linear layers to FP8 (e4m3) at load and run them through torch._scaled_mm "
         "(1.6x the bf16 forward of an 8B model on an H200, docs/performance.md); the embedding, norms, attention "
-        "and output head keep --dtype. Needs a GPU of compute capability 8.9+ (CPU: row scaling only, for tests). "
+        "and output head keep --dtype; at start-up the teacher measures the KL this costs it (--fp8-calibration, "
+        "--fp8-max-kl). Needs a GPU of compute capability 8.9+ (CPU: row scaling only, for tests). "
         "A published FP8 checkpoint (quantization_config in config.json) is served in FP8 without this flag"))
     fp8_scaling: Literal["row", "block"] = field(default="row", metadata=_help(
         "--quantize fp8 scales: row (one per output channel of a weight, one per token of an activation) or "

@@ -217,9 +217,10 @@ class _Attributed(nn.Module):
         self.share = 0.0
 
     def forward(self, x):
+        exact = self.original(x)
         with torch.no_grad():
-            error = (self.quantized(x) - self.original(x)).float()
-        out = self.original(x) + error.to(x.dtype)
+            error = (self.quantized(x) - exact).float()
+        out = exact + error.to(x.dtype)
         if out.requires_grad:
             out.register_hook(lambda grad: self._take(grad, error))
         return out

@@ -23,6 +23,8 @@ Sections:
   shares    the start-up calibration's gradient shares (teacher_server/fp8_calibration.py), summed
             per kind and per layer, beside the measured `types` and `layers`
   methods   KL against the share of the decoder's linear FLOPs in FP8, for each method
+  curve     each method at fixed FP8 shares (--targets), the same linears kept in bf16 for all:
+            those of the largest gradient share per FLOP on the calibration batch
 """
 
 from __future__ import annotations
@@ -285,9 +287,53 @@ def methods(b: Bench, lines: list, figures: dict) -> None:
                  f"calibration KL {done.cost.kl_mean:.2e})", done.fp8_flop_share, b.cost(model))
 
 
+def curve(b: Bench, lines: list, figures: dict) -> None:
+    """KL at fixed FP8 shares for each method: the linears ranked once by the calibration's
+    gradient shares per FLOP (row scales, on the calibration batch, as the teacher ranks them),
+    the top ones kept in bf16 until the share is reached, the rest in FP8 by the method."""
+    model = copy.deepcopy(b.model)
+    linears = fp8.decoder_linears(model)
+    originals = {n: e[3] for n, e in linears.items()}
+    with torch.inference_mode():
+        calib_ref = log_probs(model, b.calib)
+    fp8.quantize_model(model, fp8.Fp8Plan(), b.means)
+    quantized = {n: e[3] for n, e in fp8.decoder_linears(model).items()}
+    got = calibration._kl_shares(model, b.calib, calib_ref, linears, originals, quantized)
+    del model
+    order = sorted(got, key=lambda n: -max(got[n], 0.0) / b.flops[n])
+    smooth = _smoothing(b)
+    make = {"row, bias-corrected": lambda n: fp8.FP8Linear.from_linear(b.originals[n], "row", input_mean=b.means[n]),
+            "row, SmoothQuant 0.5, bias-corrected (simulated)":
+                lambda n: Simulated(b.originals[n], "row", "row", b.means[n], smooth[n]),
+            "1 x 128 activations, bias-corrected (simulated)":
+                lambda n: Simulated(b.originals[n], "row", "group", b.means[n]),
+            "1 x 128 weights and activations, bias-corrected (simulated)":
+                lambda n: Simulated(b.originals[n], "group", "group", b.means[n])}
+    total = sum(b.flops.values())
+    lines += ["", "| method | " + " | ".join(f"KL at {t:.0%} FP8" for t in b.args.targets) + " |",
+              "|---|" + "---|" * len(b.args.targets)]
+    for label, build in make.items():
+        cells = []
+        for target in b.args.targets:
+            kept, share = set(), 1.0
+            for n in order:
+                if share <= target + 1e-9:
+                    break
+                kept.add(n)
+                share -= b.flops[n] / total
+            b.set({n: build(n) for n in b.originals if n not in kept})
+            cost = b.cost()
+            figures[f"curve/{label}/{target}"] = dict(cost.__dict__, share=share)
+            cells.append(f"{cost.kl_mean:.2e} ({share:.1%})")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    b.set({})
+
+
 def _smoothing(b: Bench, alpha: float = 0.5) -> dict[str, torch.Tensor]:
     """SmoothQuant's factors per input channel: max|x|^alpha / max|w|^(1 - alpha), on the calibration batch."""
     amax = {}
+    b.set({})
     hooks = [m.register_forward_pre_hook(
         lambda _m, args, n=n: amax.__setitem__(n, args[0].reshape(-1, args[0].shape[-1]).float().abs().amax(0)))
         for n, m in b.originals.items()]
@@ -304,7 +350,7 @@ def _smoothing(b: Bench, alpha: float = 0.5) -> dict[str, torch.Tensor]:
 SECTIONS = {"floor": floor, "wa": weights_and_acts, "outliers": outliers,
             "types": lambda b, l, f: types_and_layers(b, l, f, "types"),
             "layers": lambda b, l, f: types_and_layers(b, l, f, "layers"), "linears": per_linear, "shares": shares,
-            "methods": methods}
+            "methods": methods, "curve": curve}
 
 
 def main() -> None:
@@ -314,6 +360,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--calibration-rows", type=int, default=4)
     parser.add_argument("--bounds", type=lambda s: [float(v) for v in s.split(",")], default=[2e-2, 1e-2, 5e-3])
+    parser.add_argument("--targets", type=lambda s: [float(v) for v in s.split(",")], default=[1.0, 0.9, 0.75, 0.6],
+                        help="the curve section's shares of linear FLOPs in FP8")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
