@@ -169,3 +169,24 @@ def test_a_runner_without_calibration_says_it_measured_nothing(model_dir):
     assert "not measured" in str(q)
     assert "did not measure" in q.above(1.0)
     assert Quantization().above(1e-9) == ""  # a teacher in its dtype passes any bound
+
+
+def test_the_bench_maps_a_calibrated_plan_onto_another_depth(tmp_path):
+    """bench/fp8_teacher.py's '+plan' variants time a plan chosen on SmolLM2 (30 layers) on the
+    8B shape (32): the same kinds kept at the same relative depth."""
+    import json
+
+    from bench.fp8_teacher import plan_for
+    from distill_common.models import builtin_model
+
+    model = builtin_model("tiny")  # 2 decoder layers
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"num_layers": 30, "keep_linears": [
+        "model.layers.0.self_attn.k_proj", "model.layers.29.mlp.down_proj", "model.layers.14.mlp.up_proj"]}))
+    kept = plan_for(model, str(plan))
+    assert kept == ("model.layers.0.mlp.up_proj", "model.layers.0.self_attn.k_proj", "model.layers.1.mlp.down_proj")
+    fp8.quantize_model(model, fp8.Fp8Plan(keep_linears=kept))
+    linears = fp8.decoder_linears(model)
+    assert {n for n, e in linears.items() if not isinstance(e[3], fp8.FP8Linear)} == set(kept)
+    with pytest.raises(ValueError, match="no decoder linear of that name"):
+        fp8.quantize_model(builtin_model("tiny"), fp8.Fp8Plan(keep_linears=("model.layers.5.mlp.up_proj",)))
