@@ -25,6 +25,12 @@ cost more than the matmul saves. `compile_layers` compiles each decoder layer, s
 quantization fuses into the kernel that produces its input (the RMSNorm before q/k/v and
 gate/up, the SwiGLU product before down). bench/fp8_teacher.py measures each variant.
 
+What a quantization costs the distribution depends on the teacher (a toy Llama 7.7e-4 nats
+per token, SmolLM2-135M 3.1e-2): teacher_server/fp8_calibration.py measures it at load on a
+calibration batch, adds each linear's weight rounding error on the batch's mean input to its
+bias (`FP8Linear.from_linear(input_mean=)`), and keeps single linears in the model's dtype for
+a bound (`Fp8Plan.keep_linears`).
+
 Before a model quantized here serves, `verify` runs one layer of each shape against the
 reference on its own device: a scale layout that this torch's `_scaled_mm` reads otherwise
 would give wrong outputs without an error. Measured on an H200 (torch 2.11, CUDA 13;

@@ -114,7 +114,7 @@ def kl_cost(reference: torch.Tensor, other: torch.Tensor) -> tuple[Cost, torch.T
                 kl.max().item(), top1, kl.numel()), kl
 
 
-def _log_probs(model, ids: torch.Tensor) -> torch.Tensor:
+def log_probs(model, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)
 
 
@@ -141,17 +141,17 @@ def quantize_and_measure(model, plan: fp8.Fp8Plan, ids: torch.Tensor) -> Calibra
     originals = {name: entry[3] for name, entry in linears.items()}
     means: dict[str, torch.Tensor] = {}
     with torch.inference_mode():
-        reference = _record_means(model, ids, originals, means) if plan.bias_correction else _log_probs(model, ids)
+        reference = record_means(model, ids, originals, means) if plan.bias_correction else log_probs(model, ids)
     fp8.quantize_model(model, plan, means if plan.bias_correction else None)
     quantized = {name: entry[3] for name, entry in fp8.decoder_linears(model).items()
                  if isinstance(entry[3], fp8.FP8Linear)}
     with torch.inference_mode():
-        cost, _ = kl_cost(reference, _log_probs(model, ids))
+        cost, _ = kl_cost(reference, log_probs(model, ids))
     log.info("FP8 calibration on %d tokens: KL %.3g per token (p99 %.3g), top-1 agreement %.2f%% with every planned "
              "linear in FP8", cost.tokens, cost.kl_mean, cost.kl_p99, 100 * cost.top1_agreement)
     rounds, kept = 0, set(plan.keep_linears)
     if plan.max_kl and cost.kl_mean > plan.max_kl:
-        shares = _kl_shares(model, ids, reference, linears, originals, quantized)
+        shares = kl_shares(model, ids, reference, linears, originals, quantized)
         flops = {name: fp8.linear_flops(module) for name, module in quantized.items()}
         # Most KL per multiply-add first: the FP8 share kept largest for the KL given back.
         order = sorted(quantized, key=lambda name: -max(shares[name], 0.0) / flops[name])
@@ -177,7 +177,7 @@ def quantize_and_measure(model, plan: fp8.Fp8Plan, ids: torch.Tensor) -> Calibra
                 setattr(parent, attr, originals[name])
             kept |= chosen
             with torch.inference_mode():
-                cost, _ = kl_cost(reference, _log_probs(model, ids))
+                cost, _ = kl_cost(reference, log_probs(model, ids))
             log.info("FP8 calibration round %d: %d linears kept in the model's dtype (%.0f%% of the linear FLOPs in "
                      "FP8): KL %.3g per token", rounds, len(kept), 100 * fp8_flop_share(model), cost.kl_mean)
             aim *= _TIGHTEN
@@ -192,7 +192,7 @@ def fp8_flop_share(model) -> float:
                                                                                               linears))
 
 
-def _record_means(model, ids: torch.Tensor, linears: dict[str, nn.Module], means: dict) -> torch.Tensor:
+def record_means(model, ids: torch.Tensor, linears: dict[str, nn.Module], means: dict) -> torch.Tensor:
     """The reference forward, recording each linear's mean input (float32) into `means`."""
     hooks = []
     for name, module in linears.items():
@@ -201,7 +201,7 @@ def _record_means(model, ids: torch.Tensor, linears: dict[str, nn.Module], means
             means[name] = x.float().mean(0)
         hooks.append(module.register_forward_pre_hook(hook))
     try:
-        return _log_probs(model, ids)
+        return log_probs(model, ids)
     finally:
         for h in hooks:
             h.remove()
@@ -229,7 +229,7 @@ class _Attributed(nn.Module):
         self.share = (grad.float() * error).sum().item() / 2
 
 
-def _kl_shares(model, ids, reference, linears, originals, quantized) -> dict[str, float]:
+def kl_shares(model, ids, reference, linears, originals, quantized) -> dict[str, float]:
     """Each FP8 linear's share of the summed KL over the batch, per token (see the module's
     docstring); they add up to the measured mean KL, to second order."""
     reference = reference.clone()  # out of inference mode: the backward pass saves it

@@ -93,14 +93,14 @@ def test_the_gradient_shares_add_up_to_the_kl(model_dir):
     model = _model(model_dir)
     ids = _ids(model)
     with torch.inference_mode():
-        reference = calibration._log_probs(model, ids)
+        reference = calibration.log_probs(model, ids)
     linears = fp8.decoder_linears(model)
     originals = {n: e[3] for n, e in linears.items()}
     fp8.quantize_model(model, fp8.Fp8Plan())
     quantized = {n: e[3] for n, e in fp8.decoder_linears(model).items()}
     with torch.inference_mode():
-        measured = calibration.kl_cost(reference, calibration._log_probs(model, ids))[0].kl_mean
-    shares = calibration._kl_shares(model, ids, reference, linears, originals, quantized)
+        measured = calibration.kl_cost(reference, calibration.log_probs(model, ids))[0].kl_mean
+    shares = calibration.kl_shares(model, ids, reference, linears, originals, quantized)
     assert set(shares) == set(quantized)
     assert sum(shares.values()) == pytest.approx(measured, rel=0.25)
     assert all(isinstance(e[3], fp8.FP8Linear) for e in fp8.decoder_linears(model).values())  # put back

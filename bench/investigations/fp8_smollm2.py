@@ -105,7 +105,7 @@ class Bench:
         self.reference = log_probs(self.model, self.ids)
         self.means = {}
         with torch.inference_mode():
-            calibration._record_means(self.model, self.calib, self.originals, self.means)
+            calibration.record_means(self.model, self.calib, self.originals, self.means)
         self.flops = {name: fp8.linear_flops(m) for name, m in self.originals.items()}
 
     def set(self, modules: dict[str, nn.Module]) -> None:
@@ -232,7 +232,7 @@ def shares(b: Bench, lines: list, figures: dict) -> None:
     originals = {n: e[3] for n, e in linears.items()}
     fp8.quantize_model(model, fp8.Fp8Plan())
     quantized = {n: e[3] for n, e in fp8.decoder_linears(model).items()}
-    got = calibration._kl_shares(model, b.ids, b.reference, linears, originals, quantized)
+    got = calibration.kl_shares(model, b.ids, b.reference, linears, originals, quantized)
     figures["shares"] = got
     lines += ["", f"Gradient shares on the evaluation text (sum {sum(got.values()):.3e}):", "",
               "| kind | sum of shares | share per FLOP (relative) |", "|---|---|---|"]
@@ -298,7 +298,7 @@ def curve(b: Bench, lines: list, figures: dict) -> None:
         calib_ref = log_probs(model, b.calib)
     fp8.quantize_model(model, fp8.Fp8Plan(), b.means)
     quantized = {n: e[3] for n, e in fp8.decoder_linears(model).items()}
-    got = calibration._kl_shares(model, b.calib, calib_ref, linears, originals, quantized)
+    got = calibration.kl_shares(model, b.calib, calib_ref, linears, originals, quantized)
     del model
     order = sorted(got, key=lambda n: -max(got[n], 0.0) / b.flops[n])
     smooth = _smoothing(b)
