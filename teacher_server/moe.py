@@ -78,6 +78,10 @@ def _grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     n = weight.shape[-1]
     strides_ok = all(stride * size % _ALIGN_BYTES == 0 for t in (x, weight)
                      for stride, dim in zip(t.stride(), t.shape) if stride != 1 and dim > 1)
+    if torch.compiler.is_compiling():
+        # A traced tensor has no address (the compiler's buffers are aligned), and the operator's
+        # shape function accepts bf16 only.
+        return strides_ok and n * size % _ALIGN_BYTES == 0 and x.dtype == torch.bfloat16
     return (strides_ok and n * size % _ALIGN_BYTES == 0 and x.data_ptr() % _ALIGN_BYTES == 0
             and weight.data_ptr() % _ALIGN_BYTES == 0)
 

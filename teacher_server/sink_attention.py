@@ -83,6 +83,8 @@ def sink_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
     kwargs_flex = dict(block_mask=attention_mask, scale=scaling, enable_gqa=key.shape[1] != heads)
     if query.device.type == "cuda":
         out, lse = _with_lse(_flex(), query, key, value, kwargs_flex)
+    elif torch.compiler.is_compiling():  # a compiled layer: the compiler fuses it
+        out, lse = _with_lse(flex_attention, query, key, value, kwargs_flex)
     else:
         with warnings.catch_warnings():  # "called without torch.compile()": on a CPU, eager is the point
             warnings.simplefilter("ignore", UserWarning)

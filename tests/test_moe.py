@@ -53,11 +53,14 @@ def _runner_and_reference(tmp_path, model_type: str):
     config = _config(model_type)
     config.save_pretrained(tmp_path)
     runner = ModelRunner(f"random:{tmp_path}", "cpu", dtype="float32")
-    # transformers initialises some routers to zero: every expert would tie. Draw all weights anew.
+    # Weights drawn anew, larger than transformers' initialisation (std 0.02), so that the routing and
+    # every layer's output are far from uniform; DeepSeek-V3's routing correction bias too.
     generator = torch.Generator().manual_seed(1)
+    drawn = [*runner.model.parameters(),
+             *(b for name, b in runner.model.named_buffers() if name.endswith("e_score_correction_bias"))]
     with torch.no_grad():
-        for parameter in runner.model.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+        for tensor in drawn:
+            tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.3)
     reference = AutoModelForCausalLM.from_config(_config(model_type), attn_implementation="eager",
                                                  experts_implementation=moe.EAGER).eval()
     reference.load_state_dict(runner.model.state_dict())
