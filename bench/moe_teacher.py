@@ -28,6 +28,13 @@ shows. Columns: median ms of --iters forwards (CUDA events), tokens/s, share of 
 memory allocated (GiB, weights included), and expert imbalance over the timed forwards (tokens of
 the busiest expert over the mean per expert, per layer: the mean over layers and the worst layer).
 
+Routing: transformers initialises a router's weights at std 0.02, and on random weights most layers
+then send nearly every token to the same few experts (imbalance up to E / k = 16 for Qwen: a few
+large groups, the grouped GEMM's easiest case). Each MoE model is therefore timed twice: with the
+routers as initialised, then with their weights redrawn from N(0, 1) (--router-std), which spreads
+the tokens over the experts as a trained router does (imbalance near 1: many groups of T x k / E
+rows, the harder case). The same weights serve both forwards.
+
 --profile MODEL: a torch.profiler table of the server's forward of MODEL at the first shape (the
 kernels by CUDA time), printed and written to --profile-dir.
 """
@@ -96,6 +103,10 @@ def flops(config, rows: int, seq: int) -> float:
     return linear + attention
 
 
+def is_moe(config) -> bool:
+    return bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None))
+
+
 def transformers_model(config, device: str):
     """transformers' own forward: its default experts (grouped_mm) and attention."""
     from transformers import AutoModelForCausalLM
@@ -109,6 +120,17 @@ def transformers_model(config, device: str):
     finally:
         torch.set_default_dtype(previous)
     return model.eval().requires_grad_(False)
+
+
+def redraw_routers(model, std: float) -> int:
+    """Draws the routers' weights anew from N(0, std); returns how many routers."""
+    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("router")
+               and getattr(m, "weight", None) is not None]
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    with torch.no_grad():
+        for router in routers:
+            router.weight.copy_(torch.randn(router.weight.shape, generator=generator, device="cuda") * std)
+    return len(routers)
 
 
 def time_forward(call, rows: int, seq: int, vocab: int, iters: int) -> tuple[float, float]:
@@ -148,6 +170,8 @@ def main() -> None:
     parser.add_argument("--baseline-shapes", default="2x4096", help="shapes at which transformers' own forward "
                         "is measured too ('' for none)")
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--router-std", type=float, default=1.0, help="the std of the redrawn routers' weights "
+                        "(0: only the routers as initialised)")
     parser.add_argument("--profile", default="", help="a model whose server forward is profiled at the first shape")
     parser.add_argument("--profile-dir", default="")
     parser.add_argument("--out", default="")
@@ -156,17 +180,17 @@ def main() -> None:
 
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     baseline_shapes = [tuple(int(v) for v in s.split("x")) for s in args.baseline_shapes.split(",") if s]
-    lines = ["| model | forward | tokens | ms | tokens/s | share of bf16 peak | peak GiB | imbalance mean / worst |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | forward | routers | tokens | ms | tokens/s | share of bf16 peak | peak GiB | "
+             "imbalance mean / worst |", "|---|---|---|---|---|---|---|---|---|"]
     figures = {}
     for name in args.models.split(","):
         config = config_of(name)
         for variant in ("server", "transformers"):
-            if variant == "transformers" and not baseline_shapes:
-                continue
+            if variant == "transformers" and not (baseline_shapes and is_moe(config)):
+                continue  # transformers' own forward is the baseline of the MoE models
             torch._dynamo.reset()
             started = time.perf_counter()
-            runner = None
+            runner = model = None
             if variant == "server":
                 with tempfile.TemporaryDirectory() as directory:
                     config.save_pretrained(directory)
@@ -182,32 +206,35 @@ def main() -> None:
                 def call(ids, mask, model=model):
                     return model(input_ids=ids.to("cuda", non_blocking=True), use_cache=False).logits
             print(f"{name} {label}: built in {time.perf_counter() - started:.0f} s", flush=True)
-            for rows, seq in (shapes if variant == "server" else baseline_shapes):
-                try:
-                    ms, gib = time_forward(call, rows, seq, config.vocab_size, args.iters)
-                except torch.OutOfMemoryError as e:
-                    lines.append(f"| {name} | {label} | {rows} x {seq} | out of memory | | | | |")
-                    print(lines[-1], str(e).splitlines()[0], flush=True)
-                    gc.collect()
-                    torch.cuda.empty_cache()
-                    continue
-                share = flops(config, rows, seq) / (ms / 1e3) / BF16_PEAK
-                tokens_s = rows * seq / ms * 1e3
-                balance = ""
-                if runner is not None and runner.expert_load is not None:
-                    from teacher_server.moe import imbalance
+            routings = ["initialised", f"N(0, {args.router_std:g})"] if is_moe(config) and args.router_std else [""]
+            for routing in routings:
+                if routing.startswith("N("):
+                    redraw_routers(runner.model if runner is not None else model, args.router_std)
+                for rows, seq in (shapes if variant == "server" else baseline_shapes):
+                    row = f"| {name} | {label} | {routing} | {rows} x {seq} |"
+                    try:
+                        ms, gib = time_forward(call, rows, seq, config.vocab_size, args.iters)
+                    except torch.OutOfMemoryError as e:
+                        lines.append(f"{row} out of memory | | | | |")
+                        print(lines[-1], str(e).splitlines()[0], flush=True)
+                        gc.collect()
+                        torch.cuda.empty_cache()
+                        continue
+                    share = flops(config, rows, seq) / (ms / 1e3) / BF16_PEAK
+                    tokens_s = rows * seq / ms * 1e3
+                    balance = ""
+                    if runner is not None and runner.expert_load is not None:
+                        from teacher_server.moe import imbalance
 
-                    per_layer = [imbalance(c) for c in runner.expert_load.snapshot().last]
-                    balance = f"{sum(per_layer) / len(per_layer):.2f} / {max(per_layer):.2f}"
-                lines.append(f"| {name} | {label} | {rows} x {seq} | {ms:.1f} | {tokens_s / 1e3:.1f}k | {share:.1%} | "
-                             f"{gib:.1f} | {balance} |")
-                figures[f"{name}/{variant}/{rows}x{seq}"] = dict(ms=ms, tokens_s=tokens_s, share=share, gib=gib,
-                                                                  imbalance=balance)
-                print(lines[-1], f"({time.perf_counter() - started:.0f} s since built)", flush=True)
+                        per_layer = [imbalance(c) for c in runner.expert_load.snapshot().last]
+                        balance = f"{sum(per_layer) / len(per_layer):.2f} / {max(per_layer):.2f}"
+                    lines.append(f"{row} {ms:.1f} | {tokens_s / 1e3:.1f}k | {share:.1%} | {gib:.1f} | {balance} |")
+                    figures[f"{name}/{variant}/{routing}/{rows}x{seq}"] = dict(
+                        ms=ms, tokens_s=tokens_s, share=share, gib=gib, imbalance=balance)
+                    print(lines[-1], f"({time.perf_counter() - started:.0f} s since built)", flush=True)
             if variant == "server" and name == args.profile:
                 profile(call, *shapes[0], config.vocab_size, name, args.profile_dir)
-            del call, runner
-            model = None
+            del call, runner, model
             gc.collect()
             torch.cuda.empty_cache()
     emit(lines, args.out, figures)

@@ -3,6 +3,13 @@ models in bf16 through the server's ModelRunner (torch._grouped_mm experts, Flex
 the decoder layers compiled), against transformers' eager forward of the same weights in float32
 on the same GPU. Sequences of 300 tokens cross FlexAttention's 128-token blocks and gpt-oss's
 128-token window.
+
+bf16 alone moves an MoE model's logits far more than a dense one's: a router's top-k over bf16
+logits picks another expert for some tokens (measured on a CPU with these shapes: transformers' own
+eager forward in bf16 is off from float32 by 17% of the largest logit on the worst token of
+gpt_oss, by 0.6% for qwen3_moe). So the served forward is held to what transformers' eager forward
+in bf16 gives, both against float32, by the relative norm over all real positions: a wrong
+expert, weight or mask moves all of them (~1).
 """
 
 from __future__ import annotations
@@ -31,9 +38,14 @@ SMALL = {
                         qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64, num_attention_heads=4,
                         num_key_value_heads=4, max_position_embeddings=1024),
 }
-# bf16 against float32, relative to the largest logit: bf16 roundings of the activations compounded
-# over a few layers; a wrong expert, weight or mask gives ~1.
-RTOL = 3e-2
+# How much further from float32 than transformers' own bf16 forward the served one may be, and
+# the floor under that (bf16 rounding of the logits themselves).
+NO_WORSE = 2.0
+FLOOR = 1e-2
+
+
+def _relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours.float() - reference).norm() / reference.norm()).item()
 
 
 @pytest.mark.parametrize("model_type", sorted(SMALL))
@@ -53,15 +65,21 @@ def test_the_served_moe_forward_equals_transformers_eager_in_float32(tmp_path, m
                                                  attn_implementation="eager",
                                                  experts_implementation=moe.EAGER).cuda().eval()
     reference.load_state_dict({k: v.float() for k, v in runner.model.state_dict().items()})
+    eager_bf16 = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SMALL[model_type]),
+                                                  attn_implementation="eager", experts_implementation=moe.EAGER)
+    eager_bf16 = eager_bf16.to(device="cuda", dtype=torch.bfloat16).eval()
+    eager_bf16.load_state_dict(runner.model.state_dict())
     ids = torch.randint(0, 512, (3, 300), generator=torch.Generator().manual_seed(0))
     padded = torch.ones_like(ids)
     padded[1, 200:] = 0
     for mask in (torch.ones_like(ids), padded):
-        ours = runner.forward(ids, mask).logits.float()
+        ours = runner.forward(ids, mask).logits
         with torch.inference_mode():
             theirs = reference(input_ids=ids.cuda(), attention_mask=mask.cuda(), use_cache=False).logits
+            theirs_bf16 = eager_bf16(input_ids=ids.cuda(), attention_mask=mask.cuda(), use_cache=False).logits
         real = mask.cuda().bool()
-        off = (ours[real] - theirs[real]).abs().max().item()
-        assert off <= RTOL * theirs.abs().max().item(), f"{model_type}: logits off by {off:.3g}"
+        off, bf16_off = _relative(ours[real], theirs[real]), _relative(theirs_bf16[real], theirs[real])
+        print(f"{model_type}: served bf16 {off:.2e}, transformers' eager bf16 {bf16_off:.2e} from float32")
+        assert off <= max(NO_WORSE * bf16_off, FLOOR), f"{model_type}: {off:.3g} from float32, eager bf16 {bf16_off:.3g}"
     snapshot = runner.expert_load.snapshot()
     assert all(sum(layer) == 3 * 300 * config.num_experts_per_tok for layer in snapshot.last)
