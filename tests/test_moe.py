@@ -182,3 +182,40 @@ def test_sink_attention_over_several_blocks_equals_the_softmax_with_a_sink_colum
     has_key = allowed.any(-1).squeeze(1)  # the eager softmax of a row without keys is all sink: zeros
     torch.testing.assert_close(ours[has_key], expected[has_key], rtol=1e-5, atol=1e-6)
     assert ours[~has_key].abs().max() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_compiled_moe_layers_share_their_compilations_through_the_probe(tmp_path, model_type):
+    """On a GPU the decoder layers are compiled (dynamic shapes) with these kernels inside. Each
+    layer's expert-load row is its own tensor: were it guarded on, each layer would compile apart,
+    and past dynamo's recompile limit (8) the rest would run uncompiled, silently; here that limit
+    is an error, over 10 layers (gpt-oss's alternate: two compilations), the probe and three
+    pack shapes. Dynamo's tracing and guards only (backend eager): bf16, which the grouped GEMM's
+    shape function requires under tracing."""
+    from distill_common.models import load_causal_lm
+    from teacher_server import fp8
+
+    config = _config(model_type)
+    config.num_hidden_layers = 10
+    if model_type == "gpt_oss":
+        config.layer_types = ["sliding_attention", "full_attention"] * 5
+    config.save_pretrained(tmp_path)
+    model = load_causal_lm(f"random:{tmp_path}", device=torch.device("cpu"), dtype=torch.bfloat16)
+    moe.install(model)
+    sink_attention.install(model)
+    shapes = [(2, 16), (3, 9), (1, 30)]
+    inputs = [torch.randint(0, 96, shape, generator=torch.Generator().manual_seed(6)) for shape in shapes]
+    with torch.inference_mode():
+        want = [model(input_ids=ids).logits for ids in inputs]
+    for layer in fp8.decoder_layers(model):
+        layer.compile(backend="eager", dynamic=True)
+    torch._dynamo.reset()
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            runner = ModelRunner(str(tmp_path), "cpu", model=model)
+            got = [runner.forward(ids, torch.ones_like(ids)).logits for ids in inputs]
+    finally:
+        torch._dynamo.reset()
+    for ours, theirs in zip(got, want):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
