@@ -107,7 +107,7 @@ print('stubs import under grpcio', grpc.__version__)" ;;
                      | quiet | tail -20 ;;
     # Tiny MoE models served in bf16 against transformers' eager forward in float32; then tokens/s, share of
     # the bf16 peak, peak memory and expert imbalance at 2 x 4096 and 4 x 8192 (docs/performance.md).
-    moe) gpu_test test_moe_gpu 240
+    moe) gpu_test test_moe_gpu 400
          timeout 560 python3 -m bench.moe_teacher --profile qwen3-30b-a3b --profile-dir "$out" \
            --out "$out/moe_teacher.md" 2>&1 | quiet | tail -60 ;;
     # The stores are written under /tmp (local disk) and removed after.

@@ -28,7 +28,7 @@ run (a float32 model on a GPU, strides that are not 16-byte multiples on a CPU),
 one expert at a time, reading the group sizes back to the host once per layer: correct, slower,
 and logged once at install.
 
-On a GPU and one process, `compile_layers` compiles each decoder layer (dynamic shapes): the
+On a GPU and one process, model loading compiles each decoder layer (dynamic shapes): the
 norms, the rotary embedding, the router's softmax/top-k and this module's gather, gate and
 combine fuse into a few kernels around the products. Under tensor parallelism the layers run
 eagerly (their collectives run in hooks between the linears).

@@ -16,9 +16,9 @@ padding of the pack where it has any. A mask transformers derives otherwise (pac
 a cache, an extra mask function) is built from transformers' own mask function, point by point:
 correct, slower, and never on the runner's path.
 
-On a GPU FlexAttention runs compiled (inside the compiled decoder layers, teacher_server/moe.py's
-`compile_layers`, or alone); on a CPU, eagerly (it then computes the scores whole: fine for the
-tests' tiny models).
+On a GPU FlexAttention runs compiled (inside the decoder layers that model loading compiles on one
+GPU, or alone under tensor parallelism); on a CPU, eagerly (it then computes the scores whole: fine
+for the tests' tiny models).
 """
 
 from __future__ import annotations

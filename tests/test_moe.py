@@ -219,3 +219,23 @@ def test_compiled_moe_layers_share_their_compilations_through_the_probe(tmp_path
         torch._dynamo.reset()
     for ours, theirs in zip(got, want):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_a_served_moe_teacher_reports_its_kernels_and_expert_load(tmp_path):
+    """The HTTP side, on a real server: /v1/status names the kernels and lists each MoE layer's
+    tokens per expert (none served yet: the start-up probe is not counted); /metrics has a series
+    per layer and expert, and each layer's imbalance. Slow: a server process (12 s on 2 loaded cores)."""
+    import requests
+
+    from teacher_server.launcher import ServerProcess
+
+    _config("qwen3_moe").save_pretrained(tmp_path)
+    with ServerProcess("--model", f"random:{tmp_path}") as server:
+        status = requests.get(f"{server.http}/v1/status", timeout=10).json()
+        metrics = requests.get(f"{server.http}/metrics", timeout=10).text
+    assert moe.IMPLEMENTATION in status["kernels"]
+    assert [layer["tokens_total"] for layer in status["experts"]["layers"]] == [[0] * 8, [0] * 8]
+    series = [line for line in metrics.splitlines() if line.startswith("teacher_expert_tokens_total{")]
+    assert len(series) == 2 * 8 and all(line.endswith(" 0.0") for line in series)
+    assert 'teacher_expert_imbalance{layer="1"} 0.0' in metrics
