@@ -93,6 +93,8 @@ class Engine:
         self.metrics = metrics
         self.cache = OutputCache(cache_bytes)
         metrics.watch_cache(self.cache)
+        if runner.expert_load is not None:
+            metrics.watch_experts(runner.expert_load)
         self.scheduler = Scheduler(max_batch_tokens=max_batch_tokens, max_sessions=max_sessions)
         # Guards the sessions and the scheduler; notified when there may be work to plan.
         self._cond = threading.Condition()

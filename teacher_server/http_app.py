@@ -76,6 +76,11 @@ def create_app(engine: Engine, metrics: Metrics, ready: Callable[[], bool], auth
             "vocab_size": info.vocab_size,
             "hidden_size": info.hidden_size,
             "num_layers": info.num_layers,
+            # The teacher's own kernels the model runs through (MoE experts, attention sinks).
+            "kernels": info.kernels,
+            # An MoE teacher's tokens per expert per layer and their imbalance (null for a dense one).
+            "experts": (engine.runner.expert_load.snapshot().status()
+                        if engine.runner.expert_load is not None else None),
             # What sessions that apply the head themselves, or ask for attention inputs, get; or why not.
             "output_head": dataclasses.asdict(info.head),
             "attention_inputs": dataclasses.asdict(info.attention),

@@ -1,32 +1,42 @@
 """Loads the teacher's model for the model runner: its weights on one process or sharded over
-the tensor-parallel world, in FP8 where asked (--quantize fp8) or published so, and its
-tokenizer.
+the tensor-parallel world, in FP8 where asked (--quantize fp8) or published so, its
+mixture-of-experts layers and attention sinks on the teacher's own kernels, and its tokenizer.
 
 What the runner does with the model once loaded (the forward, the start-up probe of its head
 and attention inputs) is teacher_server/model_runner.py's; what FP8 is (the layers, the
-quantization, the self-check) is teacher_server/fp8.py's.
+quantization, the self-check) is teacher_server/fp8.py's; the experts' forward and their load,
+teacher_server/moe.py's; attention with sinks, teacher_server/sink_attention.py's.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
 from distill_common.models import load_causal_lm
 from distill_common.wire import parse_output_dtype
-from teacher_server import fp8, parallel
+from teacher_server import fp8, moe, parallel, sink_attention
 from teacher_server.parallel import World
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    quantization: fp8.Quantization  # what the decoder's linears run in
+    expert_load: moe.ExpertLoad | None = None  # tokens per expert per MoE layer; None for a dense model
+    kernels: str = ""  # the teacher's own kernels the model runs through ("" : transformers' as they are)
+
+
 def load_model(model_name: str, device: torch.device, world: World | None, dtype: str, trust_remote_code: bool,
-               quantize: fp8.Fp8Plan | None):
-    """The model on `device` (sharded over `world` when there is one) and what its decoder's
-    linears run in. Raises ValueError naming the flag to change (fp8.FP8Unsupported for a
-    device or checkpoint FP8 cannot run on)."""
+               quantize: fp8.Fp8Plan | None) -> LoadedModel:
+    """The model on `device` (sharded over `world` when there is one), what its decoder's
+    linears run in, and its experts' load. Raises ValueError naming the flag to change
+    (fp8.FP8Unsupported for a device or checkpoint FP8 cannot run on)."""
     torch_dtype = parse_output_dtype(dtype) if dtype else None
     published = _published_fp8(model_name, device, world, trust_remote_code, quantize)
     try:
@@ -62,8 +72,29 @@ def load_model(model_name: str, device: torch.device, world: World | None, dtype
                                      "(transformers' FineGrainedFP8Config(dequantize=True), save_pretrained) and "
                                      "serve that directory") from e
         log.info("FP8 self-check: %d layer shapes match the dequantize-then-multiply reference", checked)
+    expert_load, kernels = _own_kernels(model, device, world, compile_layers=not quantization.format)
+    if quantization.format:
         _compile_fp8(model, quantize.compile if quantize is not None else "auto", device, world)
-    return model, quantization
+    return LoadedModel(model, quantization, expert_load, kernels)
+
+
+def _own_kernels(model, device: torch.device, world: World | None, compile_layers: bool):
+    """The experts of MoE layers through one grouped GEMM per product and attention with sinks
+    through FlexAttention; on one GPU, each decoder layer compiled so that what runs between the
+    products (norms, rotary embedding, routing, the experts' gather, gate and combine, the sinks'
+    rescaling) fuses (FP8 compiles the layers its own way)."""
+    try:
+        expert_load = moe.install(model)
+    except moe.MoeUnsupported as e:
+        raise ValueError(f"--model: {e}") from e
+    sinks = sink_attention.install(model)
+    kernels = ", ".join(name for name, used in ((f"experts {moe.IMPLEMENTATION}", expert_load is not None),
+                                                (f"attention {sink_attention.IMPLEMENTATION}", sinks)) if used)
+    if kernels and compile_layers and device.type == "cuda" and world is None:
+        for layer in fp8.decoder_layers(model):
+            layer.compile(dynamic=True)
+        kernels += ", decoder layers compiled"
+    return expert_load, kernels
 
 
 def _published_fp8(model_name: str, device: torch.device, world: World | None, trust_remote_code: bool,
