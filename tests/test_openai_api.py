@@ -200,3 +200,36 @@ def _status(server) -> list[dict]:
 
 
 __all__ = ["status_sessions"]
+
+
+@pytest.mark.slow
+def test_trls_server_distillation_trainer_trains_from_the_teacher(model_dir, tmp_path, monkeypatch):
+    """TRL's ServerDistillationTrainer with teacher_model_server_url at the teacher: a few steps
+    of a tiny student (TRL's client requires vLLM to be importable for weight sync, which a
+    frozen teacher does not use: that check alone is bypassed), the teacher serving every request."""
+    import trl.generation.vllm_client as vllm_client
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl.experimental.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
+
+    from distill_demo.tokenizer import train_tokenizer
+
+    monkeypatch.setattr(vllm_client, "is_vllm_available", lambda *args, **kwargs: True)
+    student_dir = build_tiny_model(tmp_path / "student", vocab_size=VOCAB, layers=1, seed=1)
+    train_tokenizer(TEXTS, vocab_size=300, save_dir=student_dir)
+    server = ServerProcess("--model", str(model_dir))  # no token: TRL's client sends none
+    try:
+        data = Dataset.from_dict({"prompt": ["def add(a, b):", "The quick brown", "for i in", "class Point:"] * 2})
+        args = ServerDistillationConfig(
+            output_dir=str(tmp_path / "out"), teacher_model_server_url=_http(server), max_steps=3,
+            per_device_train_batch_size=2, max_completion_length=8, loss_top_k=5, beta=0.0, report_to=[],
+            use_cpu=True, logging_steps=1, learning_rate=1e-3, save_strategy="no")
+        trainer = ServerDistillationTrainer(model=str(student_dir), args=args, train_dataset=data,
+                                            processing_class=AutoTokenizer.from_pretrained(student_dir))
+        trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        assert len(losses) == 3 and all(math.isfinite(loss) and loss > 0 for loss in losses)
+        served = {s["job_id"]: s for s in requests.get(f"{_http(server)}/v1/status", timeout=10).json()["sessions"]}
+        assert served["openai-api"]["batches_sent"] >= 3 and served["openai-api"]["tokens_served"] > 0
+    finally:
+        server.stop()
