@@ -22,6 +22,7 @@ sees a runner like any other.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 from dataclasses import dataclass, field
 
@@ -40,6 +41,27 @@ from teacher_server.transformers_overrides import ONE_SEQUENCE_PER_ROW
 
 log = logging.getLogger(__name__)
 
+# Values of each parameter the weights fingerprint reads: evenly spaced, the first included.
+FINGERPRINT_SAMPLES = 4096
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 over each parameter's and buffer's name, shape and dtype and FINGERPRINT_SAMPLES of
+    its values, evenly spaced (their bytes as stored: FP8 weights and their scales included).
+
+    Cheap on a large model (a few KiB read per tensor), and equal on every replica loaded from
+    the same checkpoint the same way; two checkpoints that differ only in values it does not
+    read (a fine-tune touches every weight) would pass for one."""
+    digest = hashlib.sha256()
+    tensors = sorted([*model.named_parameters(), *model.named_buffers()], key=lambda item: item[0])
+    for name, tensor in tensors:
+        flat = tensor.detach().reshape(-1)
+        sample = flat[::max(1, flat.numel() // FINGERPRINT_SAMPLES)][:FINGERPRINT_SAMPLES].contiguous()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        digest.update(sample.view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
 @dataclass
 class ModelInfo:
     model_name: str
@@ -57,6 +79,7 @@ class ModelInfo:
     attention: AttentionFacts = AttentionFacts()  # the attention inputs' widths (probed at start-up)
     quantization: fp8.Quantization = fp8.Quantization()  # what the decoder's linears run in
     kernels: str = ""  # the teacher's own kernels it runs through (MoE experts, attention sinks); "": none
+    weights_fingerprint: str = ""  # the weights as served (`weights_fingerprint`): the same on every replica of a pool
 
 
 @dataclass
@@ -134,6 +157,7 @@ class ModelRunner:
             nccl_version=nccl_version() if self.device.type == "cuda" else "",
             quantization=self.quantization,
             kernels=loaded.kernels,
+            weights_fingerprint=weights_fingerprint(self.model),
         )
         log.info("loaded %s (%s) on %s in %s: vocab %d, hidden %d, %d layers%s", model_name, self.info.architecture,
                  self.device, dtype_name(self.info.dtype), self.info.vocab_size, self.info.hidden_size,

@@ -29,7 +29,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TeacherInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "device_type", "tp_size", "max_batch_tokens", "max_seq_len", "max_sessions", "max_inflight", "tokenizer_fingerprint", "torch_version", "nccl_version", "head", "attention", "max_score_ids", "quantization", "topk_form")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "device_type", "tp_size", "max_batch_tokens", "max_seq_len", "max_sessions", "max_inflight", "tokenizer_fingerprint", "torch_version", "nccl_version", "head", "attention", "max_score_ids", "quantization", "topk_form", "weights_fingerprint")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class TeacherInfo(_message.Message):
     MAX_SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     TOPK_FORM_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -70,7 +71,8 @@ class TeacherInfo(_message.Message):
     max_score_ids: int
     quantization: QuantizationInfo
     topk_form: TopKForm
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., head: _Optional[_Union[OutputHeadInfo, _Mapping]] = ..., attention: _Optional[_Union[AttentionInputsInfo, _Mapping]] = ..., max_score_ids: _Optional[int] = ..., quantization: _Optional[_Union[QuantizationInfo, _Mapping]] = ..., topk_form: _Optional[_Union[TopKForm, str]] = ...) -> None: ...
+    weights_fingerprint: str
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., head: _Optional[_Union[OutputHeadInfo, _Mapping]] = ..., attention: _Optional[_Union[AttentionInputsInfo, _Mapping]] = ..., max_score_ids: _Optional[int] = ..., quantization: _Optional[_Union[QuantizationInfo, _Mapping]] = ..., topk_form: _Optional[_Union[TopKForm, str]] = ..., weights_fingerprint: _Optional[str] = ...) -> None: ...
 
 class QuantizationInfo(_message.Message):
     __slots__ = ("format", "scaling", "source", "full_precision_layers", "fast_accumulation")
@@ -401,13 +403,19 @@ class SessionStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., job_rank: _Optional[int] = ..., backend: _Optional[str] = ..., state: _Optional[str] = ..., batches_submitted: _Optional[int] = ..., batches_sent: _Optional[int] = ..., tokens_served: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., inflight: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("info", "sessions", "busy_fraction", "queue_depth")
+    __slots__ = ("info", "sessions", "busy_fraction", "queue_depth", "sessions_total", "held_bytes", "held_bytes_limit")
     INFO_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
     info: TeacherInfo
     sessions: _containers.RepeatedCompositeFieldContainer[SessionStatus]
     busy_fraction: float
     queue_depth: int
-    def __init__(self, info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., busy_fraction: _Optional[float] = ..., queue_depth: _Optional[int] = ...) -> None: ...
+    sessions_total: int
+    held_bytes: int
+    held_bytes_limit: int
+    def __init__(self, info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., busy_fraction: _Optional[float] = ..., queue_depth: _Optional[int] = ..., sessions_total: _Optional[int] = ..., held_bytes: _Optional[int] = ..., held_bytes_limit: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,164 @@
+"""A pool of teacher replicas behind one name: which replicas there are, which one to join.
+
+The address a client is given may name several replicas of one teacher:
+
+- `host1:50051,host2:50051`: a comma list;
+- `dns:NAME:PORT`: every address NAME resolves to (a Kubernetes headless Service), resolved
+  again at each join, so replicas that come and go are seen;
+- `file:PATH`: one address per line, read again at each join (a replica added later takes
+  new joins).
+
+A single address is a pool of one: the client joins it as it always did, asking nothing else.
+
+Placement (`Pool.choose`): each replica's GetStatus says how loaded it is (batches queued for
+its --max-inflight, its busy fraction, the outputs it holds against --max-held-bytes, its
+sessions against --max-sessions) and how many sessions this job has there. A session goes
+where its job has the fewest sessions, then where the load is least (in steps of 0.1), then,
+among equals, to the replica its job rank points at, so that the ranks of a job that join at
+once spread over the replicas instead of all choosing the same one. A replica that does not
+answer within a few seconds is passed over.
+
+Identity (`Pool.check_same`): replicas of a pool must serve the same teacher, or a student
+moved from one to another would get other outputs mid-run. At the first join every replica
+that answers is compared with the one joined (architecture, shapes, dtype, tensor-parallel
+size, quantization, tokenizer and weights fingerprints); one that differs is refused by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import grpc
+
+from distill_common.proto.teacher.v1 import teacher_pb2 as pb
+from student_trainer.errors import Incompatible, TeacherError, TeacherUnavailable
+
+log = logging.getLogger("student_trainer.client")
+
+# How long a replica's GetStatus may take before placement passes it over.
+STATUS_TIMEOUT_S = 3.0
+# Fields of TeacherInfo every replica of a pool must agree on.
+IDENTITY = ("architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "tp_size", "tokenizer_fingerprint",
+            "weights_fingerprint", "topk_form")
+
+
+def identity(info: pb.TeacherInfo) -> dict:
+    fields = {name: getattr(info, name) for name in IDENTITY}
+    quantization = info.quantization
+    fields["quantization"] = (quantization.format, quantization.scaling, tuple(quantization.full_precision_layers))
+    return fields
+
+
+class Pool:
+    """The replicas an address names, a channel to each (made by `connect`), and placement."""
+
+    def __init__(self, spec: str, connect: Callable[[str], object]):
+        self.spec = spec.strip()
+        if not self.spec:
+            raise ValueError("the teacher's address is empty: give host:port, a comma list, dns:NAME:PORT or "
+                             "file:PATH")
+        self._connect = connect
+        self._channels: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def single(self) -> bool:
+        """One fixed address: no placement, no status calls (a client of one teacher)."""
+        return "," not in self.spec and not self.spec.startswith(("dns:", "file:"))
+
+    def addresses(self) -> list[str]:
+        """The replicas' addresses now (a name resolved, a file read, again at each call)."""
+        if self.spec.startswith("file:"):
+            path = Path(self.spec[len("file:"):])
+            try:
+                lines = path.read_text().splitlines()
+            except OSError as e:
+                raise TeacherUnavailable(f"cannot read the teacher pool's file {path}: {e.strerror or e}",
+                                         grpc.StatusCode.UNAVAILABLE) from None
+            found = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        elif self.spec.startswith("dns:"):
+            name, _, port = self.spec[len("dns:"):].lstrip("/").rpartition(":")
+            if not name or not port.isdigit():
+                raise ValueError(f"teacher address {self.spec!r}: write dns:NAME:PORT")
+            try:
+                records = socket.getaddrinfo(name, int(port), type=socket.SOCK_STREAM)
+            except socket.gaierror as e:
+                raise TeacherUnavailable(f"the teacher pool's name {name} does not resolve: {e}",
+                                         grpc.StatusCode.UNAVAILABLE) from None
+            found = [f"[{r[4][0]}]:{port}" if ":" in r[4][0] else f"{r[4][0]}:{port}" for r in records]
+        else:
+            found = [part.strip() for part in self.spec.split(",") if part.strip()]
+        unique = list(dict.fromkeys(found))
+        if not unique:
+            raise TeacherUnavailable(f"the teacher pool {self.spec} names no replica", grpc.StatusCode.UNAVAILABLE)
+        return unique
+
+    def channel(self, address: str):
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = self._connect(address)
+            return channel
+
+    def statuses(self, addresses: list[str]) -> dict[str, pb.StatusResponse]:
+        """GetStatus of each replica that answers in time, by address."""
+        def ask(address: str):
+            try:
+                return address, self.channel(address).call("GetStatus", pb.GetStatusRequest(),
+                                                            timeout_s=STATUS_TIMEOUT_S)
+            except TeacherError as e:
+                log.debug("teacher replica %s did not answer: %s", address, e)
+                return address, None
+
+        with ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
+            return {address: status for address, status in pool.map(ask, addresses) if status is not None}
+
+    def choose(self, job_id: str, job_rank: int, avoid: str = "") -> tuple[str, dict[str, pb.StatusResponse]]:
+        """The replica a session of `job_id` should join (see the module's docstring), and the
+        statuses it was chosen from. `avoid`: a replica just lost, taken only if no other answers."""
+        addresses = self.addresses()
+        if self.single:
+            return addresses[0], {}
+        statuses = self.statuses(addresses)
+        candidates = [a for a in addresses if a in statuses and a != avoid] or [a for a in addresses if a in statuses]
+        if not candidates:
+            raise TeacherUnavailable(f"no replica of the teacher pool {self.spec} answered ({', '.join(addresses)})",
+                                     grpc.StatusCode.UNAVAILABLE)
+
+        def key(address: str):
+            status = statuses[address]
+            info = status.info
+            mine = sum(1 for s in status.sessions if s.job_id == job_id)
+            load = (status.queue_depth / max(1, info.max_inflight) + status.busy_fraction
+                    + (status.held_bytes / status.held_bytes_limit if status.held_bytes_limit else 0.0)
+                    + status.sessions_total / max(1, info.max_sessions))
+            return mine, round(load, 1), (addresses.index(address) - job_rank) % len(addresses)
+
+        return min(candidates, key=key), statuses
+
+    def check_same(self, joined_address: str, joined: pb.TeacherInfo, statuses: dict[str, pb.StatusResponse]) -> None:
+        """Incompatible naming the first replica whose teacher differs from the one joined."""
+        mine = identity(joined)
+        for address, status in statuses.items():
+            if address == joined_address:
+                continue
+            theirs = identity(status.info)
+            differs = [f"{name} {mine[name]!r} here, {theirs[name]!r} there" for name in mine
+                       if mine[name] != theirs[name]]
+            if differs:
+                raise Incompatible(
+                    f"teacher pool {self.spec}: replica {address} serves another teacher than {joined_address} "
+                    f"({'; '.join(differs)}): a student moved between them would get other outputs mid-run. Serve "
+                    "the same model, dtype, quantization and tensor-parallel size on every replica, or take it out "
+                    "of the pool", grpc.StatusCode.FAILED_PRECONDITION)
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
