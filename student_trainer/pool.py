@@ -1,14 +1,9 @@
-"""A pool of teacher replicas behind one name: which replicas there are, which one to join.
+"""A pool of teacher replicas behind one name: which replica a session joins.
 
-The address a client is given may name several replicas of one teacher:
-
-- `host1:50051,host2:50051`: a comma list;
-- `dns:NAME:PORT`: every address NAME resolves to (a Kubernetes headless Service), resolved
-  again at each join, so replicas that come and go are seen;
-- `file:PATH`: one address per line, read again at each join (a replica added later takes
-  new joins).
-
-A single address is a pool of one: the client joins it as it always did, asking nothing else.
+The address a client is given may name several replicas of one teacher
+(distill_common/replicas.py: a comma list, `dns:NAME:PORT`, `file:PATH`, each resolved again
+at every join, so replicas that come and go are seen). A single address is a pool of one:
+the client joins it as it always did, asking nothing else.
 
 Placement (`Pool.choose`): each replica's GetStatus says how loaded it is (batches queued for
 its --max-inflight, its busy fraction, the outputs it holds against --max-held-bytes, its
@@ -27,15 +22,14 @@ size, quantization, tokenizer and weights fingerprints); one that differs is ref
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Callable
 
 import grpc
 
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
+from distill_common.replicas import ReplicasError, replica_addresses, single
 from student_trainer.errors import Incompatible, TeacherError, TeacherUnavailable
 
 log = logging.getLogger("student_trainer.client")
@@ -69,34 +63,14 @@ class Pool:
     @property
     def single(self) -> bool:
         """One fixed address: no placement, no status calls (a client of one teacher)."""
-        return "," not in self.spec and not self.spec.startswith(("dns:", "file:"))
+        return single(self.spec)
 
     def addresses(self) -> list[str]:
         """The replicas' addresses now (a name resolved, a file read, again at each call)."""
-        if self.spec.startswith("file:"):
-            path = Path(self.spec[len("file:"):])
-            try:
-                lines = path.read_text().splitlines()
-            except OSError as e:
-                raise TeacherUnavailable(f"cannot read the teacher pool's file {path}: {e.strerror or e}",
-                                         grpc.StatusCode.UNAVAILABLE) from None
-            found = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
-        elif self.spec.startswith("dns:"):
-            name, _, port = self.spec[len("dns:"):].lstrip("/").rpartition(":")
-            if not name or not port.isdigit():
-                raise ValueError(f"teacher address {self.spec!r}: write dns:NAME:PORT")
-            try:
-                records = socket.getaddrinfo(name, int(port), type=socket.SOCK_STREAM)
-            except socket.gaierror as e:
-                raise TeacherUnavailable(f"the teacher pool's name {name} does not resolve: {e}",
-                                         grpc.StatusCode.UNAVAILABLE) from None
-            found = [f"[{r[4][0]}]:{port}" if ":" in r[4][0] else f"{r[4][0]}:{port}" for r in records]
-        else:
-            found = [part.strip() for part in self.spec.split(",") if part.strip()]
-        unique = list(dict.fromkeys(found))
-        if not unique:
-            raise TeacherUnavailable(f"the teacher pool {self.spec} names no replica", grpc.StatusCode.UNAVAILABLE)
-        return unique
+        try:
+            return replica_addresses(self.spec)
+        except ReplicasError as e:
+            raise TeacherUnavailable(str(e), grpc.StatusCode.UNAVAILABLE) from None
 
     def channel(self, address: str):
         with self._lock:

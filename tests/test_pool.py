@@ -114,3 +114,23 @@ def test_a_pool_that_mixes_two_teachers_is_refused_naming_the_replica(model_dir,
     finally:
         same.stop(signal.SIGKILL)
         other.stop(signal.SIGKILL)
+
+
+def test_status_of_a_pool_lists_every_replica(model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from teacher_server.launcher import child_env
+    from tests.helpers import ROOT
+
+    replica = ServerProcess("--model", str(model_dir))
+    try:
+        pool_file = tmp_path / "pool.txt"
+        pool_file.write_text(f"{replica.address}\n127.0.0.1:1  # a replica that is down\n")
+        result = subprocess.run([sys.executable, "-m", "teacher_server", "info", f"file:{pool_file}", "--timeout-s",
+                                 "3"], capture_output=True, text=True, timeout=60, env=child_env(), cwd=ROOT)
+        assert result.returncode == 0, result.stderr
+        assert f"== {replica.address}\n" in result.stdout and "architecture" in result.stdout
+        assert "== 127.0.0.1:1\n(no answer: 127.0.0.1:1 answered UNAVAILABLE" in result.stdout
+    finally:
+        replica.stop(signal.SIGKILL)
