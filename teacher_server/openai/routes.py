@@ -22,6 +22,9 @@ from teacher_server.openai.protocol import (ApiError, CompletionParams, TokenTex
 
 log = logging.getLogger(__name__)
 
+# The most bytes of whole distributions (one per row, to sample the next token from) a batch holds:
+# 1-token prompts would otherwise make a batch of --max-batch-tokens rows of the vocabulary each.
+LAST_ROWS_BYTES = 256 << 20
 # The job of requests made with the operator's token (or none): job tokens make their own jobs.
 OPERATOR_JOB = "openai-api"
 _STATUS_CODES = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503,
@@ -75,13 +78,16 @@ class Completions:
                                    f"{len(prompt) - 1} scored rows (its length - 1)", param="prompt_logprob_token_ids")
         return params
 
-    def _batches(self, lengths: list[int]) -> list[list[int]]:
-        """Prompt indices grouped into batches of at most --max-batch-tokens padded tokens, longest first."""
+    def _batches(self, lengths: list[int], last: bool) -> list[list[int]]:
+        """Prompt indices grouped into batches of at most --max-batch-tokens padded tokens, longest
+        first; with `last` (a row's whole distribution at its end, 4 bytes an entry of the
+        vocabulary), at most LAST_ROWS_BYTES of those a batch."""
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        max_rows = max(1, LAST_ROWS_BYTES // (4 * self.facts.vocab_size)) if last else len(lengths)
         batches, current = [], []
         for index in order:
             width = max([lengths[i] for i in current] + [lengths[index]])
-            if current and width * (len(current) + 1) > self.max_batch_tokens:
+            if current and (width * (len(current) + 1) > self.max_batch_tokens or len(current) == max_rows):
                 batches.append(current)
                 current = []
             current.append(index)
@@ -111,7 +117,7 @@ class Completions:
             for row, i in enumerate(indices):
                 results[i] = [t[row] for t in tensors]
 
-        await asyncio.gather(*(one(indices) for indices in self._batches([len(s) for s in sequences])))
+        await asyncio.gather(*(one(indices) for indices in self._batches([len(s) for s in sequences], kind.last)))
         return results
 
     async def complete(self, params: CompletionParams, job: tuple) -> str:
