@@ -86,7 +86,8 @@ def _join_request(device: torch.device, spec, vocabulary: StudentVocabulary | No
 class TeacherClient:
     def __init__(self, address: str, device: str | torch.device = "cpu", *, outputs: Iterable[Output] = (Logits(),),
                  dtype: str | None = None, max_inflight: int = 0, job_id: str | None = None,
-                 job_rank: int | None = None, tokenizer=None, vocab_size: int = 0, weight: float = 1.0,
+                 job_rank: int | None = None, job_size: int | None = None, tokenizer=None, vocab_size: int = 0,
+                 weight: float = 1.0,
                  rpc_timeout_s: float = 30.0, auth_token: str | None = None,
                  join_timeout_s: float = 120.0, transfer_timeout_s: float | None = None,
                  tls_ca: str | bool | None = None, tls_cert: str | None = None, tls_key: str | None = None,
@@ -107,6 +108,10 @@ class TeacherClient:
         restart that reloads a large model; a job that would rather fail fast lowers it.
         `max_resubmits`: how many times a batch is sent again after the session holding it
         ended; past that it fails with BatchNotServed, naming why each session ended.
+        `address` may name a pool of replicas (a comma list, dns:NAME:PORT, file:PATH;
+        student_trainer/pool.py): the session joins the one with most room and moves to another
+        if it is lost. `job_size`: the job's ranks over the pool (default: WORLD_SIZE, else 0: unknown),
+        so that its weight holds over the pool (only sent to a pool).
         `refuse_quantized`: refuse a teacher whose decoder runs in FP8 (TeacherInfo.quantization)
         at join, with Incompatible, for a student that must learn the full-precision distribution."""
         device = torch.device(device)
@@ -129,6 +134,8 @@ class TeacherClient:
             self.vocabulary = StudentVocabulary.of(tokenizer)
         join_request = _join_request(device, spec, self.vocabulary, fingerprint, job_id=job_id, job_rank=job_rank,
                                      max_inflight=max_inflight, vocab_size=vocab_size, weight=weight)
+        if not pool.single:
+            join_request.job_size = int(os.environ.get("WORLD_SIZE", "0")) if job_size is None else job_size
         first_join = FirstJoin(address, join_timeout_s,
                                student_vocab_entries=len(self.vocabulary.pieces) if self.vocabulary else 0)
         chosen, statuses = joining.choose_first(pool, join_request, first_join.deadline)

@@ -41,12 +41,17 @@ from student_trainer.session import Session
 log = logging.getLogger("student_trainer.client")
 
 
+def session_weight(join_request: pb.JoinRequest) -> float:
+    """The weight one session of the job brings to a replica of a pool: the job's, over its ranks."""
+    return (join_request.weight or 1.0) / max(1, join_request.job_size)
+
+
 def choose_first(pool, join_request: pb.JoinRequest, deadline: float) -> tuple[str, dict]:
     """The replica the first Join goes to (student_trainer/pool.py), and the statuses it was chosen
     from; while no replica of a pool answers, asked again until `deadline` (the join timeout)."""
     while True:
         try:
-            return pool.choose(join_request.job_id, join_request.job_rank)
+            return pool.choose(join_request.job_id, join_request.job_rank, session_weight(join_request))
         except TeacherError as e:
             if time.monotonic() + 1.0 >= deadline:
                 pool.close()
@@ -213,7 +218,8 @@ def join_again(link: Link, deadline: float, lost_at: str = "") -> Session:
     than the one lost at `lost_at` if one answers), check the teacher serves the same, form the group."""
     pool = link.pool
     if pool is not None and not pool.single:
-        address, _ = pool.choose(link.join_request.job_id, link.join_request.job_rank, avoid=lost_at)
+        address, _ = pool.choose(link.join_request.job_id, link.join_request.job_rank, session_weight(link.join_request),
+                                 avoid=lost_at)
         if address != link.channel.address:
             log.warning("joining teacher replica %s (was %s)", address, link.channel.address)
             link.channel = pool.channel(address)

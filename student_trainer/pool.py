@@ -5,13 +5,22 @@ The address a client is given may name several replicas of one teacher
 at every join, so replicas that come and go are seen). A single address is a pool of one:
 the client joins it as it always did, asking nothing else.
 
-Placement (`Pool.choose`): each replica's GetStatus says how loaded it is (batches queued for
-its --max-inflight, its busy fraction, the outputs it holds against --max-held-bytes, its
-sessions against --max-sessions) and how many sessions this job has there. A session goes
-where its job has the fewest sessions, then where the load is least (in steps of 0.1), then,
-among equals, to the replica its job rank points at, so that the ranks of a job that join at
-once spread over the replicas instead of all choosing the same one. A replica that does not
-answer within a few seconds is passed over.
+Placement (`Pool.choose`): each replica's GetStatus says the sum of the weights it applies to
+its jobs (`weight_total`) and how loaded it is (batches queued for its --max-inflight, its busy
+fraction, the outputs it holds against --max-held-bytes, its sessions against --max-sessions).
+A session goes where the weight is least (a job of weight w and n ranks brings w / n a
+session), then where the load is least (in steps of 0.1), then, among equals, to the replica
+its job rank points at. Ranks of a job that join at once see the same sums: each places its
+job's lower ranks that no replica shows yet first, as they will place themselves, so the ranks
+spread as if they had joined one after another. A replica that does not answer within a few
+seconds is passed over.
+
+A job's weight over the pool: the Join says how many ranks the job has (JoinRequest.job_size),
+and each replica applies the job's weight times the share of those ranks it serves. When the
+replicas are alike and busy and placement keeps their weight sums equal, each replica gives
+every unit of applied weight the same tokens, so a job gets tokens in proportion to its weight
+over the pool, however its ranks are spread. Sums kept equal is what placement aims at, not a
+promise: ranks that join at once, or jobs that leave, can leave them uneven until the next joins.
 
 Identity (`Pool.check_same`): replicas of a pool must serve the same teacher, or a student
 moved from one to another would get other outputs mid-run. At the first join every replica
@@ -46,6 +55,36 @@ def identity(info: pb.TeacherInfo) -> dict:
     quantization = info.quantization
     fields["quantization"] = (quantization.format, quantization.scaling, tuple(quantization.full_precision_layers))
     return fields
+
+
+def load(status: pb.StatusResponse) -> float:
+    """How busy a replica is: batches queued per --max-inflight, its busy fraction, outputs held per
+    --max-held-bytes and sessions per --max-sessions, added up."""
+    info = status.info
+    return (status.queue_depth / max(1, info.max_inflight) + status.busy_fraction
+            + (status.held_bytes / status.held_bytes_limit if status.held_bytes_limit else 0.0)
+            + status.sessions_total / max(1, info.max_sessions))
+
+
+def place(candidates: dict[str, tuple[float, float]], order: list[str], job_rank: int, session_weight: float,
+          joined_ranks: set[int] = frozenset()) -> str:
+    """The replica rank `job_rank` of a job goes to, of `candidates` (address -> its weight total
+    and load): the least weight, then the least load in steps of 0.1, then the one at the rank's
+    turn in `order` (every replica of the pool, in its order).
+
+    Ranks of a job that join at once see the same sums. So that they spread as if they had
+    joined one after another, the job's lower ranks not yet seen anywhere (not in
+    `joined_ranks`) are placed first, each adding `session_weight` where it would go."""
+    weights = {address: weight for address, (weight, _) in candidates.items()}
+
+    def best(rank: int) -> str:
+        return min(candidates, key=lambda address: (round(weights[address], 6), round(candidates[address][1], 1),
+                                                    (order.index(address) - rank) % len(order)))
+
+    for earlier in range(job_rank):
+        if earlier not in joined_ranks:
+            weights[best(earlier)] += session_weight
+    return best(job_rank)
 
 
 class Pool:
@@ -92,7 +131,8 @@ class Pool:
         with ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
             return {address: status for address, status in pool.map(ask, addresses) if status is not None}
 
-    def choose(self, job_id: str, job_rank: int, avoid: str = "") -> tuple[str, dict[str, pb.StatusResponse]]:
+    def choose(self, job_id: str, job_rank: int, session_weight: float,
+               avoid: str = "") -> tuple[str, dict[str, pb.StatusResponse]]:
         """The replica a session of `job_id` should join (see the module's docstring), and the
         statuses it was chosen from. `avoid`: a replica just lost, taken only if no other answers."""
         addresses = self.addresses()
@@ -104,16 +144,10 @@ class Pool:
             raise TeacherUnavailable(f"no replica of the teacher pool {self.spec} answered ({', '.join(addresses)})",
                                      grpc.StatusCode.UNAVAILABLE)
 
-        def key(address: str):
-            status = statuses[address]
-            info = status.info
-            mine = sum(1 for s in status.sessions if s.job_id == job_id)
-            load = (status.queue_depth / max(1, info.max_inflight) + status.busy_fraction
-                    + (status.held_bytes / status.held_bytes_limit if status.held_bytes_limit else 0.0)
-                    + status.sessions_total / max(1, info.max_sessions))
-            return mine, round(load, 1), (addresses.index(address) - job_rank) % len(addresses)
-
-        return min(candidates, key=key), statuses
+        joined_ranks = {s.job_rank for status in statuses.values() for s in status.sessions if s.job_id == job_id}
+        chosen = place({address: (statuses[address].weight_total, load(statuses[address])) for address in candidates},
+                       addresses, job_rank, session_weight, joined_ranks)
+        return chosen, statuses
 
     def check_same(self, joined_address: str, joined: pb.TeacherInfo, statuses: dict[str, pb.StatusResponse]) -> None:
         """Incompatible naming the first replica whose teacher differs from the one joined."""

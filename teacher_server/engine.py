@@ -190,6 +190,11 @@ class Engine:
     def queue_depth(self) -> int:
         return self.lifecycle.queue_depth()
 
+    def weight_total(self) -> float:
+        """The jobs' weights as the scheduler applies them here (a pool places sessions by it)."""
+        with self._cond:
+            return self.scheduler.weight_total()
+
     def held_bytes(self) -> int:
         """Outputs computed (or planned) and not yet received by their students."""
         with self._cond:

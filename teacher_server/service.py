@@ -283,7 +283,8 @@ class TeacherService:
                                  busy_fraction=self.metrics.busy_clock.fraction(),
                                  queue_depth=self.engine.queue_depth(), sessions_total=len(self.engine.sessions()),
                                  held_bytes=self.engine.held_bytes(),
-                                 held_bytes_limit=self.engine.scheduler.held_bytes_limit)
+                                 held_bytes_limit=self.engine.scheduler.held_bytes_limit,
+                                 weight_total=self.engine.weight_total())
 
     # ---- validation ---------------------------------------------------------------
 

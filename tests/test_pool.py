@@ -52,7 +52,7 @@ def test_a_job_spreads_over_the_replicas_and_outlives_one_killed_mid_run(model_d
     batches = [torch.randint(0, VOCAB, (2, 12), generator=generator) for _ in range(12)]
     clients = []
     try:
-        clients = [TeacherClient(f"file:{pool_file}", "cpu", job_id="pooled", job_rank=rank,
+        clients = [TeacherClient(f"file:{pool_file}", "cpu", job_id="pooled", job_rank=rank, job_size=3,
                                  reconnect_timeout_s=60) for rank in range(2)]
         where = [client.address for client in clients]
         assert sorted(where) == sorted(r.address for r in replicas)  # one rank on each replica
@@ -90,7 +90,7 @@ def test_a_job_spreads_over_the_replicas_and_outlives_one_killed_mid_run(model_d
         added = ServerProcess("--model", str(model_dir))
         replicas.append(added)
         pool_file.write_text(f"{victim.address}\n{survivor.address}\n{added.address}\n")
-        with TeacherClient(f"file:{pool_file}", "cpu", job_id="pooled", job_rank=2) as third:
+        with TeacherClient(f"file:{pool_file}", "cpu", job_id="pooled", job_rank=2, job_size=3) as third:
             assert third.address == added.address
             torch.testing.assert_close(third.submit(batches[0]).result(timeout=60).logits,
                                        _expected(model, batches[0]), atol=2e-5, rtol=0)

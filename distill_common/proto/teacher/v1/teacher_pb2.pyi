@@ -197,7 +197,7 @@ class PeerInfo(_message.Message):
     def __init__(self, device_type: _Optional[str] = ..., device_uuid: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "job_rank", "outputs", "peer", "max_inflight", "tokenizer_fingerprint", "vocab_size", "weight", "stream_refusals_only", "student_vocabulary")
+    __slots__ = ("job_id", "job_rank", "outputs", "peer", "max_inflight", "tokenizer_fingerprint", "vocab_size", "weight", "stream_refusals_only", "job_size", "student_vocabulary")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_RANK_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,7 @@ class JoinRequest(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     STREAM_REFUSALS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    JOB_SIZE_FIELD_NUMBER: _ClassVar[int]
     STUDENT_VOCABULARY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_rank: int
@@ -217,8 +218,9 @@ class JoinRequest(_message.Message):
     vocab_size: int
     weight: float
     stream_refusals_only: bool
+    job_size: int
     student_vocabulary: StudentVocabulary
-    def __init__(self, job_id: _Optional[str] = ..., job_rank: _Optional[int] = ..., outputs: _Optional[_Union[OutputSpec, _Mapping]] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., weight: _Optional[float] = ..., stream_refusals_only: _Optional[bool] = ..., student_vocabulary: _Optional[_Union[StudentVocabulary, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., job_rank: _Optional[int] = ..., outputs: _Optional[_Union[OutputSpec, _Mapping]] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., weight: _Optional[float] = ..., stream_refusals_only: _Optional[bool] = ..., job_size: _Optional[int] = ..., student_vocabulary: _Optional[_Union[StudentVocabulary, _Mapping]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("session_id", "info", "backend", "timeout_s", "heartbeat_interval_s", "lease_s", "max_inflight", "output_dtype", "stream_refusals_only", "data_plane_host", "session_secret", "alignment")
@@ -403,7 +405,7 @@ class SessionStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., job_rank: _Optional[int] = ..., backend: _Optional[str] = ..., state: _Optional[str] = ..., batches_submitted: _Optional[int] = ..., batches_sent: _Optional[int] = ..., tokens_served: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., inflight: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("info", "sessions", "busy_fraction", "queue_depth", "sessions_total", "held_bytes", "held_bytes_limit")
+    __slots__ = ("info", "sessions", "busy_fraction", "queue_depth", "sessions_total", "held_bytes", "held_bytes_limit", "weight_total")
     INFO_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
@@ -411,6 +413,7 @@ class StatusResponse(_message.Message):
     SESSIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TOTAL_FIELD_NUMBER: _ClassVar[int]
     info: TeacherInfo
     sessions: _containers.RepeatedCompositeFieldContainer[SessionStatus]
     busy_fraction: float
@@ -418,4 +421,5 @@ class StatusResponse(_message.Message):
     sessions_total: int
     held_bytes: int
     held_bytes_limit: int
-    def __init__(self, info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., busy_fraction: _Optional[float] = ..., queue_depth: _Optional[int] = ..., sessions_total: _Optional[int] = ..., held_bytes: _Optional[int] = ..., held_bytes_limit: _Optional[int] = ...) -> None: ...
+    weight_total: float
+    def __init__(self, info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., busy_fraction: _Optional[float] = ..., queue_depth: _Optional[int] = ..., sessions_total: _Optional[int] = ..., held_bytes: _Optional[int] = ..., held_bytes_limit: _Optional[int] = ..., weight_total: _Optional[float] = ...) -> None: ...
