@@ -3,7 +3,8 @@
 - `host1:50051,host2:50051`: a comma list;
 - `dns:NAME:PORT`: every address NAME resolves to (a Kubernetes headless Service), resolved
   again at each call, so replicas that come and go are seen;
-- `file:PATH`: one address per line (`#` starts a comment), read again at each call;
+- `file:PATH`: one address per line (`#` starts a comment), read again at each call; a
+  directory: its `*.address` files (deploy/slurm: each teacher of a pool writes one);
 - anything else: one address, as given.
 """
 
@@ -28,10 +29,17 @@ def replica_addresses(spec: str) -> list[str]:
     spec = spec.strip()
     if spec.startswith("file:"):
         path = Path(spec[len("file:"):])
-        try:
-            lines = path.read_text().splitlines()
-        except OSError as e:
-            raise ReplicasError(f"cannot read the teacher pool's file {path}: {e.strerror or e}") from None
+        # A directory: each *.address file in it (deploy/slurm: every teacher.sbatch of a pool writes one).
+        files = sorted(path.glob("*.address")) if path.is_dir() else [path]
+        lines = []
+        for file in files:
+            try:
+                lines += file.read_text().splitlines()
+            except FileNotFoundError:
+                if file is path:
+                    raise ReplicasError(f"the teacher pool's file {path} does not exist") from None
+            except OSError as e:
+                raise ReplicasError(f"cannot read the teacher pool's file {file}: {e.strerror or e}") from None
         found = [line.split("#", 1)[0].strip() for line in lines]
     elif spec.startswith("dns:"):
         name, _, port = spec[len("dns:"):].lstrip("/").rpartition(":")
