@@ -55,7 +55,10 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     tensors = sorted([*model.named_parameters(), *model.named_buffers()], key=lambda item: item[0])
     for name, tensor in tensors:
-        flat = tensor.detach().reshape(-1)
+        tensor = tensor.detach()
+        if hasattr(tensor, "to_local"):  # a tensor-parallel shard (DTensor): this rank's part, as served
+            tensor = tensor.to_local()
+        flat = tensor.reshape(-1)
         sample = flat[::max(1, flat.numel() // FINGERPRINT_SAMPLES)][:FINGERPRINT_SAMPLES].contiguous()
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
         digest.update(sample.view(torch.uint8).cpu().numpy().tobytes())
