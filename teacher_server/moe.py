@@ -156,6 +156,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         local = sorted_key < span.count
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     token_of_pair = order // k
+    # FP8 experts (teacher_server/fp8_experts.py) take the activation in its dtype and quantize it.
     weight_dtype = self.down_proj.dtype if self.down_proj.dtype != FP8 else hidden_states.dtype
     x = hidden_states.index_select(0, token_of_pair).to(weight_dtype)
     sorted_experts = None
@@ -165,7 +166,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
 
     first = self.gate_up_proj if self.has_gate else self.up_proj
     first_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
-    projected = _expert_product(self, "gate_up_proj" if self.has_gate else "up_proj", first, x, offsets)
+    projected = _expert_product(self, first, x, offsets)
     if first_bias is not None:
         projected = projected + first_bias.index_select(0, sorted_experts)
     hidden = self._apply_gate(projected) if self.has_gate else self.act_fn(projected)
@@ -174,7 +175,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     post_norm = getattr(self, "has_post_expert_norm", False)
     if not post_norm:
         hidden = hidden * pair_weights
-    out = _expert_product(self, "down_proj", self.down_proj, hidden.to(weight_dtype), offsets)
+    out = _expert_product(self, self.down_proj, hidden.to(weight_dtype), offsets)
     if self.has_bias:
         bias = self.down_proj_bias.index_select(0, sorted_experts)
         out = out + (bias * pair_weights if not post_norm else bias)
@@ -189,13 +190,11 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     return combined.to(hidden_states.dtype)
 
 
-def _expert_product(self: nn.Module, name: str, weight: torch.Tensor, x: torch.Tensor,
-                    offsets: torch.Tensor) -> torch.Tensor:
-    """`x`'s rows (sorted by expert) times their expert's matrix `name`: [M, out]."""
-    if weight.dtype == FP8:
-        from teacher_server import fp8_experts
-
-        return fp8_experts.product(self, name, x, offsets)
+def _expert_product(self: nn.Module, weight, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`x`'s rows (sorted by expert) times their expert's matrix: [M, out]. An FP8 weight is a module
+    that computes its own product (teacher_server/fp8_experts.py; [E, N, K] whatever the layout)."""
+    if isinstance(weight, nn.Module):
+        return weight(x, offsets)
     return grouped_mm(x, weight if self.is_transposed else weight.transpose(1, 2), offsets)
 
 
@@ -249,8 +248,13 @@ class ExpertLoadSnapshot:
 def experts_modules(model: nn.Module) -> list[nn.Module]:
     """The model's experts modules that transformers' experts interface dispatches, in layer order."""
     return [m for m in model.modules()
-            if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(m, "down_proj")
-            and isinstance(getattr(m, "down_proj"), torch.Tensor) and getattr(m, "down_proj").dim() == 3]
+            if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and _expert_weight(getattr(m, "down_proj", None))]
+
+
+def _expert_weight(weight) -> bool:
+    """A 3-D parameter of transformers' experts, or its FP8 replacement (teacher_server/fp8_experts.py)."""
+    return ((isinstance(weight, torch.Tensor) and weight.dim() == 3)
+            or getattr(weight, "is_expert_weights", False))
 
 
 def global_experts(module: nn.Module) -> int:
