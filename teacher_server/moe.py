@@ -278,6 +278,13 @@ def install(model: nn.Module) -> ExpertLoad | None:
                              "which the teacher's experts forward does not read; the teacher shards MoE models with "
                              "its own plan (teacher_server/parallel.py: attention tensor parallel, experts expert "
                              "parallel): load the model without transformers' tp_plan")
+    stored_fp8 = {type(m).__name__ for m in modules
+                  if isinstance(m.down_proj, torch.Tensor) and m.down_proj.dtype == FP8}
+    if stored_fp8:
+        raise MoeUnsupported(f"{', '.join(sorted(stored_fp8))}: expert weights stored in FP8 by the checkpoint "
+                             "(128 x 128 block scales); the teacher does not serve a published FP8 MoE checkpoint's "
+                             "experts yet: dequantize it (transformers' FineGrainedFP8Config(dequantize=True), "
+                             "save_pretrained) and serve that directory, with --quantize fp8 for FP8 experts")
     ExpertsInterface.register(IMPLEMENTATION, experts_forward)
     model.set_experts_implementation(IMPLEMENTATION)
     unset = {type(m).__name__ for m in modules if getattr(m.config, "_experts_implementation", None) != IMPLEMENTATION}

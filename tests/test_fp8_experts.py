@@ -98,3 +98,15 @@ def test_quantize_fp8_puts_every_experts_layer_in_fp8_equal_to_fake_quantization
     for ((hidden, index, weights), out), original in zip(captured, originals):
         expected = _reference_experts(original, hidden, index, weights)
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+def test_experts_stored_in_fp8_by_a_checkpoint_are_refused_with_what_to_do():
+    """transformers' FP8 experts (a published checkpoint's e4m3 3-D weights, on a GPU) are not served:
+    the error says to dequantize and quantize at load instead."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **TINY["qwen3_moe"]))
+    for experts in moe.experts_modules(model):
+        experts.down_proj = torch.nn.Parameter(experts.down_proj.detach().to(E4M3), requires_grad=False)
+    with pytest.raises(moe.MoeUnsupported, match=r"dequantize it .*with --quantize fp8 for FP8 experts"):
+        moe.install(model)
