@@ -1,5 +1,6 @@
-"""The experts of MoE layers in FP8 (e4m3): quantized at load under --quantize fp8, or read as
-published (128 x 128 block scales, the Qwen3-30B-A3B-FP8 / DeepSeek-V3 layout).
+"""The experts of MoE layers in FP8 (e4m3), quantized at load under --quantize fp8. (A published
+FP8 MoE checkpoint's experts, 128 x 128 block scales in the Qwen3-30B-A3B-FP8 / DeepSeek-V3 layout,
+would fit the block scaling here; they are not read yet, and moe.install refuses them.)
 
 transformers keeps an MoE layer's experts as 3-D parameters (teacher_server/moe.py). Here each of
 them (gate_up_proj or up_proj, down_proj) becomes an `FP8ExpertWeights`: the e4m3 weights of every
@@ -19,9 +20,9 @@ product is
     otherwise   the operands quantized the same way, dequantized to float32 and multiplied by
                 the grouped GEMM in float32 (moe.grouped_mm): numerically the product above, up to
                 the order of the float32 sums. It is the CPU path (tests) and, on a GPU, the block
-                path: torch has no grouped product with 128 x 128 block scales on Hopper, so a
-                published checkpoint keeps its experts in FP8 in memory (half of bf16's bytes) and
-                pays a dequantization per layer.
+                path (--fp8-scaling block): torch 2.11 has no grouped product with 128 x 128 block
+                scales on Hopper, so the experts stay in FP8 in memory (half of bf16's bytes) and
+                each product pays a dequantization (to bf16 on a GPU, float32 on a CPU).
 
 `reference_product` is the slow, obvious version (one expert at a time, the quantization written
 out): what `verify` holds the device's product to at load, and what the tests hold both to.
@@ -61,7 +62,8 @@ class FP8ExpertWeights(nn.Module):
         experts, n, k = weight_q.shape
         want = (experts, n) if scaling == "row" else (experts, -(-n // BLOCK), k // BLOCK)
         if scaling == "block" and k % BLOCK:
-            raise ValueError(f"block-wise FP8 experts need inputs divisible by {BLOCK}, not {k}")
+            raise ValueError(f"block-wise FP8 experts need inputs divisible by {BLOCK}, not {k}: use --fp8-scaling "
+                             "row")
         if tuple(weight_scale.shape) != want:
             raise ValueError(f"FP8 expert scales {tuple(weight_scale.shape)} for weights {tuple(weight_q.shape)} "
                              f"with {scaling} scaling: expected {want}")
