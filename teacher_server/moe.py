@@ -33,6 +33,13 @@ norms, the rotary embedding, the router's softmax/top-k and this module's gather
 combine fuse into a few kernels around the products. Under tensor parallelism the layers run
 eagerly (their collectives run in hooks between the linears).
 
+Under expert parallelism (teacher_server/parallel.py's ExpertShard) a rank holds E / N experts
+(`expert_range`); every rank sees every token and its routing, sorts its own experts' pairs first
+(the ids rotated by its first expert), runs the products over those groups only and masks the
+other pairs at the combine; an all-reduce after the forward adds the ranks' outputs. FP8 experts
+(teacher_server/fp8_experts.py) replace the 3-D weights by modules that compute their own grouped
+product from the same sorted rows and offsets.
+
 Expert load (`ExpertLoad`): the histogram each layer computes anyway is written into one row of a
 [layers, experts] tensor on the device; the runner adds it to a running total after each forward
 (one kernel). /metrics and /v1/status read them, so an operator sees when routing, not the GPU,
