@@ -37,6 +37,13 @@ harder case); the same weights otherwise. Measured on an H200: it spreads gpt-os
 1.4-1.8) but not Qwen's (still 10 / 16: the random Qwen's hidden states are nearly the same for
 every token, so any router picks the same experts); the imbalance column says which case ran.
 
+--quantize: the MoE models served with --quantize fp8 too (row scales: the decoder's linears and
+every expert's weights in e4m3, teacher_server/fp8.py and fp8_experts.py; the layers compiled), a
+row "server FP8" beside the bf16 one, and the speed-up over it. --experts-probe: the grouped expert
+products of one Qwen3-30B-A3B layer alone (8,192 tokens, top-8, rows spread evenly over the 128
+experts), bf16 `torch._grouped_mm` against FP8 `torch._scaled_grouped_mm` with and without the
+activation's quantization.
+
 --profile MODEL: a torch.profiler table of the server's forward of MODEL at the first shape (the
 kernels by CUDA time), printed and written to --profile-dir.
 """
@@ -165,6 +172,40 @@ def profile(call, rows: int, seq: int, vocab: int, name: str, out_dir: str) -> N
             f.write(table)
 
 
+def experts_probe(iters: int) -> list[str]:
+    """One Qwen3-30B-A3B layer's expert products alone (gate_up then down), rows spread evenly."""
+    from bench.cuda_timing import median_call_ms
+    from teacher_server import fp8_experts, moe
+
+    experts, hidden, width, tokens, k = 128, 2048, 768, 8192, 8
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = torch.randn(experts, 2 * width, hidden, device="cuda", generator=generator, dtype=torch.bfloat16)
+    down = torch.randn(experts, hidden, width, device="cuda", generator=generator, dtype=torch.bfloat16)
+    x = torch.randn(tokens * k, hidden, device="cuda", generator=generator, dtype=torch.bfloat16)
+    h = torch.randn(tokens * k, width, device="cuda", generator=generator, dtype=torch.bfloat16)
+    offsets = torch.full((experts,), tokens * k // experts, device="cuda", dtype=torch.int32).cumsum(0).int()
+    fp8_gate_up, fp8_down = (fp8_experts.FP8ExpertWeights.quantize(w, "row") for w in (gate_up, down))
+    xq, xs = fp8_gate_up.quantize_input(x)
+    hq, hs = fp8_down.quantize_input(h)
+    flop = 2 * tokens * k * (2 * width * hidden + hidden * width)
+    calls = {
+        "bf16 torch._grouped_mm": lambda: (moe.grouped_mm(x, gate_up.transpose(1, 2), offsets),
+                                           moe.grouped_mm(h, down.transpose(1, 2), offsets)),
+        "FP8 torch._scaled_grouped_mm (inputs quantized already)": lambda: (
+            torch._scaled_grouped_mm(xq, fp8_gate_up.weight.transpose(1, 2), xs.reshape(-1), fp8_gate_up.weight_scale,
+                                     offs=offsets, out_dtype=torch.bfloat16),
+            torch._scaled_grouped_mm(hq, fp8_down.weight.transpose(1, 2), hs.reshape(-1), fp8_down.weight_scale,
+                                     offs=offsets, out_dtype=torch.bfloat16)),
+        "FP8 with the inputs' quantization (eager)": lambda: (fp8_gate_up(x, offsets), fp8_down(h, offsets)),
+    }
+    lines = ["| Qwen3-30B-A3B layer, 8192 tokens x top-8, even | ms | share of bf16 peak |", "|---|---|---|"]
+    for label, call in calls.items():
+        call()
+        ms = median_call_ms(call, max(iters, 10))
+        lines.append(f"| {label} | {ms:.3f} | {flop / (ms / 1e3) / BF16_PEAK:.1%} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="qwen3-30b-a3b,gpt-oss-20b,llama3-8b")
@@ -174,6 +215,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--router-std", type=float, default=1.0, help="the std of the redrawn routers' weights "
                         "(0: only the routers as initialised)")
+    parser.add_argument("--quantize", action="store_true", help="the MoE models with --quantize fp8 too")
+    parser.add_argument("--experts-probe", action="store_true", help="time one Qwen layer's expert products alone")
     parser.add_argument("--profile", default="", help="a model whose server forward is profiled at the first shape")
     parser.add_argument("--profile-dir", default="")
     parser.add_argument("--out", default="")
@@ -185,20 +228,29 @@ def main() -> None:
     lines = ["| model | forward | routers | tokens | ms | tokens/s | share of bf16 peak | peak GiB | "
              "imbalance mean / worst |", "|---|---|---|---|---|---|---|---|---|"]
     figures = {}
-    for name in args.models.split(","):
+    probe_lines = experts_probe(args.iters) + [""] if args.experts_probe else []
+    print("\n".join(probe_lines), flush=True)
+    for name in (n for n in args.models.split(",") if n):
         config = config_of(name)
-        for variant in ("server", "transformers"):
+        for variant in ("server", "server-fp8", "transformers"):
             if variant == "transformers" and not (baseline_shapes and is_moe(config)):
                 continue  # transformers' own forward is the baseline of the MoE models
+            if variant == "server-fp8" and not (args.quantize and is_moe(config)):
+                continue
             torch._dynamo.reset()
             started = time.perf_counter()
             runner = model = None
-            if variant == "server":
+            if variant.startswith("server"):
+                from teacher_server.fp8 import Fp8Plan
+
+                quantize = Fp8Plan("row") if variant == "server-fp8" else None
                 with tempfile.TemporaryDirectory() as directory:
                     config.save_pretrained(directory)
-                    runner = ModelRunner(f"random:{directory}", "cuda:0", dtype="bfloat16")
+                    runner = ModelRunner(f"random:{directory}", "cuda:0", dtype="bfloat16", quantize=quantize)
                 call = lambda ids, mask: runner.forward(ids, mask).logits  # noqa: E731
                 label = f"server ({runner.info.kernels or 'transformers kernels'})"
+                if quantize is not None:
+                    label = f"server FP8 ({runner.quantization}; experts row-scaled e4m3)"
             else:
                 model = transformers_model(config, "cuda")
                 label = (f"transformers ({model.config._experts_implementation or 'dense'} experts, "
@@ -212,7 +264,7 @@ def main() -> None:
             for routing in routings:
                 if routing.startswith("N("):
                     redraw_routers(runner.model if runner is not None else model, args.router_std)
-                for rows, seq in (shapes if variant == "server" else baseline_shapes):
+                for rows, seq in (shapes if variant.startswith("server") else baseline_shapes):
                     row = f"| {name} | {label} | {routing} | {rows} x {seq} |"
                     try:
                         ms, gib = time_forward(call, rows, seq, config.vocab_size, args.iters)
@@ -230,6 +282,9 @@ def main() -> None:
 
                         per_layer = [imbalance(c) for c in runner.expert_load.snapshot().last]
                         balance = f"{sum(per_layer) / len(per_layer):.2f} / {max(per_layer):.2f}"
+                    bf16 = figures.get(f"{name}/server/{routing}/{rows}x{seq}")
+                    if variant == "server-fp8" and bf16:
+                        balance += f" ({bf16['ms'] / ms:.2f}x bf16)"
                     lines.append(f"{row} {ms:.1f} | {tokens_s / 1e3:.1f}k | {share:.1%} | {gib:.1f} | {balance} |")
                     figures[f"{name}/{variant}/{routing}/{rows}x{seq}"] = dict(
                         ms=ms, tokens_s=tokens_s, share=share, gib=gib, imbalance=balance)
@@ -239,7 +294,7 @@ def main() -> None:
             del call, runner, model
             gc.collect()
             torch.cuda.empty_cache()
-    emit(lines, args.out, figures)
+    emit(probe_lines + lines, args.out, figures)
     if args.out:
         print(json.dumps(figures))
 

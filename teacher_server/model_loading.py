@@ -18,7 +18,7 @@ import torch
 
 from distill_common.models import load_causal_lm
 from distill_common.wire import parse_output_dtype
-from teacher_server import fp8, moe, parallel, sink_attention
+from teacher_server import fp8, fp8_experts, moe, parallel, sink_attention
 from teacher_server.parallel import World
 
 log = logging.getLogger(__name__)
@@ -58,13 +58,16 @@ def load_model(model_name: str, device: torch.device, world: World | None, dtype
                                      "out) or on such a GPU" + (" (--fp8-scaling row runs on CPU)"
                                                                 if quantize.scaling == "block" else ""))
         fp8.quantize_model(model, quantize)
+        experts = fp8_experts.quantize_experts(model, quantize.scaling, quantize.keep_layers)
+        if experts:
+            log.info("%d MoE expert weights in FP8 (%s scales per expert)", experts, quantize.scaling)
         layers = fp8.decoder_layers(model)
         quantization = fp8.Quantization(fp8.FP8_E4M3, quantize.scaling, "quantized at load", tuple(
             sorted({i % len(layers) for i in quantize.keep_layers})), quantize.fast_accum)
     if quantization.format:
         dtype = next(p.dtype for p in model.parameters() if p.dtype != fp8.FP8)
         try:
-            checked = fp8.verify(model, dtype)
+            checked = fp8.verify(model, dtype) + fp8_experts.verify(model, dtype)
         except fp8.FP8Unsupported as e:
             if not published:
                 raise

@@ -33,6 +33,13 @@ norms, the rotary embedding, the router's softmax/top-k and this module's gather
 combine fuse into a few kernels around the products. Under tensor parallelism the layers run
 eagerly (their collectives run in hooks between the linears).
 
+Under expert parallelism (teacher_server/parallel.py's ExpertShard) a rank holds E / N experts
+(`expert_range`); every rank sees every token and its routing, sorts its own experts' pairs first
+(the ids rotated by its first expert), runs the products over those groups only and masks the
+other pairs at the combine; an all-reduce after the forward adds the ranks' outputs. FP8 experts
+(teacher_server/fp8_experts.py) replace the 3-D weights by modules that compute their own grouped
+product from the same sorted rows and offsets.
+
 Expert load (`ExpertLoad`): the histogram each layer computes anyway is written into one row of a
 [layers, experts] tensor on the device; the runner adds it to a running total after each forward
 (one kernel). /metrics and /v1/status read them, so an operator sees when routing, not the GPU,
@@ -53,6 +60,7 @@ IMPLEMENTATION = "distill_grouped"
 # transformers' name for the dense, one-expert-at-a-time forward: what the tests hold this one to.
 EAGER = "eager"
 
+FP8 = torch.float8_e4m3fn
 _GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 # torch._grouped_mm reads its operands with 16-byte aligned loads (its CPU kernel refuses others).
 _ALIGN_BYTES = 16
@@ -113,30 +121,59 @@ def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor
     return torch.bincount(expert_ids, minlength=num_experts).int()
 
 
+@dataclass(frozen=True)
+class ExpertRange:
+    """The experts a rank holds under expert parallelism (teacher_server/parallel.py's ExpertShard):
+    global experts `first` .. `first + count - 1` of `total`."""
+
+    first: int
+    count: int
+    total: int
+
+
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts interface: `hidden_states` [T, H], the router's choice `top_k_index`
-    [T, k] and its weights [T, k] -> the weighted sum of each token's experts' outputs [T, H]."""
+    [T, k] and its weights [T, k] -> the weighted sum of each token's experts' outputs [T, H].
+
+    Under expert parallelism (`self.expert_range` set) every rank holds the same tokens and their
+    routing, and runs only the pairs routed to its own experts; the pairs of other ranks' experts
+    give zeros, and the ranks' partial sums are added by the all-reduce after this forward."""
     tokens, k = top_k_index.shape
-    num_experts = self.num_experts
     ids = top_k_index.reshape(-1)
+    span: ExpertRange | None = getattr(self, "expert_range", None)
+    if span is None:
+        num_experts, key = self.num_experts, ids
+    else:
+        # This rank's experts first (0 .. count - 1), the others after them: the global ids rotated.
+        num_experts, key = span.total, (ids - span.first) % span.total
     # One permutation: the (token, slot) pairs in expert order; stable, so a token's pairs keep
     # their slot order within an expert (the result does not depend on it, determinism does).
-    order = torch.argsort(ids, stable=True)
-    counts = count_per_expert(ids, num_experts)
+    order = torch.argsort(key, stable=True)
+    counts = count_per_expert(key, num_experts)
     load = getattr(self, "expert_load_row", None)
     if load is not None:
-        load.copy_(counts)
+        load.copy_(counts if span is None else counts.roll(span.first))  # in global expert order
+    local = None
+    if span is not None:
+        # Groups past this rank's experts are left out of the products: their rows are never read and
+        # their output rows are never written (whatever memory held), so they are masked at the combine.
+        counts = counts[:span.count]
+        sorted_key = key.index_select(0, order)
+        local = sorted_key < span.count
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     token_of_pair = order // k
-    weight_dtype = self.down_proj.dtype
+    # FP8 experts (teacher_server/fp8_experts.py) take the activation in its dtype and quantize it.
+    weight_dtype = self.down_proj.dtype if self.down_proj.dtype != FP8 else hidden_states.dtype
     x = hidden_states.index_select(0, token_of_pair).to(weight_dtype)
-    sorted_experts = ids.index_select(0, order) if self.has_bias else None
+    sorted_experts = None
+    if self.has_bias:
+        sorted_experts = ids.index_select(0, order) if span is None else sorted_key.clamp(max=span.count - 1)
     pair_weights = top_k_weights.reshape(-1).index_select(0, order).unsqueeze(-1)
 
     first = self.gate_up_proj if self.has_gate else self.up_proj
     first_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
-    projected = grouped_mm(x, first if self.is_transposed else first.transpose(1, 2), offsets)
+    projected = _expert_product(self, first, x, offsets)
     if first_bias is not None:
         projected = projected + first_bias.index_select(0, sorted_experts)
     hidden = self._apply_gate(projected) if self.has_gate else self.act_fn(projected)
@@ -145,18 +182,27 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     post_norm = getattr(self, "has_post_expert_norm", False)
     if not post_norm:
         hidden = hidden * pair_weights
-    out = grouped_mm(hidden.to(weight_dtype), self.down_proj if self.is_transposed else self.down_proj.transpose(1, 2),
-                     offsets)
+    out = _expert_product(self, self.down_proj, hidden.to(weight_dtype), offsets)
     if self.has_bias:
         bias = self.down_proj_bias.index_select(0, sorted_experts)
         out = out + (bias * pair_weights if not post_norm else bias)
     if post_norm:
         out = self.post_expert_norm(out) * pair_weights
+    if local is not None:
+        out = torch.where(local.unsqueeze(-1), out, 0)
     # One combine: each token's k rows back in token order, summed in float32.
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=order.device)
     combined = out.index_select(0, position).view(tokens, k, -1).sum(dim=1, dtype=torch.float32)
     return combined.to(hidden_states.dtype)
+
+
+def _expert_product(self: nn.Module, weight, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """`x`'s rows (sorted by expert) times their expert's matrix: [M, out]. An FP8 weight is a module
+    that computes its own product (teacher_server/fp8_experts.py; [E, N, K] whatever the layout)."""
+    if isinstance(weight, nn.Module):
+        return weight(x, offsets)
+    return grouped_mm(x, weight if self.is_transposed else weight.transpose(1, 2), offsets)
 
 
 # ---- the expert load ------------------------------------------------------------------------
@@ -209,8 +255,19 @@ class ExpertLoadSnapshot:
 def experts_modules(model: nn.Module) -> list[nn.Module]:
     """The model's experts modules that transformers' experts interface dispatches, in layer order."""
     return [m for m in model.modules()
-            if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and hasattr(m, "down_proj")
-            and isinstance(getattr(m, "down_proj"), torch.Tensor) and getattr(m, "down_proj").dim() == 3]
+            if hasattr(m, "has_gate") and hasattr(m, "is_transposed") and _expert_weight(getattr(m, "down_proj", None))]
+
+
+def _expert_weight(weight) -> bool:
+    """A 3-D parameter of transformers' experts, or its FP8 replacement (teacher_server/fp8_experts.py)."""
+    return ((isinstance(weight, torch.Tensor) and weight.dim() == 3)
+            or getattr(weight, "is_expert_weights", False))
+
+
+def global_experts(module: nn.Module) -> int:
+    """How many experts the layer of `module` has, on all ranks together."""
+    span = getattr(module, "expert_range", None)
+    return span.total if span is not None else int(module.num_experts)
 
 
 def install(model: nn.Module) -> ExpertLoad | None:
@@ -224,9 +281,17 @@ def install(model: nn.Module) -> ExpertLoad | None:
 
     problems = {type(m).__name__ for m in modules if getattr(m, "_is_expert_parallel", False)}
     if problems:
-        raise MoeUnsupported(f"{', '.join(sorted(problems))}: experts sharded by transformers' expert parallelism; "
-                             "the teacher's experts forward runs whole experts on one process: serve the model "
-                             "without transformers' tp_plan (one GPU)")
+        raise MoeUnsupported(f"{', '.join(sorted(problems))}: experts sharded by transformers' expert parallelism, "
+                             "which the teacher's experts forward does not read; the teacher shards MoE models with "
+                             "its own plan (teacher_server/parallel.py: attention tensor parallel, experts expert "
+                             "parallel): load the model without transformers' tp_plan")
+    stored_fp8 = {type(m).__name__ for m in modules
+                  if isinstance(m.down_proj, torch.Tensor) and m.down_proj.dtype == FP8}
+    if stored_fp8:
+        raise MoeUnsupported(f"{', '.join(sorted(stored_fp8))}: expert weights stored in FP8 by the checkpoint "
+                             "(128 x 128 block scales); the teacher does not serve a published FP8 MoE checkpoint's "
+                             "experts yet: dequantize it (transformers' FineGrainedFP8Config(dequantize=True), "
+                             "save_pretrained) and serve that directory, with --quantize fp8 for FP8 experts")
     ExpertsInterface.register(IMPLEMENTATION, experts_forward)
     model.set_experts_implementation(IMPLEMENTATION)
     unset = {type(m).__name__ for m in modules if getattr(m.config, "_experts_implementation", None) != IMPLEMENTATION}
@@ -234,13 +299,15 @@ def install(model: nn.Module) -> ExpertLoad | None:
         raise MoeUnsupported(f"transformers did not switch the experts of {', '.join(sorted(unset))} to "
                              f"{IMPLEMENTATION!r}: this transformers version dispatches them otherwise")
     device = modules[0].down_proj.device
-    load = ExpertLoad([int(m.num_experts) for m in modules], device)
-    for layer, module in enumerate(modules):
+    widths = [global_experts(m) for m in modules]
+    load = ExpertLoad(widths, device)
+    for layer, (module, width) in enumerate(zip(modules, widths)):
         # A buffer (not a plain attribute): a compiled layer takes it as an input, so one graph serves
         # every layer instead of one per layer's tensor. Not persistent: no checkpoint holds it.
-        module.register_buffer("expert_load_row", load.last[layer, :int(module.num_experts)], persistent=False)
+        # Under expert parallelism every rank counts every expert (each sees the whole routing).
+        module.register_buffer("expert_load_row", load.last[layer, :width], persistent=False)
     dtype = modules[0].down_proj.dtype
-    if device.type == "cuda" and dtype != torch.bfloat16:
+    if device.type == "cuda" and dtype not in (torch.bfloat16, FP8):
         log.warning("the experts are in %s on %s: torch's grouped GEMM runs bfloat16 there, so their products run "
                     "one expert at a time, with a host sync per layer; serve the model with --dtype bfloat16",
                     dtype, device)
