@@ -11,6 +11,8 @@
 # fp8speed and fp8quality (the FP8 teacher: bench/fp8_teacher.py's two halves), fp8torchao and
 # fp8torchaoquality (the same halves for torchao's float8 against ours; its wheel carried in .whl/);
 # eagle3attention (its fused attention's GPU test), eagle3kernels (the attention's kernel choice);
+# moe (the MoE teacher's kernels against transformers' eager forward, then bench/moe_teacher.py: Qwen3-30B-A3B- and
+# gpt-oss-20b-shaped forwards beside Llama-3-8B's, a profile of Qwen's);
 # two GPUs: recipeserved (the seed recipe with its teacher served, and colocated), eagle3served and
 # eagle3servedlong (EAGLE-3 from a served target, with the colocated baseline).
 # Investigations (bench/investigations/): tpsend, disk.
@@ -103,6 +105,11 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     # Which causal kernel the fused attention merges with: flash, cudnn, flex (one GPU).
     eagle3kernels) timeout 150 python3 -m bench.investigations.ttt_attention_kernels --out "$out/ttt_kernels.md" 2>&1 \
                      | quiet | tail -20 ;;
+    # Tiny MoE models served in bf16 against transformers' eager forward in float32; then tokens/s, share of
+    # the bf16 peak, peak memory and expert imbalance at 2 x 4096 and 4 x 8192 (docs/performance.md).
+    moe) gpu_test test_moe_gpu 400
+         timeout 560 python3 -m bench.moe_teacher --profile qwen3-30b-a3b --profile-dir "$out" \
+           --out "$out/moe_teacher.md" 2>&1 | quiet | tail -60 ;;
     # The stores are written under /tmp (local disk) and removed after.
     store) timeout 400 python3 -m bench.store_throughput --profile --out "$out/store.md" 2>&1 | quiet | tail -40 ;;
     # EAGLE-3 draft training from a served Llama-3-8B-shaped target (GPU 0) on GPU 1 at 2k .. 32k tokens: target

@@ -15,7 +15,9 @@ The parts:
 - `VocabularyMatch`: which student ids spell exactly the bytes of some teacher id, computed
   once per session at join.
 - `TeacherTokenizer`: the teacher's tokenizer, encoding raw bytes (a student row may begin
-  or end inside a multi-byte character: those bytes take the teacher's single-byte tokens).
+  or end inside a multi-byte character: those bytes take the teacher's single-byte tokens) the
+  way it encodes a text: after the special tokens its convention puts first (its <bos>) and,
+  for a SentencePiece tokenizer that prepends a space, with that space.
 - `align_batch`: for one batch, the student's ids and the text each row spells, checked
   against each other, re-tokenized with the teacher's tokenizer and aligned: the
   `AlignedBatch` the forward runs on and the output kinds read.
@@ -26,9 +28,17 @@ A *boundary* is a byte offset where a token starts or ends. The teacher's log-pr
 a student token's bytes is the chain rule over the teacher tokens of the teacher's own
 tokenization of the whole row; a teacher token that straddles a student token's edge counts,
 whole, for the student token that holds its last byte, so the values of a row sum to the
-teacher's log-likelihood of the row's text (less its first teacher token, which has no
-context). The teacher's next-token distribution is defined where the text before a student
-position ends on a teacher boundary; elsewhere no teacher position has seen exactly that text.
+teacher's log-likelihood of the row's text (less the teacher tokens inside the student's first
+token, which no student position predicts). The teacher's next-token distribution is defined
+where the text before a student position ends on a teacher boundary; elsewhere no teacher
+position has seen exactly that text.
+
+The teacher reads each row the way its tokenizer encodes a text, as it was trained to: after
+its <bos> where its convention has one (Llama, Gemma; Qwen has none), which stands for no text,
+so every teacher token of the text has a context, the first one included; and with the space a
+SentencePiece tokenizer puts before a text (Llama-2, Mistral-v0.1), which belongs to no student
+token, so the teacher token holding it is never exact. A row that begins inside a character
+gets no such space.
 """
 
 from __future__ import annotations
@@ -237,16 +247,95 @@ class VocabularyMatch:
 
 # ---- the teacher's tokenizer ---------------------------------------------------------------
 
+# The special tokens a tokenizer may put before a text (its <bos>; Llama-3's <|begin_of_text|>):
+# more than this is no causal LM's convention.
+MAX_LEAD_TOKENS = 4
+
+
+def _without_prefix_space(config: dict) -> dict:
+    """A tokenizer's JSON with the space it puts before a text taken out (a SentencePiece
+    dummy prefix: Metaspace's prepend_scheme, a Prepend("▁") normalizer; ByteLevel's
+    add_prefix_space): how it encodes text that continues a row rather than starts it."""
+
+    def normalizer(node):
+        if not node:
+            return node
+        if node.get("type") == "Prepend":
+            return None
+        if node.get("type") == "Sequence":
+            kept = [n for n in (normalizer(child) for child in node.get("normalizers", [])) if n]
+            return {**node, "normalizers": kept}
+        return node
+
+    def pre_tokenizer(node):
+        if not node:
+            return node
+        if node.get("type") == "Sequence":
+            return {**node, "pretokenizers": [pre_tokenizer(child) for child in node.get("pretokenizers", [])]}
+        if node.get("type") == "Metaspace":
+            node = {**node, "prepend_scheme": "never"}
+        if "add_prefix_space" in node:
+            node = {**node, "add_prefix_space": False}
+        return node
+
+    return {**config, "normalizer": normalizer(config.get("normalizer")),
+            "pre_tokenizer": pre_tokenizer(config.get("pre_tokenizer"))}
+
+
+def leading_special_ids(tokenizer) -> list[int]:
+    """The ids a tokenizer's own convention puts before a text (`tokenizer(text)` against
+    `tokenizer(text, add_special_tokens=False)`): its <bos> (Llama, Gemma), or nothing (GPT-2,
+    Qwen). A transformers tokenizer or a `tokenizers.Tokenizer`."""
+    probe = "a"
+    if callable(tokenizer):  # a transformers tokenizer: its call is the convention its users see
+        with_special = list(tokenizer(probe)["input_ids"])
+        plain = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    else:
+        backend = _backend(tokenizer)
+        with_special, plain = backend.encode(probe).ids, backend.encode(probe, add_special_tokens=False).ids
+    for start in range(len(with_special) - len(plain) + 1):
+        if with_special[start:start + len(plain)] == plain:
+            if start > MAX_LEAD_TOKENS:
+                raise AlignmentError(f"the teacher's tokenizer puts {start} special tokens before a text, more than "
+                                     f"{MAX_LEAD_TOKENS}: not a causal language model's convention")
+            return with_special[:start]
+    return []
+
+
+@dataclass(frozen=True)
+class TeacherRow:
+    """A row's text in the teacher's tokens, the way the teacher's tokenizer encodes a text.
+
+    `ids`: the forward's input: `lead` special tokens (the tokenizer's <bos>, which stand for no
+    text), then tokens that spell `prefix` bytes the tokenizer adds before a text (a
+    SentencePiece dummy-prefix space) followed by the row's text exactly."""
+
+    ids: list[int]
+    lead: int
+    prefix: int
+
+
 class TeacherTokenizer:
-    """The teacher's tokenizer, encoding a row's bytes into ids whose pieces spell them exactly."""
+    """The teacher's tokenizer, encoding a row's bytes into ids whose pieces spell them exactly,
+    with what the tokenizer's convention puts before a text (`encode`)."""
 
     def __init__(self, tokenizer):
-        # A copy of its own: set once, shared by the threads that encode (the Rust tokenizer is thread-safe).
-        self.backend = type(_backend(tokenizer)).from_str(_backend(tokenizer).to_str())
-        # Text that reads like a special token ("<|eos|>" written out) stays text.
-        if hasattr(self.backend, "encode_special_tokens"):
-            self.backend.encode_special_tokens = True
+        config = json.loads(_backend(tokenizer).to_str())
+        backend_type = type(_backend(tokenizer))
+        # Copies of its own: set once, shared by the threads that encode (the Rust tokenizer is thread-safe).
+        # `backend` starts a row; `continuing` encodes text after a byte the row cut a character at.
+        self.backend = backend_type.from_str(json.dumps(config))
+        self.continuing = backend_type.from_str(json.dumps(_without_prefix_space(config)))
+        for backend in (self.backend, self.continuing):
+            # Text that reads like a special token ("<|eos|>" written out) stays text.
+            if hasattr(backend, "encode_special_tokens"):
+                backend.encode_special_tokens = True
         self.pieces = vocabulary_bytes(tokenizer)
+        self.lead = leading_special_ids(tokenizer)
+        probe = b"".join(self.pieces[i] for i in self.backend.encode("a", add_special_tokens=False).ids)
+        # The bytes the tokenizer puts before a text that does not begin with them (b" " for a
+        # SentencePiece that prepends a space), b"" for most.
+        self.prefix = probe[:-1] if probe.endswith(b"a") else b""
         self.byte_ids = {piece[0]: index for index, piece in reversed(list(enumerate(self.pieces)))
                          if len(piece) == 1}
         self.longest_piece_bytes = max(map(len, self.pieces), default=1) or 1
@@ -254,12 +343,14 @@ class TeacherTokenizer:
     def fewest_tokens(self, text: bytes) -> int:
         """A lower bound on the ids `encode(text)` makes, known without encoding: no piece is
         longer than the longest."""
-        return -(-len(text) // self.longest_piece_bytes)
+        return len(self.lead) + -(-len(text) // self.longest_piece_bytes)
 
-    def encode(self, text: bytes, row: int = 0) -> list[int]:
-        """The ids of `text`: valid UTF-8 runs through the tokenizer (without special tokens), bytes
-        of a character cut at the row's edge as single-byte tokens. AlignmentError, naming `row`,
-        when the ids do not spell the text (a tokenizer that normalizes, a byte it has no token for)."""
+    def encode(self, text: bytes, row: int = 0) -> TeacherRow:
+        """`text` in the teacher's tokens, as its tokenizer encodes a text: its lead (<bos>),
+        then valid UTF-8 runs through the tokenizer (the first one with the space a SentencePiece
+        tokenizer prepends, the others without), bytes of a character cut at the row's edge as
+        single-byte tokens. AlignmentError, naming `row`, when the ids do not spell the text (a
+        tokenizer that normalizes, a byte it has no token for)."""
         ids: list[int] = []
         start = 0
         while start < len(text):
@@ -269,7 +360,8 @@ class TeacherTokenizer:
             except UnicodeDecodeError as e:
                 chunk, end = text[start:start + e.start].decode("utf-8"), start + e.start
             if chunk:
-                ids.extend(self.backend.encode(chunk, add_special_tokens=False).ids)
+                backend = self.backend if start == 0 else self.continuing
+                ids.extend(backend.encode(chunk, add_special_tokens=False).ids)
             if end < len(text):  # one byte that starts no valid character here
                 byte = text[end]
                 if byte not in self.byte_ids:
@@ -279,11 +371,13 @@ class TeacherTokenizer:
                 end += 1
             start = end
         spelled = b"".join(self.pieces[i] for i in ids)
-        if spelled != text:
+        prefix = len(self.prefix) if self.prefix and spelled == self.prefix + text else 0
+        if spelled[prefix:] != text:
             at = next((i for i, (a, b) in enumerate(zip(spelled, text)) if a != b), min(len(spelled), len(text)))
             raise AlignmentError(f"row {row}: the teacher's tokenizer does not reproduce the row's text (they differ "
-                                 f"from byte {at}): a tokenizer that normalizes text cannot be aligned by bytes")
-        return ids
+                                 f"from byte {at}): a tokenizer that normalizes text (lower-cases it, rewrites "
+                                 "its characters) cannot be aligned by bytes")
+        return TeacherRow(self.lead + ids, len(self.lead), prefix)
 
 
 # ---- one batch ------------------------------------------------------------------------------
@@ -295,12 +389,13 @@ class AlignedBatch:
     `teacher_ids`, `teacher_mask` [B, T]: the forward's input, rows right-padded.
     `span_owner` [B, T] int64: for teacher token j (its log-probability read from the logits at
     j - 1), the student position whose span value it adds to; S (one past the row) for none:
-    teacher token 0 (no context), tokens inside the student's first token, and padding.
+    teacher token 0 (no context), the lead (<bos>) and a prefix space alone, tokens inside the
+    student's first token, and padding.
     `span_exact` [B, S] bool: the student's next token starts and ends on teacher boundaries and
     spells some text, so its value is exactly the teacher's probability of those bytes.
     `context` [B, S] int64: the teacher position whose text before is exactly the student
     position's (its tokens 0..t), -1 where none is (padding, a text that ends inside a
-    teacher token, an empty text).
+    teacher token, an empty text the teacher has no position for: it has one after its <bos>).
     `match`: the session's VocabularyMatch (what a projected distribution's columns are).
     """
 
@@ -374,7 +469,8 @@ def align_batch(ids: torch.Tensor, mask: torch.Tensor, texts: Sequence[bytes], v
             raise BatchTooLarge(f"its {rows} rows take at least {rows} x {max(width, fewest[row], widest_after[row])} "
                                 f"tokens in the teacher's tokenizer (rows are padded to the longest), more than the "
                                 f"teacher's --max-batch-tokens {max_batch_tokens}: send smaller batches")
-        teacher_ids = teacher.encode(text, row)
+        encoded = teacher.encode(text, row)
+        teacher_ids = encoded.ids
         if len(teacher_ids) > max_teacher_tokens:
             raise AlignmentError(f"row {row}: the teacher's tokenizer makes {len(teacher_ids)} tokens of its text, "
                                  f"more than the teacher's --max-seq-len {max_teacher_tokens}: send shorter rows")
@@ -383,10 +479,15 @@ def align_batch(ids: torch.Tensor, mask: torch.Tensor, texts: Sequence[bytes], v
             raise BatchTooLarge(f"its {rows} rows take at least {rows} x {max(width, widest_after[row])} tokens in the "
                                 f"teacher's tokenizer (rows are padded to the longest), more than the teacher's "
                                 f"--max-batch-tokens {max_batch_tokens}: send smaller batches")
-        teacher_ends = np.cumsum([len(teacher.pieces[i]) for i in teacher_ids]).astype(np.int64)
-        teacher_starts = teacher_ends - [len(teacher.pieces[i]) for i in teacher_ids]
+        # Byte offsets in the row's text: the lead (<bos>) spells nothing and ends before the text,
+        # as do the prefix bytes the tokenizer put before it.
+        teacher_lengths = np.array([0] * encoded.lead + [len(teacher.pieces[i]) for i in teacher_ids[encoded.lead:]],
+                                   dtype=np.int64)
+        teacher_ends = np.cumsum(teacher_lengths) - encoded.prefix
+        teacher_starts = teacher_ends - teacher_lengths
         starts = ends - lengths
         # The student token holding each teacher token's last byte; the position before it scores it.
+        # Tokens that end before the text (the lead, a prefix space alone) are held by none.
         holder = np.searchsorted(ends, teacher_ends - 1, side="right")
         owner = np.where(holder >= 1, np.asarray(positions + [seq], dtype=np.int64)[np.maximum(holder - 1, 0)], seq)
         owner[0:1] = seq  # teacher token 0 has no context to be scored from
@@ -398,10 +499,12 @@ def align_batch(ids: torch.Tensor, mask: torch.Tensor, texts: Sequence[bytes], v
             exact[row, positions[k]] = (lengths[nxt] > 0 and int(starts[nxt]) in boundaries_start
                                         and int(ends[nxt]) in boundaries_end
                                         and not (len(teacher_ids) and holder[0] == nxt))
-        where = np.searchsorted(teacher_ends, ends)  # the teacher token ending where each student token ends
+        # The last teacher token ending where each student token ends: its position has seen the
+        # same text (after the lead, a row's empty start: where the teacher's lead ends it).
+        where = np.searchsorted(teacher_ends, ends, side="right") - 1
         for k, t in enumerate(positions[:-1]):  # the last position has no next token to predict
             j = int(where[k])
-            if ends[k] > 0 and j < len(teacher_ends) and teacher_ends[j] == ends[k]:
+            if j >= 0 and teacher_ends[j] == ends[k]:
                 context[row, t] = j
     width = max(1, max(len(r) for r in teacher_rows))
     teacher_ids = torch.zeros(rows, width, dtype=torch.int64)

@@ -57,6 +57,7 @@ from student_trainer import joining
 from student_trainer.connection import MAX_RESUBMITS, Connection, FirstJoin, State
 from student_trainer.errors import Incompatible, TeacherError, TeacherUnavailable
 from student_trainer.link import Link, TeacherChannel, TeacherInfo
+from student_trainer.pool import Pool
 from student_trainer.session import Batch
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ def _join_request(device: torch.device, spec, vocabulary: StudentVocabulary | No
 class TeacherClient:
     def __init__(self, address: str, device: str | torch.device = "cpu", *, outputs: Iterable[Output] = (Logits(),),
                  dtype: str | None = None, max_inflight: int = 0, job_id: str | None = None,
-                 job_rank: int | None = None, tokenizer=None, vocab_size: int = 0, weight: float = 1.0,
+                 job_rank: int | None = None, job_size: int | None = None, tokenizer=None, vocab_size: int = 0,
+                 weight: float = 1.0,
                  rpc_timeout_s: float = 30.0, auth_token: str | None = None,
                  join_timeout_s: float = 120.0, transfer_timeout_s: float | None = None,
                  tls_ca: str | bool | None = None, tls_cert: str | None = None, tls_key: str | None = None,
@@ -106,6 +108,10 @@ class TeacherClient:
         restart that reloads a large model; a job that would rather fail fast lowers it.
         `max_resubmits`: how many times a batch is sent again after the session holding it
         ended; past that it fails with BatchNotServed, naming why each session ended.
+        `address` may name a pool of replicas (a comma list, dns:NAME:PORT, file:PATH;
+        student_trainer/pool.py): the session joins the one with most room and moves to another
+        if it is lost. `job_size`: the job's ranks over the pool (default: WORLD_SIZE, else 0: unknown),
+        so that its weight holds over the pool (only sent to a pool).
         `refuse_quantized`: refuse a teacher whose decoder runs in FP8 (TeacherInfo.quantization)
         at join, with Incompatible, for a student that must learn the full-precision distribution.
         `max_teacher_kl`: refuse, the same way, a quantized teacher whose start-up measurement of
@@ -116,7 +122,9 @@ class TeacherClient:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         token = os.environ.get("TEACHER_AUTH_TOKEN", "") if auth_token is None else auth_token
-        channel = TeacherChannel(address, rpc_timeout_s, token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+        # `address` may name a pool of replicas (student_trainer/pool.py): the session joins the one with most room.
+        pool = Pool(address, lambda at: TeacherChannel(at, rpc_timeout_s, token, tls_ca=tls_ca, tls_cert=tls_cert,
+                                                       tls_key=tls_key))
         self._next_batch_id = 0  # the client's own batch ids (see Batch.batch_id)
 
         fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
@@ -130,17 +138,32 @@ class TeacherClient:
             self.vocabulary = StudentVocabulary.of(tokenizer)
         join_request = _join_request(device, spec, self.vocabulary, fingerprint, job_id=job_id, job_rank=job_rank,
                                      max_inflight=max_inflight, vocab_size=vocab_size, weight=weight)
+        if not pool.single:
+            join_request.job_size = int(os.environ.get("WORLD_SIZE", "0")) if job_size is None else job_size
+        first_join = FirstJoin(address, join_timeout_s,
+                               student_vocab_entries=len(self.vocabulary.pieces) if self.vocabulary else 0)
+        chosen, statuses = joining.choose_first(pool, join_request, first_join.deadline)
+        channel = pool.channel(chosen)
         # What this client and its joining procedure (student_trainer/joining.py) share.
         self._link = link = Link(channel, device, join_request, join_timeout_s=join_timeout_s,
                                  reconnect_timeout_s=reconnect_timeout_s, transfer_timeout_s=transfer_timeout_s)
-        first_join = FirstJoin(address, join_timeout_s,
-                               student_vocab_entries=len(self.vocabulary.pieces) if self.vocabulary else 0)
-        channel.wait_for_server(join_timeout_s)
+        link.pool = pool
+        try:
+            channel.wait_for_server(max(0.1, first_join.deadline - time.monotonic()))
+        except BaseException:
+            pool.close()
+            raise
         joined = joining.join_first(link, first_join)
         link.info = TeacherInfo.from_proto(joined.info)
+        try:
+            pool.check_same(chosen, joined.info, statuses)
+        except Incompatible:
+            channel.leave(joined)
+            pool.close()
+            raise
         if refuse_quantized and self.info.quantization.format:
             channel.leave(joined)
-            channel.close()
+            pool.close()
             raise Incompatible(f"teacher {address} runs its decoder in {self.info.quantization}, and this student "
                                "refuses a quantized teacher (--refuse-fp8-teacher): serve the teacher without "
                                "--quantize and from a checkpoint in its full dtype, or drop the flag",
@@ -167,7 +190,7 @@ class TeacherClient:
             session = joining.connect(link, joined, join_timeout_s)
         except BaseException:
             channel.leave(joined)
-            channel.close()
+            pool.close()
             raise
         link.joined = session.joined_data
         link.connection = Connection(session, address, reconnect_timeout_s, max_resubmits=max_resubmits)
@@ -175,7 +198,7 @@ class TeacherClient:
         self._heartbeat_thread = threading.Thread(target=joining.send_heartbeats, args=(link,), name="send-heartbeats",
                                                   daemon=True)
         self._heartbeat_thread.start()
-        log.info("joined teacher %s as session %s (%s, %s, %s; decoder linears: %s)", address, self.session_id,
+        log.info("joined teacher %s as session %s (%s, %s, %s; decoder linears: %s)", chosen, self.session_id,
                  self.backend, self.info.model_name, self.info.dtype,
                  self.info.quantization if self.info.quantization.format else f"{self.info.dtype}, not quantized")
 
@@ -274,7 +297,7 @@ class TeacherClient:
         session.join(timeout_s=5)
         self._link.channel.leave(session.joined, timeout_s=min(self.rpc_timeout_s, 5.0))
         session.stop()
-        self._link.channel.close()  # cancels a heartbeat in flight
+        self._link.pool.close()  # every replica's channel: cancels a heartbeat in flight
         # Threads end here, not during interpreter shutdown: a daemon thread that drops the
         # last reference to a process group then runs its destructor without a GIL to take
         # back, and the process aborts ("terminate called without an active exception").

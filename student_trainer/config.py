@@ -28,8 +28,8 @@ class TrainConfig:
     model: str = field(metadata=_help("the student: a HF directory, a hub id, builtin:NAME or random:CONFIG_DIR"))
     data: str = field(metadata=_help("JSONL: {text}, {prompt, completion} or {messages}"))
     teacher: str = field(default="", metadata=_help(
-        "the teacher server's gRPC address, HOST:PORT (needed unless --kd-weight 0 without --hidden-layers, or "
-        "--teacher-outputs)"))
+        "the teacher server's gRPC address, HOST:PORT, or a pool of replicas: a comma list, dns:NAME:PORT or "
+        "file:PATH (docs/scaling.md); needed unless --kd-weight 0 without --hidden-layers, or --teacher-outputs"))
     teacher_outputs: str = field(default="", metadata=_help(
         "read the teacher's outputs from this store (student-trainer dump) instead of a live teacher; with "
         "--teacher too, what the store lacks is asked of the teacher and written into it"))

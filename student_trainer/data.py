@@ -18,9 +18,13 @@ position t is a training target. The trainer scores the logits at position t aga
 `logits[:, :-1]` vs `input_ids[:, 1:]` with weights `loss_mask[:, 1:]`. Position 0
 of an example is therefore never a target.
 
-Documents are separated by the tokenizer's eos token. No bos is added and
-`add_special_tokens=False` is used everywhere, so a tokenizer whose post-processor
-adds bos/eos cannot slip them between a prompt and its completion.
+Each document begins with the special tokens the tokenizer's own convention puts before
+a text (`tokenizer(text)`: a bos for Llama- and Gemma-style tokenizers, nothing for GPT-2-
+and Qwen-style ones), never trained on, and ends with the tokenizer's eos token, which
+separates documents (a model trained with a bos scores text without one far worse:
+docs/training.md). Everything else is encoded with
+`add_special_tokens=False`, so a tokenizer whose post-processor adds bos/eos cannot slip them
+between a prompt and its completion; a chat template writes its own.
 
 Everything is tokenized once, up front, and held in memory as int64 tensors: the
 demo and test datasets are a few MB of text. A corpus too large for that needs a
@@ -43,6 +47,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
+from distill_common.alignment import leading_special_ids
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +188,9 @@ def read_jsonl(
 def tokenize_record(record: dict, tokenizer) -> tuple[list[int], list[int]]:
     """Token ids and loss mask (1 = trained on) for one validated record.
 
+    Every shape but a chat template's begins with the tokenizer's leading special tokens
+    (its bos, if its convention has one), not trained on.
+
     - text: all tokens, then eos; every token counts, eos included.
     - prompt/completion: prompt and completion are tokenized separately and
       concatenated (so the boundary is exact even where BPE would merge across it),
@@ -207,6 +216,7 @@ def tokenize_records(
     when the chat template rejects its conversation.
     """
     eos_id = _eos_id(tokenizer)
+    lead = leading_special_ids(tokenizer)
     shapes = [record_shape(record) for record in records]
     # Gather every plain string to encode, so the Rust tokenizer sees one batch.
     strings: list[str] = []
@@ -223,17 +233,18 @@ def tokenize_records(
     results: list[tuple[list[int], list[int]]] = []
     for index, (record, shape) in enumerate(zip(records, shapes)):
         if shape == "text":
-            ids = next(encoded) + [eos_id]
-            mask = [1] * len(ids)
+            text_ids = next(encoded) + [eos_id]
+            ids = lead + text_ids
+            mask = [0] * len(lead) + [1] * len(text_ids)
         elif shape == "prompt_completion":
-            prompt_ids, completion_ids = next(encoded), next(encoded)
+            prompt_ids, completion_ids = lead + next(encoded), next(encoded)
             ids = prompt_ids + completion_ids + [eos_id]
             mask = [0] * len(prompt_ids) + [1] * (len(completion_ids) + 1)
         elif _has_chat_template(tokenizer):
             label = labels[index] if labels is not None else f"record {index}"
             ids, mask = _tokenize_chat(record["messages"], tokenizer, eos_id, label)
         else:
-            ids, mask = [], []
+            ids, mask = list(lead), [0] * len(lead)
             for message in record["messages"]:
                 head, content, tail = next(encoded), next(encoded), next(encoded)
                 trained = 1 if message["role"] == "assistant" else 0

@@ -41,6 +41,25 @@ from student_trainer.session import Session
 log = logging.getLogger("student_trainer.client")
 
 
+def session_weight(join_request: pb.JoinRequest) -> float:
+    """The weight one session of the job brings to a replica of a pool: the job's, over its ranks."""
+    return (join_request.weight or 1.0) / max(1, join_request.job_size)
+
+
+def choose_first(pool, join_request: pb.JoinRequest, deadline: float) -> tuple[str, dict]:
+    """The replica the first Join goes to (student_trainer/pool.py), and the statuses it was chosen
+    from; while no replica of a pool answers, asked again until `deadline` (the join timeout)."""
+    while True:
+        try:
+            return pool.choose(join_request.job_id, join_request.job_rank, session_weight(join_request))
+        except TeacherError as e:
+            if time.monotonic() + 1.0 >= deadline:
+                pool.close()
+                raise
+            log.warning("%s; asking again", e)
+            time.sleep(1.0)
+
+
 def join_first(link: Link, first_join: FirstJoin) -> pb.JoinResponse:
     """The first Join, asked again while the teacher is full (FirstJoin decides), within join_timeout_s."""
     while True:
@@ -157,6 +176,7 @@ def rejoin(link: Link) -> None:
     if answer is not None:
         with link.cond:
             link.connection.explained(answer)
+    lost_at = link.channel.address  # a pool's other replicas are tried first (student_trainer/pool.py)
     attempt = 0
     while True:
         with link.cond:
@@ -168,7 +188,7 @@ def rejoin(link: Link) -> None:
             return
         attempt += 1
         try:
-            session = join_again(link, deadline)
+            session = join_again(link, deadline, lost_at)
         except Exception as e:
             with link.cond:
                 pause_s = link.connection.attempt_failed(e)
@@ -193,8 +213,16 @@ def rejoin(link: Link) -> None:
         return
 
 
-def join_again(link: Link, deadline: float) -> Session:
-    """One attempt: Join with the first Join's request, check the teacher serves the same, form the group."""
+def join_again(link: Link, deadline: float, lost_at: str = "") -> Session:
+    """One attempt: Join with the first Join's request (a pool's replica with most room, another
+    than the one lost at `lost_at` if one answers), check the teacher serves the same, form the group."""
+    pool = link.pool
+    if pool is not None and not pool.single:
+        address, _ = pool.choose(link.join_request.job_id, link.join_request.job_rank, session_weight(link.join_request),
+                                 avoid=lost_at)
+        if address != link.channel.address:
+            log.warning("joining teacher replica %s (was %s)", address, link.channel.address)
+            link.channel = pool.channel(address)
     joined = link.channel.call("Join", link.join_request, timeout_s=max(
         0.1, min(link.channel.rpc_timeout_s, deadline - time.monotonic())))
     try:
@@ -232,6 +260,10 @@ def check_same_teacher(address: str, before: TeacherInfo, backend: str, output_d
     changed = [f"{name} {getattr(before, name)} -> {getattr(info, name)}"
                for name in ("vocab_size", "hidden_size", "num_layers")
                if getattr(info, name) != getattr(before, name)]
+    for name in ("tokenizer_fingerprint", "weights_fingerprint"):  # another replica of a pool, or a new checkpoint
+        was, now = getattr(before, name, ""), getattr(info, name)
+        if was and now and was != now:
+            changed.append(f"{name} {was[:12]} -> {now[:12]}")
     if joined.backend != backend:
         changed.append(f"backend {backend} -> {joined.backend}")
     quantization = Quantization.from_info(info.quantization)

@@ -43,13 +43,15 @@ class TeacherInfo:
     max_batch_tokens: int
     max_seq_len: int
     quantization: Quantization = Quantization()  # what the teacher's decoder linears run in (FP8, or its dtype)
+    weights_fingerprint: str = ""  # the weights as served: the same on every replica of a pool
 
     @classmethod
     def from_proto(cls, info: pb.TeacherInfo) -> "TeacherInfo":
         return cls(model_name=info.model_name, architecture=info.architecture, vocab_size=info.vocab_size,
                    hidden_size=info.hidden_size, num_layers=info.num_layers, dtype=info.dtype,
                    tokenizer_fingerprint=info.tokenizer_fingerprint, max_batch_tokens=info.max_batch_tokens,
-                   max_seq_len=info.max_seq_len, quantization=Quantization.from_info(info.quantization))
+                   max_seq_len=info.max_seq_len, quantization=Quantization.from_info(info.quantization),
+                   weights_fingerprint=info.weights_fingerprint)
 
 
 def _grpc_options() -> list:
@@ -141,6 +143,8 @@ class Link:
         self.transfer_timeout_s = 0.0
         self.heartbeat_interval_s = 0.0
         self.connection: Connection | None = None
+        # The replicas `channel` is one of (student_trainer/pool.py): a rejoin may move to another.
+        self.pool = None
 
     def start(self, session: Session) -> None:
         """Opens the submit stream of `session` (already made current) and starts its threads."""

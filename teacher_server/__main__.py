@@ -96,7 +96,8 @@ def _admin(command: str, argv: list[str]) -> int:
 
     parser = settings_parser(AdminConfig, prog=f"teacher-server {command}", usage="%(prog)s HOST:PORT [options]",
                              description=f"Print the {command} of a running teacher server.")
-    parser.add_argument("address", help="the teacher's gRPC address, HOST:PORT")
+    parser.add_argument("address", help="the teacher's gRPC address, HOST:PORT; or a pool's (a comma list, "
+                                        "dns:NAME:PORT, file:PATH): each replica's, one after another")
     args = parser.parse_args(argv)
     try:
         config = settings_from(AdminConfig, args)

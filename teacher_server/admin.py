@@ -15,6 +15,7 @@ from distill_common.channel import TlsFlags, channel_credentials, connection_hin
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from distill_common.proto.teacher.v1 import teacher_pb2_grpc as pb_grpc
 from distill_common.quantization import Quantization
+from distill_common.replicas import ReplicasError, replica_addresses, single
 from distill_common.settings import ConfigError
 
 TLS_FLAGS = TlsFlags(ca="--tls-ca", cert="--tls-cert", key="--tls-key")
@@ -63,6 +64,7 @@ def format_info(info: pb.TeacherInfo) -> str:
         ["--max-batch-tokens", str(info.max_batch_tokens)], ["--max-seq-len", str(info.max_seq_len)],
         ["--max-sessions", str(info.max_sessions)], ["--max-inflight", str(info.max_inflight)],
         ["torch", info.torch_version], ["nccl", info.nccl_version or "-"],
+        ["weights", info.weights_fingerprint[:16] or "-"],
     ]
     return _table(["field", "value"], rows)
 
@@ -84,7 +86,25 @@ class AdminError(RuntimeError):
 
 
 def query(command: str, address: str, config: AdminConfig) -> str:
-    """What `teacher-server COMMAND ADDRESS` prints: the status or the info of a teacher, as a table."""
+    """What `teacher-server COMMAND ADDRESS` prints: the status or the info of a teacher, as a
+    table; of each replica of a pool (a comma list, dns:NAME:PORT, file:PATH: distill_common/replicas.py),
+    one after another, a replica that does not answer saying so."""
+    if single(address):
+        return _query_one(command, address, config)
+    try:
+        replicas = replica_addresses(address)
+    except ReplicasError as e:
+        raise AdminError(str(e)) from None
+    parts = []
+    for replica in replicas:
+        try:
+            parts.append(f"== {replica}\n{_query_one(command, replica, config)}")
+        except AdminError as e:
+            parts.append(f"== {replica}\n(no answer: {e})")
+    return "\n".join(parts)
+
+
+def _query_one(command: str, address: str, config: AdminConfig) -> str:
     credentials = channel_credentials(tls_ca_arg(config.tls_ca), config.tls_cert or None, config.tls_key or None,
                                       TLS_FLAGS)
     metadata = (("authorization", f"Bearer {config.auth_token}"),) if config.auth_token else ()

@@ -28,6 +28,8 @@ from teacher_server.edge import (RELEASE_INTERVAL_S, CallGuard, Callers, Guarded
                                  raise_descriptor_limit, release_free_memory)
 from teacher_server.engine import Engine
 from teacher_server.http_app import create_app
+from teacher_server.openai.jobs import ApiJobs
+from teacher_server.openai.routes import Completions
 from teacher_server.limits import HELD_MEMORY_SHARE, available_memory_bytes
 from teacher_server.metrics import Metrics
 from teacher_server.model_runner import ModelRunner
@@ -86,6 +88,11 @@ class TeacherServer:
                      held_limit_bytes, held_limit_bytes / 2**30, config.max_inflight,
                      config.max_inflight * config.output_bytes_limit(self.service.facts) / 2**30,
                      round(100 * HELD_MEMORY_SHARE), available_bytes / 2**30, config.device)
+        # vLLM's OpenAI API (teacher_server/openai/): its requests are batches of in-process sessions.
+        self.api_jobs = ApiJobs(self.engine, max_inflight=config.max_inflight, timeout_s=config.transfer_timeout_s)
+        self.completions = Completions(self.api_jobs, self.service.facts, getattr(runner, "tokenizer", None),
+                                       model_id=config.model, max_seq_len=config.max_seq_len,
+                                       max_batch_tokens=config.max_batch_tokens, max_logprobs=config.max_logprobs)
         self.health = health.aio.HealthServicer()
         self._shutting_down = False
         self.grpc_port = 0
@@ -130,8 +137,8 @@ class TeacherServer:
         # and a flood holds at most cap + backlog descriptors.
         protocol = functools.partial(GuardedH11Protocol,
                                      connections=HttpConnections(c.http_max_connections, c.http_header_timeout_s,
-                                                                 c.http_send_timeout_s, c.http_max_body_bytes))
-        http = uvicorn.Server(uvicorn.Config(create_app(self.engine, self.metrics, self.ready, c.auth_token), host=c.host,
+                                                                 c.http_send_timeout_s, c.http_body_limit))
+        http = uvicorn.Server(uvicorn.Config(create_app(self.engine, self.metrics, self.ready, c.auth_token, self.completions, self.callers), host=c.host,
                                              port=c.http_port, log_level="warning", lifespan="off", http=protocol,
                                              backlog=max(8, c.http_max_connections // 4),
                                              ssl_certfile=c.tls_cert or None, ssl_keyfile=c.tls_key or None))

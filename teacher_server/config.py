@@ -164,9 +164,13 @@ class ServerConfig(ServerLimits):
     http_send_timeout_s: float = field(default=10.0, metadata=_help(
         "close a HTTP connection whose answers have waited this long for the peer to take them (the socket's "
         "buffers full: a peer that sends requests and reads no answer)"))
-    # No endpoint reads a body: one is a request no probe or scraper sends.
-    http_max_body_bytes: int = field(default=1024, metadata=_help(
-        "largest HTTP request body accepted (413 beyond; no endpoint reads one)"))
+    # Only POST /v1/completions reads a body: its prompts, at most a batch of ids written as JSON.
+    http_max_body_bytes: int = field(default=0, metadata=_help(
+        "largest HTTP request body accepted (413 beyond; 0: what POST /v1/completions needs for "
+        "--max-batch-tokens ids, 8 bytes each, plus 64 KiB)"))
+    max_logprobs: int = field(default=256, metadata=_help(
+        "largest `logprobs` and `prompt_logprobs` POST /v1/completions serves (vLLM's --max-logprobs, 20 "
+        "there): each is a JSON entry per position, most of a response's size and time"))
     # Part of every request's size bound (--max-request-bytes), which a caller can fill before its token is checked.
     max_score_ids: int = field(default=8, metadata=_help(
         "most ids per position a session may have scored (OutputSpec.score_ids): each request carries up to "
@@ -275,6 +279,8 @@ class ServerConfig(ServerLimits):
                 raise ConfigError(f"{flag(name)} {getattr(self, name)} must be > 0")
         if self.http_max_body_bytes < 0 or self.grpc_max_streams_per_connection < 1:
             raise ConfigError("--http-max-body-bytes must be >= 0 and --grpc-max-streams-per-connection >= 1")
+        if self.max_logprobs < 0:
+            raise ConfigError(f"--max-logprobs {self.max_logprobs} must be >= 0")
         if self.max_topk < 0:
             raise ConfigError(f"--max-topk {self.max_topk} must be >= 0 (0: up to the vocabulary size)")
         if self.max_output_bytes < 0:
@@ -328,6 +334,11 @@ class ServerConfig(ServerLimits):
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert)
+
+    @property
+    def http_body_limit(self) -> int:
+        """--http-max-body-bytes, or what a completions request of --max-batch-tokens ids needs."""
+        return self.http_max_body_bytes or 8 * self.max_batch_tokens + (64 << 10)
 
 
 # ---- --job-tokens -----------------------------------------------------------------------

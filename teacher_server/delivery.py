@@ -126,6 +126,9 @@ class Delivery:
     # ---- session groups ----------------------------------------------------------
 
     def connect(self, session: Session) -> None:
+        if session.local_group is not None:  # an HTTP API session (teacher_server/openai/): no group to form
+            self._link(session, session.local_group)
+            return
         threading.Thread(target=self._form_group, args=(session,), name=f"form-group-{session.session_id}",
                          daemon=True).start()
 
@@ -154,6 +157,10 @@ class Delivery:
                         session.job_rank, e)
             self._end(session, "join_failed", f"the session group did not form: {e}")
             return
+        self._link(session, group)
+
+    def _link(self, session: Session, group) -> None:
+        """The session's group formed: batches may be planned for it, and its sender thread runs."""
         link = _Link(group, queue.Queue())
         # Linked before the engine may plan the session's batches, so that none is
         # delivered to a session without a link.

@@ -93,6 +93,8 @@ class Engine:
         self.metrics = metrics
         self.cache = OutputCache(cache_bytes)
         metrics.watch_cache(self.cache)
+        if runner.expert_load is not None:
+            metrics.watch_experts(runner.expert_load)
         self.scheduler = Scheduler(max_batch_tokens=max_batch_tokens, max_sessions=max_sessions)
         # Guards the sessions and the scheduler; notified when there may be work to plan.
         self._cond = threading.Condition()
@@ -187,6 +189,11 @@ class Engine:
 
     def queue_depth(self) -> int:
         return self.lifecycle.queue_depth()
+
+    def weight_total(self) -> float:
+        """The jobs' weights as the scheduler applies them here (a pool places sessions by it)."""
+        with self._cond:
+            return self.scheduler.weight_total()
 
     def held_bytes(self) -> int:
         """Outputs computed (or planned) and not yet received by their students."""

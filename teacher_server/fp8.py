@@ -2,7 +2,8 @@
 or a published FP8 checkpoint (transformers' fine-grained FP8, 128 x 128 weight blocks) served
 as it is stored.
 
-What is quantized: the decoder's linear layers (q/k/v/o, gate/up/down). The embedding, the
+What is quantized: the decoder's linear layers (q/k/v/o, gate/up/down); an MoE layer's experts,
+3-D weights, in teacher_server/fp8_experts.py. The embedding, the
 norms, the attention itself and the output head stay in the model's dtype: the head decides the
 distribution a student learns from, and it is a small share of the FLOPs.
 

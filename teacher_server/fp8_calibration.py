@@ -31,6 +31,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -129,11 +130,13 @@ class Calibrated:
     rounds: int  # FP8 measurements after the first (0: the bound held with every linear in FP8)
 
 
-def quantize_and_measure(model, plan: fp8.Fp8Plan, ids: torch.Tensor) -> Calibrated:
+def quantize_and_measure(model, plan: fp8.Fp8Plan, ids: torch.Tensor,
+                         also: Callable[[nn.Module], None] | None = None) -> Calibrated:
     """Quantizes `model`'s decoder linears to FP8 in place as `plan` says, measured on `ids`
     against the model in its dtype; under `plan.max_kl`, keeps the costliest linears in the
-    model's dtype until the measured KL is at most the bound. Raises CalibrationError when
-    it cannot be met."""
+    model's dtype until the measured KL is at most the bound. `also`: what else is quantized
+    with them (a MoE model's experts), after the reference forward and before the measurement;
+    never kept. Raises CalibrationError when the bound cannot be met."""
     started = time.perf_counter()
     model.eval().requires_grad_(False)  # the shares' backward pass wants no weight gradients
     ids = ids.to(next(model.parameters()).device)
@@ -143,6 +146,8 @@ def quantize_and_measure(model, plan: fp8.Fp8Plan, ids: torch.Tensor) -> Calibra
     with torch.inference_mode():
         reference = record_means(model, ids, originals, means) if plan.bias_correction else log_probs(model, ids)
     fp8.quantize_model(model, plan, means if plan.bias_correction else None)
+    if also is not None:
+        also(model)
     quantized = {name: entry[3] for name, entry in fp8.decoder_linears(model).items()
                  if isinstance(entry[3], fp8.FP8Linear)}
     with torch.inference_mode():

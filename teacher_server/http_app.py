@@ -1,4 +1,5 @@
-"""The HTTP side: liveness, readiness, Prometheus metrics and a JSON status.
+"""The HTTP side: liveness, readiness, Prometheus metrics, a JSON status, and the part of
+vLLM's OpenAI API that trainers ask a teacher for log-probabilities with (teacher_server/openai/).
 
 With --auth-token, everything but the probes' /healthz and /readyz needs
 `Authorization: Bearer <token>`: /metrics and /v1/status name jobs and sessions, and
@@ -19,9 +20,11 @@ from distill_common import wire
 from teacher_server.edge import bearer_matches
 from teacher_server.engine import Engine
 from teacher_server.metrics import Metrics
+from teacher_server.openai.routes import add_routes
 
 
-def create_app(engine: Engine, metrics: Metrics, ready: Callable[[], bool], auth_token: str = "") -> FastAPI:
+def create_app(engine: Engine, metrics: Metrics, ready: Callable[[], bool], auth_token: str = "",
+               completions=None, callers=None) -> FastAPI:
     app = FastAPI(title="teacher-server", docs_url=None, redoc_url=None, openapi_url=None)
     info = engine.runner.info
 
@@ -73,6 +76,11 @@ def create_app(engine: Engine, metrics: Metrics, ready: Callable[[], bool], auth
             "vocab_size": info.vocab_size,
             "hidden_size": info.hidden_size,
             "num_layers": info.num_layers,
+            # The teacher's own kernels the model runs through (MoE experts, attention sinks).
+            "kernels": info.kernels,
+            # An MoE teacher's tokens per expert per layer and their imbalance (null for a dense one).
+            "experts": (engine.runner.expert_load.snapshot().status()
+                        if engine.runner.expert_load is not None else None),
             # What sessions that apply the head themselves, or ask for attention inputs, get; or why not.
             "output_head": dataclasses.asdict(info.head),
             "attention_inputs": dataclasses.asdict(info.attention),
@@ -94,4 +102,6 @@ def create_app(engine: Engine, metrics: Metrics, ready: Callable[[], bool], auth
             } for s in engine.sessions()],
         }
 
+    if completions is not None:  # vLLM's OpenAI API: GET /v1/models, GET /health, POST /v1/completions
+        add_routes(app, completions, callers, ready)
     return app

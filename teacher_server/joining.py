@@ -182,6 +182,9 @@ class Joining:
         if weight > caller.max_weight:
             raise InvalidArgument(f"weight {weight} exceeds {caller.limit('max_weight')}: ask for less, or raise "
                                   "that limit")
+        if request.job_size < 0 or request.job_rank >= request.job_size > 0:
+            raise InvalidArgument(f"job_size {request.job_size} must be 0 (unknown) or more than job_rank "
+                                  f"{request.job_rank}: the job's ranks over every replica of its pool")
         return CheckedJoin(request, job_id, outputs, backend, max_inflight, weight)
 
     async def session(self, join: CheckedJoin) -> Session:
@@ -193,7 +196,7 @@ class Joining:
             outputs = outputs.aligned(len(alignment.vocabulary), alignment.match.size)
             self._check_output_bytes(outputs)
         request = join.request
-        return Session(job_id=join.job_id, job_rank=request.job_rank, outputs=outputs,
+        return Session(job_id=join.job_id, job_rank=request.job_rank, job_size=request.job_size, outputs=outputs,
                        backend=join.backend, peer_device_type=request.peer.device_type, max_inflight=join.max_inflight,
                        weight=join.weight, stream_refusals_only=request.stream_refusals_only, alignment=alignment,
                        rendezvous=SessionStore(self.config.join_timeout_s))

@@ -76,6 +76,28 @@ class _CacheCollector:
             yield GaugeMetricFamily(name, doc, value=value)
 
 
+class _ExpertLoadCollector:
+    """Exports the MoE layers' expert load (teacher_server/moe.py's ExpertLoad), read at each scrape."""
+
+    def __init__(self, load):
+        self.load = load
+
+    def collect(self):
+        from teacher_server.moe import imbalance
+
+        snapshot = self.load.snapshot()
+        tokens = CounterMetricFamily("teacher_expert_tokens", "Tokens routed to each expert of each MoE layer since "
+                                     "start-up (padding included)", labels=["layer", "expert"])
+        last = GaugeMetricFamily("teacher_expert_imbalance", "Tokens of an MoE layer's busiest expert over the mean "
+                                 "per expert, in the last forward (1: even routing)", labels=["layer"])
+        for layer, (counts, recent) in enumerate(zip(snapshot.total, snapshot.last)):
+            for expert, count in enumerate(counts):
+                tokens.add_metric([str(layer), str(expert)], count)
+            last.add_metric([str(layer)], imbalance(recent))
+        yield tokens
+        yield last
+
+
 class Metrics:
     def __init__(self, device: torch.device | None = None):
         self.registry = CollectorRegistry()
@@ -127,6 +149,11 @@ class Metrics:
     def watch_cache(self, cache) -> None:
         """Exports the cache's counters and gauges (teacher_cache_*, teacher_shared_batches_total)."""
         self.registry.register(_CacheCollector(cache))
+
+    def watch_experts(self, load) -> None:
+        """Exports an MoE teacher's tokens per expert per layer (teacher_expert_tokens_total) and each
+        layer's imbalance in the last forward (teacher_expert_imbalance)."""
+        self.registry.register(_ExpertLoadCollector(load))
 
     def forward_started(self, start: float) -> None:
         self.busy_clock.begin(start)

@@ -1,10 +1,11 @@
 """Loads the teacher's model for the model runner: its weights on one process or sharded over
-the tensor-parallel world, in FP8 where asked (--quantize fp8) or published so, and its
-tokenizer.
+the tensor-parallel world, in FP8 where asked (--quantize fp8) or published so, its
+mixture-of-experts layers and attention sinks on the teacher's own kernels, and its tokenizer.
 
 What the runner does with the model once loaded (the forward, the start-up probe of its head
 and attention inputs) is teacher_server/model_runner.py's; what FP8 is (the layers, the
-quantization, the self-check) is teacher_server/fp8.py's.
+quantization, the self-check) is teacher_server/fp8.py's; the experts' forward and their load,
+teacher_server/moe.py's; attention with sinks, teacher_server/sink_attention.py's.
 """
 
 from __future__ import annotations
@@ -12,22 +13,31 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
 from distill_common.models import load_causal_lm
 from distill_common.wire import parse_output_dtype
-from teacher_server import fp8, fp8_calibration, parallel
+from teacher_server import fp8, fp8_calibration, fp8_experts, moe, parallel, sink_attention
 from teacher_server.parallel import World
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    quantization: fp8.Quantization  # what the decoder's linears run in
+    expert_load: moe.ExpertLoad | None = None  # tokens per expert per MoE layer; None for a dense model
+    kernels: str = ""  # the teacher's own kernels the model runs through ("" : transformers' as they are)
+
+
 def load_model(model_name: str, device: torch.device, world: World | None, dtype: str, trust_remote_code: bool,
-               quantize: fp8.Fp8Plan | None):
-    """The model on `device` (sharded over `world` when there is one) and what its decoder's
-    linears run in. Raises ValueError naming the flag to change (fp8.FP8Unsupported for a
-    device or checkpoint FP8 cannot run on)."""
+               quantize: fp8.Fp8Plan | None) -> LoadedModel:
+    """The model on `device` (sharded over `world` when there is one), what its decoder's
+    linears run in, and its experts' load. Raises ValueError naming the flag to change
+    (fp8.FP8Unsupported for a device or checkpoint FP8 cannot run on)."""
     torch_dtype = parse_output_dtype(dtype) if dtype else None
     published = _published_fp8(model_name, device, world, trust_remote_code, quantize)
     try:
@@ -38,6 +48,9 @@ def load_model(model_name: str, device: torch.device, world: World | None, dtype
             model = load_causal_lm(model_name, device=device, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     except ValueError as e:
         raise ValueError(f"--model: {e}") from e
+    # The teacher's own kernels first: the FP8 calibration's forwards run through them, and FP8
+    # experts run only through them.
+    expert_load, kernels = _own_kernels(model, device, world, compile_layers=not (published or quantize))
     quantization = fp8.Quantization()
     if published:
         fp8.adopt_published(model)
@@ -53,7 +66,7 @@ def load_model(model_name: str, device: torch.device, world: World | None, dtype
     if quantization.format:
         dtype = next(p.dtype for p in model.parameters() if p.dtype != fp8.FP8)
         try:
-            checked = fp8.verify(model, dtype)
+            checked = fp8.verify(model, dtype) + fp8_experts.verify(model, dtype)
         except fp8.FP8Unsupported as e:
             if not published:
                 raise
@@ -61,8 +74,28 @@ def load_model(model_name: str, device: torch.device, world: World | None, dtype
                                      "(transformers' FineGrainedFP8Config(dequantize=True), save_pretrained) and "
                                      "serve that directory") from e
         log.info("FP8 self-check: %d layer shapes match the dequantize-then-multiply reference", checked)
+    if quantization.format:
         _compile_fp8(model, quantize.compile if quantize is not None else "auto", device, world)
-    return model, quantization
+    return LoadedModel(model, quantization, expert_load, kernels)
+
+
+def _own_kernels(model, device: torch.device, world: World | None, compile_layers: bool):
+    """The experts of MoE layers through one grouped GEMM per product and attention with sinks
+    through FlexAttention; on one GPU, each decoder layer compiled so that what runs between the
+    products (norms, rotary embedding, routing, the experts' gather, gate and combine, the sinks'
+    rescaling) fuses (FP8 compiles the layers its own way)."""
+    try:
+        expert_load = moe.install(model)
+    except moe.MoeUnsupported as e:
+        raise ValueError(f"--model: {e}") from e
+    sinks = sink_attention.install(model)
+    kernels = ", ".join(name for name, used in ((f"experts {moe.IMPLEMENTATION}", expert_load is not None),
+                                                (f"attention {sink_attention.IMPLEMENTATION}", sinks)) if used)
+    if kernels and compile_layers and device.type == "cuda" and world is None:
+        for layer in fp8.decoder_layers(model):
+            layer.compile(dynamic=True)
+        kernels += ", decoder layers compiled"
+    return expert_load, kernels
 
 
 def _quantize_at_load(model, model_name: str, plan: fp8.Fp8Plan, world: World | None) -> fp8.Quantization:
@@ -80,12 +113,14 @@ def _quantize_at_load(model, model_name: str, plan: fp8.Fp8Plan, world: World | 
                      "correction) runs on one process only; not measured")
         plan = dataclasses.replace(plan, bias_correction=False)
         fp8.quantize_model(model, plan)
+        _quantize_experts(model, plan)
     else:
         tokenizer = load_tokenizer(model_name)
         texts = fp8_calibration.calibration_texts(plan.calibration)
         ids = fp8_calibration.calibration_batch(tokenizer, texts, plan.calibration_rows, plan.calibration_seq,
                                                 model.get_input_embeddings().num_embeddings)
-        calibrated = fp8_calibration.quantize_and_measure(model, plan, ids)
+        calibrated = fp8_calibration.quantize_and_measure(model, plan, ids,
+                                                          also=lambda m: _quantize_experts(m, plan))
         plan = calibrated.plan
     quantization = fp8.Quantization(
         fp8.FP8_E4M3, plan.scaling, "quantized at load", tuple(sorted({i % len(layers) for i in plan.keep_layers})),
@@ -98,6 +133,14 @@ def _quantize_at_load(model, model_name: str, plan: fp8.Fp8Plan, world: World | 
                  calibrated.seconds, cost.tokens, plan.calibration or "the built-in sample (prose and Python)",
                  quantization.cost(), 100 * quantization.fp8_flop_share)
     return quantization
+
+
+def _quantize_experts(model, plan: fp8.Fp8Plan) -> None:
+    """A MoE model's expert weights in FP8 too (teacher_server/fp8_experts.py); not kept for
+    --fp8-max-kl, and not counted in the FP8 share of the decoder's linear FLOPs."""
+    experts = fp8_experts.quantize_experts(model, plan.scaling, plan.keep_layers)
+    if experts:
+        log.info("%d MoE expert weights in FP8 (%s scales per expert)", experts, plan.scaling)
 
 
 def _published_fp8(model_name: str, device: torch.device, world: World | None, trust_remote_code: bool,

@@ -22,6 +22,7 @@ sees a runner like any other.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 from dataclasses import dataclass, field
 
@@ -34,11 +35,35 @@ from distill_common.vocab import tokenizer_fingerprint
 from distill_common.wire import dtype_name
 from teacher_server import fp8, parallel
 from teacher_server.cuda_graphs import ForwardGraphs
-from teacher_server.model_loading import load_model, load_tokenizer
+from teacher_server.model_loading import LoadedModel, load_model, load_tokenizer
 from teacher_server.parallel import TensorParallelError, World
 from teacher_server.transformers_overrides import ONE_SEQUENCE_PER_ROW
 
 log = logging.getLogger(__name__)
+
+# Values of each parameter the weights fingerprint reads: evenly spaced, the first included.
+FINGERPRINT_SAMPLES = 4096
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 over each parameter's and buffer's name, shape and dtype and FINGERPRINT_SAMPLES of
+    its values, evenly spaced (their bytes as stored: FP8 weights and their scales included).
+
+    Cheap on a large model (a few KiB read per tensor), and equal on every replica loaded from
+    the same checkpoint the same way; two checkpoints that differ only in values it does not
+    read (a fine-tune touches every weight) would pass for one."""
+    digest = hashlib.sha256()
+    tensors = sorted([*model.named_parameters(), *model.named_buffers()], key=lambda item: item[0])
+    for name, tensor in tensors:
+        tensor = tensor.detach()
+        if hasattr(tensor, "to_local"):  # a tensor-parallel shard (DTensor): this rank's part, as served
+            tensor = tensor.to_local()
+        flat = tensor.reshape(-1)
+        sample = flat[::max(1, flat.numel() // FINGERPRINT_SAMPLES)][:FINGERPRINT_SAMPLES].contiguous()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+        digest.update(sample.view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
 
 @dataclass
 class ModelInfo:
@@ -56,6 +81,8 @@ class ModelInfo:
     head: HeadFacts = HeadFacts()  # what a student needs to apply the output head (probed at start-up)
     attention: AttentionFacts = AttentionFacts()  # the attention inputs' widths (probed at start-up)
     quantization: fp8.Quantization = fp8.Quantization()  # what the decoder's linears run in
+    kernels: str = ""  # the teacher's own kernels it runs through (MoE experts, attention sinks); "": none
+    weights_fingerprint: str = ""  # the weights as served (`weights_fingerprint`): the same on every replica of a pool
 
 
 @dataclass
@@ -108,10 +135,12 @@ class ModelRunner:
         if model is not None and world is not None:
             raise ValueError("a model built by the caller runs on one process: leave `world` out")
         if model is not None:
-            self.model, self.quantization = model, fp8.Quantization()
+            loaded = LoadedModel(model, fp8.Quantization())
         else:
-            self.model, self.quantization = load_model(model_name, self.device, world, dtype, trust_remote_code,
-                                                       quantize)
+            loaded = load_model(model_name, self.device, world, dtype, trust_remote_code, quantize)
+        self.model, self.quantization = loaded.model, loaded.quantization
+        # Tokens per expert per MoE layer (None: a dense model, or one built by the caller).
+        self.expert_load = loaded.expert_load
         self.model.eval().requires_grad_(False)
         # The model directory's tokenizer (None without one): fingerprinted for students, and what
         # cross-tokenizer sessions' rows are re-tokenized with (rank 0 only).
@@ -130,12 +159,16 @@ class ModelRunner:
             tp_size=world.size if world is not None else 1,
             nccl_version=nccl_version() if self.device.type == "cuda" else "",
             quantization=self.quantization,
+            kernels=loaded.kernels,
+            weights_fingerprint=weights_fingerprint(self.model),
         )
         log.info("loaded %s (%s) on %s in %s: vocab %d, hidden %d, %d layers%s", model_name, self.info.architecture,
                  self.device, dtype_name(self.info.dtype), self.info.vocab_size, self.info.hidden_size,
                  self.info.num_layers, f", tensor parallel rank {world.rank} of {world.size}" if world else "")
         if self.quantization.format:
             log.info("decoder linears in FP8: %s", self.quantization)
+        if loaded.kernels:
+            log.info("own kernels: %s", loaded.kernels)
         self.graphs = None
         self._captures: dict[frozenset[int], AttentionCapture] = {}
         # Every rank takes part (the head's gather and the probe forward are collective under TP).
@@ -143,6 +176,8 @@ class ModelRunner:
         self.info.head, self.info.attention = self._probe()
         if world is not None and not world.leader:
             self.join_data = JoinData()  # only rank 0 sends
+        if self.expert_load is not None:
+            self.expert_load.reset()  # the probe's tokens are not served
         if world is not None and world.leader:
             world.start_keepalive()
         self.graphs = ForwardGraphs(self.model, self.device, cuda_graphs) if cuda_graphs else None
@@ -197,7 +232,10 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, needs: ForwardNeeds) -> ForwardOutputs:
         with self._grad_free():
-            return self._forward_grad_free(input_ids, attention_mask, needs)
+            outputs = self._forward_grad_free(input_ids, attention_mask, needs)
+            if self.expert_load is not None:
+                self.expert_load.accumulate()
+            return outputs
 
     def _forward_grad_free(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                            needs: ForwardNeeds) -> ForwardOutputs:

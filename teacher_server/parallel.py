@@ -83,12 +83,39 @@ def check_heads(config, size: int) -> None:
                          "(torchrun --nproc-per-node times --nnodes)")
 
 
-# The plan for models built from a config (builtin:, random:), where transformers' own plan
-# is only applied by from_pretrained. Megatron's split, as in gpt-fast: q/k/v and gate/up
-# column-wise (each rank computes its heads and its slice of the MLP, no communication),
-# o and down row-wise (one all-reduce each per layer), the lm_head column-wise with its
-# output all-gathered so that every rank ends with the full logits. Embeddings and norms
-# stay whole on every rank.
+def check_experts(config, size: int) -> None:
+    """Refuses an expert-parallel size that does not divide the model's experts (before it is loaded)."""
+    total = _declares_experts(config)
+    if total and total % size:
+        sizes = [n for n in allowed_sizes(*_heads(config)) if total % n == 0]
+        raise ValueError(f"expert parallelism over {size} ranks needs the experts ({total}) divisible by {size}: run "
+                         f"{' or '.join(map(str, sizes))} ranks in all (torchrun --nproc-per-node times --nnodes)")
+
+
+def _heads(config) -> tuple[int, int]:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    return heads, getattr(text, "num_key_value_heads", None) or heads
+
+
+# The teacher's own plan. Megatron's split, as in gpt-fast: q/k/v and gate/up column-wise (each
+# rank computes its heads and its slice of the MLP, no communication), o and down row-wise (one
+# all-reduce each per layer), the lm_head column-wise with its output all-gathered so that every
+# rank ends with the full logits. Embeddings and norms stay whole on every rank. Multi-head latent
+# attention (DeepSeek-V3) splits the same way by heads: q_b_proj and kv_b_proj column-wise, the
+# latent projections before them whole (they are small and every head reads them).
+#
+# Mixture-of-experts layers are expert parallel over the same ranks (ExpertShard): each rank
+# holds E / N whole experts. Every rank holds the whole batch already (the attention's all-reduce
+# leaves the hidden states replicated) and computes the same routing (the router stays whole), so
+# the dispatch is a local selection: each rank runs the (token, expert) pairs of its own experts,
+# and one all-reduce of [tokens, hidden] sums the ranks' partial outputs, as the dense MLP's
+# row-wise product does. No all-to-all: with the batch replicated, an all-to-all dispatch would
+# move k x tokens x hidden each way (k = 8 for Qwen3) where the all-reduce moves 2 x tokens x hidden,
+# and gloo has no all_to_all_single. (transformers 5.25's AllReduceEP, which its AutoEP picks for
+# inference when the expert group is the TP group, is the same scheme; this one runs the experts
+# through teacher_server/moe.py's grouped products and counts their load.) A shared expert
+# (DeepSeek-V3) is a dense MLP: split like one.
 #
 # The styles below are torch ParallelStyles that parallelize_module applies, but they keep
 # plain tensors (each rank's shard) and put the collectives in forward hooks, as
@@ -97,9 +124,11 @@ def check_heads(config, size: int) -> None:
 # made the TP=2 forward of an 8B-shaped model three times *slower* than one GPU
 # (bench/tp_forward.py: 213 ms against 71 ms for 8 layers, 2 x 4096 tokens; the
 # transformers plan on plain tensors: 50 ms).
-_LAYER_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-               "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-               "mlp.down_proj": "rowwise"}
+_COLWISE = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj")
+_ROWWISE = ("o_proj", "down_proj")
+_WHOLE = ("q_a_proj", "kv_a_proj_with_mqa")  # MLA's latent projections
+# Per-head parameters of an attention module (gpt-oss's sinks): each rank keeps its heads'.
+_PER_HEAD = ("sinks",)
 
 
 class _Shard(ParallelStyle):
@@ -175,8 +204,96 @@ class RowwiseShard(_Shard):
         return output
 
 
+class ExpertShard(ParallelStyle):
+    """An experts module (transformers' 3-D expert weights) expert parallel: rank r keeps experts
+    r x E / N .. (r + 1) x E / N - 1 whole, teacher_server/moe.py's forward runs the pairs routed
+    to them (zeros for the others), and an all-reduce sums the ranks' outputs."""
+
+    def _apply(self, module, device_mesh):
+        from teacher_server.moe import ExpertRange
+
+        self.group, rank, size = device_mesh.get_group(), device_mesh.get_local_rank(), device_mesh.size()
+        total = int(module.num_experts)
+        if total % size:
+            sizes = [n for n in range(1, size) if total % n == 0]
+            raise ValueError(f"expert parallelism over {size} ranks: {type(module).__name__} has {total} experts, "
+                             f"not divisible by {size}; run {' or '.join(map(str, sizes))} ranks")
+        count = total // size
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if tensor.dim() == 0 or tensor.shape[0] != total:
+                raise ValueError(f"expert parallelism: {type(module).__name__}.{name} {tuple(tensor.shape)} is not "
+                                 f"per expert (first dimension {total}); run one process (--nproc-per-node 1)")
+            piece = tensor.narrow(0, rank * count, count).clone()
+            if name in module._parameters:
+                _Shard.replace(module, name, piece)
+            else:
+                module._buffers[name] = piece
+        module.num_experts = count
+        module.expert_range = ExpertRange(rank * count, count, total)
+        module.register_forward_hook(self._all_reduce)
+        return module
+
+    def _all_reduce(self, module, args, output: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(output, group=self.group)
+        return output
+
+
+def layer_plan(layer) -> dict[str, ParallelStyle]:
+    """The styles of one decoder layer's modules, by their dotted names; ValueError for a layer the
+    plan does not know how to split (a linear of an unknown name, no attention output projection)."""
+    from teacher_server.moe import experts_modules
+
+    experts = {id(m) for m in experts_modules(layer)}
+    plan: dict[str, ParallelStyle] = {}
+    unknown = []
+    for name, module in layer.named_modules():
+        last = name.rpartition(".")[2]
+        if id(module) in experts:
+            plan[name] = ExpertShard()
+        elif isinstance(module, torch.nn.Linear):
+            if last in _COLWISE:
+                plan[name] = ColwiseShard()
+            elif last in _ROWWISE:
+                plan[name] = RowwiseShard()
+            elif last not in _WHOLE and not _is_router(name, module):
+                unknown.append(name)
+    if unknown or "self_attn.o_proj" not in plan:
+        raise ValueError(f"no tensor-parallel plan for this decoder layer ({type(layer).__name__}): "
+                         + (f"it has linears the plan does not know ({', '.join(unknown)}); " if unknown else
+                            "it has no self_attn.o_proj; ")
+                         + f"the plan splits {', '.join(_COLWISE)} column-wise, {', '.join(_ROWWISE)} row-wise and "
+                         "experts by expert. Load it from a saved directory (transformers' own plan) or run one "
+                         "process (--nproc-per-node 1)")
+    return plan
+
+
+def _is_router(name: str, module) -> bool:
+    """An MoE router that is a Linear (hidden -> experts): kept whole, so every rank routes alike."""
+    return name.endswith("mlp.gate") or name.endswith("block_sparse_moe.gate")
+
+
+def _shard_per_head(layer, rank: int, size: int) -> None:
+    for module in layer.modules():
+        for name in _PER_HEAD:
+            tensor = module._parameters.get(name)
+            if tensor is None:
+                continue
+            if tensor.shape[0] % size:
+                raise ValueError(f"tensor parallelism over {size} ranks: {name} of {tuple(tensor.shape)} per head "
+                                 "does not split evenly")
+            part = tensor.shape[0] // size
+            _Shard.replace(module, name, tensor.detach().narrow(0, rank * part, part).clone())
+
+
+def is_moe(model) -> bool:
+    from teacher_server.moe import experts_modules
+
+    return bool(experts_modules(model))
+
+
 def apply_plan(model, mesh, *, gather_logits: bool = True) -> None:
-    """Shards a Llama-family model over `mesh` through torch's parallelize_module.
+    """Shards a decoder-only model over `mesh` through torch's parallelize_module: attention and
+    dense MLPs tensor parallel, experts expert parallel.
 
     gather_logits=False leaves each rank its vocabulary shard of the logits (the
     alternative bench/investigations/tp_send_choice.py measures; the server always gathers)."""
@@ -184,13 +301,13 @@ def apply_plan(model, mesh, *, gather_logits: bool = True) -> None:
 
     base = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(base, "layers", None)
-    if layers is None or not all(_has(layer, name) for layer in layers for name in _LAYER_PLAN):
-        raise ValueError(f"no tensor-parallel plan for {type(model).__name__} built from a config: the plan expects "
-                         f"decoder layers with {', '.join(_LAYER_PLAN)}. Load it from a saved directory (transformers' "
-                         "own plan) or run one process (--nproc-per-node 1)")
-    styles = {"colwise": ColwiseShard, "rowwise": RowwiseShard}
-    for layer in layers:
-        parallelize_module(layer, mesh, {name: styles[style]() for name, style in _LAYER_PLAN.items()})
+    if layers is None:
+        raise ValueError(f"no tensor-parallel plan for {type(model).__name__}: it has no decoder.layers. Load it "
+                         "from a saved directory (transformers' own plan) or run one process (--nproc-per-node 1)")
+    plans = [layer_plan(layer) for layer in layers]  # every layer checked before any is changed
+    for layer, plan in zip(layers, plans):
+        parallelize_module(layer, mesh, plan)
+        _shard_per_head(layer, mesh.get_local_rank(), mesh.size())
     parallelize_module(model, mesh, {"lm_head": ColwiseShard(gather=gather_logits)})
 
 
@@ -230,7 +347,11 @@ def load_model(spec: str, world: "World", *, dtype: torch.dtype | None, trust_re
 
     config = model_config(spec, trust_remote_code)
     check_heads(config, world.size)
+    check_experts(config, world.size)
     built_from_config = spec.startswith((BUILTIN_PREFIX, RANDOM_PREFIX))
+    # MoE models take the teacher's own plan: transformers' expert parallelism runs its own experts
+    # forward (and differs between its versions), not teacher_server/moe.py's.
+    own_plan = own_plan or bool(_declares_experts(config))
     # transformers places the shards on the machine's accelerator (cuda:LOCAL_RANK), whatever --device says.
     accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
     on_its_device = world.device.type == (accelerator.type if accelerator is not None else "cpu")
@@ -244,10 +365,19 @@ def load_model(spec: str, world: "World", *, dtype: torch.dtype | None, trust_re
     from torch.distributed.device_mesh import init_device_mesh
 
     model = load_causal_lm(spec, device=world.device, dtype=dtype, trust_remote_code=trust_remote_code)
+    moe = is_moe(model)
     log.info("tensor parallel over %d ranks with torch's parallelize_module (q/k/v/gate/up colwise, o/down rowwise, "
-             "lm_head colwise gathered; plain-tensor shards)", world.size)
+             "lm_head colwise gathered; plain-tensor shards%s)", world.size,
+             "; experts expert parallel, one all-reduce per MoE layer" if moe else "")
     apply_plan(model, init_device_mesh(world.device.type, (world.size,)))
     return model
+
+
+def _declares_experts(config) -> int:
+    """The routed experts per MoE layer a config declares (0: a dense model)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return next((int(n) for name in ("num_experts", "num_local_experts", "n_routed_experts")
+                 if (n := getattr(text, name, None))), 0)
 
 
 # ---- the world and its control channel ------------------------------------------------

@@ -60,8 +60,18 @@ class _Job:
 
     weight: float
     sessions: int = 0
-    # Weighted tokens scheduled for the job (tokens / weight): the least-served job goes first.
+    # Weighted tokens scheduled for the job (tokens / share): the least-served job goes first.
     virtual_tokens: float = 0.0
+    # The job's sessions over every replica of a pool (JoinRequest.job_size); 0: unknown.
+    size: int = 0
+
+    @property
+    def share(self) -> float:
+        """Its weight here: all of it, or, when its size over a pool is known, the part its
+        sessions here are of that size (so that a job's weight holds over the pool)."""
+        if not self.size:
+            return self.weight
+        return self.weight * min(self.sessions, self.size) / self.size
 
 
 @dataclass
@@ -118,7 +128,8 @@ class Scheduler:
             # A new job starts at the least-served job's clock: it gets its fair share
             # from now on, not a burst that makes up for the time before it joined.
             clocks = [j.virtual_tokens for j in self._jobs.values()]
-            job = self._jobs[session.job_id] = _Job(session.weight, virtual_tokens=min(clocks, default=0.0))
+            job = self._jobs[session.job_id] = _Job(session.weight, virtual_tokens=min(clocks, default=0.0),
+                                                    size=getattr(session, "job_size", 0))
         # Within a job, ranks take turns by their own (unweighted) clocks.
         clocks = [q.virtual_tokens for q in self._queues.values() if q.session.job_id == session.job_id]
         job.sessions += 1
@@ -178,12 +189,16 @@ class Scheduler:
         """Bytes of outputs held in the pool: at most `held_bytes_limit`."""
         return sum(q.pool_bytes for q in self._holding())
 
+    def weight_total(self) -> float:
+        """The jobs' weights as applied here (their shares): where a pool places a new session."""
+        return sum(j.share for j in self._jobs.values())
+
     def held_share(self, session) -> float:
         """The bytes of outputs the session may hold from the pool: its job's share of
         `held_bytes_limit` by weight, split evenly among the job's sessions."""
         job = self._jobs[session.job_id]
-        total_weight = sum(j.weight for j in self._jobs.values())
-        return self.held_bytes_limit * job.weight / total_weight / job.sessions
+        total_weight = sum(j.share for j in self._jobs.values())
+        return self.held_bytes_limit * job.share / total_weight / job.sessions
 
     def _where_held(self, session, session_held: int, job_held: int, pool: int, need: int) -> str | None:
         """Where a batch whose outputs take `need` bytes may be held if planned for `session`
@@ -295,7 +310,7 @@ class Scheduler:
             job_held[session.job_id] += batch.output_bytes
             pool += batch.output_bytes if where == POOL else 0
             job = self._jobs[session.job_id]
-            job.virtual_tokens += batch.tokens / job.weight
+            job.virtual_tokens += batch.tokens / job.share
             queue.virtual_tokens += batch.tokens
         for planned, where in zip(plan, held_in):
             queue = self._queues[planned.session.session_id]

@@ -281,7 +281,10 @@ class TeacherService:
             weight=s.weight) for s in self.engine.sessions() if caller.job_id in (None, s.job_id)]
         return pb.StatusResponse(info=self.teacher_info(), sessions=sessions,
                                  busy_fraction=self.metrics.busy_clock.fraction(),
-                                 queue_depth=self.engine.queue_depth())
+                                 queue_depth=self.engine.queue_depth(), sessions_total=len(self.engine.sessions()),
+                                 held_bytes=self.engine.held_bytes(),
+                                 held_bytes_limit=self.engine.scheduler.held_bytes_limit,
+                                 weight_total=self.engine.weight_total())
 
     # ---- validation ---------------------------------------------------------------
 
@@ -294,7 +297,7 @@ class TeacherService:
             max_inflight=c.max_inflight, tokenizer_fingerprint=i.tokenizer_fingerprint,
             torch_version=i.torch_version, nccl_version=i.nccl_version, head=i.head.to_info(),
             attention=i.attention.to_info(), max_score_ids=c.max_score_ids, quantization=i.quantization.to_info(),
-            topk_form=TopK.form)
+            topk_form=TopK.form, weights_fingerprint=i.weights_fingerprint)
 
     def _decode_batch(self, request: pb.SubmitRequest, student_vocab_size: int = 0) -> Batch:
         """The batch's ids and mask, checked; ids lie in the teacher's vocabulary, or in the student's

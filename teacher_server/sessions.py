@@ -101,6 +101,12 @@ class Session:
     submit_order: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     # Its batches accepted and not yet re-tokenized: they count against max_inflight as queued ones do.
     retokenizing: int = 0
+    # The job's sessions over every replica of a pool (JoinRequest.job_size; 0: unknown): the
+    # scheduler applies its weight in proportion to its sessions here.
+    job_size: int = 0
+    # An HTTP API session (teacher_server/openai/jobs.py): the end of its "group" that hands its
+    # outputs to the waiting request in this process; None for a student's session.
+    local_group: object = field(default=None, repr=False)
     session_id: str = field(default_factory=lambda: secrets.token_hex(8))
     # The capability: every call about the session must carry it (TeacherService.session_for),
     # and the student proves it over the formed group (session_group.handshake). The id is not

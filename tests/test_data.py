@@ -137,6 +137,42 @@ def test_text_record_trains_on_every_token_and_ends_with_eos(tokenizer):
     assert mask == [1] * len(ids)
 
 
+def _with_bos(tokenizer):
+    """The same tokenizer with a Llama/Gemma-style convention: `tokenizer(text)` puts its bos first."""
+    from tokenizers import Tokenizer, processors
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", tokenizer.bos_token_id)])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|bos|>", eos_token="<|eos|>",
+                                      pad_token=tokenizer.pad_token)
+    assert wrapped("def")["input_ids"][0] == wrapped.bos_token_id != wrapped("def", add_special_tokens=False)[
+        "input_ids"][0]
+    return wrapped
+
+
+def test_documents_begin_with_the_bos_of_a_tokenizer_whose_convention_has_one(tokenizer):
+    bos_first = _with_bos(tokenizer)
+    bos = bos_first.bos_token_id
+    plain_ids, plain_mask = tokenize_record({"text": "def add(a, b):"}, tokenizer)
+    assert plain_ids[0] != bos  # the tests' tokenizer puts nothing first: no bos is invented
+    ids, mask = tokenize_record({"text": "def add(a, b):"}, bos_first)
+    assert ids == [bos] + plain_ids and mask == [0] + plain_mask  # the bos is context, not a target
+    ids, mask = tokenize_record({"prompt": "Q: 2+2?\nA:", "completion": " 4"}, bos_first)
+    plain_ids, plain_mask = tokenize_record({"prompt": "Q: 2+2?\nA:", "completion": " 4"}, tokenizer)
+    assert ids == [bos] + plain_ids and mask == [0] + plain_mask
+    bos_first.chat_template = None
+    ids, mask = tokenize_record({"messages": [{"role": "user", "content": "Hi"},
+                                              {"role": "assistant", "content": "Hello!"}]}, bos_first)
+    assert ids[0] == bos and mask[0] == 0 and ids.count(bos) == 1
+    # Packed: each document starts with one, wherever it falls in a row.
+    records = [{"text": "w1 w2 w3"}, {"text": "x1 x2"}, {"text": "y1"}]
+    dataset = PackedDataset.from_records(records, bos_first, seq_len=8, mode="pack")
+    stream = dataset.input_ids[dataset.attention_mask.bool()].tolist()
+    starts = [0] + [i + 1 for i, token in enumerate(stream[:-1]) if token == bos_first.eos_token_id]
+    assert [stream[i] for i in starts] == [bos] * 3 and stream.count(bos) == 3
+
+
 def test_prompt_completion_trains_on_completion_only(tokenizer):
     ids, mask = tokenize_record({"prompt": "Q: 2+2?\nA:", "completion": " 4"}, tokenizer)
     prompt_ids = [i for i, m in zip(ids, mask) if not m]

@@ -200,7 +200,15 @@ def test_teacher_command_line_parses_and_matches_values(directory):
     assert (config.model, config.device) == (values["TEACHER_MODEL"], values["TEACHER_DEVICE"])
     assert config.advertise_host == "10.0.0.7", "students must reach the data plane at the pod IP, not via the Service"
 
-    assert teacher["spec"]["replicas"] == int(values["TEACHER_NNODES"])
+    # A teacher's pods (its nodes), or a pool's replicas of one node each (overlays/pool).
+    if "TEACHER_REPLICAS" in values:
+        assert values["TEACHER_NNODES"] == "1", "a pool's replicas are one node each"
+        assert teacher["spec"]["replicas"] == int(values["TEACHER_REPLICAS"])
+        pool = find(docs, "Service", "teacher-pool")
+        assert pool["spec"]["clusterIP"] == "None" and pool["spec"]["publishNotReadyAddresses"] is False
+        assert {p["name"]: p["port"] for p in pool["spec"]["ports"]} == {"grpc": config.port}
+    else:
+        assert teacher["spec"]["replicas"] == int(values["TEACHER_NNODES"])
     gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
     if config.device == "cpu":
         assert gpus is None
@@ -594,6 +602,31 @@ def test_student_sbatch_trains_against_the_published_address(tmp_path):
     assert launcher.module and launcher.training_script == "student_trainer"
     config = settings_from(TrainConfig, settings_parser(TrainConfig).parse_args(train_args))
     assert (config.teacher, config.job_id, config.resume, config.model) == (address, "student-42", True, "builtin:tiny")
+
+
+def test_student_sbatch_trains_against_a_pool_once_one_replica_is_live(tmp_path):
+    """TEACHER_POOL_DIR: each teacher.sbatch of a pool writes DIR/<name>.address; the student waits
+    for one that answers, then trains with --teacher file:DIR, whose replicas the client reads."""
+    from distill_common.replicas import replica_addresses
+    from student_trainer.config import TrainConfig
+
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    (pool / "stale.address").write_text(f"127.0.0.1:{free_port()}\n")  # nothing listens there
+    with socket.socket() as teacher:
+        teacher.bind(("127.0.0.1", 0))
+        teacher.listen()
+        live = f"127.0.0.1:{teacher.getsockname()[1]}"
+        (pool / "live.address").write_text(live + "\n")
+        env = slurm_env(tmp_path, torchrun=True, TEACHER_POOL_DIR=str(pool), TEACHER_WAIT_S="30",
+                        TORCHRUN_ARGS=str(tmp_path / "torchrun.args"))
+        result = subprocess.run(["bash", str(DEPLOY / "slurm" / "student.sbatch"), "--model", "builtin:tiny",
+                                 "--data", "train.jsonl"], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    args = (tmp_path / "torchrun.args").read_text().splitlines()
+    config = settings_from(TrainConfig, settings_parser(TrainConfig).parse_args(args[args.index("train") + 1:]))
+    assert config.teacher == f"file:{pool}"
+    assert sorted(replica_addresses(config.teacher)) == sorted([live, (pool / "stale.address").read_text().strip()])
 
 
 @pytest.mark.parametrize("stale", [False, True], ids=["missing", "stale"])

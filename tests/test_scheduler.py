@@ -512,3 +512,46 @@ def test_without_a_limit_outputs_held_are_bounded_by_max_inflight_only():
     for _ in range(6):
         scheduler.submit(a, sized(100 * MIB))
     assert len(scheduler.plan()) == 4 and scheduler.held_bytes() == 400 * MIB
+
+
+# ---- a pool of replicas: a job's weight over the pool (student_trainer/pool.py) -----------------
+
+
+@dataclass
+class PooledSession(FakeSession):
+    job_size: int = 0
+
+
+@pytest.mark.parametrize("joining", ["one after another", "ranks at once"])
+def test_a_jobs_weight_holds_over_a_pool_of_replicas(joining):
+    """Three replicas, jobs of two ranks each with weights 1, 1, 2, placed as a pool places them
+    (student_trainer/pool.py) and each replica applying a job's weight in proportion to its ranks
+    there: over the pool, each job's share of the tokens is within 20% of its weight's share
+    (the replicas alike and busy: one forward each per round). Two ranks weigh 0.5, 0.5 or 1:
+    no placement evens three replicas out exactly."""
+    from student_trainer.pool import place
+
+    replicas = {f"r{i}": Scheduler(max_batch_tokens=4 * ROWS * SEQ, max_sessions=8) for i in range(3)}
+    order = list(replicas)
+    sessions: dict[str, list] = {name: [] for name in replicas}
+    weights = {"job-a": 1.0, "job-b": 1.0, "job-c": 2.0}
+    for job, weight in weights.items():
+        # Ranks that join at once see the same sums and none of their job's ranks; one after
+        # another, each sees the ones before.
+        seen, joined_ranks = {name: replica.weight_total() for name, replica in replicas.items()}, set()
+        for rank in range(2):
+            if joining == "one after another":
+                seen = {name: replica.weight_total() for name, replica in replicas.items()}
+                joined_ranks = set(range(rank))
+            where = place({name: (total, 0.0) for name, total in seen.items()}, order, rank, weight / 2, joined_ranks)
+            sessions[where] += joined(replicas[where], PooledSession(f"{job}{rank}", job, weight, job_size=2))
+    tokens: dict[str, int] = defaultdict(int)
+    for name, replica in replicas.items():
+        for job, count in by_job(forwards(replica, sessions[name], 600)).items():
+            tokens[job] += count
+    total, weight_total = sum(tokens.values()), sum(weights.values())
+    for job, weight in weights.items():
+        target = weight / weight_total
+        assert abs(tokens[job] / total - target) / target < 0.2, dict(tokens)
+    # Each replica applies half a job's weight for each of its two ranks there: the sums placement evened out.
+    assert sorted(replica.weight_total() for replica in replicas.values()) == [1.0, 1.5, 1.5]

@@ -29,7 +29,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TeacherInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "device_type", "tp_size", "max_batch_tokens", "max_seq_len", "max_sessions", "max_inflight", "tokenizer_fingerprint", "torch_version", "nccl_version", "head", "attention", "max_score_ids", "quantization", "topk_form")
+    __slots__ = ("model_name", "architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "device_type", "tp_size", "max_batch_tokens", "max_seq_len", "max_sessions", "max_inflight", "tokenizer_fingerprint", "torch_version", "nccl_version", "head", "attention", "max_score_ids", "quantization", "topk_form", "weights_fingerprint")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class TeacherInfo(_message.Message):
     MAX_SCORE_IDS_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     TOPK_FORM_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     vocab_size: int
@@ -70,7 +71,8 @@ class TeacherInfo(_message.Message):
     max_score_ids: int
     quantization: QuantizationInfo
     topk_form: TopKForm
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., head: _Optional[_Union[OutputHeadInfo, _Mapping]] = ..., attention: _Optional[_Union[AttentionInputsInfo, _Mapping]] = ..., max_score_ids: _Optional[int] = ..., quantization: _Optional[_Union[QuantizationInfo, _Mapping]] = ..., topk_form: _Optional[_Union[TopKForm, str]] = ...) -> None: ...
+    weights_fingerprint: str
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., tp_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ..., head: _Optional[_Union[OutputHeadInfo, _Mapping]] = ..., attention: _Optional[_Union[AttentionInputsInfo, _Mapping]] = ..., max_score_ids: _Optional[int] = ..., quantization: _Optional[_Union[QuantizationInfo, _Mapping]] = ..., topk_form: _Optional[_Union[TopKForm, str]] = ..., weights_fingerprint: _Optional[str] = ...) -> None: ...
 
 class QuantizationInfo(_message.Message):
     __slots__ = ("format", "scaling", "source", "full_precision_layers", "fast_accumulation", "full_precision_linears", "bias_correction", "fp8_flop_share", "calibration_tokens", "kl_mean", "kl_p99", "top1_agreement", "max_kl")
@@ -211,7 +213,7 @@ class PeerInfo(_message.Message):
     def __init__(self, device_type: _Optional[str] = ..., device_uuid: _Optional[str] = ..., torch_version: _Optional[str] = ..., nccl_version: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job_id", "job_rank", "outputs", "peer", "max_inflight", "tokenizer_fingerprint", "vocab_size", "weight", "stream_refusals_only", "student_vocabulary")
+    __slots__ = ("job_id", "job_rank", "outputs", "peer", "max_inflight", "tokenizer_fingerprint", "vocab_size", "weight", "stream_refusals_only", "job_size", "student_vocabulary")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_RANK_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +223,7 @@ class JoinRequest(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     STREAM_REFUSALS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    JOB_SIZE_FIELD_NUMBER: _ClassVar[int]
     STUDENT_VOCABULARY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     job_rank: int
@@ -231,8 +234,9 @@ class JoinRequest(_message.Message):
     vocab_size: int
     weight: float
     stream_refusals_only: bool
+    job_size: int
     student_vocabulary: StudentVocabulary
-    def __init__(self, job_id: _Optional[str] = ..., job_rank: _Optional[int] = ..., outputs: _Optional[_Union[OutputSpec, _Mapping]] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., weight: _Optional[float] = ..., stream_refusals_only: _Optional[bool] = ..., student_vocabulary: _Optional[_Union[StudentVocabulary, _Mapping]] = ...) -> None: ...
+    def __init__(self, job_id: _Optional[str] = ..., job_rank: _Optional[int] = ..., outputs: _Optional[_Union[OutputSpec, _Mapping]] = ..., peer: _Optional[_Union[PeerInfo, _Mapping]] = ..., max_inflight: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., weight: _Optional[float] = ..., stream_refusals_only: _Optional[bool] = ..., job_size: _Optional[int] = ..., student_vocabulary: _Optional[_Union[StudentVocabulary, _Mapping]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("session_id", "info", "backend", "timeout_s", "heartbeat_interval_s", "lease_s", "max_inflight", "output_dtype", "stream_refusals_only", "data_plane_host", "session_secret", "alignment")
@@ -417,13 +421,21 @@ class SessionStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., job_id: _Optional[str] = ..., job_rank: _Optional[int] = ..., backend: _Optional[str] = ..., state: _Optional[str] = ..., batches_submitted: _Optional[int] = ..., batches_sent: _Optional[int] = ..., tokens_served: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., inflight: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("info", "sessions", "busy_fraction", "queue_depth")
+    __slots__ = ("info", "sessions", "busy_fraction", "queue_depth", "sessions_total", "held_bytes", "held_bytes_limit", "weight_total")
     INFO_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TOTAL_FIELD_NUMBER: _ClassVar[int]
     info: TeacherInfo
     sessions: _containers.RepeatedCompositeFieldContainer[SessionStatus]
     busy_fraction: float
     queue_depth: int
-    def __init__(self, info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., busy_fraction: _Optional[float] = ..., queue_depth: _Optional[int] = ...) -> None: ...
+    sessions_total: int
+    held_bytes: int
+    held_bytes_limit: int
+    weight_total: float
+    def __init__(self, info: _Optional[_Union[TeacherInfo, _Mapping]] = ..., sessions: _Optional[_Iterable[_Union[SessionStatus, _Mapping]]] = ..., busy_fraction: _Optional[float] = ..., queue_depth: _Optional[int] = ..., sessions_total: _Optional[int] = ..., held_bytes: _Optional[int] = ..., held_bytes_limit: _Optional[int] = ..., weight_total: _Optional[float] = ...) -> None: ...

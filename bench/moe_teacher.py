@@ -1,0 +1,303 @@
+"""How fast the teacher serves mixture-of-experts models, on one GPU, beside a dense one.
+
+    python3 -m bench.moe_teacher --out moe_teacher.md
+
+Models (random bf16 weights built on the GPU: speed does not depend on what the weights learned):
+Qwen3-30B-A3B-shaped (48 layers, hidden 2048, 32 query / 4 key-value heads of 128, 128 experts of
+768, top-8, vocabulary 151,936), gpt-oss-20b-shaped (24 layers, hidden 2880, 64 / 8 heads of 64
+with a sink each, sliding window 128 on every other layer, 32 experts of 2880, top-4, vocabulary
+201,088) and the Llama-3-8B-shaped dense forward for scale. Each at 2 x 4096 and 4 x 8192 tokens,
+through the server's own ModelRunner (`random:` a config directory: model loading installs
+teacher_server/moe.py and sink_attention.py and compiles the decoder layers), host ids in, no cache,
+logits out; and, at the --baseline-shapes, transformers' own forward (`grouped_mm` experts, its
+default; SDPA attention, or eager for gpt-oss, which refuses SDPA) called the same way.
+
+FLOPs of one forward of T = rows x S tokens (what the share of the peak divides by):
+
+    2 x T x (parameters a token passes through) + attention
+    parameters = per layer: q, k, v, o projections + router (hidden x experts) + its top-k experts'
+                 three matrices (k x 3 x hidden x expert width) [a dense model: its MLP's three]
+                 + the output head (hidden x vocabulary)
+    attention  = per layer and token: 2 x 2 x (keys it attends) x heads x head_dim (QK^T and PV);
+                 keys = (S + 1) / 2 on average for causal layers, min(position + 1, window) averaged
+                 over positions for sliding-window ones
+
+over the H200's 790 TFLOP/s dense bf16 peak (DESIGN.md). Norms, rotary embeddings, biases, sinks,
+routing arithmetic, the permutation and combine are not counted: they are the overhead the share
+shows. Columns: median ms of --iters forwards (CUDA events), tokens/s, share of the peak, peak
+memory allocated (GiB, weights included), and expert imbalance over the timed forwards (tokens of
+the busiest expert over the mean per expert, per layer: the mean over layers and the worst layer).
+
+Routing: transformers initialises a router's weights at std 0.02, and on random weights most layers
+then send nearly every token to the same few experts (imbalance up to E / k = 16 for Qwen: a few
+large groups, the grouped GEMM's easiest case). Each MoE model is therefore timed twice: with the
+routers as initialised, then with their weights redrawn from N(0, 1) (--router-std), meant to
+spread the tokens over the experts as a trained router does (many groups of T x k / E rows, the
+harder case); the same weights otherwise. Measured on an H200: it spreads gpt-oss's (imbalance
+1.4-1.8) but not Qwen's (still 10 / 16: the random Qwen's hidden states are nearly the same for
+every token, so any router picks the same experts); the imbalance column says which case ran.
+
+--quantize: the MoE models served with --quantize fp8 too (row scales: the decoder's linears and
+every expert's weights in e4m3, teacher_server/fp8.py and fp8_experts.py; the layers compiled), a
+row "server FP8" beside the bf16 one, and the speed-up over it. --experts-probe: the grouped expert
+products of one Qwen3-30B-A3B layer alone (8,192 tokens, top-8, rows spread evenly over the 128
+experts), bf16 `torch._grouped_mm` against FP8 `torch._scaled_grouped_mm` with and without the
+activation's quantization.
+
+--profile MODEL: a torch.profiler table of the server's forward of MODEL at the first shape (the
+kernels by CUDA time), printed and written to --profile-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+
+import torch
+
+from bench.cuda_timing import median_call_ms
+from bench.table import emit
+
+BF16_PEAK = 790e12  # H200 dense bf16, as measured here (DESIGN.md)
+
+MODELS = {
+    "llama3-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                                max_position_embeddings=8192)),
+    "qwen3-30b-a3b": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                                        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                        norm_topk_prob=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                        tie_word_embeddings=False)),
+    "gpt-oss-20b": ("gpt_oss", dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                                    num_experts_per_tok=4, sliding_window=128, attention_bias=True,
+                                    layer_types=["sliding_attention", "full_attention"] * 12,
+                                    tie_word_embeddings=False)),
+}
+
+
+def config_of(name: str):
+    from transformers import AutoConfig
+
+    model_type, shape = MODELS[name]
+    return AutoConfig.for_model(model_type, **shape)
+
+
+def flops(config, rows: int, seq: int) -> float:
+    """One forward's FLOPs as the module docstring counts them."""
+    h = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    kv = config.num_key_value_heads * head_dim
+    projections = h * heads * head_dim * 2 + h * kv * 2
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        mlp = h * experts + config.num_experts_per_tok * 3 * h * width
+    else:
+        mlp = 3 * h * config.intermediate_size
+    layers = config.num_hidden_layers
+    tokens = rows * seq
+    linear = 2 * tokens * (layers * (projections + mlp) + h * config.vocab_size)
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * layers
+    positions = torch.arange(1, seq + 1, dtype=torch.float64)
+    attention = 0.0
+    for kind in kinds:
+        keys = positions.clamp(max=config.sliding_window) if kind == "sliding_attention" else positions
+        attention += 2 * 2 * float(keys.mean()) * heads * head_dim * tokens
+    return linear + attention
+
+
+def is_moe(config) -> bool:
+    return bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None))
+
+
+def transformers_model(config, device: str):
+    """transformers' own forward: its default experts (grouped_mm) and attention."""
+    from transformers import AutoModelForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval().requires_grad_(False)
+
+
+def redraw_routers(model, std: float) -> int:
+    """Draws the routers' weights anew from N(0, std); returns how many routers."""
+    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("router")
+               and getattr(m, "weight", None) is not None]
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    with torch.no_grad():
+        for router in routers:
+            router.weight.copy_(torch.randn(router.weight.shape, generator=generator, device="cuda") * std)
+    return len(routers)
+
+
+def time_forward(call, rows: int, seq: int, vocab: int, iters: int) -> tuple[float, float]:
+    """(median ms, peak GiB) of `call(host_ids, mask)`."""
+    ids = torch.randint(vocab, (rows, seq), generator=torch.Generator().manual_seed(rows * seq))
+    host_ids, mask = ids.pin_memory(), torch.ones(rows, seq, dtype=torch.long)
+    for _ in range(2):  # compiles for the shape, loads kernels
+        call(host_ids, mask)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    ms = median_call_ms(lambda: call(host_ids, mask), iters)
+    return ms, torch.cuda.max_memory_allocated() / 2**30
+
+
+def profile(call, rows: int, seq: int, vocab: int, name: str, out_dir: str) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    ids = torch.randint(vocab, (rows, seq))
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    call(ids, mask)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call(ids, mask)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=80)
+    print(table)
+    if out_dir:
+        with open(f"{out_dir}/moe_profile_{name}.txt", "w") as f:
+            f.write(table)
+
+
+def experts_probe(iters: int) -> list[str]:
+    """One Qwen3-30B-A3B layer's expert products alone (gate_up then down), rows spread evenly."""
+    from bench.cuda_timing import median_call_ms
+    from teacher_server import fp8_experts, moe
+
+    experts, hidden, width, tokens, k = 128, 2048, 768, 8192, 8
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = torch.randn(experts, 2 * width, hidden, device="cuda", generator=generator, dtype=torch.bfloat16)
+    down = torch.randn(experts, hidden, width, device="cuda", generator=generator, dtype=torch.bfloat16)
+    x = torch.randn(tokens * k, hidden, device="cuda", generator=generator, dtype=torch.bfloat16)
+    h = torch.randn(tokens * k, width, device="cuda", generator=generator, dtype=torch.bfloat16)
+    offsets = torch.full((experts,), tokens * k // experts, device="cuda", dtype=torch.int32).cumsum(0).int()
+    fp8_gate_up, fp8_down = (fp8_experts.FP8ExpertWeights.quantize(w, "row") for w in (gate_up, down))
+    xq, xs = fp8_gate_up.quantize_input(x)
+    hq, hs = fp8_down.quantize_input(h)
+    flop = 2 * tokens * k * (2 * width * hidden + hidden * width)
+    calls = {
+        "bf16 torch._grouped_mm": lambda: (moe.grouped_mm(x, gate_up.transpose(1, 2), offsets),
+                                           moe.grouped_mm(h, down.transpose(1, 2), offsets)),
+        "FP8 torch._scaled_grouped_mm (inputs quantized already)": lambda: (
+            torch._scaled_grouped_mm(xq, fp8_gate_up.weight.transpose(1, 2), xs.reshape(-1), fp8_gate_up.weight_scale,
+                                     offs=offsets, out_dtype=torch.bfloat16),
+            torch._scaled_grouped_mm(hq, fp8_down.weight.transpose(1, 2), hs.reshape(-1), fp8_down.weight_scale,
+                                     offs=offsets, out_dtype=torch.bfloat16)),
+        "FP8 with the inputs' quantization (eager)": lambda: (fp8_gate_up(x, offsets), fp8_down(h, offsets)),
+    }
+    lines = ["| Qwen3-30B-A3B layer, 8192 tokens x top-8, even | ms | share of bf16 peak |", "|---|---|---|"]
+    for label, call in calls.items():
+        call()
+        ms = median_call_ms(call, max(iters, 10))
+        lines.append(f"| {label} | {ms:.3f} | {flop / (ms / 1e3) / BF16_PEAK:.1%} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="qwen3-30b-a3b,gpt-oss-20b,llama3-8b")
+    parser.add_argument("--shapes", default="2x4096,4x8192")
+    parser.add_argument("--baseline-shapes", default="2x4096", help="shapes at which transformers' own forward "
+                        "is measured too ('' for none)")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--router-std", type=float, default=1.0, help="the std of the redrawn routers' weights "
+                        "(0: only the routers as initialised)")
+    parser.add_argument("--quantize", action="store_true", help="the MoE models with --quantize fp8 too")
+    parser.add_argument("--experts-probe", action="store_true", help="time one Qwen layer's expert products alone")
+    parser.add_argument("--profile", default="", help="a model whose server forward is profiled at the first shape")
+    parser.add_argument("--profile-dir", default="")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    from teacher_server.model_runner import ModelRunner
+
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    baseline_shapes = [tuple(int(v) for v in s.split("x")) for s in args.baseline_shapes.split(",") if s]
+    lines = ["| model | forward | routers | tokens | ms | tokens/s | share of bf16 peak | peak GiB | "
+             "imbalance mean / worst |", "|---|---|---|---|---|---|---|---|---|"]
+    figures = {}
+    probe_lines = experts_probe(args.iters) + [""] if args.experts_probe else []
+    print("\n".join(probe_lines), flush=True)
+    for name in (n for n in args.models.split(",") if n):
+        config = config_of(name)
+        for variant in ("server", "server-fp8", "transformers"):
+            if variant == "transformers" and not (baseline_shapes and is_moe(config)):
+                continue  # transformers' own forward is the baseline of the MoE models
+            if variant == "server-fp8" and not (args.quantize and is_moe(config)):
+                continue
+            torch._dynamo.reset()
+            started = time.perf_counter()
+            runner = model = None
+            if variant.startswith("server"):
+                from teacher_server.fp8 import Fp8Plan
+
+                quantize = Fp8Plan("row") if variant == "server-fp8" else None
+                with tempfile.TemporaryDirectory() as directory:
+                    config.save_pretrained(directory)
+                    runner = ModelRunner(f"random:{directory}", "cuda:0", dtype="bfloat16", quantize=quantize)
+                call = lambda ids, mask: runner.forward(ids, mask).logits  # noqa: E731
+                label = f"server ({runner.info.kernels or 'transformers kernels'})"
+                if quantize is not None:
+                    label = f"server FP8 ({runner.quantization}; experts row-scaled e4m3)"
+            else:
+                model = transformers_model(config, "cuda")
+                label = (f"transformers ({model.config._experts_implementation or 'dense'} experts, "
+                         f"{model.config._attn_implementation} attention)")
+
+                @torch.inference_mode()
+                def call(ids, mask, model=model):
+                    return model(input_ids=ids.to("cuda", non_blocking=True), use_cache=False).logits
+            print(f"{name} {label}: built in {time.perf_counter() - started:.0f} s", flush=True)
+            routings = ["initialised", f"N(0, {args.router_std:g})"] if is_moe(config) and args.router_std else [""]
+            for routing in routings:
+                if routing.startswith("N("):
+                    redraw_routers(runner.model if runner is not None else model, args.router_std)
+                for rows, seq in (shapes if variant.startswith("server") else baseline_shapes):
+                    row = f"| {name} | {label} | {routing} | {rows} x {seq} |"
+                    try:
+                        ms, gib = time_forward(call, rows, seq, config.vocab_size, args.iters)
+                    except torch.OutOfMemoryError as e:
+                        lines.append(f"{row} out of memory | | | | |")
+                        print(lines[-1], str(e).splitlines()[0], flush=True)
+                        gc.collect()
+                        torch.cuda.empty_cache()
+                        continue
+                    share = flops(config, rows, seq) / (ms / 1e3) / BF16_PEAK
+                    tokens_s = rows * seq / ms * 1e3
+                    balance = ""
+                    if runner is not None and runner.expert_load is not None:
+                        from teacher_server.moe import imbalance
+
+                        per_layer = [imbalance(c) for c in runner.expert_load.snapshot().last]
+                        balance = f"{sum(per_layer) / len(per_layer):.2f} / {max(per_layer):.2f}"
+                    bf16 = figures.get(f"{name}/server/{routing}/{rows}x{seq}")
+                    if variant == "server-fp8" and bf16:
+                        balance += f" ({bf16['ms'] / ms:.2f}x bf16)"
+                    lines.append(f"{row} {ms:.1f} | {tokens_s / 1e3:.1f}k | {share:.1%} | {gib:.1f} | {balance} |")
+                    figures[f"{name}/{variant}/{routing}/{rows}x{seq}"] = dict(
+                        ms=ms, tokens_s=tokens_s, share=share, gib=gib, imbalance=balance)
+                    print(lines[-1], f"({time.perf_counter() - started:.0f} s since built)", flush=True)
+            if variant == "server" and name == args.profile:
+                profile(call, *shapes[0], config.vocab_size, name, args.profile_dir)
+            del call, runner, model
+            gc.collect()
+            torch.cuda.empty_cache()
+    emit(probe_lines + lines, args.out, figures)
+    if args.out:
+        print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

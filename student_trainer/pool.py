@@ -1,0 +1,172 @@
+"""A pool of teacher replicas behind one name: which replica a session joins.
+
+The address a client is given may name several replicas of one teacher
+(distill_common/replicas.py: a comma list, `dns:NAME:PORT`, `file:PATH`, each resolved again
+at every join, so replicas that come and go are seen). A single address is a pool of one:
+the client joins it as it always did, asking nothing else.
+
+Placement (`Pool.choose`): each replica's GetStatus says the sum of the weights it applies to
+its jobs (`weight_total`) and how loaded it is (batches queued for its --max-inflight, its busy
+fraction, the outputs it holds against --max-held-bytes, its sessions against --max-sessions).
+A session goes where the weight is least (a job of weight w and n ranks brings w / n a
+session), then where the load is least (in steps of 0.1), then, among equals, to the replica
+its job rank points at. Ranks of a job that join at once see the same sums: each places its
+job's lower ranks that no replica shows yet first, as they will place themselves, so the ranks
+spread as if they had joined one after another. A replica that does not answer within a few
+seconds is passed over.
+
+A job's weight over the pool: the Join says how many ranks the job has (JoinRequest.job_size),
+and each replica applies the job's weight times the share of those ranks it serves. When the
+replicas are alike and busy and placement keeps their weight sums equal, each replica gives
+every unit of applied weight the same tokens, so a job gets tokens in proportion to its weight
+over the pool, however its ranks are spread. Sums kept equal is what placement aims at, not a
+promise: ranks that join at once, or jobs that leave, can leave them uneven until the next joins.
+
+Identity (`Pool.check_same`): replicas of a pool must serve the same teacher, or a student
+moved from one to another would get other outputs mid-run. At the first join every replica
+that answers is compared with the one joined (architecture, shapes, dtype, tensor-parallel
+size, quantization, tokenizer and weights fingerprints); one that differs is refused by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import grpc
+
+from distill_common.proto.teacher.v1 import teacher_pb2 as pb
+from distill_common.replicas import ReplicasError, replica_addresses, single
+from student_trainer.errors import Incompatible, TeacherError, TeacherUnavailable
+
+log = logging.getLogger("student_trainer.client")
+
+# How long a replica's GetStatus may take before placement passes it over.
+STATUS_TIMEOUT_S = 3.0
+# Fields of TeacherInfo every replica of a pool must agree on.
+IDENTITY = ("architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "tp_size", "tokenizer_fingerprint",
+            "weights_fingerprint", "topk_form")
+
+
+def identity(info: pb.TeacherInfo) -> dict:
+    fields = {name: getattr(info, name) for name in IDENTITY}
+    quantization = info.quantization
+    fields["quantization"] = (quantization.format, quantization.scaling, tuple(quantization.full_precision_layers))
+    return fields
+
+
+def load(status: pb.StatusResponse) -> float:
+    """How busy a replica is: batches queued per --max-inflight, its busy fraction, outputs held per
+    --max-held-bytes and sessions per --max-sessions, added up."""
+    info = status.info
+    return (status.queue_depth / max(1, info.max_inflight) + status.busy_fraction
+            + (status.held_bytes / status.held_bytes_limit if status.held_bytes_limit else 0.0)
+            + status.sessions_total / max(1, info.max_sessions))
+
+
+def place(candidates: dict[str, tuple[float, float]], order: list[str], job_rank: int, session_weight: float,
+          joined_ranks: set[int] = frozenset()) -> str:
+    """The replica rank `job_rank` of a job goes to, of `candidates` (address -> its weight total
+    and load): the least weight, then the least load in steps of 0.1, then the one at the rank's
+    turn in `order` (every replica of the pool, in its order).
+
+    Ranks of a job that join at once see the same sums. So that they spread as if they had
+    joined one after another, the job's lower ranks not yet seen anywhere (not in
+    `joined_ranks`) are placed first, each adding `session_weight` where it would go."""
+    weights = {address: weight for address, (weight, _) in candidates.items()}
+
+    def best(rank: int) -> str:
+        return min(candidates, key=lambda address: (round(weights[address], 6), round(candidates[address][1], 1),
+                                                    (order.index(address) - rank) % len(order)))
+
+    for earlier in range(job_rank):
+        if earlier not in joined_ranks:
+            weights[best(earlier)] += session_weight
+    return best(job_rank)
+
+
+class Pool:
+    """The replicas an address names, a channel to each (made by `connect`), and placement."""
+
+    def __init__(self, spec: str, connect: Callable[[str], object]):
+        self.spec = spec.strip()
+        if not self.spec:
+            raise ValueError("the teacher's address is empty: give host:port, a comma list, dns:NAME:PORT or "
+                             "file:PATH")
+        self._connect = connect
+        self._channels: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def single(self) -> bool:
+        """One fixed address: no placement, no status calls (a client of one teacher)."""
+        return single(self.spec)
+
+    def addresses(self) -> list[str]:
+        """The replicas' addresses now (a name resolved, a file read, again at each call)."""
+        try:
+            return replica_addresses(self.spec)
+        except ReplicasError as e:
+            raise TeacherUnavailable(str(e), grpc.StatusCode.UNAVAILABLE) from None
+
+    def channel(self, address: str):
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = self._connect(address)
+            return channel
+
+    def statuses(self, addresses: list[str]) -> dict[str, pb.StatusResponse]:
+        """GetStatus of each replica that answers in time, by address."""
+        def ask(address: str):
+            try:
+                return address, self.channel(address).call("GetStatus", pb.GetStatusRequest(),
+                                                            timeout_s=STATUS_TIMEOUT_S)
+            except TeacherError as e:
+                log.debug("teacher replica %s did not answer: %s", address, e)
+                return address, None
+
+        with ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
+            return {address: status for address, status in pool.map(ask, addresses) if status is not None}
+
+    def choose(self, job_id: str, job_rank: int, session_weight: float,
+               avoid: str = "") -> tuple[str, dict[str, pb.StatusResponse]]:
+        """The replica a session of `job_id` should join (see the module's docstring), and the
+        statuses it was chosen from. `avoid`: a replica just lost, taken only if no other answers."""
+        addresses = self.addresses()
+        if self.single:
+            return addresses[0], {}
+        statuses = self.statuses(addresses)
+        candidates = [a for a in addresses if a in statuses and a != avoid] or [a for a in addresses if a in statuses]
+        if not candidates:
+            raise TeacherUnavailable(f"no replica of the teacher pool {self.spec} answered ({', '.join(addresses)})",
+                                     grpc.StatusCode.UNAVAILABLE)
+
+        joined_ranks = {s.job_rank for status in statuses.values() for s in status.sessions if s.job_id == job_id}
+        chosen = place({address: (statuses[address].weight_total, load(statuses[address])) for address in candidates},
+                       addresses, job_rank, session_weight, joined_ranks)
+        return chosen, statuses
+
+    def check_same(self, joined_address: str, joined: pb.TeacherInfo, statuses: dict[str, pb.StatusResponse]) -> None:
+        """Incompatible naming the first replica whose teacher differs from the one joined."""
+        mine = identity(joined)
+        for address, status in statuses.items():
+            if address == joined_address:
+                continue
+            theirs = identity(status.info)
+            differs = [f"{name} {mine[name]!r} here, {theirs[name]!r} there" for name in mine
+                       if mine[name] != theirs[name]]
+            if differs:
+                raise Incompatible(
+                    f"teacher pool {self.spec}: replica {address} serves another teacher than {joined_address} "
+                    f"({'; '.join(differs)}): a student moved between them would get other outputs mid-run. Serve "
+                    "the same model, dtype, quantization and tensor-parallel size on every replica, or take it out "
+                    "of the pool", grpc.StatusCode.FAILED_PRECONDITION)
+
+    def close(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()

@@ -1,0 +1,202 @@
+"""The experts of MoE layers in FP8 (e4m3), quantized at load under --quantize fp8. (A published
+FP8 MoE checkpoint's experts, 128 x 128 block scales in the Qwen3-30B-A3B-FP8 / DeepSeek-V3 layout,
+would fit the block scaling here; they are not read yet, and moe.install refuses them.)
+
+transformers keeps an MoE layer's experts as 3-D parameters (teacher_server/moe.py). Here each of
+them (gate_up_proj or up_proj, down_proj) becomes an `FP8ExpertWeights`: the e4m3 weights of every
+expert as [E, N, K] (N output rows, K inputs, whatever transformers' layout was) and their scales,
+
+    row     one per expert and output row, [E, N]: the scaling `torch._scaled_grouped_mm` runs on
+            Hopper, with one scale per activation row computed at each forward
+    block   one per expert and 128 x 128 tile, [E, N / 128, K / 128] (a published checkpoint's
+            `weight_scale_inv`), activations per 1 x 128 block of each row
+
+A scale is the dequantization multiplier, as in teacher_server/fp8.py: w ≈ q * scale.
+moe.experts_forward calls the weights with the rows sorted by expert and the group offsets; the
+product is
+
+    row, CUDA   torch._scaled_grouped_mm: every expert in one launch, FP8 tensor cores, float32
+                accumulation, the output in the activation's dtype
+    otherwise   the operands quantized the same way, dequantized to float32 and multiplied by
+                the grouped GEMM in float32 (moe.grouped_mm): numerically the product above, up to
+                the order of the float32 sums. It is the CPU path (tests) and, on a GPU, the block
+                path (--fp8-scaling block): torch 2.11 has no grouped product with 128 x 128 block
+                scales on Hopper, so the experts stay in FP8 in memory (half of bf16's bytes) and
+                each product pays a dequantization (to bf16 on a GPU, float32 on a CPU).
+
+`reference_product` is the slow, obvious version (one expert at a time, the quantization written
+out): what `verify` holds the device's product to at load, and what the tests hold both to.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from teacher_server import fp8, moe
+
+log = logging.getLogger(__name__)
+
+FP8 = fp8.FP8
+BLOCK = fp8.BLOCK
+# The experts' 3-D weights that are quantized, by transformers' names.
+WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj")
+_SCALED_GROUPED_MM = getattr(torch, "_scaled_grouped_mm", None)
+# |product - reference| / |reference| that `verify` accepts: bf16 output rounding and float32 sums'
+# order, far under a wrong scale layout (~1).
+_CHECK_RTOL = 2e-2
+
+
+class FP8ExpertWeights(nn.Module):
+    """One 3-D expert weight in e4m3 ([E, N, K]) with row or block scales; called with rows sorted by
+    expert and the group offsets, it returns their products [M, N]."""
+
+    is_expert_weights = True  # what moe.experts_modules recognises besides a 3-D tensor
+
+    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, scaling: str):
+        super().__init__()
+        if scaling not in fp8.SCALINGS:
+            raise ValueError(f"FP8 scaling {scaling!r}: choose one of {', '.join(fp8.SCALINGS)}")
+        experts, n, k = weight_q.shape
+        want = (experts, n) if scaling == "row" else (experts, -(-n // BLOCK), k // BLOCK)
+        if scaling == "block" and k % BLOCK:
+            raise ValueError(f"block-wise FP8 experts need inputs divisible by {BLOCK}, not {k}: use --fp8-scaling "
+                             "row")
+        if tuple(weight_scale.shape) != want:
+            raise ValueError(f"FP8 expert scales {tuple(weight_scale.shape)} for weights {tuple(weight_q.shape)} "
+                             f"with {scaling} scaling: expected {want}")
+        self.scaling = scaling
+        self.register_buffer("weight", weight_q.contiguous())
+        self.register_buffer("weight_scale", weight_scale.float().contiguous())
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, scaling: str) -> "FP8ExpertWeights":
+        """From transformers' [E, N, K] weights (transpose an [E, K, N] layout first)."""
+        quantize = fp8.quantize_rows if scaling == "row" else fp8.quantize_tiles
+        parts = [quantize(expert) for expert in weight.detach()]  # one expert at a time: bounded memory
+        q = torch.stack([p[0] for p in parts])
+        scale = torch.stack([p[1].reshape(p[1].shape[0]) if scaling == "row" else p[1] for p in parts])
+        return cls(q, scale, scaling)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return FP8
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[E, N, K] in `dtype` (the product in float32, then rounded)."""
+        experts, n, k = self.weight.shape
+        if self.scaling == "row":
+            scale = self.weight_scale.unsqueeze(-1)
+        else:
+            scale = self.weight_scale.repeat_interleave(BLOCK, 1)[:, :n].repeat_interleave(BLOCK, 2)
+        return (self.weight.float() * scale).to(dtype)
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fp8.quantize_rows(x) if self.scaling == "row" else fp8.quantize_row_blocks(x)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        xq, xs = self.quantize_input(x)
+        if self.scaling == "row" and x.device.type == "cuda" and _SCALED_GROUPED_MM is not None:
+            return _SCALED_GROUPED_MM(xq, self.weight.transpose(1, 2), xs.reshape(-1), self.weight_scale,
+                                      offs=offsets, out_dtype=x.dtype)
+        # float32 on a CPU (the tests' exactness); on a GPU the operands rounded to the activation's dtype,
+        # where the grouped GEMM runs (bf16: the values of e4m3 x a float32 scale, to 8 bits).
+        dtype = torch.float32 if x.device.type == "cpu" else x.dtype
+        activation = fp8.dequantize(xq, xs).to(dtype)
+        return moe.grouped_mm(activation, self.dequantized(dtype).transpose(1, 2), offsets).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        experts, n, k = self.weight.shape
+        return f"experts={experts}, out_features={n}, in_features={k}, scaling={self.scaling}"
+
+
+def reference_product(weights: FP8ExpertWeights, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The straightforward product: for each expert, its rows quantized as the fast path does (the
+    activation's scales computed row by row, or block by block), both operands dequantized to
+    float32, multiplied."""
+    out = torch.zeros(x.shape[0], weights.weight.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        for row in range(start, end):
+            values = x[row].float()
+            blocks = values.reshape(-1, values.shape[0] if weights.scaling == "row" else BLOCK)
+            scale = (blocks.abs().amax(dim=1, keepdim=True) / fp8.FP8_MAX).clamp(min=1e-12)
+            activation = ((blocks / scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(FP8).float() * scale).reshape(-1)
+            q = weights.weight[expert].float()
+            scale_w = weights.weight_scale[expert]
+            if weights.scaling == "row":
+                w = q * scale_w.unsqueeze(1)
+            else:
+                w = q * scale_w.repeat_interleave(BLOCK, 0)[:q.shape[0]].repeat_interleave(BLOCK, 1)
+            out[row] = w @ activation
+        start = end
+    return out.to(x.dtype)
+
+
+def quantize_experts(model: nn.Module, scaling: str, keep_layers: tuple[int, ...] = ()) -> int:
+    """Replaces the 3-D expert weights of every MoE layer (but those of decoder layers `keep_layers`)
+    by FP8ExpertWeights in place; returns how many weights were replaced."""
+    layers = fp8.decoder_layers(model)
+    keep = {i % len(layers) for i in keep_layers}
+    replaced = 0
+    for index, layer in enumerate(layers):
+        if index in keep:
+            continue
+        for module in moe.experts_modules(layer):
+            for name in WEIGHT_NAMES:
+                weight = module._parameters.get(name)
+                if weight is None:
+                    continue
+                if weight.shape[-1] % 16 or weight.shape[-2] % 16:
+                    raise ValueError(f"{type(module).__name__}.{name} {tuple(weight.shape)}: FP8 experts need both "
+                                     "matrix dimensions divisible by 16; serve the model without --quantize fp8")
+                canonical = weight.transpose(1, 2) if module.is_transposed else weight  # [E, N, K]
+                del module._parameters[name]
+                setattr(module, name, FP8ExpertWeights.quantize(canonical, scaling))
+                replaced += 1
+    return replaced
+
+
+def verify(model: nn.Module, dtype: torch.dtype, rows: int = 96) -> int:
+    """Checks one FP8ExpertWeights of each shape against `reference_product` on its own device,
+    before the teacher serves (a scale layout the device's kernel reads otherwise gives wrong
+    outputs without an error). Rows spread over the first experts, one expert left empty. Returns
+    how many shapes were checked; raises fp8.FP8Unsupported."""
+    checked: set[tuple] = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, FP8ExpertWeights):
+            continue
+        key = (module.scaling, *module.weight.shape)
+        if key in checked:
+            continue
+        checked.add(key)
+        experts, _, k = module.weight.shape
+        device = module.weight.device
+        generator = torch.Generator(device=device).manual_seed(len(checked))
+        x = torch.randn(rows, k, generator=generator, device=device).pow(3).to(dtype)
+        sizes = torch.zeros(experts, dtype=torch.int64)
+        used = min(experts, 4)
+        sizes[:used] = rows // used
+        sizes[used - 1] += rows - int(sizes.sum())
+        if used > 1:
+            sizes[1], sizes[used - 1] = 0, sizes[used - 1] + sizes[1]  # an expert without rows
+        offsets = sizes.cumsum(0).to(torch.int32).to(device)
+        with torch.inference_mode():
+            got = module(x, offsets).float()
+            want = reference_product(module, x, offsets).float()
+        error = ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
+        if not error <= _CHECK_RTOL:
+            raise fp8.FP8Unsupported(f"FP8 experts {name} ({module.extra_repr()}) on {device}: the grouped product "
+                                     f"is off the dequantize-then-multiply reference by {error:.3g} (relative): this "
+                                     f"torch reads the scales otherwise. Serve the model without --quantize fp8")
+    return len(checked)

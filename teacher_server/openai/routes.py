@@ -1,0 +1,271 @@
+"""The routes: `GET /v1/models`, `GET /health`, `POST /v1/completions` (vLLM's shapes, protocol.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+import torch
+from fastapi import FastAPI, Header, Request, Response
+from fastapi.responses import JSONResponse
+
+from distill_common.outputs import OutputRequest, TeacherFacts
+from teacher_server.edge import Callers
+from teacher_server.errors import ServiceError
+from teacher_server.openai.jobs import ApiJobs, BatchFailed
+from teacher_server.openai.outputs import SCORE_IDS, CompletionLogprobs
+from teacher_server.openai.protocol import (ApiError, CompletionParams, TokenText, _lp, parse_completion,
+                                            prompt_logprobs_json)
+
+log = logging.getLogger(__name__)
+
+# The most bytes of whole distributions (one per row, to sample the next token from) a batch holds:
+# 1-token prompts would otherwise make a batch of --max-batch-tokens rows of the vocabulary each.
+LAST_ROWS_BYTES = 256 << 20
+# The job of requests made with the operator's token (or none): job tokens make their own jobs.
+OPERATOR_JOB = "openai-api"
+_STATUS_CODES = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503,
+                 "FAILED_PRECONDITION": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403}
+
+
+def _error(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.code)
+
+
+class Completions:
+    """One teacher's completions: prompts in, batches through the engine, vLLM's JSON out."""
+
+    def __init__(self, jobs: ApiJobs, facts: TeacherFacts, tokenizer, *, model_id: str, max_seq_len: int,
+                 max_batch_tokens: int, max_logprobs: int):
+        self.jobs = jobs
+        self.facts = facts
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.max_seq_len = max_seq_len
+        self.max_batch_tokens = max_batch_tokens
+        self.max_logprobs = max_logprobs
+        self.text = TokenText(tokenizer, facts.vocab_size)
+        self.eos = getattr(tokenizer, "eos_token_id", None)
+
+    def parse(self, body) -> CompletionParams:
+        params = parse_completion(body, vocab_size=self.facts.vocab_size, max_logprobs=self.max_logprobs,
+                                  max_prompts=max(1, self.max_batch_tokens))
+        if params.model not in (None, self.model_id):
+            raise ApiError(f"The model `{params.model}` does not exist.", param="model", code=404,
+                           kind="NotFoundError")
+        for index, prompt in enumerate(params.prompts):
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ApiError("this teacher has no tokenizer (its --model is no directory with one): send "
+                                   "prompts as token ids", param="prompt")
+                params.prompts[index] = list(self.tokenizer(prompt, add_special_tokens=params.add_special_tokens)[
+                    "input_ids"])
+            length = len(params.prompts[index])
+            if length + params.max_tokens > self.max_seq_len or length > self.max_batch_tokens:
+                raise ApiError(f"This model's maximum context length is {min(self.max_seq_len, self.max_batch_tokens)}"
+                               f" tokens (the teacher's --max-seq-len and --max-batch-tokens). However, you requested "
+                               f"{length + params.max_tokens} tokens ({length} in the prompt {index}, "
+                               f"{params.max_tokens} in the completion). Please reduce the length of the prompt or "
+                               "completion.", param="prompt")
+        if params.prompt_logprob_token_ids is not None:
+            for index, (prompt, rows) in enumerate(zip(params.prompts, params.prompt_logprob_token_ids)):
+                if params.prompt_logprob_start + len(rows) > len(prompt) - 1:
+                    raise ApiError(f"prompt_logprob_token_ids[{index}] has {len(rows)} rows from "
+                                   f"prompt_logprob_start {params.prompt_logprob_start}, but prompt {index} has "
+                                   f"{len(prompt) - 1} scored rows (its length - 1)", param="prompt_logprob_token_ids")
+        return params
+
+    def _batches(self, lengths: list[int], last: bool) -> list[list[int]]:
+        """Prompt indices grouped into batches of at most --max-batch-tokens padded tokens, longest
+        first; with `last` (a row's whole distribution at its end, 4 bytes an entry of the
+        vocabulary), at most LAST_ROWS_BYTES of those a batch."""
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        max_rows = max(1, LAST_ROWS_BYTES // (4 * self.facts.vocab_size)) if last else len(lengths)
+        batches, current = [], []
+        for index in order:
+            width = max([lengths[i] for i in current] + [lengths[index]])
+            if current and (width * (len(current) + 1) > self.max_batch_tokens or len(current) == max_rows):
+                batches.append(current)
+                current = []
+            current.append(index)
+        return batches + ([current] if current else [])
+
+    async def _run(self, job: tuple, sequences: list[list[int]], kind: CompletionLogprobs,
+                   score_rows: list | None = None, start: int = 0) -> list[list[torch.Tensor]]:
+        """Each sequence's tensors of `kind` (per sequence: the kind's tensors, its own rows)."""
+        request = OutputRequest((kind,), torch.float32, self.facts)
+        results: list = [None] * len(sequences)
+
+        async def one(indices: list[int]) -> None:
+            width = max(len(sequences[i]) for i in indices)
+            ids = torch.zeros(len(indices), width, dtype=torch.int64)
+            mask = torch.zeros_like(ids)
+            data = {}
+            if kind.scored:
+                data[SCORE_IDS] = torch.full((len(indices), width, kind.scored), -1, dtype=torch.int64)
+            for row, i in enumerate(indices):
+                ids[row, :len(sequences[i])] = torch.tensor(sequences[i])
+                mask[row, :len(sequences[i])] = 1
+                if kind.scored:
+                    rows = torch.tensor(score_rows[i], dtype=torch.int64)
+                    data[SCORE_IDS][row, start:start + len(rows), :rows.shape[1]] = rows
+            tensors = await self.jobs.submit(job[0], request, ids, mask, data, max_job_sessions=job[1],
+                                             job_limit=job[2])
+            for row, i in enumerate(indices):
+                results[i] = [t[row] for t in tensors]
+
+        await asyncio.gather(*(one(indices) for indices in self._batches([len(s) for s in sequences], kind.last)))
+        return results
+
+    async def complete(self, params: CompletionParams, job: tuple) -> str:
+        prompts = params.prompts
+        want_prompt = params.prompt_logprobs is not None
+        scored = params.prompt_logprob_token_ids
+        first = CompletionLogprobs(prompt_k=params.prompt_logprobs if want_prompt else -1,
+                                   scored=max((len(rows[0]) for rows in scored), default=0) if scored else 0,
+                                   last=params.max_tokens > 0, temperature=params.prompt_logprobs_temperature)
+        results = await self._run(job, prompts, first, scored, params.prompt_logprob_start)
+        generated: list[list[int]] = [[] for _ in prompts]
+        gen_logprobs: list[list[tuple[float, list[tuple[int, float]]]]] = [[] for _ in prompts]
+        finish = ["length"] * len(prompts)
+        lasts = [r[-1] for r in results] if params.max_tokens else []
+        generators = [None if params.seed is None else torch.Generator().manual_seed(params.seed)
+                      for _ in prompts]
+        following = CompletionLogprobs(prompt_k=-1, last=True)
+        for step in range(params.max_tokens):
+            live = [i for i in range(len(prompts)) if finish[i] == "length" and len(generated[i]) == step]
+            for i in live:
+                logprobs = lasts[i]
+                if params.temperature < 1e-5:
+                    token = int(logprobs.argmax())
+                else:
+                    probs = torch.softmax(logprobs.double() / params.temperature, dim=-1)
+                    token = int(torch.multinomial(probs, 1, generator=generators[i]))
+                generated[i].append(token)
+                if params.logprobs is not None:
+                    top = logprobs.topk(min(params.logprobs, logprobs.numel())) if params.logprobs else None
+                    others = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+                    gen_logprobs[i].append((float(logprobs[token]), others))
+                if token == self.eos and not params.ignore_eos:
+                    finish[i] = "stop"
+            going = [i for i in live if finish[i] == "length"]
+            if step + 1 < params.max_tokens and going:
+                more = await self._run(job, [prompts[i] + generated[i] for i in going], following)
+                for i, tensors in zip(going, more):
+                    lasts[i] = tensors[-1]
+        return await asyncio.to_thread(self._response, params, results, generated, gen_logprobs, finish)
+
+    def _response(self, params: CompletionParams, results, generated, gen_logprobs, finish) -> str:
+        """The response's JSON text, written by joining strings (the k entries per position are most of it)."""
+        as_id = params.return_tokens_as_token_ids
+        choices = []
+        prompt_tokens = completion_tokens = 0
+        for index, (prompt, tensors) in enumerate(zip(params.prompts, results)):
+            prompt_tokens += len(prompt)
+            completion_tokens += len(generated[index])
+            prompt_json = "null"
+            if params.prompt_logprobs is not None:
+                top, top_ids, own, rank = (t.tolist() for t in tensors[:4])
+                scored = scored_ids = None
+                if params.prompt_logprob_token_ids:  # by position: the request's row i is position start + i
+                    scored = tensors[4].tolist()
+                    start, rows = params.prompt_logprob_start, params.prompt_logprob_token_ids[index]
+                    scored_ids = [[]] * start + rows + [[]] * (len(prompt) - start - len(rows))
+                prompt_json = prompt_logprobs_json(prompt, top, top_ids, own, rank, scored, scored_ids, self.text)
+            text = self.text.text(generated[index])
+            logprobs_json = "null"
+            if params.logprobs is not None:
+                logprobs_json = self._completion_logprobs(params, prompt, tensors, generated[index],
+                                                          gen_logprobs[index], as_id)
+            if params.echo:
+                text = self.text.text(prompt) + text
+            choice = (f'{{"index":{index},"text":{json.dumps(text)},"logprobs":{logprobs_json},'
+                      f'"finish_reason":{json.dumps(finish[index] if params.max_tokens else "length")},'
+                      f'"stop_reason":null,"prompt_logprobs":{prompt_json}')
+            if params.return_token_ids:
+                choice += f',"prompt_token_ids":{json.dumps(prompt)},"token_ids":{json.dumps(generated[index])}'
+            choices.append(choice + "}")
+        usage = (f'{{"prompt_tokens":{prompt_tokens},"total_tokens":{prompt_tokens + completion_tokens},'
+                 f'"completion_tokens":{completion_tokens},"prompt_tokens_details":null}}')
+        return (f'{{"id":"cmpl-{uuid.uuid4().hex}","object":"text_completion","created":{int(time.time())},'
+                f'"model":{json.dumps(self.model_id)},"choices":[{",".join(choices)}],"usage":{usage},'
+                f'"system_fingerprint":null}}')
+
+    def _completion_logprobs(self, params, prompt, tensors, generated, gen_logprobs, as_id) -> str:
+        """OpenAI's legacy `logprobs` object: tokens, token_logprobs, top_logprobs, text_offset; the
+        prompt's first (null for its first token) when echoing."""
+        tokens, values, tops = [], [], []
+        if params.echo:
+            top, top_ids, own, _ = (t.tolist() for t in tensors[:4])
+            tokens.append(self.text.token(prompt[0], as_id))
+            values.append(None)
+            tops.append(None)
+            for t in range(1, len(prompt)):
+                tokens.append(self.text.token(prompt[t], as_id))
+                values.append(max(own[t - 1], -9999.0))
+                entry = {self.text.token(prompt[t], as_id): max(own[t - 1], -9999.0)}
+                for value, other in list(zip(top[t - 1], top_ids[t - 1]))[:params.logprobs]:
+                    entry.setdefault(self.text.token(other, as_id), max(value, -9999.0))
+                tops.append(entry)
+        for token, (value, others) in zip(generated, gen_logprobs):
+            tokens.append(self.text.token(token, as_id))
+            values.append(max(value, -9999.0))
+            entry = {self.text.token(token, as_id): max(value, -9999.0)}
+            for other, other_value in others:
+                entry.setdefault(self.text.token(other, as_id), max(other_value, -9999.0))
+            tops.append(entry)
+        offsets, offset = [], 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return json.dumps({"text_offset": offsets, "token_logprobs": values, "tokens": tokens, "top_logprobs": tops})
+
+
+def add_routes(app: FastAPI, completions: Completions, callers: Callers, ready) -> None:
+    """The OpenAI-compatible routes, behind the teacher's tokens (`Authorization: Bearer`): a job
+    token's requests run as its job, the operator's as the job "openai-api"."""
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if ready() else 503)
+
+    @app.get("/v1/models")
+    def models(authorization: str | None = Header(default=None)):
+        if callers.caller(authorization) is None:
+            return _error(ApiError("missing or wrong token (Authorization: Bearer <token>)", code=401,
+                                   kind="AuthenticationError"))
+        return {"object": "list", "data": [{
+            "id": completions.model_id, "object": "model", "created": int(time.time()), "owned_by": "teacher-server",
+            "root": completions.model_id, "parent": None, "max_model_len": completions.max_seq_len,
+            "permission": []}]}
+
+    @app.post("/v1/completions")
+    async def complete(request: Request, authorization: str | None = Header(default=None)):
+        caller = callers.caller(authorization)
+        if caller is None:
+            return _error(ApiError("missing or wrong token (Authorization: Bearer <token>)", code=401,
+                                   kind="AuthenticationError"))
+        try:
+            try:
+                body = json.loads(await request.body())
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ApiError(f"the request body is not JSON: {e}") from None
+            params = await asyncio.to_thread(completions.parse, body)
+            job = (caller.job_id or OPERATOR_JOB, caller.max_sessions, caller.limit("max_sessions"))
+            text = await completions.complete(params, job)
+        except ApiError as e:
+            return _error(e)
+        except ServiceError as e:
+            code = _STATUS_CODES.get(e.code.name, 500)
+            return _error(ApiError(str(e), code=code, kind="ServiceUnavailableError" if code == 503 else
+                                   "BadRequestError" if code < 500 else "InternalServerError"))
+        except BatchFailed as e:
+            return _error(ApiError(f"the teacher could not serve this request: {e}", code=500,
+                                   kind="InternalServerError"))
+        return Response(text, media_type="application/json")
+
+
+__all__ = ["Completions", "add_routes", "_lp"]

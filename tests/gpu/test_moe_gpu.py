@@ -1,0 +1,109 @@
+"""The MoE teacher's kernels on a GPU, as served: tiny qwen3_moe, gpt_oss, mixtral and deepseek_v3
+models in bf16 through the server's ModelRunner (torch._grouped_mm experts, FlexAttention with sinks,
+the decoder layers compiled), against transformers' eager forward of the same weights in float32
+on the same GPU. Sequences of 300 tokens cross FlexAttention's 128-token blocks and gpt-oss's
+128-token window.
+
+bf16 alone moves an MoE model's logits far more than a dense one's: a router's top-k over bf16
+logits picks another expert for some tokens (measured on a CPU with these shapes: transformers' own
+eager forward in bf16 is off from float32 by 17% of the largest logit on the worst token of
+gpt_oss, by 0.6% for qwen3_moe). So the served forward is held to what transformers' eager forward
+in bf16 gives, both against float32, by the relative norm over all real positions: a wrong
+expert, weight or mask moves all of them (~1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from teacher_server import moe, sink_attention
+from teacher_server.model_runner import ModelRunner
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+_ATTENTION = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+SMALL = {
+    "qwen3_moe": dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                      num_hidden_layers=3, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True,
+                      max_position_embeddings=1024, **_ATTENTION),
+    "mixtral": dict(vocab_size=512, hidden_size=256, intermediate_size=128, num_hidden_layers=3, num_local_experts=8,
+                    num_experts_per_tok=2, max_position_embeddings=1024, **_ATTENTION),
+    "gpt_oss": dict(vocab_size=512, hidden_size=256, intermediate_size=128, num_hidden_layers=4, num_local_experts=8,
+                    num_experts_per_tok=4, sliding_window=128, attention_bias=True,
+                    layer_types=["sliding_attention", "full_attention"] * 2, **_ATTENTION),
+    "deepseek_v3": dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                        num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=16, num_experts_per_tok=4,
+                        n_group=4, topk_group=2, n_shared_experts=1, q_lora_rank=64, kv_lora_rank=32,
+                        qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64, num_attention_heads=4,
+                        num_key_value_heads=4, max_position_embeddings=1024),
+}
+# How much further from float32 than transformers' own bf16 forward the served one may be, and
+# the floor under that (bf16 rounding of the logits themselves).
+NO_WORSE = 2.0
+FLOOR = 1e-2
+
+
+def _relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours.float() - reference).norm() / reference.norm()).item()
+
+
+@pytest.mark.parametrize("model_type", sorted(SMALL))
+def test_the_served_moe_forward_equals_transformers_eager_in_float32(tmp_path, model_type):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **SMALL[model_type])
+    config.save_pretrained(tmp_path)
+    runner = ModelRunner(f"random:{tmp_path}", "cuda:0", dtype="bfloat16")
+    assert moe.IMPLEMENTATION in runner.info.kernels and "compiled" in runner.info.kernels
+    assert (sink_attention.IMPLEMENTATION in runner.info.kernels) == (model_type == "gpt_oss")
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        for parameter in runner.model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, device="cuda") * 0.05)
+    reference = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SMALL[model_type]),
+                                                 attn_implementation="eager",
+                                                 experts_implementation=moe.EAGER).cuda().eval()
+    reference.load_state_dict({k: v.float() for k, v in runner.model.state_dict().items()})
+    eager_bf16 = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **SMALL[model_type]),
+                                                  attn_implementation="eager", experts_implementation=moe.EAGER)
+    eager_bf16 = eager_bf16.to(device="cuda", dtype=torch.bfloat16).eval()
+    eager_bf16.load_state_dict(runner.model.state_dict())
+    ids = torch.randint(0, 512, (3, 300), generator=torch.Generator().manual_seed(0))
+    padded = torch.ones_like(ids)
+    padded[1, 200:] = 0
+    for mask in (torch.ones_like(ids), padded):
+        ours = runner.forward(ids, mask).logits
+        with torch.inference_mode():
+            theirs = reference(input_ids=ids.cuda(), attention_mask=mask.cuda(), use_cache=False).logits
+            theirs_bf16 = eager_bf16(input_ids=ids.cuda(), attention_mask=mask.cuda(), use_cache=False).logits
+        real = mask.cuda().bool()
+        off, bf16_off = _relative(ours[real], theirs[real]), _relative(theirs_bf16[real], theirs[real])
+        print(f"{model_type}: served bf16 {off:.2e}, transformers' eager bf16 {bf16_off:.2e} from float32")
+        assert off <= max(NO_WORSE * bf16_off, FLOOR), f"{model_type}: {off:.3g} from float32, eager bf16 {bf16_off:.3g}"
+    snapshot = runner.expert_load.snapshot()
+    assert all(sum(layer) == 3 * 300 * config.num_experts_per_tok for layer in snapshot.last)
+
+
+def test_fp8_experts_on_hopper_match_their_reference_and_stay_near_bf16(tmp_path):
+    """--quantize fp8 on a GPU: the experts' products through torch._scaled_grouped_mm (row scales),
+    checked at load against the dequantize-then-multiply reference one expert at a time
+    (fp8_experts.verify raises otherwise), the layers compiled with them inside; the served logits
+    within FP8's error of the bf16 forward of the same weights (a wrong scale or expert gives ~1)."""
+    from transformers import AutoConfig
+
+    from teacher_server import fp8_experts
+    from teacher_server.fp8 import Fp8Plan
+
+    AutoConfig.for_model("qwen3_moe", **SMALL["qwen3_moe"]).save_pretrained(tmp_path)
+    runner = ModelRunner(f"random:{tmp_path}", "cuda:0", dtype="bfloat16", quantize=Fp8Plan("row"))
+    bf16 = ModelRunner(f"random:{tmp_path}", "cuda:0", dtype="bfloat16")
+    experts = moe.experts_modules(runner.model)
+    assert experts and all(isinstance(m.down_proj, fp8_experts.FP8ExpertWeights) for m in experts)
+    assert fp8_experts._SCALED_GROUPED_MM is not None, "this torch has no torch._scaled_grouped_mm"
+    ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(3))
+    ours = runner.forward(ids, torch.ones_like(ids)).logits.float()
+    theirs = bf16.forward(ids, torch.ones_like(ids)).logits.float()
+    relative = _relative(ours, theirs)
+    print(f"FP8 experts against bf16: relative norm {relative:.3g}")
+    assert relative < 0.1, relative

@@ -1,0 +1,235 @@
+"""vLLM's OpenAI API on the teacher (teacher_server/openai/): TRL's own client against a real
+server, every value checked against `log_softmax` of the same model run here."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import requests
+import torch
+
+from teacher_server.launcher import ServerProcess
+from tests.helpers import build_tiny_model, status_sessions
+
+VOCAB = 384
+OPERATOR = "operator-token-0123456789abcdef"
+JOB_TOKEN = "job-token-of-trl-0123456789abcdef"
+TEXTS = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.\n"] * 20
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from distill_demo.tokenizer import train_tokenizer
+
+    path = build_tiny_model(tmp_path_factory.mktemp("openai") / "model", vocab_size=VOCAB)
+    tokenizer = train_tokenizer(TEXTS, vocab_size=300, save_dir=path)
+    assert len(tokenizer) <= VOCAB
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(model_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    tokens = tmp_path_factory.mktemp("tokens") / "jobs.json"
+    tokens.write_text(json.dumps({"trl-job": {"token": JOB_TOKEN}}))
+    server = ServerProcess("--model", str(model_dir), "--auth-token", OPERATOR, "--job-tokens", str(tokens),
+                           "--max-logprobs", "300")
+    yield server
+    server.stop()
+
+
+def _http(server) -> str:
+    return f"http://127.0.0.1:{server.http_port}"
+
+
+def _post(server, body: dict, token: str = JOB_TOKEN) -> requests.Response:
+    return requests.post(f"{_http(server)}/v1/completions", json=body, timeout=60,
+                         headers={"Authorization": f"Bearer {token}"} if token else {})
+
+
+def _log_softmax(model, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].double() / temperature, -1)
+
+
+SEQUENCES = [[5, 17, 99, 3, 250, 7, 7, 42], [9, 1, 300, 12, 64], [200, 201, 202, 203, 204, 205, 206, 207, 208, 209]]
+
+
+def _trl_client(server):
+    """TRL's VLLMClient on this teacher. Its __init__ insists that vLLM be installed here (for its
+    weight-sync helpers, which scoring does not use): the client is made without it, and every
+    method called below is TRL's own."""
+    from trl.generation.vllm_client import VLLMClient
+
+    client = object.__new__(VLLMClient)
+    client.session = requests.Session()
+    client.session.headers["Authorization"] = f"Bearer {JOB_TOKEN}"  # the job this client's requests run as
+    client.base_url = _http(server)
+    client.host = "127.0.0.1"
+    client.check_server(total_timeout=10)
+    client.model = client._get(f"{client.base_url}/v1/models")["data"][0]["id"]
+    return client
+
+
+def test_trls_client_gets_the_teachers_logprobs(server, model, model_dir):
+    client = _trl_client(server)
+    assert client.model == str(model_dir)
+    k = 5
+    prompt_lengths = [3, 1, 6]
+    got = client.get_sequence_logprobs(SEQUENCES, prompt_lengths, top_logprobs=k, temperature=1.0)
+    for sequence, start, values, ids, actual, actual_ids in zip(SEQUENCES, prompt_lengths, got["logprobs"],
+                                                                got["logprob_token_ids"], got["actual_logprobs"],
+                                                                got["actual_token_ids"]):
+        reference = _log_softmax(model, sequence)
+        assert len(values) == len(sequence) - start
+        for position, (row, row_ids, own, own_id) in enumerate(zip(values, ids, actual, actual_ids)):
+            t = start + position  # the token at t, predicted at t - 1
+            want = reference[t - 1]
+            assert row_ids == want.topk(k).indices.tolist()
+            assert row == pytest.approx(want.topk(k).values.tolist(), abs=1e-5)
+            assert own_id == [sequence[t]]
+            # vLLM lists each prompt token's own log-probability beside the top k: TRL reads it, in the top k or not
+            assert own[0] == pytest.approx(want[sequence[t]].item(), abs=1e-5)
+            assert math.isfinite(own[0])
+
+
+def test_prompt_logprobs_match_vllms_json_and_ranks(server, model):
+    response = _post(server, {"prompt": SEQUENCES, "max_tokens": 1, "prompt_logprobs": 3, "temperature": 0.5})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "text_completion" and len(body["choices"]) == 3
+    assert body["usage"]["prompt_tokens"] == sum(map(len, SEQUENCES)) and body["usage"]["completion_tokens"] == 3
+    for choice, sequence in zip(body["choices"], SEQUENCES):
+        # vLLM computes prompt log-probabilities at temperature 1, whatever the request's temperature
+        reference = _log_softmax(model, sequence)
+        logprobs = choice["prompt_logprobs"]
+        assert logprobs[0] is None and len(logprobs) == len(sequence)
+        for t in range(1, len(sequence)):
+            entries = {int(key): value for key, value in logprobs[t].items()}
+            want = reference[t - 1]
+            token = sequence[t]
+            assert list(entries)[0] == token  # the prompt token first, as vLLM lists it
+            assert entries[token]["rank"] == int((want >= want[token]).sum())
+            assert entries[token]["logprob"] == pytest.approx(want[token].item(), abs=1e-5)
+            top = want.topk(3)
+            for rank, (value, other) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+                assert entries[other]["logprob"] == pytest.approx(value, abs=1e-5)
+                assert entries[other]["rank"] == (rank if other != token else entries[token]["rank"])
+            assert len(entries) == 3 + (token not in top.indices.tolist())
+            assert all(isinstance(e["decoded_token"], str) for e in entries.values())
+
+
+def test_extensions_prompt_temperature_and_ids_scored_at_every_position(server, model):
+    sequence = SEQUENCES[0]
+    scored = [[1, 2, -1], [3, 4, 5], [6, -1, -1]]  # rows for positions 2, 3, 4 (predicting tokens 3, 4, 5)
+    response = _post(server, {"prompt": sequence, "max_tokens": 1, "prompt_logprobs": 2,
+                              "prompt_logprobs_temperature": 2.0, "prompt_logprob_token_ids": scored,
+                              "prompt_logprob_start": 2})
+    assert response.status_code == 200, response.text
+    logprobs = response.json()["choices"][0]["prompt_logprobs"]
+    reference = _log_softmax(model, sequence, temperature=2.0)
+    for row, ids in enumerate(scored):
+        position = 2 + row
+        entries = {int(key): value for key, value in logprobs[position + 1].items()}
+        for token in (i for i in ids if i >= 0):
+            assert entries[token]["logprob"] == pytest.approx(reference[position, token].item(), abs=1e-5)
+    assert {int(key) for key in logprobs[1]} == {sequence[1], *reference[0].topk(2).indices.tolist()}
+
+
+def test_generation_greedy_and_seeded_with_echo_and_logprobs(server, model):
+    prompt = SEQUENCES[1]
+    greedy = _post(server, {"prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 2,
+                            "return_token_ids": True}).json()["choices"][0]
+    sequence = list(prompt)
+    for _ in range(3):
+        sequence.append(int(_log_softmax(model, sequence)[-1].argmax()))
+    assert greedy["token_ids"] == sequence[len(prompt):] and greedy["finish_reason"] == "length"
+    last = _log_softmax(model, sequence[:-1])[-1]
+    assert greedy["logprobs"]["token_logprobs"][-1] == pytest.approx(last[sequence[-1]].item(), abs=1e-5)
+    assert len(greedy["logprobs"]["top_logprobs"][-1]) <= 3
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 1.0, "seed": 7, "return_token_ids": True}
+    first, second = (_post(server, body).json()["choices"][0]["token_ids"] for _ in range(2))
+    assert first == second and len(first) == 4
+    echoed = _post(server, {"prompt": "def add(a, b):", "max_tokens": 1, "echo": True, "logprobs": 1}).json()
+    choice = echoed["choices"][0]
+    assert choice["text"].startswith("def add(a, b):")
+    assert choice["logprobs"]["token_logprobs"][0] is None and len(choice["prompt_logprobs"]) > 1
+
+
+@pytest.mark.parametrize("body, code, param, says", [
+    ({"prompt": [1, 2], "prompt_logprobs": 301}, 400, "prompt_logprobs", "greater than max allowed: 300"),
+    ({"prompt": [1, 2], "stream": True}, 400, "stream", "does not support streaming"),
+    ({"prompt": [1, 2], "n": 2}, 400, "n", "does not support n > 1"),
+    ({"prompt": [1, VOCAB]}, 400, "prompt", "outside the teacher's vocabulary"),
+    ({"prompt": []}, 400, "prompt", "must be a string"),
+    ({"prompt": [1, 2], "model": "other"}, 404, "model", "The model `other` does not exist."),
+    ({"prompt": [1, 2], "max_tokens": 1000}, 400, "max_tokens", "more than this teacher generates"),
+    ({"prompt": [1] * 9000, "max_tokens": 1}, 400, "prompt", "maximum context length"),
+])
+def test_bad_requests_get_vllms_error_shape_and_say_what_to_change(server, body, code, param, says):
+    response = _post(server, body)
+    assert response.status_code == code, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and error["param"] == param and says in error["message"]
+
+
+def test_requests_need_a_token_and_run_as_the_tokens_job(server):
+    assert requests.get(f"{_http(server)}/health", timeout=10).status_code == 200
+    assert requests.get(f"{_http(server)}/v1/models", timeout=10).status_code == 401
+    refused = _post(server, {"prompt": [1, 2]}, token="")
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "AuthenticationError"
+    assert _post(server, {"prompt": [1, 2, 3], "prompt_logprobs": 1}).status_code == 200
+    jobs = {s["job_id"]: s for s in _status(server)}
+    assert jobs["trl-job"]["backend"] == "local" and jobs["trl-job"]["tokens_served"] > 0
+    assert _post(server, {"prompt": [1, 2, 3], "prompt_logprobs": 1}, token=OPERATOR).status_code == 200
+    assert "openai-api" in {s["job_id"] for s in _status(server)}
+
+
+def _status(server) -> list[dict]:
+    response = requests.get(f"{_http(server)}/v1/status", headers={"Authorization": f"Bearer {OPERATOR}"},
+                            timeout=10)
+    return response.json()["sessions"]
+
+
+__all__ = ["status_sessions"]
+
+
+@pytest.mark.slow
+def test_trls_server_distillation_trainer_trains_from_the_teacher(model_dir, tmp_path, monkeypatch):
+    """TRL's ServerDistillationTrainer with teacher_model_server_url at the teacher: a few steps
+    of a tiny student (TRL's client requires vLLM to be importable for weight sync, which a
+    frozen teacher does not use: that check alone is bypassed), the teacher serving every request."""
+    import trl.generation.vllm_client as vllm_client
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl.experimental.server_distillation import ServerDistillationConfig, ServerDistillationTrainer
+
+    from distill_demo.tokenizer import train_tokenizer
+
+    monkeypatch.setattr(vllm_client, "is_vllm_available", lambda *args, **kwargs: True)
+    student_dir = build_tiny_model(tmp_path / "student", vocab_size=VOCAB, layers=1, seed=1)
+    train_tokenizer(TEXTS, vocab_size=300, save_dir=student_dir)
+    server = ServerProcess("--model", str(model_dir))  # no token: TRL's client sends none
+    try:
+        data = Dataset.from_dict({"prompt": ["def add(a, b):", "The quick brown", "for i in", "class Point:"] * 2})
+        args = ServerDistillationConfig(
+            output_dir=str(tmp_path / "out"), teacher_model_server_url=_http(server), max_steps=3,
+            per_device_train_batch_size=2, max_completion_length=8, loss_top_k=5, beta=0.0, report_to=[],
+            use_cpu=True, logging_steps=1, learning_rate=1e-3, save_strategy="no")
+        trainer = ServerDistillationTrainer(model=str(student_dir), args=args, train_dataset=data,
+                                            processing_class=AutoTokenizer.from_pretrained(student_dir))
+        trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        assert len(losses) == 3 and all(math.isfinite(loss) and loss > 0 for loss in losses)
+        served = {s["job_id"]: s for s in requests.get(f"{_http(server)}/v1/status", timeout=10).json()["sessions"]}
+        assert served["openai-api"]["batches_sent"] >= 3 and served["openai-api"]["tokens_served"] > 0
+    finally:
+        server.stop()
