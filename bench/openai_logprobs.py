@@ -415,35 +415,11 @@ def writers(model_dir: Path, vocab: int, length: int, ks: list[int], repeats: in
     return lines
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vllm", default="", help="the `vllm` command of vLLM's own venv (e.g. /tmp/vllmenv/bin/vllm)")
-    parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "openai_logprobs_bench"),
-                        help="where the model is built (kept, reused) and the servers' logs go")
-    parser.add_argument("--ks", default="20,100", help="prompt_logprobs values, a comma list")
-    parser.add_argument("--shapes", default="1x4096,8x512", help="prompts per request x tokens each, a comma list")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--check-tokens", type=int, default=512, help="the cross-check prompt's length")
-    parser.add_argument("--skip-throughput", action="store_true")
-    parser.add_argument("--skip-latency", action="store_true")
-    parser.add_argument("--skip-writers", action="store_true")
-    parser.add_argument("--grpc-shape", default="4x256", help="the gRPC job's batches")
-    parser.add_argument("--api-shape", default="1x4096", help="the API job's requests")
-    parser.add_argument("--api-k", type=int, default=100)
-    parser.add_argument("--batches", type=int, default=30, help="gRPC batches per phase per round")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--vllm-startup-timeout-s", type=float, default=900.0)
-    parser.add_argument("--out", default="")
-    args = parser.parse_args()
-    ks = [int(k) for k in args.ks.split(",")]
-    shapes = [_shape(s) for s in args.shapes.split(",")]
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    model_dir = build_model(workdir / "model")
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    max_len = 2 * max(rows * length for rows, length in shapes + [_shape(args.api_shape)])
+def served(args, model_dir: Path, vocab: int, ks: list[int], shapes: list[tuple[int, int]],
+           max_len: int) -> tuple[list[str], dict]:
+    """Tables 1 and 2: the servers started, measured, stopped."""
     lines, figures = [], {}
-    load = os.getloadavg()
+    workdir = Path(args.workdir)
     with ServerProcess("--model", str(model_dir), "--max-logprobs", str(max(ks + [args.api_k])), "--max-seq-len",
                        str(max_len), "--max-batch-tokens", str(max_len), "--log-format", "json",
                        # The send deadline covers a whole answer, and 4096 x 100 entries are ~30 MB
@@ -479,6 +455,40 @@ def main() -> None:
                       f"a time) while another job sends `POST /v1/completions` of {args.api_shape} tokens back to "
                       f"back from another process, {args.rounds} rounds x {args.batches} batches per phase:", "",
                       *table, ""]
+    return lines, figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm", default="", help="the `vllm` command of vLLM's own venv (e.g. /tmp/vllmenv/bin/vllm)")
+    parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "openai_logprobs_bench"),
+                        help="where the model is built (kept, reused) and the servers' logs go")
+    parser.add_argument("--ks", default="20,100", help="prompt_logprobs values, a comma list")
+    parser.add_argument("--shapes", default="1x4096,8x512", help="prompts per request x tokens each, a comma list")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--check-tokens", type=int, default=512, help="the cross-check prompt's length")
+    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--skip-writers", action="store_true")
+    parser.add_argument("--grpc-shape", default="4x256", help="the gRPC job's batches")
+    parser.add_argument("--api-shape", default="1x4096", help="the API job's requests")
+    parser.add_argument("--api-k", type=int, default=100)
+    parser.add_argument("--batches", type=int, default=30, help="gRPC batches per phase per round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--vllm-startup-timeout-s", type=float, default=900.0)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    ks = [int(k) for k in args.ks.split(",")]
+    shapes = [_shape(s) for s in args.shapes.split(",")]
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = build_model(workdir / "model")
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    max_len = 2 * max([rows * length for rows, length in shapes + [_shape(args.api_shape)]] + [args.check_tokens])
+    lines, figures = [], {}
+    load = os.getloadavg()
+    if not (args.skip_throughput and args.skip_latency):
+        lines, figures = served(args, model_dir, vocab, ks, shapes, max_len)
     if not args.skip_writers:
         lines += [f"The JSON writer alone, in this process, median of {args.repeats}:", "",
                   *writers(model_dir, vocab, max(length for _, length in shapes), ks, args.repeats), ""]
