@@ -1,0 +1,501 @@
+"""Prompt log-probabilities over vLLM's OpenAI API: teacher-server beside vLLM, and what the API's
+requests do to another job's gRPC latency.
+
+    python -m bench.openai_logprobs --vllm /tmp/vllmenv/bin/vllm --out openai.md     # CPU, both tables
+    python -m bench.openai_logprobs --skip-latency                                  # throughput only, no vLLM
+
+One tiny Llama with a realistic vocabulary (32,000 entries, a BPE tokenizer trained here; hidden
+256, 4 layers, float32, random weights), built into --workdir, served by both. Two tables:
+
+1. Throughput: `POST /v1/completions` with token-id prompts (fresh random ids each request, so no
+   cache or prefix cache serves one), `max_tokens` 1, `prompt_logprobs` k, timed from the request
+   to its parsed JSON (the client's parse counts: it is what a trainer waits for), --repeats
+   times per (shape, k, server) with the servers alternated within each repeat, after one
+   untimed request of each. Prompt tokens/s of the median, and teacher-server / vLLM. Before
+   it, one request to both: the largest difference between their log-probabilities at the same
+   ids (same weights: they should agree to ~1e-4), and whether the ids listed agree.
+   vLLM is `vllm serve` (the CPU build, its own venv: --vllm) with --max-logprobs at the largest k,
+   float32, prefix caching off, a batch-token budget as large as the teacher's; without --vllm
+   its column says "not run".
+2. Another job's latency (teacher-server only): a gRPC job (TeacherClient, top-64 log-probabilities)
+   submits one batch at a time; its batch latency p50/p99 alone, then while a second process
+   hammers `POST /v1/completions` as another job with the same prompts without
+   `prompt_logprobs` (the forwards only: the share of the model fair share gives it), then with
+   `prompt_logprobs` k (the forwards and the JSON of k entries per position). Phases are
+   cycled --rounds times and pooled. Goal: p99 with the API job <= 1.5x alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import socket
+import statistics
+import string
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+import torch
+
+from bench.table import emit
+from teacher_server.launcher import ServerProcess, child_env, stop_process
+from teacher_server.openai.protocol import LOGPROB_FLOOR, TokenText, prompt_logprobs_json
+
+VOCAB = 32000
+MODEL_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=8192)
+HTTP_TIMEOUT_S = 300.0
+
+
+def build_model(directory: Path) -> Path:
+    """The tokenizer (BPE of VOCAB entries trained on seeded random words) and a random Llama of as
+    many entries, saved as one Hugging Face model directory; reused when it is there."""
+    if (directory / "config.json").exists() and (directory / "tokenizer.json").exists():
+        return directory
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from distill_demo.tokenizer import train_tokenizer
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 9))) for _ in range(60000)]
+    texts = [" ".join(rng.choice(words) for _ in range(200)) for _ in range(3000)]
+    tokenizer = train_tokenizer(texts, vocab_size=VOCAB, save_dir=directory)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **MODEL_SHAPE)
+    LlamaForCausalLM(config).float().save_pretrained(directory)
+    return directory
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """`vllm serve` in a child process, its output in `log_path`; ready once /health answers 200."""
+
+    def __init__(self, vllm: str, model: Path, *, max_logprobs: int, max_model_len: int, log_path: Path,
+                 startup_timeout_s: float):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        # The CPU build's own defaults otherwise (its thread binding: one core for compute per rank
+        # and the rest reserved for the API server, on a 2-core machine one and one).
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu",
+               "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        env.pop("PYTHONPATH", None)  # vLLM's venv, not this project's imports
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [vllm, "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+             "--max-logprobs", str(max_logprobs), "--max-model-len", str(max_model_len),
+             "--max-num-batched-tokens", str(max_model_len), "--no-enable-prefix-caching"],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=tempfile.gettempdir())
+        try:
+            self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; its output:\n"
+                                   f"{self.log_path.read_text()[-4000:]}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"vllm serve did not answer /health within {timeout_s:g} s (--vllm-startup-timeout-s); "
+                           f"its output:\n{self.log_path.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        stop_process(self.proc, timeout_s=60)
+        self._log.close()
+
+
+def _prompts(seed: int, rows: int, length: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(rows)]
+
+
+def _body(model: str, prompts: list[list[int]], k: int | None) -> bytes:
+    body = {"model": model, "prompt": prompts, "max_tokens": 1, "temperature": 1.0}
+    if k is not None:
+        body["prompt_logprobs"] = k
+    return json.dumps(body).encode()
+
+
+def _complete(session: requests.Session, url: str, body: bytes) -> tuple[float, float, dict, int]:
+    """Seconds from the request to its parsed JSON, seconds to the answer's first bytes (the
+    server's own work: both write the whole JSON before sending it), the JSON, its bytes."""
+    start = time.perf_counter()
+    response = session.post(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"},
+                            timeout=HTTP_TIMEOUT_S, stream=True)
+    chunks = response.iter_content(1 << 20)
+    content = next(chunks, b"")
+    first_byte_s = time.perf_counter() - start
+    content += b"".join(chunks)
+    parsed = json.loads(content)
+    seconds = time.perf_counter() - start
+    if response.status_code != 200:
+        raise RuntimeError(f"{url} answered {response.status_code}: {content[:2000]!r}")
+    return seconds, first_byte_s, parsed, len(content)
+
+
+def _model_id(url: str) -> str:
+    return requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def _shape(text: str) -> tuple[int, int]:
+    rows, length = text.lower().split("x")
+    return int(rows), int(length)
+
+
+# ---- 1. throughput, side by side ------------------------------------------------------------------
+
+def cross_check(servers: dict[str, str], models: dict[str, str], vocab: int, length: int, k: int) -> list[str]:
+    """One prompt to every server: the largest |difference| of the log-probabilities both list at
+    the same position and id, how many positions list different ids, and ranks that differ."""
+    prompt = _prompts(12345, 1, length, vocab)
+    got = {}
+    for name, url in servers.items():
+        with requests.Session() as session:
+            got[name] = _complete(session, url, _body(models[name], prompt, k))[2]["choices"][0]["prompt_logprobs"]
+    names = list(got)
+    if len(names) < 2:
+        return [f"Cross-check: only {names[0]} ran; nothing to compare."]
+    a, b = got[names[0]], got[names[1]]
+    largest, id_mismatches, rank_mismatches, rank_gap, compared = 0.0, 0, 0, 0, 0
+    for t in range(1, len(prompt[0])):
+        if set(a[t]) != set(b[t]):
+            id_mismatches += 1
+        for token in set(a[t]) & set(b[t]):
+            compared += 1
+            largest = max(largest, abs(a[t][token]["logprob"] - b[t][token]["logprob"]))
+            rank_mismatches += a[t][token]["rank"] != b[t][token]["rank"]
+            if a[t][token]["rank"] is not None and b[t][token]["rank"] is not None:
+                rank_gap = max(rank_gap, abs(a[t][token]["rank"] - b[t][token]["rank"]))
+    return [f"Cross-check, one {length}-token prompt at k = {k}: {compared} (position, id) log-probabilities "
+            f"listed by both; largest |{names[0]} - {names[1]}| = {largest:.2e}; positions listing different "
+            f"ids: {id_mismatches} of {len(prompt[0]) - 1}; ranks that differ: {rank_mismatches} (by at most "
+            f"{rank_gap}: ranks among near-equal log-probabilities); position 0 "
+            f"null in both: {a[0] is None and b[0] is None}."]
+
+
+def throughput(servers: dict[str, str], models: dict[str, str], shapes: list[tuple[int, int]], ks: list[int],
+               repeats: int, vocab: int) -> tuple[list[str], dict]:
+    names = list(servers)
+    times: dict = {}
+    first_bytes: dict = {}
+    sizes: dict = {}
+    seed = 0
+    with requests.Session() as session:
+        for shape in shapes:
+            for k in ks:
+                for name in names:  # untimed: first requests of a shape warm both up
+                    seed += 1
+                    _complete(session, servers[name], _body(models[name], _prompts(seed, *shape, vocab), k))
+        for repeat in range(repeats):
+            for shape in shapes:
+                for k in ks:
+                    order = names if repeat % 2 == 0 else names[::-1]
+                    for name in order:
+                        seed += 1
+                        body = _body(models[name], _prompts(seed, *shape, vocab), k)
+                        seconds, first_byte_s, _, size = _complete(session, servers[name], body)
+                        times.setdefault((shape, k, name), []).append(seconds)
+                        first_bytes.setdefault((shape, k, name), []).append(first_byte_s)
+                        sizes[(shape, k, name)] = size
+    lines = ["| prompts | k | " + " | ".join(f"{n} tokens/s (median s; to first byte; MB)" for n in names) +
+             (f" | {names[0]} / {names[1]} |" if len(names) > 1 else " |"),
+             "|---|---|" + "---|" * len(names) + ("---|" if len(names) > 1 else "")]
+    figures = []
+    for shape in shapes:
+        for k in ks:
+            tokens = shape[0] * shape[1]
+            rates = {}
+            cells = []
+            for name in names:
+                median = statistics.median(times[(shape, k, name)])
+                rates[name] = tokens / median
+                first = statistics.median(first_bytes[(shape, k, name)])
+                cells.append(f"{rates[name]:,.0f} ({median:.2f} s; {first:.2f} s; "
+                             f"{sizes[(shape, k, name)] / 1e6:.1f} MB)")
+                figures.append({"shape": list(shape), "k": k, "server": name, "seconds": times[(shape, k, name)],
+                                "first_byte_s": first_bytes[(shape, k, name)], "bytes": sizes[(shape, k, name)]})
+            ratio = f" | {rates[names[0]] / rates[names[1]]:.2f}x" if len(names) > 1 else ""
+            lines.append(f"| {shape[0]} x {shape[1]} | {k} | " + " | ".join(cells) + ratio + " |")
+    return lines, {"throughput": figures}
+
+
+# ---- 2. another job's latency ----------------------------------------------------------------------
+
+def _hammer(url: str, model: str, rows: int, length: int, vocab: int, k: int | None, stop, done) -> None:
+    """In its own process (its client work takes no GIL of the measuring one): requests back to
+    back until `stop`, each read whole (not parsed: a trainer elsewhere would parse it)."""
+    seed = 10_000
+    with requests.Session() as session:
+        while not stop.is_set():
+            seed += 1
+            response = session.post(f"{url}/v1/completions", data=_body(model, _prompts(seed, rows, length, vocab), k),
+                                    headers={"Content-Type": "application/json"}, timeout=HTTP_TIMEOUT_S)
+            if response.status_code != 200:
+                raise RuntimeError(f"the API job's request failed: {response.status_code} {response.text[:500]}")
+            with done.get_lock():
+                done.value += 1
+
+
+def _grpc_latencies(teacher, batches: int, rows: int, length: int, vocab: int, seed: int) -> list[float]:
+    generator = torch.Generator().manual_seed(seed)
+    latencies = []
+    for _ in range(batches):
+        ids = torch.randint(0, vocab, (rows, length), generator=generator)
+        start = time.perf_counter()
+        teacher.submit(ids).result(timeout=HTTP_TIMEOUT_S)
+        latencies.append(time.perf_counter() - start)
+    return latencies
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def latency(server: ServerProcess, model: str, vocab: int, grpc_shape: tuple[int, int],
+            http_shape: tuple[int, int], k: int, batches: int, rounds: int) -> tuple[list[str], dict]:
+    from distill_common.outputs import TopK
+    from student_trainer import TeacherClient
+
+    url = f"http://127.0.0.1:{server.http_port}"
+    phases = {"alone": None, "API job, no prompt_logprobs": "forward", f"API job, prompt_logprobs {k}": k}
+    results: dict[str, list[float]] = {name: [] for name in phases}
+    requests_done: dict[str, int] = {name: 0 for name in phases}
+    spent: dict[str, float] = {name: 0.0 for name in phases}
+    context = multiprocessing.get_context("spawn")
+    with TeacherClient(server.address, "cpu", outputs=(TopK(64),), job_id="grpc-job", join_timeout_s=120) as teacher:
+        _grpc_latencies(teacher, 3, *grpc_shape, vocab, seed=0)  # warm-up: session, group, first forwards
+        seed = 1
+        for _ in range(rounds):
+            for name, what in phases.items():
+                stop, done, hammer = context.Event(), context.Value("i", 0), None
+                if what is not None:
+                    hammer = context.Process(target=_hammer, daemon=True, args=(
+                        url, model, *http_shape, vocab, None if what == "forward" else what, stop, done))
+                    hammer.start()
+                    deadline = time.monotonic() + HTTP_TIMEOUT_S
+                    while done.value < 1:  # its first request served: it is running
+                        if not hammer.is_alive() or time.monotonic() > deadline:
+                            raise RuntimeError("the API job's first request did not complete "
+                                               f"within {HTTP_TIMEOUT_S:g} s (or its process died)")
+                        time.sleep(0.05)
+                    start_done = done.value
+                start = time.perf_counter()
+                results[name] += _grpc_latencies(teacher, batches, *grpc_shape, vocab, seed)
+                spent[name] += time.perf_counter() - start
+                seed += 1
+                if hammer is not None:
+                    requests_done[name] += done.value - start_done
+                    stop.set()
+                    hammer.join(timeout=HTTP_TIMEOUT_S)
+                    if hammer.is_alive():
+                        hammer.kill()
+                        raise RuntimeError("the API job did not stop within its request timeout")
+    alone = results["alone"]
+    lines = ["| gRPC job's batches | batches | p50 s | p99 s | p50 / alone | p99 / alone | API requests/s |",
+             "|---|---|---|---|---|---|---|"]
+    for name, values in results.items():
+        rate = f"{requests_done[name] / spent[name]:.2f}" if phases[name] is not None else "-"
+        lines.append(f"| {name} | {len(values)} | {statistics.median(values):.3f} | {_percentile(values, 0.99):.3f} | "
+                     f"{statistics.median(values) / statistics.median(alone):.2f}x | "
+                     f"{_percentile(values, 0.99) / _percentile(alone, 0.99):.2f}x | {rate} |")
+    return lines, {"latency": {name: values for name, values in results.items()}}
+
+
+# ---- 3. the JSON writer, alone -----------------------------------------------------------------------
+
+def _write_fewer_steps(ids, top, top_ids, own, rank, text) -> str:
+    """Candidate: the server's text with less Python per entry (the floor and the search for the
+    prompt token among the top k on whole tensors; each entry one f-string of strings made once)."""
+    positions = len(ids) - 1
+    k = top.shape[-1]
+    floor = torch.tensor(LOGPROB_FLOOR, dtype=top.dtype)
+    nxt = torch.tensor(ids[1:], dtype=torch.int64)
+    repeated = top_ids[:positions] == nxt[:, None]
+    repeated_at = torch.where(repeated.any(1), repeated.int().argmax(1), -1).tolist()
+    values = torch.where(top[:positions] > floor, top[:positions], floor).tolist()
+    own_values = torch.where(own[:positions] > floor, own[:positions], floor).tolist()
+    top_ids, rank = top_ids[:positions].tolist(), rank[:positions].tolist()
+    heads, tails = zip(*text.entries())
+    ranks = [f',"rank":{index + 1}' for index in range(k)]
+    parts = ["[null"]
+    for p in range(positions):
+        token = ids[p + 1]
+        items = [f'{heads[token]}{own_values[p]},"rank":{rank[p]}{tails[token]}']
+        items += [f"{heads[other]}{value}{rank_text}{tails[other]}"
+                  for value, other, rank_text in zip(values[p], top_ids[p], ranks)]
+        if repeated_at[p] >= 0:
+            del items[repeated_at[p] + 1]
+        parts.append("{" + ",".join(items) + "}")
+    return ",".join(parts) + "]"
+
+
+def _write_numpy(ids, top, top_ids, own, rank, text, arrays) -> str:
+    """Candidate: every [positions, 1 + k] entry at once with numpy's string ufuncs (its shortest
+    float text is Python's repr); Python only in the final join."""
+    import numpy as np
+
+    positions = len(ids) - 1
+    string = np.dtypes.StringDType()
+    heads, tails = arrays
+    nxt = np.asarray(ids[1:], dtype=np.int64)
+    top_ids = top_ids[:positions].numpy()
+    every_id = np.concatenate([nxt[:, None], top_ids], axis=1)
+    values = np.concatenate([own[:positions, None].numpy(), top[:positions].numpy()], axis=1).astype(np.float64)
+    values = np.where(values > LOGPROB_FLOOR, values, LOGPROB_FLOOR)
+    ranks = np.concatenate([rank[:positions, None].numpy(),
+                            np.broadcast_to(np.arange(1, top_ids.shape[1] + 1), top_ids.shape)], axis=1)
+    before = np.full(every_id.shape, ",", dtype=string)
+    before[:, 0] = "},{"
+    before[0, 0] = "{"
+    entry = np.strings.add(np.strings.add(before, heads[every_id]), values.astype(string))
+    entry = np.strings.add(np.strings.add(entry, np.strings.add(',"rank":', ranks.astype(string))), tails[every_id])
+    entry[:, 1:][top_ids == nxt[:, None]] = ""
+    return "[null," + "".join(entry.ravel().tolist()) + "}]"
+
+
+def writers(model_dir: Path, vocab: int, length: int, ks: list[int], repeats: int) -> list[str]:
+    """Seconds to write one prompt's `prompt_logprobs` from the derived tensors (a real
+    log_softmax of random logits), by the server's writer (its `.tolist()`s included, as
+    `_response` does them) and the candidates; each candidate's text checked equal to the server's."""
+    import numpy as np
+    from transformers import PreTrainedTokenizerFast
+
+    text = TokenText(PreTrainedTokenizerFast.from_pretrained(model_dir), vocab)
+    heads, tails = zip(*text.entries())
+    arrays = (np.array(heads, dtype=np.dtypes.StringDType()), np.array(tails, dtype=np.dtypes.StringDType()))
+    generator = torch.Generator().manual_seed(0)
+    lines = [f"| k | {length}-token prompt: server's writer s | fewer Python steps s | numpy string ufuncs s | MB |",
+             "|---|---|---|---|---|"]
+    for k in ks:
+        logprobs = torch.randn(length, vocab, generator=generator).log_softmax(-1)
+        ids = torch.randint(0, vocab, (length,), generator=generator).tolist()
+        ids[2] = int(logprobs[1].argmax())  # one prompt token among the top k, listed once
+        top, top_ids = logprobs.topk(k, dim=1)
+        nxt = torch.tensor(ids[1:] + ids[-1:])
+        own = logprobs.gather(1, nxt[:, None])[:, 0]
+        rank = (logprobs >= own[:, None]).sum(1)
+        candidates = {
+            "server": lambda: prompt_logprobs_json(ids, top.tolist(), top_ids.tolist(), own.tolist(), rank.tolist(),
+                                                   None, None, text),
+            "fewer": lambda: _write_fewer_steps(ids, top, top_ids, own, rank, text),
+            "numpy": lambda: _write_numpy(ids, top, top_ids, own, rank, text, arrays)}
+        seconds, texts = {}, {}
+        for _ in range(repeats):
+            for name, write in candidates.items():
+                start = time.perf_counter()
+                texts[name] = write()
+                seconds.setdefault(name, []).append(time.perf_counter() - start)
+        for name in ("fewer", "numpy"):
+            if texts[name] != texts["server"]:
+                raise AssertionError(f"the {name} writer's text differs from the server's")
+        lines.append(f"| {k} | " + " | ".join(f"{statistics.median(seconds[name]):.3f}" for name in candidates) +
+                     f" | {len(texts['server']) / 1e6:.1f} |")
+    return lines
+
+
+def served(args, model_dir: Path, vocab: int, ks: list[int], shapes: list[tuple[int, int]],
+           max_len: int) -> tuple[list[str], dict]:
+    """Tables 1 and 2: the servers started, measured, stopped."""
+    lines, figures = [], {}
+    workdir = Path(args.workdir)
+    with ServerProcess("--model", str(model_dir), "--max-logprobs", str(max(ks + [args.api_k])), "--max-seq-len",
+                       str(max_len), "--max-batch-tokens", str(max_len), "--log-format", "json",
+                       # The send deadline covers a whole answer, and 4096 x 100 entries are ~30 MB
+                       # through a 16 KiB socket buffer: past the default 10 s on a loaded machine.
+                       "--http-send-timeout-s", str(HTTP_TIMEOUT_S),
+                       log_path=workdir / "teacher.log", env=child_env()) as teacher:
+        teacher_url = f"http://127.0.0.1:{teacher.http_port}"
+        if not args.skip_throughput:
+            servers = {"teacher-server": teacher_url}
+            vllm = None
+            if args.vllm:
+                vllm = VllmServer(args.vllm, model_dir, max_logprobs=max(ks), max_model_len=max_len,
+                                  log_path=workdir / "vllm.log", startup_timeout_s=args.vllm_startup_timeout_s)
+                servers["vLLM"] = vllm.url
+            try:
+                models = {name: _model_id(url) for name, url in servers.items()}
+                check = cross_check(servers, models, vocab, args.check_tokens, ks[0])
+                table, figures_1 = throughput(servers, models, shapes, ks, args.repeats, vocab)
+            finally:
+                if vllm is not None:
+                    vllm.stop()
+            figures.update(figures_1)
+            lines += [f"Prompt log-probabilities over `POST /v1/completions`, `max_tokens` 1, request to parsed JSON, "
+                      f"median of {args.repeats} (servers alternated), CPU; a Llama of vocabulary {vocab:,}, hidden "
+                      f"256, 4 layers, float32 (`python -m bench.openai_logprobs"
+                      f"{' --vllm ' + args.vllm if args.vllm else ''}`):", "", *table, "",
+                      *([] if args.vllm else ["vLLM: not run (no --vllm)", ""]), *check, ""]
+        if not args.skip_latency:
+            table, figures_2 = latency(teacher, _model_id(teacher_url), vocab, _shape(args.grpc_shape),
+                                       _shape(args.api_shape), args.api_k, args.batches, args.rounds)
+            figures.update(figures_2)
+            lines += [f"A gRPC job's batch latency ({args.grpc_shape} tokens, top-64 log-probabilities, one batch at "
+                      f"a time) while another job sends `POST /v1/completions` of {args.api_shape} tokens back to "
+                      f"back from another process, {args.rounds} rounds x {args.batches} batches per phase:", "",
+                      *table, ""]
+    return lines, figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm", default="", help="the `vllm` command of vLLM's own venv (e.g. /tmp/vllmenv/bin/vllm)")
+    parser.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "openai_logprobs_bench"),
+                        help="where the model is built (kept, reused) and the servers' logs go")
+    parser.add_argument("--ks", default="20,100", help="prompt_logprobs values, a comma list")
+    parser.add_argument("--shapes", default="1x4096,8x512", help="prompts per request x tokens each, a comma list")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--check-tokens", type=int, default=512, help="the cross-check prompt's length")
+    parser.add_argument("--skip-throughput", action="store_true")
+    parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--skip-writers", action="store_true")
+    parser.add_argument("--grpc-shape", default="4x256", help="the gRPC job's batches")
+    parser.add_argument("--api-shape", default="1x4096", help="the API job's requests")
+    parser.add_argument("--api-k", type=int, default=100)
+    parser.add_argument("--batches", type=int, default=30, help="gRPC batches per phase per round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--vllm-startup-timeout-s", type=float, default=900.0)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    ks = [int(k) for k in args.ks.split(",")]
+    shapes = [_shape(s) for s in args.shapes.split(",")]
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = build_model(workdir / "model")
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    max_len = 2 * max([rows * length for rows, length in shapes + [_shape(args.api_shape)]] + [args.check_tokens])
+    lines, figures = [], {}
+    load = os.getloadavg()
+    if not (args.skip_throughput and args.skip_latency):
+        lines, figures = served(args, model_dir, vocab, ks, shapes, max_len)
+    if not args.skip_writers:
+        lines += [f"The JSON writer alone, in this process, median of {args.repeats}:", "",
+                  *writers(model_dir, vocab, max(length for _, length in shapes), ks, args.repeats), ""]
+    end_load = os.getloadavg()
+    lines.append(f"Load average (1 min) at start {load[0]:.2f}, at end {end_load[0]:.2f}; {os.cpu_count()} CPUs.")
+    emit(lines, args.out, figures)
+
+
+if __name__ == "__main__":
+    main()
