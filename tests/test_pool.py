@@ -116,6 +116,7 @@ def test_a_pool_that_mixes_two_teachers_is_refused_naming_the_replica(model_dir,
         other.stop(signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_status_of_a_pool_lists_every_replica(model_dir, tmp_path):
     import subprocess
     import sys
