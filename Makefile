@@ -27,7 +27,7 @@ proto-check: $(STAMP)
 	$(PY) -m distill_common.protogen --check
 
 test: $(STAMP)
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q
+	$(PY) -m pytest -q
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
