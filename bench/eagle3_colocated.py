@@ -62,19 +62,11 @@ H200_BF16_TFLOPS = 790.0  # dense bf16 matrix rate measured on this workplace's 
 
 def build_target(shape: str, device: torch.device):
     """Random bfloat16 weights (float32 on the CPU), built where they run."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(**SHAPES[shape])
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval().requires_grad_(False)
+    from bench.models import random_model
+
+    return random_model(LlamaConfig(**SHAPES[shape]), device, torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
 # ---- model FLOPs (docs/eagle3.md) ------------------------------------------------------------

@@ -59,6 +59,7 @@ import time
 import torch
 
 from bench.cuda_timing import median_call_ms
+from bench.models import random_model
 from bench.table import emit
 
 BF16_PEAK = 790e12  # H200 dense bf16, as measured here (DESIGN.md)
@@ -118,17 +119,7 @@ def is_moe(config) -> bool:
 
 def transformers_model(config, device: str):
     """transformers' own forward: its default experts (grouped_mm) and attention."""
-    from transformers import AutoModelForCausalLM
-
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval().requires_grad_(False)
+    return random_model(config, device, torch.bfloat16)
 
 
 def redraw_routers(model, std: float) -> int:

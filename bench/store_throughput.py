@@ -104,17 +104,11 @@ def bytes_per_token(shape: str) -> list[dict]:
 
 def build_teacher(shape: str, device: torch.device):
     """Random weights in the shape's dtype, built where they run (an 8B model never touches the host)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(DTYPES[shape])
-    try:
-        with torch.device(device):
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPES[shape]))
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval().requires_grad_(False)
+    from bench.models import random_model
+
+    return random_model(LlamaConfig(**SHAPES[shape]), device, DTYPES[shape])
 
 
 def synchronize(device: torch.device) -> None:
