@@ -35,6 +35,7 @@ from distill_common.session_group import STUDENT_RANK, build_group, handshake, l
 from student_trainer.connection import Action, FirstJoin, State
 from student_trainer.errors import Incompatible, TeacherError
 from student_trainer.link import Link, TeacherInfo
+from student_trainer.pool import LOWER_RANKS_WAIT_S
 from student_trainer.session import Session
 
 # The client's logger: what a TeacherClient says about its connection is one log, whichever module says it.
@@ -49,9 +50,12 @@ def session_weight(join_request: pb.JoinRequest) -> float:
 def choose_first(pool, join_request: pb.JoinRequest, deadline: float) -> tuple[str, dict]:
     """The replica the first Join goes to (student_trainer/pool.py), and the statuses it was chosen
     from; while no replica of a pool answers, asked again until `deadline` (the join timeout)."""
+    # Ranks of a known job size place themselves in rank order (student_trainer/pool.py).
+    wait_s = LOWER_RANKS_WAIT_S if join_request.job_size > 0 else 0.0
     while True:
         try:
-            return pool.choose(join_request.job_id, join_request.job_rank, session_weight(join_request))
+            return pool.choose(join_request.job_id, join_request.job_rank, session_weight(join_request),
+                               lower_ranks_wait_s=max(0.0, min(wait_s, deadline - 1.0 - time.monotonic())))
         except TeacherError as e:
             if time.monotonic() + 1.0 >= deadline:
                 pool.close()
@@ -202,7 +206,7 @@ def rejoin(link: Link) -> None:
             link.wait_closed(pause_s)
             continue
         try:
-            resent = install(link, session)
+            resent = install(link, session, lost_since=start, lost=f"session {lost.session_id} on {lost_at}")
         except Exception:
             if link.connection.state is State.CLOSED:
                 return  # closed while starting the new session
@@ -282,8 +286,10 @@ def check_same_teacher(address: str, before: TeacherInfo, backend: str, output_d
         log.warning("teacher %s came back serving %s (was %s)", address, info.model_name, before.model_name)
 
 
-def install(link: Link, session: Session) -> int | None:
-    """Makes `session` current and sends it every undelivered batch, in submit order.
+def install(link: Link, session: Session, lost_since: float, lost: str) -> int | None:
+    """Makes `session` current and sends it every undelivered batch, in submit order. `lost_since`
+    (monotonic) and `lost` (which session, where): the session before it, logged with the new
+    one's first delivery.
 
     Returns how many were sent, or None when the client was closed meanwhile.
     """
@@ -291,6 +297,7 @@ def install(link: Link, session: Session) -> int | None:
         with link.cond:
             installed = link.connection.rejoined(session)
             if installed:
+                link.recovering = (session, lost_since, lost)
                 hopeless = link.connection.not_to_resubmit(link.undelivered)
                 failed = [(link.undelivered.pop(batch_id), error) for batch_id, error in hopeless.items()]
                 batches = list(link.undelivered.values())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -145,6 +146,9 @@ class Link:
         self.connection: Connection | None = None
         # The replicas `channel` is one of (student_trainer/pool.py): a rejoin may move to another.
         self.pool = None
+        # After a rejoin, until the new session delivers its first batch: that session, when
+        # (monotonic) the one before it was lost, and which it was, where. The outage is logged then.
+        self.recovering: tuple[Session, float, str] | None = None
 
     def start(self, session: Session) -> None:
         """Opens the submit stream of `session` (already made current) and starts its threads."""
@@ -163,6 +167,15 @@ class Link:
             if self.undelivered.pop(batch.batch_id, None) is None:
                 return False
             self.cond.notify_all()  # close() waits for `undelivered` to empty
+            recovered = self.recovering if error is None and self.recovering and self.recovering[0] is session else None
+            if recovered is not None:
+                self.recovering = None
+        if recovered is not None:
+            # The other end of the "lost teacher" warning, on every rank that gave it: how long
+            # the session delivered nothing (detecting the loss, joining again, the first batch).
+            _, lost_since, lost = recovered
+            log.warning("teacher %s serving again: session %s delivered its first batch %.2fs after losing %s",
+                        self.channel.address, session.session_id, time.monotonic() - lost_since, lost)
         if error is None:
             batch.future.set_result(result)
         else:

@@ -11,26 +11,30 @@ among them), the sum of the weights it applies to its jobs (`weight_total`) and 
 --max-held-bytes, its sessions against --max-sessions). A session goes where its job has the
 fewest sessions, then where the weight is least (a job of weight w and n ranks brings w / n a
 session), then where the load is least (in steps of 0.1), then, among equals, to the replica its
-job rank points at. Ranks of a job that join at once see the same sums: each places its job's
-lower ranks that no replica shows yet first, as they will place themselves, so the ranks spread
-as if they had joined one after another. A replica that does not answer within a few seconds is
-passed over.
+job rank points at. Ranks of a job place themselves in rank order: a rank's first join waits
+(up to LOWER_RANKS_WAIT_S) until its job's lower ranks show on a replica, so each sees where the
+others went: ranks that place themselves at once, each guessing where the others go, guess from
+different views when other jobs join meanwhile, and may land together (tests/test_pool.py).
+Lower ranks still missing after the wait are placed first, as they would place themselves. A replica that
+does not answer within a few seconds is passed over.
 
 A job's weight over the pool: the Join says how many ranks the job has (JoinRequest.job_size),
 and each replica applies the job's weight times the share of those ranks it serves. Its ranks
 are spread first because a data-parallel job steps at the pace of its slowest rank: a rank on a
-replica that is busier than its job's other replicas holds the whole job to that replica's rate.
-Spread evenly, every replica serves every job of at least as many ranks as there are replicas
-in proportion to its weight, so the per-replica shares add up to the weights over the pool; a
-job of fewer ranks than replicas has them on as many replicas, and the weights break the ties.
+replica busier than its job's others holds the whole job to that replica's pace, and what the
+job leaves unused elsewhere goes to the jobs beside it. A job whose ranks are spread evenly over
+every replica is served in proportion to its weight on each, so over the pool too; a job of
+fewer ranks than replicas has them on as many replicas, and the weights break the ties.
 Least weight first, without spreading, left a job's two ranks on one replica when that was
 lightest, and the jobs that joined later had to share what was left unevenly: three replicas,
 three jobs of two ranks with weights 1, 1, 2, each job stepping at its slowest rank's pace, put
 some job more than 20% off its weight's share of the tokens (up to 59%) in 128 of the 720 orders
 the six ranks can join in one after another; spread first, every order is within 2%
-(tests/test_scheduler.py simulates it with the replicas' own scheduler). What it does not do: move a session that serves, so jobs that leave can leave the shares
-uneven until the next joins, and ranks of several jobs that join at the same moment see the same
-sums and may crowd the same replicas (their shares still follow the weights, a replica may idle).
+(tests/test_scheduler.py simulates it with the replicas' own scheduler). What it does not do:
+move a session that serves, so jobs that leave can leave the shares uneven until the next joins;
+and ranks of several jobs that join at the same moment see the same sums and may crowd the same
+replicas (their shares still follow the weights, a replica may idle). Replicas that run at
+different speeds hold the jobs with a rank on the slower one to its pace.
 
 Identity (`Pool.check_same`): replicas of a pool must serve the same teacher, or a student
 moved from one to another would get other outputs mid-run. At the first join every replica
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -55,6 +60,10 @@ log = logging.getLogger("student_trainer.client")
 
 # How long a replica's GetStatus may take before placement passes it over.
 STATUS_TIMEOUT_S = 3.0
+# A rank's first join waits at most this long for its job's lower ranks to show on a replica, asking
+# this often: ranks that start together then place themselves one after another, each seeing the others.
+LOWER_RANKS_WAIT_S = 10.0
+LOWER_RANKS_POLL_S = 0.1
 # Fields of TeacherInfo every replica of a pool must agree on.
 IDENTITY = ("architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "tp_size", "tokenizer_fingerprint",
             "weights_fingerprint", "topk_form")
@@ -146,20 +155,33 @@ class Pool:
         with ThreadPoolExecutor(max_workers=min(16, len(addresses))) as pool:
             return {address: status for address, status in pool.map(ask, addresses) if status is not None}
 
-    def choose(self, job_id: str, job_rank: int, session_weight: float,
-               avoid: str = "") -> tuple[str, dict[str, pb.StatusResponse]]:
+    def choose(self, job_id: str, job_rank: int, session_weight: float, avoid: str = "",
+               lower_ranks_wait_s: float = 0.0) -> tuple[str, dict[str, pb.StatusResponse]]:
         """The replica a session of `job_id` should join (see the module's docstring), and the
-        statuses it was chosen from. `avoid`: a replica just lost, taken only if no other answers."""
+        statuses it was chosen from. `avoid`: a replica just lost, taken only if no other answers.
+        `lower_ranks_wait_s`: how long to wait for the job's lower ranks to show on a replica
+        before placing this one (those still missing then are placed as they would place themselves)."""
         addresses = self.addresses()
         if self.single:
             return addresses[0], {}
-        statuses = self.statuses(addresses)
+        deadline = time.monotonic() + lower_ranks_wait_s
+        while True:
+            statuses = self.statuses(addresses)
+            joined_ranks = {s.job_rank for status in statuses.values() for s in status.sessions
+                            if s.job_id == job_id}
+            missing = set(range(job_rank)) - joined_ranks
+            if not missing or not statuses or time.monotonic() >= deadline:
+                break
+            time.sleep(LOWER_RANKS_POLL_S)
+            addresses = self.addresses()
+        if missing and lower_ranks_wait_s:
+            log.info("ranks %s of job %s not on any replica of %s after %.0fs: placing rank %d as if they were",
+                     sorted(missing), job_id, self.spec, lower_ranks_wait_s, job_rank)
         candidates = [a for a in addresses if a in statuses and a != avoid] or [a for a in addresses if a in statuses]
         if not candidates:
             raise TeacherUnavailable(f"no replica of the teacher pool {self.spec} answered ({', '.join(addresses)})",
                                      grpc.StatusCode.UNAVAILABLE)
 
-        joined_ranks = {s.job_rank for status in statuses.values() for s in status.sessions if s.job_id == job_id}
         chosen = place({address: (sum(s.job_id == job_id for s in statuses[address].sessions),
                                   statuses[address].weight_total, load(statuses[address])) for address in candidates},
                        addresses, job_rank, session_weight, joined_ranks)

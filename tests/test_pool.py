@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 import pytest
 import torch
 
+from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from student_trainer import TeacherClient
 from student_trainer.errors import Incompatible
+from student_trainer.pool import Pool
 from teacher_server.launcher import ServerProcess
 from tests.helpers import build_tiny_model, status_sessions, wait_until
 
@@ -135,3 +138,58 @@ def test_status_of_a_pool_lists_every_replica(model_dir, tmp_path):
         assert "== 127.0.0.1:1\n(no answer: 127.0.0.1:1 answered UNAVAILABLE" in result.stdout
     finally:
         replica.stop(signal.SIGKILL)
+
+
+class Board:
+    """What the replicas of a pool say of their sessions (GetStatus), kept here: placement's view."""
+
+    def __init__(self, addresses: list[str]):
+        self.addresses = addresses
+        self.sessions: dict[str, list[tuple[str, int, float]]] = {address: [] for address in addresses}
+        self.lock = threading.Lock()
+
+    def join(self, address: str, job_id: str, job_rank: int, weight: float) -> None:
+        with self.lock:
+            self.sessions[address].append((job_id, job_rank, weight))
+
+    def connect(self, address: str):
+        board = self
+
+        class Replica:
+            def call(self, method: str, request, timeout_s: float):
+                assert method == "GetStatus"
+                with board.lock:
+                    listed = list(board.sessions[address])
+                return pb.StatusResponse(
+                    info=pb.TeacherInfo(max_inflight=8, max_sessions=8), sessions_total=len(listed),
+                    sessions=[pb.SessionStatus(job_id=job, job_rank=rank, weight=w) for job, rank, w in listed],
+                    weight_total=sum(w for _, _, w in listed))
+
+            def close(self):
+                pass
+
+        return Replica()
+
+
+@pytest.mark.parametrize("in_rank_order", [True, False])
+def test_a_jobs_ranks_place_themselves_in_rank_order_so_other_joins_meanwhile_cannot_crowd_them(in_rank_order):
+    """Rank 1 of job "j" chooses while rank 0 has not joined yet, and another job's session joins
+    in between: rank 1 waits for rank 0 to show, and goes elsewhere. Guessing where rank 0 would
+    go instead (no wait) guesses from a view rank 0 no longer has, and both land on one replica."""
+    board = Board(["r0:1", "r1:1", "r2:1"])
+    board.join("r0:1", "x", 0, 1.0)
+    pool = Pool(",".join(board.addresses), board.connect)
+    chosen: dict[int, str] = {}
+
+    def rank_1() -> None:
+        chosen[1], _ = pool.choose("j", 1, 0.5, lower_ranks_wait_s=10.0 if in_rank_order else 0.0)
+
+    thread = threading.Thread(target=rank_1)
+    thread.start()
+    time.sleep(0.3)
+    board.join("r1:1", "y", 0, 1.0)  # another job's session, after rank 1 looked and before rank 0 does
+    chosen[0], _ = pool.choose("j", 0, 0.5)
+    board.join(chosen[0], "j", 0, 0.5)
+    thread.join(15)
+    assert chosen[0] == "r2:1"  # the one replica without a session
+    assert (chosen[1] != chosen[0]) is in_rank_order, chosen
