@@ -86,12 +86,28 @@ def configmap(docs: list[dict], name: str) -> dict:
     return matches[0]
 
 
-def pod_spec(workload: dict) -> dict:
-    return workload["spec"]["template"]["spec"]
+def pod_templates(workload: dict) -> dict[str, dict]:
+    """A workload's pod templates by role: "pod" for a StatefulSet, Deployment or Job; "leader"
+    and "worker" for a LeaderWorkerSet (its leader's template defaults to the workers')."""
+    if workload["kind"] == "LeaderWorkerSet":
+        templates = workload["spec"]["leaderWorkerTemplate"]
+        return {"leader": templates.get("leaderTemplate", templates["workerTemplate"]),
+                "worker": templates["workerTemplate"]}
+    return {"pod": workload["spec"]["template"]}
 
 
-def container(workload: dict, name: str) -> dict:
-    return next(c for c in pod_spec(workload)["containers"] if c["name"] == name)
+def pod_spec(workload: dict, role: str = "pod") -> dict:
+    templates = pod_templates(workload)
+    return templates.get(role, templates.get("leader"))["spec"]
+
+
+def container(workload: dict, name: str, role: str = "pod") -> dict:
+    return next(c for c in pod_spec(workload, role)["containers"] if c["name"] == name)
+
+
+# What the LeaderWorkerSet controller adds to every container of its pods (kubernetes-sigs/lws,
+# api/leaderworkerset/v1/leaderworkerset_types.go): the leader's address, the group's size, the pod's index.
+LWS_VARIABLES = {"LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"}
 
 
 def substitute(text: str, values: dict) -> str:
@@ -99,10 +115,37 @@ def substitute(text: str, values: dict) -> str:
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: values[m.group(1)], text)
 
 
+def strict(schema):
+    """A CRD's schema as the API server applies it with strict field validation (kubectl's
+    default): an object that lists its properties, and does not say to keep unknown fields,
+    takes no others."""
+    if isinstance(schema, list):
+        return [strict(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {key: strict(value) for key, value in schema.items()}
+    if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        schema.setdefault("additionalProperties", False)
+    return schema
+
+
+# Custom resources, by API group: the schema each is validated against (kubernetes-validate knows no CRDs).
+CRD_SCHEMAS = {
+    # Written out from the CRD by deploy/k8s/schemas/crd_schema.py, which names the release.
+    "leaderworkerset.x-k8s.io/v1": "leaderworkerset-v1.json",
+}
+
+
 def validate_schema(doc: dict, version: str) -> None:
     import jsonschema
     import kubernetes_validate
 
+    if doc["apiVersion"] in CRD_SCHEMAS:
+        schema = strict(json.loads((K8S / "schemas" / CRD_SCHEMAS[doc["apiVersion"]]).read_text()))
+        errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(doc), key=lambda e: list(e.absolute_path))
+        assert not errors, "; ".join(f"{doc['kind']} {doc['metadata']['name']}: {e.message} at "
+                                     f"{'/'.join(map(str, e.absolute_path))}" for e in errors)
+        return
     if doc["apiVersion"].startswith("monitoring.coreos.com/"):
         # kubernetes-validate knows no CRDs: a hand-written subset of the ServiceMonitor's schema.
         schema = json.loads((K8S / "schemas" / "servicemonitor-monitoring-v1.json").read_text())
@@ -136,8 +179,9 @@ def test_kustomization_renders_valid_manifests(directory):
                 f"{doc['kind']} {doc['metadata']['name']} has no `namespace: {NAMESPACE}` (set it in the kustomization)"
 
     configmaps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
-    for workload in (d for d in docs if d["kind"] in ("StatefulSet", "Deployment", "Job")):
-        spec = pod_spec(workload)
+    workloads = [d for d in docs if d["kind"] in ("StatefulSet", "Deployment", "Job", "LeaderWorkerSet")]
+    for workload, template in ((w, t) for w in workloads for t in pod_templates(w).values()):
+        spec = template["spec"]
         assert spec.get("enableServiceLinks") is False, \
             "the teacher Service would inject TEACHER_PORT=tcp://... into the pod: set enableServiceLinks: false"
         for volume in spec.get("volumes", []):
@@ -145,6 +189,7 @@ def test_kustomization_renders_valid_manifests(directory):
                 assert volume["configMap"]["name"] in configmaps, f"volume {volume['name']}: no such ConfigMap"
         for c in spec["containers"]:
             defined = {e["name"] for e in c.get("env", [])}
+            defined |= LWS_VARIABLES if workload["kind"] == "LeaderWorkerSet" else set()
             for source in c.get("envFrom", []):
                 name = source["configMapRef"]["name"]
                 assert name in configmaps, f"envFrom {name}: no such ConfigMap (a kustomize name reference broke)"
@@ -160,9 +205,9 @@ def teacher_values(docs: list[dict]) -> dict:
     return configmap(docs, "teacher-values")["data"]
 
 
-def pod_environment(docs: list[dict], workload: dict, name: str, **fields: str) -> dict:
+def pod_environment(docs: list[dict], workload: dict, name: str, role: str = "pod", **fields: str) -> dict:
     """The values $(VAR) expands to: envFrom ConfigMaps, then literal env, then `fields`."""
-    c = container(workload, name)
+    c = container(workload, name, role)
     values = {}
     for source in c.get("envFrom", []):
         values.update(configmap(docs, re.sub(r"-[a-z0-9]{10}$", "", source["configMapRef"]["name"]))["data"])
@@ -174,9 +219,27 @@ def pod_environment(docs: list[dict], workload: dict, name: str, **fields: str) 
 TEACHER_OVERLAYS = [d for d in KUSTOMIZATIONS if d.name != "student"]
 
 
+def teacher_workload(docs: list[dict]) -> dict:
+    """The teacher's pods: base's StatefulSet "teacher", or the LeaderWorkerSet of a pool whose
+    replicas span nodes (overlays/pool-multi-node)."""
+    groups = [d for d in docs if d["kind"] == "LeaderWorkerSet"]
+    return groups[0] if len(groups) == 1 else find(docs, "StatefulSet", "teacher")
+
+
+def teacher_fields(workload: dict, role: str) -> dict:
+    """What the pod's $(VAR)s expand to beyond its ConfigMaps and env: the downward API's, and the
+    LeaderWorkerSet controller's (in group 0)."""
+    fields = {"POD_IP": "10.0.0.7", "NODE_RANK": "0", "POD_NAMESPACE": NAMESPACE}
+    if workload["kind"] == "LeaderWorkerSet":
+        name = workload["metadata"]["name"]
+        fields.update(LWS_LEADER_ADDRESS=f"{name}-0.{name}.{NAMESPACE}", LWS_WORKER_INDEX="0" if role == "leader" else "1",
+                      LWS_GROUP_SIZE=str(workload["spec"]["leaderWorkerTemplate"]["size"]))
+    return fields
+
+
 @pytest.mark.parametrize("directory", TEACHER_OVERLAYS, ids=lambda d: str(d.relative_to(K8S)))
 def test_teacher_command_line_parses_and_matches_values(directory):
-    """What the pod would run: torchrun's and the server's own parsers accept it, and the
+    """What the pods would run: torchrun's and the server's own parsers accept it, and the
     values reached the GPU limit, replicas, ports and probes (components/values)."""
     from torch.distributed.run import get_args_parser
 
@@ -184,39 +247,48 @@ def test_teacher_command_line_parses_and_matches_values(directory):
 
     docs = render(directory)
     values = teacher_values(docs)
-    teacher = find(docs, "StatefulSet", "teacher")
-    c = container(teacher, "teacher")
-    env = pod_environment(docs, teacher, "teacher", POD_IP="10.0.0.7", NODE_RANK="0", POD_NAMESPACE=NAMESPACE)
+    teacher = teacher_workload(docs)
+    for role in pod_templates(teacher):
+        c = container(teacher, "teacher", role)
+        env = pod_environment(docs, teacher, "teacher", role, **teacher_fields(teacher, role))
+        command = [substitute(a, env) for a in c["command"]]
+        assert command[0] == "torchrun"
+        launcher = get_args_parser().parse_args(command[1:])
+        assert launcher.module and launcher.training_script == "teacher_server"
+        assert launcher.nproc_per_node == values["TEACHER_GPUS_PER_POD"]
+        assert launcher.nnodes == values["TEACHER_NNODES"]
 
-    command = [substitute(a, env) for a in c["command"]]
-    assert command[0] == "torchrun"
-    launcher = get_args_parser().parse_args(command[1:])
-    assert launcher.module and launcher.training_script == "teacher_server"
-    assert launcher.nproc_per_node == values["TEACHER_GPUS_PER_POD"]
-    assert launcher.nnodes == values["TEACHER_NNODES"]
+        config = settings_from(ServerConfig, settings_parser(ServerConfig).parse_args(
+            [substitute(a, env) for a in c["args"]]))  # checks, too
+        assert (config.model, config.device) == (values["TEACHER_MODEL"], values["TEACHER_DEVICE"])
+        assert config.advertise_host == "10.0.0.7", "students must reach the data plane at the pod IP, not via the Service"
+        gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
+        if config.device == "cpu":
+            assert gpus is None
+        else:
+            assert gpus == int(values["TEACHER_GPUS_PER_POD"]), "GPU limit != TEACHER_GPUS_PER_POD (components/values)"
+    # The pod that serves: the StatefulSet's, or each group's leader.
+    role = "leader" if teacher["kind"] == "LeaderWorkerSet" else "pod"
+    c = container(teacher, "teacher", role)
 
-    config = settings_from(ServerConfig, settings_parser(ServerConfig).parse_args(
-        [substitute(a, env) for a in c["args"]]))  # checks, too
-    assert (config.model, config.device) == (values["TEACHER_MODEL"], values["TEACHER_DEVICE"])
-    assert config.advertise_host == "10.0.0.7", "students must reach the data plane at the pod IP, not via the Service"
-
-    # A teacher's pods (its nodes), or a pool's replicas of one node each (overlays/pool).
+    # A teacher's pods (its nodes), or a pool's replicas: of one node each (overlays/pool), or
+    # groups of TEACHER_NNODES pods (overlays/pool-multi-node).
     if "TEACHER_REPLICAS" in values:
-        assert values["TEACHER_NNODES"] == "1", "a pool's replicas are one node each"
+        if teacher["kind"] == "LeaderWorkerSet":
+            assert teacher["spec"]["leaderWorkerTemplate"]["size"] == int(values["TEACHER_NNODES"])
+        else:
+            assert values["TEACHER_NNODES"] == "1", "a StatefulSet's replicas are one node each"
         assert teacher["spec"]["replicas"] == int(values["TEACHER_REPLICAS"])
         pool = find(docs, "Service", "teacher-pool")
         assert pool["spec"]["clusterIP"] == "None" and pool["spec"]["publishNotReadyAddresses"] is False
         assert {p["name"]: p["port"] for p in pool["spec"]["ports"]} == {"grpc": config.port}
     else:
         assert teacher["spec"]["replicas"] == int(values["TEACHER_NNODES"])
-    gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
-    if config.device == "cpu":
-        assert gpus is None
-    else:
-        assert gpus == int(values["TEACHER_GPUS_PER_POD"]), "GPU limit != TEACHER_GPUS_PER_POD (components/values)"
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert (ports["grpc"], ports["http"]) == (config.port, config.http_port)
     assert set(ports) <= {"grpc", "http", "rendezvous"}, "gRPC, HTTP and (multi-node) torchrun's rendezvous: no store port"
+    if "rendezvous" in ports:
+        assert ports["rendezvous"] == int(values["TEACHER_RDZV_PORT"])
     if "grpc" in c["readinessProbe"]:
         assert c["readinessProbe"]["grpc"]["port"] == config.port
     service = find(docs, "Service", "teacher")
@@ -295,6 +367,52 @@ def test_multi_node_overlay_ranks_pods_and_serves_from_rank_0():
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         handlers = set(c[probe]) & {"exec", "httpGet", "grpc", "tcpSocket"}
         assert handlers == {"exec"}, f"{probe}: {handlers} (one handler, the rank-aware probe.py)"
+
+
+def test_a_pool_of_multi_node_replicas_is_a_leader_worker_set():
+    """overlays/pool-multi-node: TEACHER_REPLICAS groups of TEACHER_NNODES pods, each group one
+    teacher under the README's multi-node torchrun (the leader node rank 0 and the rendezvous,
+    the workers the other node ranks); the pool's name and the Service "teacher" list leaders only."""
+    from torch.distributed.run import get_args_parser
+
+    docs = render(K8S / "overlays" / "pool-multi-node")
+    values = teacher_values(docs)
+    assert not [d for d in docs if d["kind"] == "StatefulSet"], "the LeaderWorkerSet replaces base's StatefulSet"
+    group = find(docs, "LeaderWorkerSet")
+    name, template = group["metadata"]["name"], group["spec"]["leaderWorkerTemplate"]
+    # The controller makes a headless Service named after the set for its pods' DNS names, and uses
+    # one of that name that exists instead: a ClusterIP Service would leave LWS_LEADER_ADDRESS unresolved.
+    assert name not in {d["metadata"]["name"] for d in docs if d["kind"] == "Service"}
+    assert int(values["TEACHER_NNODES"]) >= 2 and template["size"] == int(values["TEACHER_NNODES"])
+    assert group["spec"]["replicas"] == int(values["TEACHER_REPLICAS"]) >= 2
+    assert template["restartPolicy"] == "RecreateGroupOnPodRestart", "a static rendezvous does not take a node back"
+    assert group["spec"].get("startupPolicy", "LeaderCreated") == "LeaderCreated", \
+        "LeaderReady would wait for the leader to be ready, which waits for its workers"
+
+    leader = find(docs, "Service", "teacher-pool")["spec"]["selector"]
+    assert leader["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    assert find(docs, "Service", "teacher")["spec"]["selector"] == leader
+    image = container(find(render(K8S / "base"), "StatefulSet", "teacher"), "teacher")["image"]
+    ranks = {}
+    for role in ("leader", "worker"):
+        labels = pod_templates(group)[role]["metadata"]["labels"]
+        assert all(labels.get(key) == value for key, value in leader.items() if not key.startswith("leaderworkerset."))
+        c = container(group, "teacher", role)
+        assert c["image"] == image, "the image and its tag as base's (kustomizeconfig.yaml: kustomize's images there)"
+        fields = teacher_fields(group, role)
+        env = pod_environment(docs, group, "teacher", role, **fields)
+        launcher = get_args_parser().parse_args([substitute(a, env) for a in c["command"]][1:])
+        # torchrun --nnodes 2 --node-rank R --master-addr LEADER --master-port 29500, as the README runs it.
+        assert "--standalone" not in c["command"] and launcher.nnodes == str(template["size"])
+        assert (launcher.master_addr, launcher.master_port) == (fields["LWS_LEADER_ADDRESS"],
+                                                                int(values["TEACHER_RDZV_PORT"]))
+        ranks[role] = launcher.node_rank
+        assert c["args"] == container(group, "teacher", "leader")["args"], "every node runs the same server"
+        assert pod_spec(group, role)["affinity"]["podAntiAffinity"], "one pod per node"
+    assert ranks == {"leader": 0, "worker": 1}
+    worker = container(group, "teacher", "worker")
+    assert not worker.get("ports") and not set(worker) & {"livenessProbe", "readinessProbe", "startupProbe"}, \
+        "a worker serves no port: the group is ready when its leader is"
 
 
 def test_student_job_dials_the_teacher_service():
