@@ -154,6 +154,9 @@ class TeacherClient:
             pool.close()
             raise
         joined = joining.join_first(link, first_join)
+        if not pool.single:  # joins at the same moment as this one may have landed on the same replica
+            joined, chosen = joining.settle(link, joined, chosen, first_join)
+            channel = link.channel
         link.info = TeacherInfo.from_proto(joined.info)
         try:
             pool.check_same(chosen, joined.info, statuses)

@@ -19,6 +19,7 @@ batches and the locks over them (`cond` and `submit_lock`).
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from functools import partial
@@ -35,7 +36,7 @@ from distill_common.session_group import STUDENT_RANK, build_group, handshake, l
 from student_trainer.connection import Action, FirstJoin, State
 from student_trainer.errors import Incompatible, TeacherError
 from student_trainer.link import Link, TeacherInfo
-from student_trainer.pool import LOWER_RANKS_WAIT_S
+from student_trainer.pool import LOWER_RANKS_WAIT_S, SETTLE_LOOKS, SETTLE_PAUSE_S
 from student_trainer.session import Session
 
 # The client's logger: what a TeacherClient says about its connection is one log, whichever module says it.
@@ -77,6 +78,33 @@ def join_first(link: Link, first_join: FirstJoin) -> pb.JoinResponse:
                 raise first_join.final(e) from None
             log.warning("%s", first_join.waiting(e, pause_s))
             time.sleep(pause_s)
+
+
+def settle(link: Link, joined: pb.JoinResponse, chosen: str, first_join: FirstJoin) -> tuple[pb.JoinResponse, str]:
+    """After the first Join to `chosen` of a pool: looks again (Pool.better_replica) and, where another
+    replica has become the better place (a join at the same moment landed here too), leaves and
+    joins that one, before the session's group forms. Returns the Join in force and its replica."""
+    pool, request = link.pool, link.join_request
+    for _ in range(SETTLE_LOOKS):
+        time.sleep(random.uniform(0.0, SETTLE_PAUSE_S))
+        better = pool.better_replica(request.job_id, request.job_rank, session_weight(request), joined.session_id,
+                                     chosen)
+        if better is None:
+            break
+        channel = pool.channel(better)
+        try:
+            moved = channel.call("Join", request, timeout_s=max(
+                0.1, min(channel.rpc_timeout_s, first_join.deadline - time.monotonic())))
+        except TeacherError as e:  # gone meanwhile, or full: it stays where it is
+            log.info("teacher replica %s looked a better place than %s but did not take the join (%s): staying",
+                     better, chosen, e)
+            break
+        log.info("teacher replica %s is a better place than %s now (joins at the same moment landed together): "
+                 "session %s moved there as %s before it started", better, chosen, joined.session_id,
+                 moved.session_id)
+        link.channel.leave(joined, timeout_s=min(link.channel.rpc_timeout_s, 5.0))
+        link.channel, joined, chosen = channel, moved, better
+    return joined, chosen
 
 
 def matched_student_ids(joined: pb.JoinResponse) -> torch.Tensor | None:

@@ -11,11 +11,15 @@ among them), the sum of the weights it applies to its jobs (`weight_total`) and 
 --max-held-bytes, its sessions against --max-sessions). A session goes where its job has the
 fewest sessions, then where the weight is least (a job of weight w and n ranks brings w / n a
 session), then where the load is least (in steps of 0.1), then, among equals, to the replica its
-job rank points at. Ranks of a job place themselves in rank order: a rank's first join waits
-(up to LOWER_RANKS_WAIT_S) until its job's lower ranks show on a replica, so each sees where the
-others went: ranks that place themselves at once, each guessing where the others go, guess from
-different views when other jobs join meanwhile, and may land together (tests/test_pool.py).
-Lower ranks still missing after the wait are placed first, as they would place themselves. A replica that
+job rank points at. Joins at the same moment see the same sums and would all take the same
+replica: so after its first Join a session looks again (`Pool.better_replica`, after a random
+pause) and, while its group has not formed, moves to a replica that has become the better place
+(sessions that landed together thus spread, the first to look moving first). Ranks of a job
+place themselves in rank order: a rank's first join waits (up to LOWER_RANKS_WAIT_S) until its
+job's lower ranks are in place (their groups formed), so each sees where the others went: ranks
+that place themselves at once, each guessing where the others go, guess from different views
+when other jobs join meanwhile, and may land together (tests/test_pool.py). Lower ranks still
+missing after the wait are placed first, as they would place themselves. A replica that
 does not answer within a few seconds is passed over.
 
 A job's weight over the pool: the Join says how many ranks the job has (JoinRequest.job_size),
@@ -31,10 +35,10 @@ three jobs of two ranks with weights 1, 1, 2, each job stepping at its slowest r
 some job more than 20% off its weight's share of the tokens (up to 59%) in 128 of the 720 orders
 the six ranks can join in one after another; spread first, every order is within 2%
 (tests/test_scheduler.py simulates it with the replicas' own scheduler). What it does not do:
-move a session that serves, so jobs that leave can leave the shares uneven until the next joins;
-and ranks of several jobs that join at the same moment see the same sums and may crowd the same
-replicas (their shares still follow the weights, a replica may idle). Replicas that run at
-different speeds hold the jobs with a rank on the slower one to its pace.
+move a session that serves, so jobs that leave can leave the shares uneven until the next joins.
+Replicas that run at different speeds hold the jobs with a rank on the slower one to its pace, and
+give the slack of the faster ones to the jobs that can use it: the shares then drift from the
+weights (work conservation, not a bug of placement).
 
 Identity (`Pool.check_same`): replicas of a pool must serve the same teacher, or a student
 moved from one to another would get other outputs mid-run. At the first join every replica
@@ -60,10 +64,16 @@ log = logging.getLogger("student_trainer.client")
 
 # How long a replica's GetStatus may take before placement passes it over.
 STATUS_TIMEOUT_S = 3.0
-# A rank's first join waits at most this long for its job's lower ranks to show on a replica, asking
-# this often: ranks that start together then place themselves one after another, each seeing the others.
+# A rank's first join waits at most this long for its job's lower ranks to be in place on a replica,
+# asking this often: ranks that start together then place themselves one after another, each seeing
+# the others.
 LOWER_RANKS_WAIT_S = 10.0
 LOWER_RANKS_POLL_S = 0.1
+# After its first Join a session looks again, this many times, each after a random pause of at most
+# SETTLE_PAUSE_S (so that sessions that landed together do not all look at once), and moves to a
+# replica that has become the better place before its group forms.
+SETTLE_LOOKS = 2
+SETTLE_PAUSE_S = 0.5
 # Fields of TeacherInfo every replica of a pool must agree on.
 IDENTITY = ("architecture", "vocab_size", "hidden_size", "num_layers", "dtype", "tp_size", "tokenizer_fingerprint",
             "weights_fingerprint", "topk_form")
@@ -167,16 +177,17 @@ class Pool:
         deadline = time.monotonic() + lower_ranks_wait_s
         while True:
             statuses = self.statuses(addresses)
-            joined_ranks = {s.job_rank for status in statuses.values() for s in status.sessions
-                            if s.job_id == job_id}
-            missing = set(range(job_rank)) - joined_ranks
+            listed = [s for status in statuses.values() for s in status.sessions if s.job_id == job_id]
+            joined_ranks = {s.job_rank for s in listed}
+            # A lower rank is where it stays once its group formed (`Pool.better_replica` may move it before).
+            missing = set(range(job_rank)) - {s.job_rank for s in listed if s.state != "connecting"}
             if not missing or not statuses or time.monotonic() >= deadline:
                 break
             time.sleep(LOWER_RANKS_POLL_S)
             addresses = self.addresses()
         if missing and lower_ranks_wait_s:
-            log.info("ranks %s of job %s not on any replica of %s after %.0fs: placing rank %d as if they were",
-                     sorted(missing), job_id, self.spec, lower_ranks_wait_s, job_rank)
+            log.info("ranks %s of job %s not in place on a replica of %s after %.0fs: placing rank %d as if they "
+                     "were", sorted(missing), job_id, self.spec, lower_ranks_wait_s, job_rank)
         candidates = [a for a in addresses if a in statuses and a != avoid] or [a for a in addresses if a in statuses]
         if not candidates:
             raise TeacherUnavailable(f"no replica of the teacher pool {self.spec} answered ({', '.join(addresses)})",
@@ -186,6 +197,24 @@ class Pool:
                                   statuses[address].weight_total, load(statuses[address])) for address in candidates},
                        addresses, job_rank, session_weight, joined_ranks)
         return chosen, statuses
+
+    def better_replica(self, job_id: str, job_rank: int, session_weight: float, session_id: str,
+                       current: str) -> str | None:
+        """After session `session_id` joined `current`: a replica that is now a better place for it
+        (fewer of its job's sessions, or less weight, counting it nowhere), else None. Joins at the
+        same moment see the same sums and may land together; the first of them to look again moves."""
+        addresses = self.addresses()
+        statuses = self.statuses(addresses)
+        if current not in statuses:
+            return None
+        candidates = {}
+        for address, status in statuses.items():
+            mine = any(s.session_id == session_id for s in status.sessions)
+            candidates[address] = (sum(s.job_id == job_id and s.session_id != session_id for s in status.sessions),
+                                   status.weight_total - (session_weight if mine else 0.0), load(status))
+        best = place(candidates, [a for a in addresses if a in statuses], job_rank, session_weight, set(range(job_rank)))
+        here, there = candidates[current], candidates[best]
+        return best if (there[0], round(there[1], 6)) < (here[0], round(here[1], 6)) else None
 
     def check_same(self, joined_address: str, joined: pb.TeacherInfo, statuses: dict[str, pb.StatusResponse]) -> None:
         """Incompatible naming the first replica whose teacher differs from the one joined."""

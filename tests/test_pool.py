@@ -145,12 +145,24 @@ class Board:
 
     def __init__(self, addresses: list[str]):
         self.addresses = addresses
-        self.sessions: dict[str, list[tuple[str, int, float]]] = {address: [] for address in addresses}
+        self.sessions: dict[str, list[pb.SessionStatus]] = {address: [] for address in addresses}
         self.lock = threading.Lock()
 
-    def join(self, address: str, job_id: str, job_rank: int, weight: float) -> None:
+    def join(self, address: str, job_id: str, job_rank: int, weight: float, job_size: int = 2) -> str:
+        """A session of the job's weight over `job_size` ranks, its group formed; its id."""
         with self.lock:
-            self.sessions[address].append((job_id, job_rank, weight))
+            session_id = f"{job_id}{job_rank}"
+            self.sessions[address].append(pb.SessionStatus(session_id=session_id, job_id=job_id, job_rank=job_rank,
+                                                           weight=weight / job_size, state="ready"))
+            return session_id
+
+    def leave(self, session_id: str) -> None:
+        with self.lock:
+            for listed in self.sessions.values():
+                listed[:] = [s for s in listed if s.session_id != session_id]
+
+    def where(self) -> dict[str, list[str]]:
+        return {address: sorted(s.session_id for s in listed) for address, listed in self.sessions.items()}
 
     def connect(self, address: str):
         board = self
@@ -160,10 +172,9 @@ class Board:
                 assert method == "GetStatus"
                 with board.lock:
                     listed = list(board.sessions[address])
-                return pb.StatusResponse(
-                    info=pb.TeacherInfo(max_inflight=8, max_sessions=8), sessions_total=len(listed),
-                    sessions=[pb.SessionStatus(job_id=job, job_rank=rank, weight=w) for job, rank, w in listed],
-                    weight_total=sum(w for _, _, w in listed))
+                return pb.StatusResponse(info=pb.TeacherInfo(max_inflight=8, max_sessions=8),
+                                         sessions=listed, sessions_total=len(listed),
+                                         weight_total=sum(s.weight for s in listed))
 
             def close(self):
                 pass
@@ -174,10 +185,10 @@ class Board:
 @pytest.mark.parametrize("in_rank_order", [True, False])
 def test_a_jobs_ranks_place_themselves_in_rank_order_so_other_joins_meanwhile_cannot_crowd_them(in_rank_order):
     """Rank 1 of job "j" chooses while rank 0 has not joined yet, and another job's session joins
-    in between: rank 1 waits for rank 0 to show, and goes elsewhere. Guessing where rank 0 would
-    go instead (no wait) guesses from a view rank 0 no longer has, and both land on one replica."""
+    in between: rank 1 waits for rank 0 to be in place, and goes elsewhere. Guessing where rank 0
+    would go instead (no wait) guesses from a view rank 0 no longer has, and both land on one replica."""
     board = Board(["r0:1", "r1:1", "r2:1"])
-    board.join("r0:1", "x", 0, 1.0)
+    board.join("r0:1", "x", 0, 1.0, job_size=1)
     pool = Pool(",".join(board.addresses), board.connect)
     chosen: dict[int, str] = {}
 
@@ -187,9 +198,29 @@ def test_a_jobs_ranks_place_themselves_in_rank_order_so_other_joins_meanwhile_ca
     thread = threading.Thread(target=rank_1)
     thread.start()
     time.sleep(0.3)
-    board.join("r1:1", "y", 0, 1.0)  # another job's session, after rank 1 looked and before rank 0 does
+    board.join("r1:1", "y", 0, 1.0, job_size=1)  # another job's session, after rank 1 looked and before rank 0 does
     chosen[0], _ = pool.choose("j", 0, 0.5)
-    board.join(chosen[0], "j", 0, 0.5)
+    board.join(chosen[0], "j", 0, 1.0)
     thread.join(15)
     assert chosen[0] == "r2:1"  # the one replica without a session
     assert (chosen[1] != chosen[0]) is in_rank_order, chosen
+
+
+def test_sessions_that_joined_at_once_and_landed_together_spread_when_they_look_again():
+    """Three jobs' rank 0 joined at the same moment, saw the same empty pool and took the same
+    replica; each looks again (Pool.better_replica), one after another: the first two move to
+    the replicas left empty, the last stays."""
+    board = Board(["r0:1", "r1:1", "r2:1"])
+    pool = Pool(",".join(board.addresses), board.connect)
+    for job, weight in (("a", 1.0), ("b", 1.0), ("c", 2.0)):
+        board.join("r0:1", job, 0, weight)
+    for job, weight in (("b", 1.0), ("a", 1.0), ("c", 2.0)):
+        better = pool.better_replica(job, 0, weight / 2, f"{job}0", "r0:1")
+        if better is not None:
+            board.leave(f"{job}0")
+            board.join(better, job, 0, weight)
+    assert sorted(map(len, board.where().values())) == [1, 1, 1], board.where()
+    assert board.where()["r0:1"] == ["c0"]
+    # A session alone where it is, or where moving would only trade places, stays.
+    assert all(pool.better_replica(job, 0, w / 2, f"{job}0", at) is None
+               for at, job, w in (("r0:1", "c", 2.0), ("r1:1", "b", 1.0), ("r2:1", "a", 1.0)))
