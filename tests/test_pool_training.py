@@ -3,21 +3,24 @@
 teacher server processes named by a directory of `*.address` files (`--teacher file:DIR`, as
 deploy/slurm's pool writes it).
 
-The jobs run twice. First without a fault: the reference. Then again, and mid-run a fourth
-replica is started and its address file added, and the replica serving the heaviest job's rank 0
-is killed with SIGKILL. Then:
+The jobs run twice. First without a fault: the reference, while a fourth replica starts outside
+the pool. Then again, and mid-run the fourth replica's address file is added (the pool sees a
+replica from then on, as a pod joins its headless Service once ready) and the replica serving
+the heaviest job's rank 0 is killed with SIGKILL. Then:
 
 - every job's per-step losses (and gradient norms) equal the reference run's: each batch's
   outputs reached the step they belong to, none lost, none delivered twice;
-- each session of the killed replica moved to the fourth (the replica added takes the joins),
-  and delivered its first batch there within 10 s of the kill (the trainer's "serving again"
-  line against the kill's time);
+- each session of the killed replica moved to another, the replica added taking the first, and
+  delivered its first batch there within 10 s of the kill (the trainer's "serving again" line
+  against the kill's time);
 - the teacher tokens each job was served over the pool, summed over the replicas' own
   /v1/status while all three jobs ran (the kill and the move included), are within 20% of its
   weight's share (25%, 25%, 50%).
 
 The teacher is the bottleneck here as in a deployment that needs a pool: a 4-layer, 256-wide
-teacher against a 1-layer, 32-wide student, so the shares are the replicas' to decide. Each
+teacher on 8 x 128 tokens a batch against a 1-layer, 32-wide student, so the shares are the
+replicas' to decide. The weight-2 job has twice the steps: with the shares right, all three end
+together, and the window in which all three run is most of the run. Each
 replica runs one batch per forward (--max-batch-tokens of one trainer batch), so a batch's
 outputs do not depend on what it was packed with, and the runs can be compared to the last bit.
 """
@@ -25,12 +28,14 @@ outputs do not depend on what it was packed with, and the runs can be compared t
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -68,7 +73,6 @@ class Job:
     steps: int
 
 
-# The weight-2 job has twice the steps: with the shares right, all three end at about one time.
 JOBS = {"pool-a": Job(1.0, 1, 24), "pool-b": Job(1.0, 2, 24), "pool-c": Job(2.0, 3, 48)}
 HEAVY = "pool-c"
 
@@ -89,6 +93,28 @@ def assets(tmp_path_factory) -> dict:
     }
 
 
+# The weights hold over a pool of replicas alike (docs/scaling.md): a replica slower than the
+# others holds every job with a rank on it to its pace and gives the others its neighbours' slack.
+# On a host shared with other work, replicas that each take what the scheduler gives them ran up
+# to 30% apart over the test's window, and the jobs' shares drifted with them (one run: 41% off).
+# So the replicas share one CPU, where each gets an equal turn, and the trainers have the others;
+# where there is one CPU only, nothing is pinned.
+CPUS = sorted(os.sched_getaffinity(0))
+REPLICA_CPUS, TRAINER_CPUS = ({CPUS[0]}, set(CPUS[1:])) if len(CPUS) > 1 else (set(CPUS), set(CPUS))
+
+
+@contextmanager
+def pinned(cpus: set[int]):
+    """This thread on `cpus` while the block runs: a process it starts keeps them (fork copies the
+    calling thread's CPU mask)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def start_replicas(assets: dict, count: int) -> list[ServerProcess]:
     """`count` replicas of the teacher, started at once (each waits for READY in a thread)."""
     replicas: list = [None] * count
@@ -96,8 +122,9 @@ def start_replicas(assets: dict, count: int) -> list[ServerProcess]:
 
     def start(index: int) -> None:
         try:
-            replicas[index] = ServerProcess("--model", str(assets["teacher"]), "--max-seq-len", str(SEQ_LEN),
-                                            "--max-batch-tokens", str(BATCH * SEQ_LEN))
+            with pinned(REPLICA_CPUS):
+                replicas[index] = ServerProcess("--model", str(assets["teacher"]), "--max-seq-len", str(SEQ_LEN),
+                                                "--max-batch-tokens", str(BATCH * SEQ_LEN))
         except Exception as e:  # noqa: BLE001 - reported below, with the others stopped
             errors.append(e)
 
@@ -129,9 +156,11 @@ def trainer(assets: dict, pool_dir: Path, output_dir: Path, job_id: str, job: Jo
                "--teacher-weight", str(job.weight), "--seed", str(job.seed), "--max-steps", str(job.steps),
                "--model", str(assets["student"]), "--data", str(assets["data"]), "--output-dir", str(output_dir),
                "--batch-size", str(BATCH), "--seq-len", str(SEQ_LEN), "--device", "cpu", "--kd-weight", "0.5",
-               "--lr", "3e-3", "--prefetch", str(PREFETCH), "--teacher-timeout-s", "60", "--teacher-reconnect-timeout-s", "120"]
+               "--lr", "3e-3", "--prefetch", str(PREFETCH), "--teacher-timeout-s", "60",
+               "--teacher-reconnect-timeout-s", "120"]
     log = (output_dir.parent / f"{output_dir.name}.log").open("w")
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=ROOT)
+    with pinned(TRAINER_CPUS):
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=ROOT)
 
 
 def trainer_log(output_dir: Path) -> str:
@@ -319,13 +348,14 @@ def test_three_jobs_on_a_pool_lose_nothing_to_a_replica_killed_and_keep_their_we
             for key in ("loss", "kd", "ce", "grad_norm"):
                 assert b[key] == pytest.approx(a[key], rel=LOSS_RTOL, abs=1e-12), (job_id, a["step"], key)
 
-    # The killed replica's sessions (two ranks, of two jobs) moved to the replica added, and each
-    # delivered a batch again within SERVING_AGAIN_S of the kill.
-    assert len(killed["moved"]) == 2, killed
+    # Each session of the killed replica joined another and delivered a batch again within
+    # SERVING_AGAIN_S of the kill; the replica added took the first of them (it had none: the
+    # fewest of every job's sessions and the least weight), the others where placement put them.
     assert set(served_again) == killed["moved"], (served_again, killed)
     for (job_id, rank), (address, after_s) in served_again.items():
-        assert address == fourth[0].address, (job_id, rank, address)
+        assert address != killed["address"], (job_id, rank, address)
         assert 0 < after_s <= SERVING_AGAIN_S, (job_id, rank, after_s)
+    assert fourth[0].address in {address for address, _ in served_again.values()}, served_again
 
     # Each job's share of the pool's tokens while all three ran, the kill and the move included.
     errors = share_errors(tokens)
