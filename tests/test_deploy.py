@@ -232,7 +232,8 @@ def teacher_fields(workload: dict, role: str) -> dict:
     fields = {"POD_IP": "10.0.0.7", "NODE_RANK": "0", "POD_NAMESPACE": NAMESPACE}
     if workload["kind"] == "LeaderWorkerSet":
         name = workload["metadata"]["name"]
-        fields.update(LWS_LEADER_ADDRESS=f"{name}-0.{name}.{NAMESPACE}", LWS_WORKER_INDEX="0" if role == "leader" else "1",
+        fields.update(LWS_LEADER_ADDRESS=f"{name}-0.{name}.{NAMESPACE}",
+                      LWS_WORKER_INDEX="0" if role == "leader" else "1",
                       LWS_GROUP_SIZE=str(workload["spec"]["leaderWorkerTemplate"]["size"]))
     return fields
 
@@ -261,7 +262,8 @@ def test_teacher_command_line_parses_and_matches_values(directory):
         config = settings_from(ServerConfig, settings_parser(ServerConfig).parse_args(
             [substitute(a, env) for a in c["args"]]))  # checks, too
         assert (config.model, config.device) == (values["TEACHER_MODEL"], values["TEACHER_DEVICE"])
-        assert config.advertise_host == "10.0.0.7", "students must reach the data plane at the pod IP, not via the Service"
+        assert config.advertise_host == "10.0.0.7", \
+            "students must reach the data plane at the pod IP, not via the Service"
         gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
         if config.device == "cpu":
             assert gpus is None
