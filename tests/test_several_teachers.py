@@ -240,6 +240,45 @@ def test_two_teachers_give_the_local_references_per_step_losses(run, assets, ser
     assert {"kd/code", "kd/prose", "teacher_wait_s/code", "teacher_tokens/prose"} <= set(written[-1])
 
 
+def test_the_hf_trainer_distils_from_both_teachers(assets, servers, local_teachers, tmp_path):
+    """DistillationTrainer(teachers=...): a few steps log each teacher's loss; one compute_loss
+    equals the mixture written out here (reverse KL at T 2 to full logits at T 1.5 and a top-8)."""
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate (pip install '.[hf]')")
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, TrainingArguments, default_data_collator
+
+    from student_trainer.data import PackedDataset
+    from student_trainer.hf import DistillationTrainer
+
+    packed = PackedDataset(assets["data"], assets["tokenizer"], SEQ_LEN)
+    rows = [{"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+            for ids, mask in zip(packed.input_ids[:4 * BATCH], packed.attention_mask[:4 * BATCH])]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=BATCH,
+                             learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no", logging_steps=1)
+    trainer = DistillationTrainer(
+        model=AutoModelForCausalLM.from_pretrained(assets["student"]), args=args, train_dataset=rows,
+        data_collator=default_data_collator, processing_class=assets["tokenizer"], kd_weight=1.0,
+        kd_loss="reverse_kl", temperature=2.0, teacher_combine="mixture", teacher_timeout_s=60,
+        teachers=[{"name": "code", "address": servers["code"].address, "temperature": 1.5},
+                  {"name": "prose", "address": servers["prose"].address, "kind": "topk", "topk": 8, "weight": 3}])
+    trainer.train()
+    logs = [record for record in trainer.state.log_history if "kd_loss" in record]
+    assert len(logs) == 2 and all({"kd_loss/code", "kd_loss/prose"} <= set(record) for record in logs), logs
+
+    batch = default_data_collator(rows[:BATCH])
+    kd = trainer.compute_loss(trainer.model, batch).item()
+    trainer.close_teacher()
+    with torch.no_grad():
+        student = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        outs = {name: model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+                for name, model in local_teachers.items()}
+    settings = SimpleNamespace(teacher_plans=trainer.teacher_plans, temperature=2.0, loss="reverse_kl")
+    expected = mixture_kd(settings, student[:, :-1].double(), {k: v.double() for k, v in outs.items()},
+                          batch["labels"][:, 1:] != -100)
+    assert kd == pytest.approx(expected.item(), rel=RTOL)
+
+
 # ---- a teacher killed mid-run (slow) --------------------------------------------------------------------
 
 
