@@ -113,15 +113,15 @@ def several_teachers_kd(cfg: TrainConfig, student: torch.Tensor, targets: torch.
     own: dict[str, float] = {}
     device = student.device
     if sampled and cfg.on_policy_loss == "sampled":
-        each = torch.stack([out.next_token_logprobs[:, :-1].to(device).double() for out in outs])
+        each = torch.stack([out.next_token_logprobs[:, :-1].to(device) for out in outs])
         weights = torch.tensor(log_weights, dtype=torch.float64, device=device)
-        combined = ((weights.exp()[:, None, None] * each).sum(0) if cfg.teacher_combine == "sum"
-                    else (weights[:, None, None] + each).logsumexp(0))
+        combined = ((weights.exp()[:, None, None] * each.double()).sum(0) if cfg.teacher_combine == "sum"
+                    else (weights[:, None, None] + each.double()).logsumexp(0))
         with torch.no_grad():
             for plan, logprobs in zip(plans, each):
-                own[plan.name] = sampled_reverse_kl_loss(student, targets, logprobs.float(), mask,
+                own[plan.name] = sampled_reverse_kl_loss(student, targets, logprobs, mask,
                                                          temperature=cfg.sample_temperature).item()
-        return sampled_reverse_kl_loss(student, targets, combined.float(), mask,
+        return sampled_reverse_kl_loss(student, targets, combined.to(each.dtype), mask,
                                        temperature=cfg.sample_temperature), own
 
     def each_kd(plan, out):  # one teacher's divergence, at its own settings

@@ -43,10 +43,12 @@ def assets(tmp_path_factory) -> dict:
     data = root / "train.jsonl"  # every other example is "prose", for the routed run
     data.write_text("".join(json.dumps({"text": text, "domain": "prose" if i % 2 else "code"}) + "\n"
                             for i, text in enumerate(texts)))
+    prompts = root / "prompts.jsonl"  # for on-policy training
+    prompts.write_text("".join(json.dumps({"prompt": text[:12], "completion": text[12:40]}) + "\n" for text in texts))
     tokenizer = train_tokenizer(texts, vocab_size=VOCAB)
     # initializer_range: peaked distributions, whose top-k has no near ties to flip.
     shape = dict(vocab_size=VOCAB, hidden_size=32, layers=1, tokenizer=tokenizer, initializer_range=0.3)
-    return {"data": data, "tokenizer": tokenizer,
+    return {"data": data, "prompts": prompts, "tokenizer": tokenizer,
             "code": build_llama(root / "code", seed=0, **shape),
             "prose": build_llama(root / "prose", seed=1, **shape),
             "student": build_llama(root / "student", vocab_size=VOCAB, hidden_size=16, layers=1, seed=2,
@@ -238,6 +240,22 @@ def test_two_teachers_give_the_local_references_per_step_losses(run, assets, ser
         assert (sent == 2 * BATCH * SEQ_LEN) if run != "routed" else (BATCH * SEQ_LEN <= sent <= 2 * BATCH * SEQ_LEN)
     written = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
     assert {"kd/code", "kd/prose", "teacher_wait_s/code", "teacher_tokens/prose"} <= set(written[-1])
+
+
+@pytest.mark.parametrize("loss", ["sampled", "divergence"])
+def test_on_policy_training_is_scored_by_both_teachers(loss, assets, servers, tmp_path):
+    """The student samples, both teachers score (the combination itself: tests/test_teachers.py)."""
+    from student_trainer.train import train
+
+    cfg = settings(assets, servers, tmp_path, {"code": "weight=2", "prose": "temperature=2"},
+                   data=str(assets["prompts"]), on_policy_fraction=1.0, on_policy_loss=loss, max_new_tokens=8,
+                   student_topk=4 if loss == "divergence" else 0, teacher_combine="mixture", loss="reverse_kl",
+                   max_steps=2)
+    history = train(cfg)["history"]
+    assert [r["on_policy"] for r in history] == [1.0, 1.0]
+    for record in history:
+        assert all(record[key] == record[key] for key in ("kd", "kd/code", "kd/prose")), record  # not NaN
+        assert record["teacher_tokens/code"] == record["teacher_tokens/prose"] > 0
 
 
 def test_the_hf_trainer_distils_from_both_teachers(assets, servers, local_teachers, tmp_path):

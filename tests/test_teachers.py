@@ -225,3 +225,57 @@ def test_each_token_carries_its_examples_teacher_through_packing():
                                    route_field="domain", route_names=["prose", "code"])
     with pytest.raises(DataError, match='has no field "domain"'):
         PackedDataset.from_records([{"text": "x"}], tokenizer, 4, route_field="domain", route_names=["code"])
+
+
+# ---- on-policy --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("combine", ["sum", "mixture"])
+@pytest.mark.parametrize("loss", ["sampled", "divergence"])
+def test_on_policy_combines_the_teachers_scores_as_written_out(combine, loss):
+    """Sampled tokens: the sampled-token loss against sum_i w_i log p_i (sum) or log sum_i w_i p_i
+    (mixture). The divergence on the student's top k: each teacher's at its temperature, weighted
+    (sum), or to the mixture, exact on the k ids both scored and the rest."""
+    from distill_common.outputs import TeacherOutput
+    from student_trainer.losses import sampled_reverse_kl_loss, scored_kd_loss
+    from student_trainer.onpolicy import several_teachers_kd
+    from student_trainer.teachers import EnsembleOutput
+
+    cfg = TrainConfig(model="m", data="d", kd_weight=0.5, on_policy_fraction=1.0, on_policy_loss=loss,
+                      student_topk=4 if loss == "divergence" else 0, teacher_combine=combine, loss="reverse_kl",
+                      temperature=1.5, teacher_spec=["name=a,address=h:1,weight=3", "name=b,address=h:2,temperature=2"])
+    student = teacher_logits(20, scale=1.0).requires_grad_(True)
+    full = {"a": teacher_logits(21), "b": teacher_logits(22)}
+    temperatures = {"a": 1.5, "b": 2.0}
+    log_p = {name: torch.log_softmax(logits / temperatures[name], -1) for name, logits in full.items()}
+    tokens = torch.randint(0, V, (B, S + 1), generator=torch.Generator().manual_seed(3))
+    score_ids = student.detach().topk(4, dim=-1).indices
+    batch = {"input_ids": tokens, "score_ids": torch.cat([score_ids, score_ids[:, :1]], dim=1)}
+    mask = torch.ones(B, S, dtype=torch.bool)
+    targets = tokens[:, 1:]
+    outs = {}
+    for name in full:
+        pad = torch.zeros(B, 1, V, dtype=torch.float64)
+        padded = torch.cat([log_p[name], pad], dim=1)  # the outputs cover S + 1 positions; the loss reads [:, :-1]
+        outs[name] = TeacherOutput(0, next_token_logprobs=torch.cat(
+            [log_p[name].gather(-1, targets[..., None])[..., 0], pad[..., 0]], dim=1),
+            scored_logprobs=padded.gather(-1, batch["score_ids"]))
+    ens = EnsembleOutput(0, outs, {"a": None, "b": None})
+    got, own = several_teachers_kd(cfg, student, targets, batch, ens, mask, sampled=True)
+    weights = {"a": 0.75, "b": 0.25}
+    if loss == "sampled":
+        at_tokens = {name: lp.gather(-1, targets[..., None])[..., 0] for name, lp in log_p.items()}
+        combined = (sum(weights[n] * at_tokens[n] for n in at_tokens) if combine == "sum"
+                    else torch.log(sum(weights[n] * at_tokens[n].exp() for n in at_tokens)))
+        want = sampled_reverse_kl_loss(student, targets, combined, mask, temperature=cfg.sample_temperature)
+    elif combine == "sum":
+        want = sum(weights[n] * scored_kd_loss(student, score_ids, outs[n].scored_logprobs[:, :-1], mask,
+                                               kind="reverse_kl", temperature=temperatures[n]) for n in outs)
+    else:
+        known = torch.zeros(B, S, V, dtype=torch.bool).scatter_(-1, score_ids, True)
+        want = plain_mixture_loss(student, [(3.0, log_p["a"].exp(), known), (1.0, log_p["b"].exp(), known)], mask,
+                                  "reverse_kl", 1.5)
+    assert got.item() == pytest.approx(want.item(), rel=1e-9)
+    assert torch.allclose(torch.autograd.grad(got, student)[0], torch.autograd.grad(want, student)[0], rtol=1e-7,
+                          atol=1e-12)
+    assert set(own) == {"a", "b"}
