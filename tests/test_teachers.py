@@ -124,6 +124,25 @@ def test_a_mixture_of_one_is_that_teachers_loss():
                               rtol=1e-4, atol=1e-7)
 
 
+def test_forward_kl_summed_is_the_mixtures_plus_a_constant():
+    """sum_i w_i KL(p_i || q) = KL(m || q) + H(m) - sum_i w_i H(p_i): the same gradient (docs/training.md)."""
+    student = teacher_logits(9, scale=1.0).requires_grad_(True)
+    a, b = teacher_logits(10), teacher_logits(11)
+    summed = 0.25 * kd_loss(student, a, temperature=2.0) + 0.75 * kd_loss(student, b, temperature=2.0)
+    mixed = mixture_kd_loss(student, [MixtureTeacher(1.0, logits=a, temperature=2.0),
+                                      MixtureTeacher(3.0, logits=b, temperature=2.0)], temperature=2.0)
+    p_a, p_b = torch.softmax(a / 2, -1), torch.softmax(b / 2, -1)
+    m = 0.25 * p_a + 0.75 * p_b
+
+    def entropy(p):
+        return -(p * p.log()).sum(-1).mean()
+
+    gap = (entropy(m) - 0.25 * entropy(p_a) - 0.75 * entropy(p_b)) * 4  # times T²
+    assert (summed - mixed).item() == pytest.approx(gap.item(), rel=1e-9)
+    assert torch.allclose(torch.autograd.grad(summed, student)[0], torch.autograd.grad(mixed, student)[0],
+                          rtol=1e-9, atol=1e-14)
+
+
 def test_a_mixture_refuses_what_it_cannot_use():
     student = teacher_logits(5).float()
     logits = teacher_logits(6).float()
