@@ -15,7 +15,9 @@ order and steps:
                      (--teacher-combine mixture)
     CE only          no teacher
 
-scored by the mean cross-entropy per token on the mixed held-out set (and on each domain's).
+scored by the mean cross-entropy per token on each domain's held-out files and on the mixed set
+(the mean of the two: as many tokens of each). The students' training data is mixed the same
+way: as many characters of code as of prose (the stdlib holds several times more code).
 The table says whether the two-teacher students beat each single-teacher student beyond the
 spread over seeds; docs/training.md quotes it.
 """
@@ -63,7 +65,7 @@ class SeveralTeachersConfig(DemoConfig):
             raise ConfigError("--concurrent must be >= 1")
 
     def data_settings(self) -> dict:
-        return {**super().data_settings(), "domains": "code-prose/1", "min_docstring_chars": self.min_docstring_chars}
+        return {**super().data_settings(), "domains": "code-prose/2", "min_docstring_chars": self.min_docstring_chars}
 
 
 # ---- the two domains -------------------------------------------------------------------------------
@@ -119,7 +121,7 @@ def prepare_domains(cfg: SeveralTeachersConfig, cache: Path) -> Domains:
         files = [files[i * len(files) // cfg.max_files] for i in range(min(cfg.max_files, len(files)))]
         relative = [path.relative_to(root).as_posix() for path in files]
         heldout = split_files(relative, cfg.heldout_fraction, cfg.split_seed)
-        # (split, domain) -> examples; domain None: both, file by file (a file's code, then its prose).
+        # (split, domain) -> examples; domain None: both domains, as much of each (below).
         records: dict[tuple[str, str | None], list[dict]] = {(split, domain): [] for split in ("train", "heldout")
                                                              for domain in (*DOMAINS, None)}
         for path, name in zip(files, relative):
@@ -128,9 +130,10 @@ def prepare_domains(cfg: SeveralTeachersConfig, cache: Path) -> Domains:
                 continue
             split = "heldout" if name in heldout else "train"
             for domain, text in zip(DOMAINS, parts):
-                rows = [{"text": chunk, "domain": domain, "source": name} for chunk in chunk_text(text, cfg.seq_chars)]
-                records[split, domain] += rows
-                records[split, None] += rows
+                records[split, domain] += [{"text": chunk, "domain": domain, "source": name}
+                                           for chunk in chunk_text(text, cfg.seq_chars)]
+        for split in ("train", "heldout"):
+            records[split, None] = balanced(records[split, "code"], records[split, "prose"])
         staging = _staging_dir(directory)
         try:
             for (split, domain), rows in records.items():
@@ -149,6 +152,18 @@ def prepare_domains(cfg: SeveralTeachersConfig, cache: Path) -> Domains:
     counts = json.loads(marker.read_text())["chunks"]
     say(f"data: cached in {directory}: {counts}")
     return Domains(directory, tokenizer_dir, vocab)
+
+
+def balanced(code: list[dict], prose: list[dict]) -> list[dict]:
+    """Both domains' examples with as many characters of each (the stdlib has several times more code
+    than docstrings): evenly spaced code examples up to the prose's size, alternating with the prose."""
+    prose_chars, code_chars = sum(len(r["text"]) for r in prose), sum(len(r["text"]) for r in code)
+    keep = min(len(code), max(1, round(len(code) * prose_chars / max(code_chars, 1))))
+    code = [code[i * len(code) // keep] for i in range(keep)]
+    mixed = []
+    for i in range(max(len(code), len(prose))):
+        mixed += code[i:i + 1] + prose[i:i + 1]
+    return mixed
 
 
 # ---- the run ----------------------------------------------------------------------------------------
@@ -223,8 +238,8 @@ def run(cfg: SeveralTeachersConfig) -> dict:
 
 
 def heldout_ce(model_dir: Path, domains: Domains, seq_len: int) -> dict[str, float]:
-    """Mean cross-entropy per target token on each domain's held-out examples and on both
-    together (their tokens pooled), packed as training packs them."""
+    """Mean cross-entropy per target token on each domain's held-out examples, packed as training
+    packs them, and on the mixed set: the mean of the two (a set with as many tokens of each)."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -247,7 +262,7 @@ def heldout_ce(model_dir: Path, domains: Domains, seq_len: int) -> dict[str, flo
                 tokens += int(mask.sum())
             sums[domain] = (nats, tokens)
     scores = {domain: nats / tokens for domain, (nats, tokens) in sums.items()}
-    scores["mixed"] = sum(n for n, _ in sums.values()) / sum(t for _, t in sums.values())
+    scores["mixed"] = statistics.fmean(scores[domain] for domain in DOMAINS)  # each domain weighs the same
     return scores
 
 
@@ -273,7 +288,8 @@ def summarize(cfg: SeveralTeachersConfig, scores: dict, teacher_scores: dict) ->
 
 def table(cfg: SeveralTeachersConfig, result: dict) -> str:
     seeds = list(cfg.seeds)
-    lines = ["held-out cross-entropy per token (nats): the mixed set (both domains' tokens), and each domain's",
+    lines = ["held-out cross-entropy per token (nats) on each domain's held-out files, and on the mixed set (as "
+             "many tokens of each: the mean of the two)",
              "", f"| student | {' | '.join(f'mixed, seed {s}' for s in seeds)} | mixed, mean ± half-range | code, mean "
              "| prose, mean |", "|---|" + "---:|" * (len(seeds) + 3)]
     for arm in ARMS:

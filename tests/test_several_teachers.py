@@ -93,14 +93,17 @@ def servers(assets):
     assert stopped == [0, 0], (code.log, prose.log)
 
 
-def settings(assets, servers, output_dir: Path, specs: dict[str, str], **flags):
+def settings(assets, servers, output_dir: Path, specs: dict[str, str], stores_alone=(), **flags):
+    """The run's TrainConfig: `specs` maps each teacher to its spec's keys after name and address
+    (no address for those in `stores_alone`)."""
     from student_trainer.config import TrainConfig
 
     options = dict(model=str(assets["student"]), data=str(assets["data"]), output_dir=str(output_dir),
                    batch_size=BATCH, seq_len=SEQ_LEN, device="cpu", max_steps=STEPS, lr=1e-2, kd_weight=0.7,
                    prefetch=1, teacher_timeout_s=60, log_level="WARNING")
     options.update(flags)
-    return TrainConfig(teacher_spec=[f"name={name},address={servers[name].address},{rest}".rstrip(",")
+    return TrainConfig(teacher_spec=[",".join(filter(None, (f"name={name}", "" if name in stores_alone else
+                                                            f"address={servers[name].address}", rest)))
                                      for name, rest in specs.items()], **options)
 
 
@@ -240,6 +243,33 @@ def test_two_teachers_give_the_local_references_per_step_losses(run, assets, ser
         assert (sent == 2 * BATCH * SEQ_LEN) if run != "routed" else (BATCH * SEQ_LEN <= sent <= 2 * BATCH * SEQ_LEN)
     written = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
     assert {"kd/code", "kd/prose", "teacher_wait_s/code", "teacher_tokens/prose"} <= set(written[-1])
+
+
+def test_a_store_a_resume_and_held_out_scores_with_two_teachers(assets, servers, tmp_path):
+    """One teacher's outputs written through into its store, then read from the store alone: the
+    same per-step losses; a run stopped after a step and resumed repeats them (field routing, whose
+    routes are part of the data's state); held-out scores against both teachers."""
+    from student_trainer.train import train
+
+    store = tmp_path / "code-store"
+    specs = {"code": f"store={store}", "prose": "kind=topk,topk=8"}
+    flags = dict(teacher_route="field:domain", eval_data=str(assets["data"]), eval_every=STEPS)
+    live = train(settings(assets, servers, tmp_path / "live", specs, **flags))["history"]
+    assert (store / "manifest.json").is_file()
+    assert all(key in live[-1] for key in ("eval_ce", "eval_kd")) and live[-1]["eval_kd"] > 0, live[-1]
+
+    stored = train(settings(assets, servers, tmp_path / "stored", specs, stores_alone={"code"},
+                            teacher_route="field:domain"))["history"]
+    for a, b in zip(live, stored):
+        assert (a["loss"], a["kd/code"], a["kd/prose"]) == (b["loss"], b["kd/code"], b["kd/prose"]), (a, b)
+
+    resumed_dir = tmp_path / "resumed"
+    train(settings(assets, servers, resumed_dir, specs, teacher_route="field:domain", stop_after_steps=1,
+                   save_every=1))
+    rest = train(settings(assets, servers, resumed_dir, specs, teacher_route="field:domain", resume=True))["history"]
+    assert [r["step"] for r in rest] == list(range(2, STEPS + 1))
+    for a, b in zip(live[1:], rest):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), (a, b)
 
 
 @pytest.mark.parametrize("loss", ["sampled", "divergence"])
