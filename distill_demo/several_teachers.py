@@ -290,8 +290,8 @@ def table(cfg: SeveralTeachersConfig, result: dict) -> str:
     seeds = list(cfg.seeds)
     lines = ["held-out cross-entropy per token (nats) on each domain's held-out files, and on the mixed set (as "
              "many tokens of each: the mean of the two)",
-             "", f"| student | {' | '.join(f'mixed, seed {s}' for s in seeds)} | mixed, mean ± half-range | code, mean "
-             "| prose, mean |", "|---|" + "---:|" * (len(seeds) + 3)]
+             "", f"| student | {' | '.join(f'mixed, seed {s}' for s in seeds)} | mixed, mean ± half-range "
+             "| code, mean | prose, mean |", "|---|" + "---:|" * (len(seeds) + 3)]
     for arm in ARMS:
         group = result["groups"][arm]
         mixed = group["mixed"]

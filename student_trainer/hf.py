@@ -185,7 +185,8 @@ class DistillationTrainer(Trainer):
         # A processor (multimodal) carries its tokenizer; the teacher compares fingerprints.
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         feed_options = dict(
-            device=self.args.device, job_id=self.args.run_name or os.path.basename(os.path.normpath(self.args.output_dir)),
+            device=self.args.device,
+            job_id=self.args.run_name or os.path.basename(os.path.normpath(self.args.output_dir)),
             job_rank=self.args.process_index, tokenizer=tokenizer if hasattr(tokenizer, "get_vocab") else None,
             vocab_size=head.weight.shape[0], timeout_s=self.teacher_timeout_s, auth_token=teacher_auth_token)
         if plans:

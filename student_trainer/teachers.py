@@ -108,16 +108,20 @@ class TeacherSpec:
                               f"{', '.join(known)}")
         parsed = {}
         for key, value in values.items():
-            kind = {"weight": float, "temperature": float, "share": float, "topk": int, "cross_topk": int}.get(key, str)
+            kind = _KEY_TYPES.get(key, str)
             try:
                 if isinstance(value, bool) or (kind is int and isinstance(value, float)):
                     raise ValueError
                 parsed[key] = kind(value)
             except (TypeError, ValueError):
-                raise ConfigError(f"{where}: {key}={value!r} is not a{'n integer' if kind is int else ' number' if kind is float else ' string'}") from None
+                raise ConfigError(f"{where}: {key}={value!r} is not {_TYPE_NAMES[kind]}") from None
         if "name" not in parsed:
             raise ConfigError(f"{where}: give the teacher a name (name=NAME): its metrics and routing use it")
         return cls(**parsed)
+
+
+_KEY_TYPES = {"weight": float, "temperature": float, "share": float, "topk": int, "cross_topk": int}
+_TYPE_NAMES = {float: "a number", int: "an integer", str: "a string"}
 
 
 def read_teacher_specs(specs: list[str], path: str) -> list[TeacherSpec]:
@@ -177,7 +181,8 @@ class TeacherPlan:
                 else Logits(),)
 
     def describe(self) -> str:
-        where = self.address + (f" + store {self.store}" if self.store and self.address else "") or f"store {self.store}"
+        where = (f"{self.address} + store {self.store}" if self.store and self.address
+                 else self.address or f"store {self.store}")
         what = {"logits": "full logits", "topk": f"top-{self.topk} (tail: {self.topk_tail})",
                 "head": "its head on the student" + (f", top-{self.topk}" if self.topk else ""),
                 "gold": f"gold across tokenizers ({self.cross_match}, k {self.cross_topk})",
@@ -369,8 +374,7 @@ class TeacherSet:
             ids, mask = (input_ids, attention_mask) if rows is None else (input_ids[rows], attention_mask[rows])
             scored = None if score_ids is None else score_ids if rows is None else score_ids[rows]
             result.tokens[plan.name] = int(mask.sum())
-            parts.append((plan.name, source.submit(ids, mask, score_ids=scored) if scored is not None
-                          else source.submit(ids, mask)))
+            parts.append((plan.name, source.submit(ids, mask, score_ids=scored)))
         pending = [len(parts)]
         lock = threading.Lock()
 
@@ -417,7 +421,7 @@ def _naming(error: BaseException, name: str) -> BaseException:
     return error
 
 
-def open_teachers(cfg, device: torch.device, open_one) -> TeacherSet:
+def open_teachers(cfg, open_one) -> TeacherSet:
     """Each teacher of `cfg.teacher_plans` opened by `open_one(plan)` (the run's own opening of one
     teacher or store: student_trainer/train.py), all of them or none."""
     sources = []
@@ -515,8 +519,7 @@ def ensemble_kd(cfg, student: torch.Tensor, ens: EnsembleOutput, mask: torch.Ten
     return kd, own
 
 
-def step_metrics(names: list[str], per_micro: list[tuple[EnsembleOutput, dict[str, float]]],
-                 grad_accum: int) -> dict[str, float]:
+def step_metrics(names: list[str], per_micro: list[tuple[EnsembleOutput, dict[str, float]]]) -> dict[str, float]:
     """Per-teacher entries of a step's record: `kd/NAME` (the mean of its own divergence over the
     micro-batches that had its tokens), `teacher_wait_s/NAME` and `teacher_tokens/NAME` (summed)."""
     record: dict[str, float] = {}

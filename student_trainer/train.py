@@ -362,7 +362,8 @@ def evaluate(model, dataset: PackedDataset, cfg: TrainConfig, device: torch.devi
         batch = {k: v[start:start + cfg.batch_size] for k, v in
                  (("input_ids", dataset.input_ids), ("attention_mask", dataset.attention_mask),
                   ("loss_mask", dataset.loss_mask))}
-        route = {} if getattr(dataset, "route", None) is None else {"route": dataset.route[start:start + cfg.batch_size]}
+        routes = getattr(dataset, "route", None)
+        route = {} if routes is None else {"route": routes[start:start + cfg.batch_size]}
         # Submitted first: the teacher computes while the student's forward runs. (A session that
         # asks for hidden states or attention inputs is sent those too; they go unused here.)
         future = teacher.submit(batch["input_ids"], batch["attention_mask"], **route) if cfg.uses_logits else None
@@ -373,8 +374,8 @@ def evaluate(model, dataset: PackedDataset, cfg: TrainConfig, device: torch.devi
         tokens = int(mask.sum())
         ce_sum += F.cross_entropy(student[mask].float(), targets[mask], reduction="sum").item()
         if future is not None and isinstance(teacher, TeacherSet):
-            kd, _ = ensemble_kd(cfg, student, teacher_result(teacher, future, timeout_s), mask, maps.heads, maps.matched,
-                                per_teacher=False)
+            outputs = teacher_result(teacher, future, timeout_s)
+            kd, _ = ensemble_kd(cfg, student, outputs, mask, maps.heads, maps.matched, per_teacher=False)
             kd_sum += kd.item() * tokens
         elif future is not None:
             head = teacher.joined.head if cfg.head_on_student else None
@@ -410,7 +411,7 @@ def distill_step(cfg: TrainConfig, trained, params: list[torch.Tensor], optimize
             sums[key] = sums.get(key, 0.0) + value / cfg.grad_accum
         del out
     if per_teacher:
-        sums.update(step_metrics([plan.name for plan in cfg.teacher_plans], per_teacher, cfg.grad_accum))
+        sums.update(step_metrics([plan.name for plan in cfg.teacher_plans], per_teacher))
     if world_size > 1 and maps.projections is not None:
         # DDP wraps the student only: without this each rank would train its own projections,
         # and a resume would give every rank rank 0's.
@@ -470,7 +471,7 @@ def train(cfg: TrainConfig) -> dict:
                        vocab_size=student_vocab if cfg.uses_logits else 0, dataset=dataset,
                        job_id=cfg.job_id or output_dir.name, rank=rank, dtype=cfg.teacher_dtype or None)
         if cfg.several_teachers:
-            teacher = open_teachers(cfg, device, lambda plan: open_teacher(
+            teacher = open_teachers(cfg, lambda plan: open_teacher(
                 cfg, device, teacher_outputs(cfg, plan), address=plan.address, store=plan.store, weight=plan.share,
                 **options))
         else:
