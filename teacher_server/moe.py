@@ -36,9 +36,14 @@ eagerly (their collectives run in hooks between the linears).
 Under expert parallelism (teacher_server/parallel.py's ExpertShard) a rank holds E / N experts
 (`expert_range`); every rank sees every token and its routing, sorts its own experts' pairs first
 (the ids rotated by its first expert), runs the products over those groups only and masks the
-other pairs at the combine; an all-reduce after the forward adds the ranks' outputs. FP8 experts
-(teacher_server/fp8_experts.py) replace the 3-D weights by modules that compute their own grouped
-product from the same sorted rows and offsets.
+other pairs at the combine; an all-reduce after the forward adds the ranks' outputs.
+
+FP8 experts (teacher_server/fp8_experts.py: --quantize fp8, or a published FP8 checkpoint) replace
+the 3-D weights by modules that compute their own grouped product from the same offsets, with the
+permutation and the combine's order inside it: the first product reads each sorted pair's token
+row by index (no gathered copy; the activation is quantized once per token), the second writes
+each product to its pair's row in token order, so the combine is a sum over each token's k
+contiguous rows (a model with expert biases or a norm after each expert keeps the combine above).
 
 Expert load (`ExpertLoad`): the histogram each layer computes anyway is written into one row of a
 [layers, experts] tensor on the device; the runner adds it to a running total after each forward
@@ -163,9 +168,6 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         local = sorted_key < span.count
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     token_of_pair = order // k
-    # FP8 experts (teacher_server/fp8_experts.py) take the activation in its dtype and quantize it.
-    weight_dtype = self.down_proj.dtype if self.down_proj.dtype != FP8 else hidden_states.dtype
-    x = hidden_states.index_select(0, token_of_pair).to(weight_dtype)
     sorted_experts = None
     if self.has_bias:
         sorted_experts = ids.index_select(0, order) if span is None else sorted_key.clamp(max=span.count - 1)
@@ -173,16 +175,31 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
 
     first = self.gate_up_proj if self.has_gate else self.up_proj
     first_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
-    projected = _expert_product(self, first, x, offsets)
+    post_norm = getattr(self, "has_post_expert_norm", False)
+    if isinstance(first, nn.Module):
+        # FP8 experts (teacher_server/fp8_experts.py): the activation quantized once per token, each
+        # pair's token row read by index in the product, no gathered copy.
+        projected = first(hidden_states, offsets, rows=token_of_pair)
+    else:
+        x = hidden_states.index_select(0, token_of_pair).to(first.dtype)
+        projected = _expert_product(self, first, x, offsets)
     if first_bias is not None:
         projected = projected + first_bias.index_select(0, sorted_experts)
     hidden = self._apply_gate(projected) if self.has_gate else self.act_fn(projected)
     # The routing weight applied before the down product (it is linear), where the rows are I wide
     # instead of H; a norm after each expert would not commute with it.
-    post_norm = getattr(self, "has_post_expert_norm", False)
     if not post_norm:
         hidden = hidden * pair_weights
-    out = _expert_product(self, self.down_proj, hidden.to(weight_dtype), offsets)
+    if isinstance(self.down_proj, nn.Module) and not (self.has_bias or post_norm):
+        # FP8 experts write each product to its pair's row in token order: the combine is a sum over
+        # each token's k contiguous rows. Under expert parallelism the other ranks' pairs are zeros.
+        out = self.down_proj(hidden, offsets, out_rows=order, zero_unwritten=span is not None,
+                             out_dtype=hidden_states.dtype)
+        combined = out.view(tokens, k, -1).sum(dim=1, dtype=torch.float32)
+        return combined.to(hidden_states.dtype)
+    fp8_down = isinstance(self.down_proj, nn.Module)  # FP8 experts take the activation in its dtype
+    out = _expert_product(self, self.down_proj, hidden.to(hidden_states.dtype if fp8_down else self.down_proj.dtype),
+                          offsets)
     if self.has_bias:
         bias = self.down_proj_bias.index_select(0, sorted_experts)
         out = out + (bias * pair_weights if not post_norm else bias)
@@ -286,13 +303,20 @@ def install(model: nn.Module) -> ExpertLoad | None:
                              "its own plan (teacher_server/parallel.py: attention tensor parallel, experts expert "
                              "parallel): load the model without transformers' tp_plan")
     stored_fp8 = {type(m).__name__ for m in modules
-                  if isinstance(m.down_proj, torch.Tensor) and m.down_proj.dtype == FP8}
+                  if isinstance(m.down_proj, torch.Tensor) and m.down_proj.dtype in (FP8, torch.int8)}
     if stored_fp8:
-        raise MoeUnsupported(f"{', '.join(sorted(stored_fp8))}: expert weights stored in FP8 by the checkpoint "
-                             "(128 x 128 block scales); the teacher does not serve a published FP8 MoE checkpoint's "
-                             "experts yet: dequantize it (transformers' FineGrainedFP8Config(dequantize=True), "
-                             "save_pretrained) and serve that directory, with --quantize fp8 for FP8 experts")
+        raise MoeUnsupported(f"{', '.join(sorted(stored_fp8))}: expert weights stored in FP8 (or FP4) without the "
+                             "128 x 128 block scales the teacher serves (teacher_server/fp8_experts.py's "
+                             "adopt_published reads those): dequantize the checkpoint (transformers' "
+                             "FineGrainedFP8Config(dequantize=True), save_pretrained) and serve that directory, with "
+                             "--quantize fp8 for FP8 experts")
     ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+    try:  # a published FP8 checkpoint's experts class dispatches through transformers' FP8 interface
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:
+        FP8ExpertsInterface = None
+    if FP8ExpertsInterface is not None:
+        FP8ExpertsInterface.register(IMPLEMENTATION, experts_forward)
     model.set_experts_implementation(IMPLEMENTATION)
     unset = {type(m).__name__ for m in modules if getattr(m.config, "_experts_implementation", None) != IMPLEMENTATION}
     if unset:
