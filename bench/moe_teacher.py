@@ -280,7 +280,7 @@ def main() -> None:
                         "(0: only the routers as initialised)")
     parser.add_argument("--quantize", action="store_true", help="the MoE models with --quantize fp8 too")
     parser.add_argument("--fp8-scalings", default="row", help="the FP8 scalings served under --quantize (row, "
-                        "block: the published checkpoints' 128 x 128 layout)")
+                        "row+fastacc: with --fp8-fast-accum, block: the published checkpoints' 128 x 128 layout)")
     parser.add_argument("--experts-probe", action="store_true", help="time one layer's expert products alone")
     parser.add_argument("--profile", default="", help="a model whose server forward is profiled at the first shape")
     parser.add_argument("--profile-dir", default="")
@@ -309,14 +309,17 @@ def main() -> None:
             if variant.startswith("server"):
                 from teacher_server.fp8 import Fp8Plan
 
-                quantize = Fp8Plan(variant.rsplit("-", 1)[1]) if variant.startswith("server-fp8") else None
+                scaling = variant.rsplit("-", 1)[1].split("+")[0]
+                quantize = (Fp8Plan(scaling, fast_accum=variant.endswith("+fastacc")) if variant.startswith("server-fp8")
+                            else None)
                 with tempfile.TemporaryDirectory() as directory:
                     config.save_pretrained(directory)
                     runner = ModelRunner(f"random:{directory}", "cuda:0", dtype="bfloat16", quantize=quantize)
                 call = lambda ids, mask: runner.forward(ids, mask).logits  # noqa: E731
                 label = f"server ({runner.info.kernels or 'transformers kernels'})"
                 if quantize is not None:
-                    label = f"server FP8 ({runner.quantization}; experts {quantize.scaling}-scaled e4m3)"
+                    label = (f"server FP8 ({runner.quantization}; experts {quantize.scaling}-scaled e4m3"
+                             f"{', fast accumulation' if quantize.fast_accum else ''})")
             else:
                 model = transformers_model(config, "cuda")
                 label = (f"transformers ({model.config._experts_implementation or 'dense'} experts, "

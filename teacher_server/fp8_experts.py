@@ -68,7 +68,7 @@ class FP8ExpertWeights(nn.Module):
 
     is_expert_weights = True  # what moe.experts_modules recognises besides a 3-D tensor
 
-    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, scaling: str):
+    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, scaling: str, fast_accum: bool = False):
         super().__init__()
         if scaling not in fp8.SCALINGS:
             raise ValueError(f"FP8 scaling {scaling!r}: choose one of {', '.join(fp8.SCALINGS)}")
@@ -81,6 +81,9 @@ class FP8ExpertWeights(nn.Module):
             raise ValueError(f"FP8 expert scales {tuple(weight_scale.shape)} for weights {tuple(weight_q.shape)} "
                              f"with {scaling} scaling: expected {want}")
         self.scaling = scaling
+        # Row scales on a GPU: the FP8 tensor cores' partial sums kept over the whole K instead of
+        # promoted to float32 at each 128-wide step (--fp8-fast-accum; fp8_grouped_gemm.launch).
+        self.fast_accum = fast_accum and scaling == "row"
         self.register_buffer("weight", weight_q.contiguous())
         self.register_buffer("weight_scale", weight_scale.float().contiguous())
         self.kernel = choose_kernel(self.weight.device, scaling)
@@ -93,13 +96,13 @@ class FP8ExpertWeights(nn.Module):
         return result
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, scaling: str) -> "FP8ExpertWeights":
+    def quantize(cls, weight: torch.Tensor, scaling: str, fast_accum: bool = False) -> "FP8ExpertWeights":
         """From transformers' [E, N, K] weights (transpose an [E, K, N] layout first)."""
         quantize = fp8.quantize_rows if scaling == "row" else fp8.quantize_tiles
         parts = [quantize(expert) for expert in weight.detach()]  # one expert at a time: bounded memory
         q = torch.stack([p[0] for p in parts])
         scale = torch.stack([p[1].reshape(p[1].shape[0]) if scaling == "row" else p[1] for p in parts])
-        return cls(q, scale, scaling)
+        return cls(q, scale, scaling, fast_accum)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -133,20 +136,25 @@ class FP8ExpertWeights(nn.Module):
         sorted pair; `offsets` int32 [E]: where each expert's pairs end; `out_rows` [M]: where each
         sorted pair's product goes (None: in sorted order). `zero_unwritten`: the pairs past
         offsets[-1] (other ranks' experts) give zeros."""
-        out_dtype = out_dtype or x.dtype
-        xq, xs = self.quantize_input(x)
+        return self.product(*self.quantize_input(x), offsets, rows, out_rows, zero_unwritten, out_dtype or x.dtype)
+
+    def product(self, xq: torch.Tensor, xs: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor | None = None,
+                out_rows: torch.Tensor | None = None, zero_unwritten: bool = False,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """`forward` on an activation quantized already (e4m3 `xq` and its scales `xs`, as
+        `quantize_input` or fp8_grouped_gemm.swiglu_quantize give them)."""
         if self.kernel == "triton":
             return fp8_grouped_gemm.grouped_fp8_mm(xq, xs, self.weight, self.weight_scale, offsets, rows, out_rows,
-                                                   zero_unwritten, out_dtype)
+                                                   zero_unwritten, out_dtype, self.fast_accum)
         if rows is not None:
             xq, xs = xq.index_select(0, rows), xs.index_select(0, rows)
         if self.kernel == "scaled_grouped_mm":
             out = _SCALED_GROUPED_MM(xq, self.weight.transpose(1, 2), xs.reshape(-1), self.weight_scale,
-                                     offs=offsets, out_dtype=out_dtype)
+                                     offs=offsets, out_dtype=out_dtype, use_fast_accum=self.fast_accum)
         else:
-            # float32 on a CPU (the tests' exactness); on a GPU the operands rounded to the activation's
+            # float32 on a CPU (the tests' exactness); on a GPU the operands rounded to the output's
             # dtype, where the grouped GEMM runs (bf16: the values of e4m3 x a float32 scale, to 8 bits).
-            dtype = torch.float32 if x.device.type == "cpu" else x.dtype
+            dtype = torch.float32 if xq.device.type == "cpu" else out_dtype
             activation = fp8.dequantize(xq, xs).to(dtype)
             out = moe.grouped_mm(activation, self.dequantized(dtype).transpose(1, 2), offsets).to(out_dtype)
         if zero_unwritten:
@@ -156,9 +164,19 @@ class FP8ExpertWeights(nn.Module):
             out = torch.empty_like(out).index_copy_(0, out_rows, out)
         return out
 
+    def swiglu_product(self, projected: torch.Tensor, pair_weights: torch.Tensor, offsets: torch.Tensor,
+                       **placed) -> torch.Tensor:
+        """The down product of silu(gate) x up x the routing weight of each row of `projected` [M, 2I]
+        ([gate | up], sorted by expert): the gate, the weight and the quantization in one kernel
+        (fp8_grouped_gemm.swiglu_quantize), then `product` (`placed`: its out_rows, zero_unwritten,
+        out_dtype)."""
+        xq, xs = fp8_grouped_gemm.swiglu_quantize(projected, pair_weights, self.scaling == "block")
+        return self.product(xq, xs, offsets, **placed)
+
     def extra_repr(self) -> str:
         experts, n, k = self.weight.shape
-        return f"experts={experts}, out_features={n}, in_features={k}, scaling={self.scaling}, kernel={self.kernel}"
+        return (f"experts={experts}, out_features={n}, in_features={k}, scaling={self.scaling}, kernel={self.kernel}"
+                + (", fast_accum=True" if self.fast_accum else ""))
 
 
 def reference_product(weights: FP8ExpertWeights, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -184,7 +202,8 @@ def reference_product(weights: FP8ExpertWeights, x: torch.Tensor, offsets: torch
     return out.to(x.dtype)
 
 
-def quantize_experts(model: nn.Module, scaling: str, keep_layers: tuple[int, ...] = ()) -> int:
+def quantize_experts(model: nn.Module, scaling: str, keep_layers: tuple[int, ...] = (), fast_accum: bool = False
+                     ) -> int:
     """Replaces the 3-D expert weights of every MoE layer (but those of decoder layers `keep_layers`)
     by FP8ExpertWeights in place; returns how many weights were replaced."""
     layers = fp8.decoder_layers(model)
@@ -203,7 +222,7 @@ def quantize_experts(model: nn.Module, scaling: str, keep_layers: tuple[int, ...
                                      "matrix dimensions divisible by 16; serve the model without --quantize fp8")
                 canonical = weight.transpose(1, 2) if module.is_transposed else weight  # [E, N, K]
                 del module._parameters[name]
-                setattr(module, name, FP8ExpertWeights.quantize(canonical, scaling))
+                setattr(module, name, FP8ExpertWeights.quantize(canonical, scaling, fast_accum))
                 replaced += 1
     return replaced
 
