@@ -161,7 +161,7 @@ def profile(call, rows: int, seq: int, vocab: int, name: str, out_dir: str) -> N
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=80)
     print(table)
     if out_dir:
-        with open(f"{out_dir}/moe_profile_{name}.txt", "w") as f:
+        with open(f"{out_dir}/moe_profile_{name.replace('+', '_')}.txt", "w") as f:
             f.write(table)
 
 

@@ -19,6 +19,7 @@ import torch
 
 from teacher_server import moe, sink_attention
 from teacher_server.model_runner import ModelRunner
+from tests.test_fp8_experts import published_dir  # noqa: F401  (a fixture: the tiny published FP8 checkpoint)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -141,4 +142,27 @@ def test_fp8_experts_on_hopper_match_their_reference_and_stay_near_bf16(tmp_path
     theirs = bf16.forward(ids, torch.ones_like(ids)).logits.float()
     relative = _relative(ours, theirs)
     print(f"FP8 experts ({scaling}) against bf16: relative norm {relative:.3g}")
+    assert relative < 0.1, relative
+
+
+def test_a_published_fp8_moe_checkpoint_serves_on_the_gpu_as_on_the_cpu(published_dir):
+    """tests/test_fp8_experts.py's tiny Qwen3-30B-A3B-FP8-layout checkpoint on the GPU: its e4m3 bytes
+    kept (experts through the Triton kernel with 128 x 128 block scales, linears through cuBLAS's
+    block-scaled product, the layers compiled), the logits within FP8's compounding of the same
+    checkpoint served on the CPU (dequantize, then multiply in float32, there held to the checkpoint
+    dequantized by hand layer by layer)."""
+    from teacher_server import fp8_experts
+
+    path, _ = published_dir
+    gpu = ModelRunner(str(path), "cuda:0")
+    experts = moe.experts_modules(gpu.model)
+    assert experts and {m.down_proj.kernel for m in experts} == {"triton"}
+    assert all(isinstance(m.gate_up_proj, fp8_experts.FP8ExpertWeights) for m in experts)
+    assert gpu.quantization.source == "checkpoint" and gpu.quantization.scaling == "block"
+    cpu = ModelRunner(str(path), "cpu", dtype="float32")
+    ids = torch.randint(0, 96, (2, 200), generator=torch.Generator().manual_seed(4))
+    ours = gpu.forward(ids, torch.ones_like(ids)).logits.float().cpu()
+    reference = cpu.forward(ids, torch.ones_like(ids)).logits.float()
+    relative = ((ours - reference).norm() / reference.norm()).item()
+    print(f"published FP8 MoE checkpoint, GPU against CPU: relative norm {relative:.3g}")
     assert relative < 0.1, relative
