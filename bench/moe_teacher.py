@@ -309,9 +309,10 @@ def main() -> None:
             if variant.startswith("server"):
                 from teacher_server.fp8 import Fp8Plan
 
-                scaling = variant.rsplit("-", 1)[1].split("+")[0]
-                quantize = (Fp8Plan(scaling, fast_accum=variant.endswith("+fastacc")) if variant.startswith("server-fp8")
-                            else None)
+                quantize = None
+                if variant.startswith("server-fp8-"):
+                    scaling = variant[len("server-fp8-"):]
+                    quantize = Fp8Plan(scaling.split("+")[0], fast_accum=scaling.endswith("+fastacc"))
                 with tempfile.TemporaryDirectory() as directory:
                     config.save_pretrained(directory)
                     runner = ModelRunner(f"random:{directory}", "cuda:0", dtype="bfloat16", quantize=quantize)
