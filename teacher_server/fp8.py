@@ -16,6 +16,9 @@ output in the model's dtype):
             of DeepSeek-V3 and the Qwen3 FP8 releases): finer, so an outlier costs the
             precision of 128 values instead of a whole row
 
+On a CPU there is no block-scaled kernel: FP8Linear dequantizes and multiplies in float32 there
+(`reference_linear`), so a published checkpoint serves there too (slowly: for tests).
+
 A scale here is the dequantization multiplier: x ≈ q * scale, with q = x / scale in e4m3
 (|q| <= 448). The slow, obvious version of every product is `reference_linear` (dequantize
 to float32, multiply): the tests hold the fast one to it.

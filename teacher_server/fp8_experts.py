@@ -21,11 +21,18 @@ produces the activation: the norm before the experts, the gate before the down p
 product is
 
     GPU      teacher_server/fp8_grouped_gemm.py: one Triton kernel over every expert, FP8 tensor
-             cores, float32 accumulation, the scales in its epilogue (row) or per K block (block),
-             the permutation read by index and the combine's order written by index
+             cores, float32 accumulation (with --fp8-fast-accum and row scales, the tensor cores'
+             partial sums kept over the whole K), the scales in its epilogue (row) or per K block
+             (block), the permutation read by index and the combine's order written by index; a
+             plain SwiGLU gate, the routing weight and the down product's input quantization in one
+             kernel before it (`swiglu_product`)
     CPU      the operands quantized the same way, dequantized to float32 and multiplied by the
              grouped GEMM in float32 (moe.grouped_mm): numerically the product above, up to the
              order of the float32 sums. Also the path of a GPU without Triton (in bf16 there).
+
+A published checkpoint's experts come from transformers' FP8 loader (its `FP8Experts`: e4m3
+[E, N, K] and `<name>_scale_inv`); `adopt_published` wraps the same tensors, before moe.install.
+Measured on an H200: docs/performance.md, "MoE teachers on one GPU".
 
 `reference_product` is the slow, obvious version (one expert at a time, the quantization written
 out): what `verify` holds the device's product to at load, and what the tests hold both to.
@@ -131,8 +138,8 @@ class FP8ExpertWeights(nn.Module):
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor | None = None,
                 out_rows: torch.Tensor | None = None, zero_unwritten: bool = False,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The products of the M sorted (token, expert) pairs: [M, N] in `out_dtype` (x's by default). `x`: the
-        activation, [M, K] in sorted order, or [T, K] by token with `rows` [M] the token of each
+        """The products of the M sorted (token, expert) pairs: [M, N] in `out_dtype` (x's by default).
+        `x`: the activation, [M, K] in sorted order, or [T, K] by token with `rows` [M] the token of each
         sorted pair; `offsets` int32 [E]: where each expert's pairs end; `out_rows` [M]: where each
         sorted pair's product goes (None: in sorted order). `zero_unwritten`: the pairs past
         offsets[-1] (other ranks' experts) give zeros."""

@@ -7,7 +7,8 @@ in e4m3 ([E, N, K], one scale per output row or per 128 x 128 tile), products on
 cores with float32 accumulation, the scales applied in float32, the output in bf16.
 
     row scales    acc = sum over K of a x w (promoted to float32 at each 128-wide K step, as for
-                  block scales and DeepSeek-V3's recipe), then acc x a_scale[row] x w_scale[e, col]
+                  block scales and DeepSeek-V3's recipe; with `fast_accum`, the tensor cores' own
+                  partial sums over the whole K), then acc x a_scale[row] x w_scale[e, col]
     block scales  per 128-wide K step: acc += (a x w) x a_scale[row, kb] x w_scale[e, col / 128, kb]
                   (the published checkpoints' layout: `weight_scale_inv` [E, N / 128, K / 128])
 
@@ -26,6 +27,9 @@ sum over E <= 1024 tile counts, in registers): no host sync, no per-expert launc
 upper bound cdiv(M, BLOCK_M) + E M-tiles; programs past the last tile return at once. Consecutive
 programs share an M-tile (its rows are read once from memory, then from L2), and an expert's M-tiles
 follow each other (its weights stay in L2).
+
+`swiglu_quantize` is the step between the two products for a plain SwiGLU gate: silu(gate) x up x
+the routing weight of each row, quantized per row or per 1 x 128 block, one read of the bf16 row.
 
 The tile shapes are autotuned per (N, K, scaling, rows per expert rounded to a power of 4) on first
 use among a few configurations (`CONFIGS`; bench/moe_teacher.py --experts-probe times each). On a
