@@ -182,7 +182,7 @@ class TrainConfig:
         self.hidden_layers = IntTuple(self.hidden_layers)
         self.teacher_spec = list(self.teacher_spec)
         check_choices(self)
-        _check_max_teacher_kl(self.max_teacher_kl)
+        check_max_teacher_kl(self.max_teacher_kl)
         for name in ("model", "data"):
             if not getattr(self, name):
                 raise ConfigError(f"{flag(name)} is required")
@@ -367,7 +367,7 @@ class TrainConfig:
         return 1.0 - self.kd_weight if self.ce_weight is None else self.ce_weight
 
 
-def _check_max_teacher_kl(value: float) -> None:
+def check_max_teacher_kl(value: float) -> None:
     if not 0 <= value < float("inf"):
         raise ConfigError(f"--max-teacher-kl {value} must be a finite number >= 0 (nats per token; 0: no bound)")
 
@@ -435,7 +435,7 @@ class DumpConfig:
         self.attention_layers = IntTuple(self.attention_layers)
         self.aux_layers = IntTuple(self.aux_layers)
         check_choices(self)
-        _check_max_teacher_kl(self.max_teacher_kl)
+        check_max_teacher_kl(self.max_teacher_kl)
         for name in ("data", "teacher_outputs"):
             if not getattr(self, name):
                 raise ConfigError(f"{flag(name)} is required")
