@@ -37,15 +37,17 @@ harder case); the same weights otherwise. Measured on an H200: it spreads gpt-os
 1.4-1.8) but not Qwen's (still 10 / 16: the random Qwen's hidden states are nearly the same for
 every token, so any router picks the same experts); the imbalance column says which case ran.
 
---quantize: the MoE models served with --quantize fp8 too (row scales: the decoder's linears and
-every expert's weights in e4m3, teacher_server/fp8.py and fp8_experts.py; the layers compiled), a
-row "server FP8" beside the bf16 one, and the speed-up over it. --experts-probe: the grouped expert
-products of one Qwen3-30B-A3B layer alone (8,192 tokens, top-8, rows spread evenly over the 128
-experts), bf16 `torch._grouped_mm` against FP8 `torch._scaled_grouped_mm` with and without the
-activation's quantization.
+--quantize: the MoE models served with --quantize fp8 too (--fp8-scalings: row, block or both; the
+decoder's linears and every expert's weights in e4m3, teacher_server/fp8.py and fp8_experts.py; the
+layers compiled), a "server FP8" row beside the bf16 one, and the speed-up over it.
 
---profile MODEL: a torch.profiler table of the server's forward of MODEL at the first shape (the
-kernels by CUDA time), printed and written to --profile-dir.
+--experts-probe: the expert products of one layer of each MoE model alone (8,192 tokens; rows
+spread evenly, then all on k experts): bf16 `torch._grouped_mm`, FP8 `torch._scaled_grouped_mm` and
+the teacher's Triton kernel (teacher_server/fp8_grouped_gemm.py) in each tile configuration, row and
+block scales, each against the float32 dequantize-then-multiply product.
+
+--profile MODEL: a torch.profiler table of the server's forwards of MODEL (bf16, and FP8 under
+--quantize) at the first shape (the kernels by CUDA time), printed and written to --profile-dir.
 """
 
 from __future__ import annotations
@@ -159,41 +161,111 @@ def profile(call, rows: int, seq: int, vocab: int, name: str, out_dir: str) -> N
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=80)
     print(table)
     if out_dir:
-        with open(f"{out_dir}/moe_profile_{name}.txt", "w") as f:
+        with open(f"{out_dir}/moe_profile_{name.replace('+', '_')}.txt", "w") as f:
             f.write(table)
 
 
-def experts_probe(iters: int) -> list[str]:
-    """One Qwen3-30B-A3B layer's expert products alone (gate_up then down), rows spread evenly."""
-    from bench.cuda_timing import median_call_ms
-    from teacher_server import fp8_experts, moe
+# The probe's layer shapes: (experts, hidden, expert width, top-k), 8,192 tokens.
+PROBE_SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "gpt-oss-20b": (32, 2880, 2880, 4)}
+PROBE_TOKENS = 8192
+PROBE_DEVICE = "cuda"
 
-    experts, hidden, width, tokens, k = 128, 2048, 768, 8192, 8
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    gate_up = torch.randn(experts, 2 * width, hidden, device="cuda", generator=generator, dtype=torch.bfloat16)
-    down = torch.randn(experts, hidden, width, device="cuda", generator=generator, dtype=torch.bfloat16)
-    x = torch.randn(tokens * k, hidden, device="cuda", generator=generator, dtype=torch.bfloat16)
-    h = torch.randn(tokens * k, width, device="cuda", generator=generator, dtype=torch.bfloat16)
-    offsets = torch.full((experts,), tokens * k // experts, device="cuda", dtype=torch.int32).cumsum(0).int()
-    fp8_gate_up, fp8_down = (fp8_experts.FP8ExpertWeights.quantize(w, "row") for w in (gate_up, down))
-    xq, xs = fp8_gate_up.quantize_input(x)
-    hq, hs = fp8_down.quantize_input(h)
-    flop = 2 * tokens * k * (2 * width * hidden + hidden * width)
-    calls = {
-        "bf16 torch._grouped_mm": lambda: (moe.grouped_mm(x, gate_up.transpose(1, 2), offsets),
-                                           moe.grouped_mm(h, down.transpose(1, 2), offsets)),
-        "FP8 torch._scaled_grouped_mm (inputs quantized already)": lambda: (
-            torch._scaled_grouped_mm(xq, fp8_gate_up.weight.transpose(1, 2), xs.reshape(-1), fp8_gate_up.weight_scale,
-                                     offs=offsets, out_dtype=torch.bfloat16),
-            torch._scaled_grouped_mm(hq, fp8_down.weight.transpose(1, 2), hs.reshape(-1), fp8_down.weight_scale,
-                                     offs=offsets, out_dtype=torch.bfloat16)),
-        "FP8 with the inputs' quantization (eager)": lambda: (fp8_gate_up(x, offsets), fp8_down(h, offsets)),
-    }
-    lines = ["| Qwen3-30B-A3B layer, 8192 tokens x top-8, even | ms | share of bf16 peak |", "|---|---|---|"]
-    for label, call in calls.items():
-        call()
-        ms = median_call_ms(call, max(iters, 10))
-        lines.append(f"| {label} | {ms:.3f} | {flop / (ms / 1e3) / BF16_PEAK:.1%} |")
+
+def _probe_reference(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """float32 products one expert at a time: x [M, K] float32 (sorted), weight [E, N, K] float32."""
+    out = torch.empty(x.shape[0], weight.shape[1], device=x.device)
+    start = 0
+    for expert, size in enumerate(sizes):
+        if size:
+            torch.mm(x[start:start + size], weight[expert].t(), out=out[start:start + size])
+        start += size
+    return out
+
+
+def experts_probe(iters: int, models: list[str]) -> list[str]:
+    """One layer's expert products alone (gate_up, then down), 8,192 tokens: bf16 `torch._grouped_mm`,
+    FP8 `torch._scaled_grouped_mm` (row scales) and the teacher's Triton kernel (row and block scales,
+    each of its tile configurations, then the autotuned one), the inputs quantized already; the first
+    product reads its rows by index, the second writes them by index, as the server calls it. Rows
+    spread evenly, then all of them on k experts (the random Qwen's routing). Error: relative norm
+    against the dequantize-then-multiply product in float32."""
+    from teacher_server import fp8, fp8_experts, fp8_grouped_gemm, moe
+
+    tokens = PROBE_TOKENS
+    lines = ["| layer | rows | product | kernel | ms | TFLOP/s | share of bf16 peak | error |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in models:
+        if name not in PROBE_SHAPES:
+            continue
+        experts, hidden, width, k = PROBE_SHAPES[name]
+        generator = torch.Generator(device=PROBE_DEVICE).manual_seed(0)
+        weights = {"gate_up": torch.randn(experts, 2 * width, hidden, device=PROBE_DEVICE, generator=generator,
+                                          dtype=torch.bfloat16) * 0.02,
+                   "down": torch.randn(experts, hidden, width, device=PROBE_DEVICE, generator=generator,
+                                       dtype=torch.bfloat16) * 0.02}
+        m = tokens * k
+        token_rows = torch.randn(tokens, hidden, device=PROBE_DEVICE, generator=generator, dtype=torch.bfloat16)
+        hidden_rows = torch.randn(m, width, device=PROBE_DEVICE, generator=generator, dtype=torch.bfloat16)
+        scalings = ["row"] + (["block"] if hidden % 128 == 0 and width % 128 == 0 else [])
+        quantized = {(product, scaling): fp8_experts.FP8ExpertWeights.quantize(w, scaling)
+                     for product, w in weights.items() for scaling in scalings}
+        spreads = {"even": [m // experts] * experts, f"all on {k}": [tokens] * k + [0] * (experts - k)}
+        for spread, sizes in spreads.items():
+            offsets = torch.tensor(sizes, device=PROBE_DEVICE).cumsum(0).int()
+            gather = torch.randint(0, tokens, (m,), device=PROBE_DEVICE, generator=generator)
+            scatter = torch.randperm(m, device=PROBE_DEVICE, generator=generator)
+            for product in ("gate_up", "down"):
+                n, kk = weights[product].shape[1:]
+                flop = 2 * m * n * kk
+                x_bf16 = token_rows.index_select(0, gather) if product == "gate_up" else hidden_rows
+
+                def row(label: str, kernel: str, call, expected=None, out_map=None) -> None:
+                    try:
+                        got = call()
+                        ms = median_call_ms(call, max(iters, 10), warmup=2)
+                    except Exception as e:  # a configuration that does not compile or run: say so, go on
+                        lines.append(f"| {name} | {spread} | {product} | {kernel} | failed: "
+                                     f"{type(e).__name__}: {str(e).splitlines()[0][:100]} | | | |")
+                        print(lines[-1], flush=True)
+                        return
+                    error = ""
+                    if expected is not None:
+                        got = got.float() if out_map is None else got.float().index_select(0, out_map)
+                        error = f"{((got - expected).norm() / expected.norm()).item():.2e}"
+                    lines.append(f"| {name} | {spread} | {product} | {kernel} | {ms:.3f} | "
+                                 f"{flop / ms / 1e9:.0f} | {flop / (ms / 1e3) / BF16_PEAK:.1%} | {error} |")
+                    print(lines[-1], flush=True)
+
+                row(label="bf16", kernel="bf16 torch._grouped_mm",
+                    call=lambda: moe.grouped_mm(x_bf16, weights[product].transpose(1, 2), offsets))
+                for scaling in scalings:
+                    module = quantized[(product, scaling)]
+                    source = token_rows if product == "gate_up" else hidden_rows
+                    aq, a_s = module.quantize_input(source)
+                    a_sorted = fp8.dequantize(*module.quantize_input(x_bf16))
+                    expected = _probe_reference(a_sorted, module.dequantized(), sizes)
+                    if scaling == "row" and fp8_experts._SCALED_GROUPED_MM is not None:
+                        aq_sorted, as_sorted = module.quantize_input(x_bf16)
+                        row(label="scaled", kernel="FP8 row torch._scaled_grouped_mm", expected=expected,
+                            call=lambda: torch._scaled_grouped_mm(
+                                aq_sorted, module.weight.transpose(1, 2), as_sorted.reshape(-1), module.weight_scale,
+                                offs=offsets, out_dtype=torch.bfloat16))
+                    rows_in = gather if product == "gate_up" else None
+                    rows_out = scatter if product == "down" else None
+                    configs = [dict(BLOCK_M=c.kwargs["BLOCK_M"], BLOCK_N=c.kwargs["BLOCK_N"], num_warps=c.num_warps,
+                                    num_stages=c.num_stages) for c in fp8_grouped_gemm.CONFIGS]
+                    runs = [(c, False) for c in configs + [None]] + ([(None, True)] if scaling == "row" else [])
+                    for config, fast in runs:
+                        label = ("autotuned" if config is None else
+                                 "{BLOCK_M}x{BLOCK_N} w{num_warps} s{num_stages}".format(**config))
+                        label += ", fast accumulation" if fast else ""
+                        out = torch.empty(m, n, device=PROBE_DEVICE, dtype=torch.bfloat16)
+                        row(label=label, kernel=f"FP8 {scaling} Triton {label}", expected=expected, out_map=rows_out,
+                            call=lambda config=config, out=out, fast=fast: fp8_grouped_gemm.launch(
+                                aq, a_s, module.weight, module.weight_scale, offsets, rows_in, rows_out, out,
+                                config=config, fast_accum=fast))
+                    best = getattr(fp8_grouped_gemm._tuned_kernel, "best_config", None)
+                    print(f"{name} {spread} {product} {scaling}: autotuned {best}", flush=True)
     return lines
 
 
@@ -207,26 +279,29 @@ def main() -> None:
     parser.add_argument("--router-std", type=float, default=1.0, help="the std of the redrawn routers' weights "
                         "(0: only the routers as initialised)")
     parser.add_argument("--quantize", action="store_true", help="the MoE models with --quantize fp8 too")
-    parser.add_argument("--experts-probe", action="store_true", help="time one Qwen layer's expert products alone")
+    parser.add_argument("--fp8-scalings", default="row", help="the FP8 scalings served under --quantize (row, "
+                        "row+fastacc: with --fp8-fast-accum, block: the published checkpoints' 128 x 128 layout)")
+    parser.add_argument("--experts-probe", action="store_true", help="time one layer's expert products alone")
     parser.add_argument("--profile", default="", help="a model whose server forward is profiled at the first shape")
     parser.add_argument("--profile-dir", default="")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     from teacher_server.model_runner import ModelRunner
 
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     baseline_shapes = [tuple(int(v) for v in s.split("x")) for s in args.baseline_shapes.split(",") if s]
     lines = ["| model | forward | routers | tokens | ms | tokens/s | share of bf16 peak | peak GiB | "
              "imbalance mean / worst |", "|---|---|---|---|---|---|---|---|---|"]
     figures = {}
-    probe_lines = experts_probe(args.iters) + [""] if args.experts_probe else []
+    probe_lines = experts_probe(args.iters, args.models.split(",")) + [""] if args.experts_probe else []
     print("\n".join(probe_lines), flush=True)
-    for name in (n for n in args.models.split(",") if n):
+    for name in (n for n in args.models.split(",") if n and shapes):  # --shapes '': the probe alone
         config = config_of(name)
-        for variant in ("server", "server-fp8", "transformers"):
+        fp8_variants = [f"server-fp8-{s}" for s in args.fp8_scalings.split(",") if s] if args.quantize else []
+        for variant in ["server", *fp8_variants, "transformers"]:
             if variant == "transformers" and not (baseline_shapes and is_moe(config)):
                 continue  # transformers' own forward is the baseline of the MoE models
-            if variant == "server-fp8" and not (args.quantize and is_moe(config)):
+            if variant.startswith("server-fp8") and not is_moe(config):
                 continue
             torch._dynamo.reset()
             started = time.perf_counter()
@@ -234,14 +309,18 @@ def main() -> None:
             if variant.startswith("server"):
                 from teacher_server.fp8 import Fp8Plan
 
-                quantize = Fp8Plan("row") if variant == "server-fp8" else None
+                quantize = None
+                if variant.startswith("server-fp8-"):
+                    scaling = variant[len("server-fp8-"):]
+                    quantize = Fp8Plan(scaling.split("+")[0], fast_accum=scaling.endswith("+fastacc"))
                 with tempfile.TemporaryDirectory() as directory:
                     config.save_pretrained(directory)
                     runner = ModelRunner(f"random:{directory}", "cuda:0", dtype="bfloat16", quantize=quantize)
                 call = lambda ids, mask: runner.forward(ids, mask).logits  # noqa: E731
                 label = f"server ({runner.info.kernels or 'transformers kernels'})"
                 if quantize is not None:
-                    label = f"server FP8 ({runner.quantization}; experts row-scaled e4m3)"
+                    label = (f"server FP8 ({runner.quantization}; experts {quantize.scaling}-scaled e4m3"
+                             f"{', fast accumulation' if quantize.fast_accum else ''})")
             else:
                 model = transformers_model(config, "cuda")
                 label = (f"transformers ({model.config._experts_implementation or 'dense'} experts, "
@@ -274,14 +353,14 @@ def main() -> None:
                         per_layer = [imbalance(c) for c in runner.expert_load.snapshot().last]
                         balance = f"{sum(per_layer) / len(per_layer):.2f} / {max(per_layer):.2f}"
                     bf16 = figures.get(f"{name}/server/{routing}/{rows}x{seq}")
-                    if variant == "server-fp8" and bf16:
+                    if variant.startswith("server-fp8") and bf16:
                         balance += f" ({bf16['ms'] / ms:.2f}x bf16)"
                     lines.append(f"{row} {ms:.1f} | {tokens_s / 1e3:.1f}k | {share:.1%} | {gib:.1f} | {balance} |")
                     figures[f"{name}/{variant}/{routing}/{rows}x{seq}"] = dict(
                         ms=ms, tokens_s=tokens_s, share=share, gib=gib, imbalance=balance)
                     print(lines[-1], f"({time.perf_counter() - started:.0f} s since built)", flush=True)
-            if variant == "server" and name == args.profile:
-                profile(call, *shapes[0], config.vocab_size, name, args.profile_dir)
+            if variant.startswith("server") and name == args.profile:
+                profile(call, *shapes[0], config.vocab_size, f"{name}_{variant}", args.profile_dir)
             del call, runner, model
             gc.collect()
             torch.cuda.empty_cache()

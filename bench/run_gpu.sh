@@ -12,7 +12,8 @@
 # fp8torchaoquality (the same halves for torchao's float8 against ours; its wheel carried in .whl/);
 # eagle3attention (its fused attention's GPU test), eagle3kernels (the attention's kernel choice);
 # moe (the MoE teacher's kernels against transformers' eager forward, then bench/moe_teacher.py: Qwen3-30B-A3B- and
-# gpt-oss-20b-shaped forwards beside Llama-3-8B's, a profile of Qwen's);
+# gpt-oss-20b-shaped forwards beside Llama-3-8B's, a profile of Qwen's); moefp8 (the FP8 experts' kernels alone, then
+# the Qwen3-30B-A3B-shaped forward in bf16 and FP8);
 # two GPUs: recipeserved (the seed recipe with its teacher served, and colocated), eagle3served and
 # eagle3servedlong (EAGLE-3 from a served target, with the colocated baseline).
 # Investigations (bench/investigations/): tpsend, disk.
@@ -110,6 +111,13 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     moe) gpu_test test_moe_gpu 400
          timeout 560 python3 -m bench.moe_teacher --profile qwen3-30b-a3b --profile-dir "$out" \
            --out "$out/moe_teacher.md" 2>&1 | quiet | tail -60 ;;
+    # FP8 experts: the grouped FP8 kernels alone (Qwen3-30B-A3B and gpt-oss-20b layers), then the
+    # Qwen3-30B-A3B-shaped forward in bf16 and FP8 (fast accumulation, promoted sums, block scales).
+    moefp8) timeout 200 python3 -m bench.moe_teacher --models qwen3-30b-a3b,gpt-oss-20b --shapes '' \
+              --experts-probe --iters 10 --out "$out/moe_probe.md" 2>&1 | quiet | tail -60
+            timeout 400 python3 -m bench.moe_teacher --models qwen3-30b-a3b --shapes 2x4096 --baseline-shapes '' \
+              --router-std 0 --iters 5 --quantize --fp8-scalings row+fastacc,row,block --profile qwen3-30b-a3b \
+              --profile-dir "$out" --out "$out/moe_fp8.md" 2>&1 | quiet | tail -20 ;;
     # The stores are written under /tmp (local disk) and removed after.
     store) timeout 400 python3 -m bench.store_throughput --profile --out "$out/store.md" 2>&1 | quiet | tail -40 ;;
     # EAGLE-3 draft training from a served Llama-3-8B-shaped target (GPU 0) on GPU 1 at 2k .. 32k tokens: target

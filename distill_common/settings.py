@@ -65,6 +65,17 @@ class IntTuple(tuple):
             raise argparse.ArgumentTypeError(f"{value!r}: use integers separated by commas, e.g. 0,1") from e
 
 
+class Repeated(str):
+    """A flag given once per value (``--teacher-spec A --teacher-spec B``): the field holds the
+    list of them. Declare it with `repeated`."""
+
+
+def repeated(help_text: str, metavar: str):
+    """The field arguments of a `Repeated` setting: a list, empty by default, one item per flag."""
+    return dataclasses.field(default_factory=list, metadata={"help": help_text, "action": "append",
+                                                              "metavar": metavar})
+
+
 def check_choices(settings) -> None:
     """Raises ConfigError for a ``Literal`` field whose value is not one of its choices."""
     hints = typing.get_type_hints(type(settings))
@@ -117,7 +128,7 @@ class HelpFormatter(argparse.HelpFormatter):
         text = action.help or ""
         default = action.default
         if (not action.option_strings or default is None or default is False or default is argparse.SUPPRESS
-                or (isinstance(default, (str, tuple)) and not default) or "default" in text):
+                or (isinstance(default, (str, tuple, list)) and not default) or "default" in text):
             return text
         return f"{text} (default: %(default)s)"
 

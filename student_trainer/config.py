@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from distill_common import wire
-from distill_common.settings import LOG_LEVELS, ConfigError, IntTuple, check_choices, flag
+from distill_common.settings import LOG_LEVELS, ConfigError, IntTuple, Repeated, check_choices, flag, repeated
 from student_trainer.data import PackMode
 from student_trainer.losses import (CROSS_TOKENIZER_LOSS_KINDS, CrossTokenizerLossKind, HiddenLossKind, LossKind,
                                     TopKTail, check_options, check_relation_options, check_topk_tail)
@@ -33,6 +33,20 @@ class TrainConfig:
     teacher_outputs: str = field(default="", metadata=_help(
         "read the teacher's outputs from this store (student-trainer dump) instead of a live teacher; with "
         "--teacher too, what the store lacks is asked of the teacher and written into it"))
+    teacher_spec: Repeated = repeated(
+        "one of several teachers, given once per teacher: name=NAME,address=HOST:PORT (or store=DIR) and optional "
+        "weight=W (its loss weight), temperature=T, kind=logits|topk|head|gold|uld, topk=K, tail=bucket|none, "
+        "loss=forward_kl|reverse_kl|jsd, cross_topk=K, cross_match=exact|prefix, share=W (this job's share of it); "
+        "keys left out take the flags of the same name (docs/training.md#several-teachers)", "SPEC")
+    teachers: str = field(default="", metadata=_help(
+        "a JSON file listing several teachers, [{\"name\": ..., \"address\": ...}, ...], with the keys of "
+        "--teacher-spec"))
+    teacher_combine: Literal["sum", "mixture"] = field(default="sum", metadata=_help(
+        "several teachers scoring every example: sum, the weighted mean of each teacher's divergence; mixture, the "
+        "divergence to the weighted mixture of their distributions (docs/training.md#several-teachers)"))
+    teacher_route: str = field(default="all", metadata=_help(
+        "several teachers: all (each scores every example) or field:NAME (each example names its one teacher in "
+        "its JSON field NAME; a teacher is sent only the rows holding its examples' tokens)"))
     output_dir: str = field(default="runs/student", metadata=_help(
         "checkpoints, metrics.jsonl and the final model"))
     tokenizer: str = field(default="", metadata=_help("default: the --model directory"))
@@ -161,14 +175,22 @@ class TrainConfig:
     log_level: str = field(default="INFO", metadata=_help(
         "rank 0's logging level (other ranks log warnings and errors only)"))
 
+    # The teachers of --teacher-spec and --teachers, resolved against the flags (student_trainer/teachers.py).
+    teacher_plans: tuple = field(init=False, default=(), repr=False, compare=False)
+
     def __post_init__(self) -> None:
         self.hidden_layers = IntTuple(self.hidden_layers)
+        self.teacher_spec = list(self.teacher_spec)
         check_choices(self)
-        _check_max_teacher_kl(self.max_teacher_kl)
+        check_max_teacher_kl(self.max_teacher_kl)
         for name in ("model", "data"):
             if not getattr(self, name):
                 raise ConfigError(f"{flag(name)} is required")
-        if not self.teacher and not self.teacher_outputs and self.needs_teacher:
+        several = bool(self.teacher_spec or self.teachers)
+        if not several and (self.teacher_combine != "sum" or self.teacher_route != "all"):
+            raise ConfigError("--teacher-combine and --teacher-route go with several teachers (--teacher-spec, "
+                              "--teachers)")
+        if not self.teacher and not self.teacher_outputs and not several and self.needs_teacher:
             raise ConfigError("--teacher HOST:PORT (or --teacher-outputs DIR) is required (only --kd-weight 0 "
                               "without --hidden-layers and --attention-layers, plain cross-entropy, runs without one)")
         if self.teacher_outputs and not self.teacher and self.eval_data and self.uses_logits:
@@ -219,6 +241,38 @@ class TrainConfig:
             raise ConfigError("--lora-r must be >= 0 (0: full fine-tuning)")
         self._check_on_policy()
         self._check_teacher_connection()
+        if several:
+            self._check_several_teachers()
+
+    def _check_several_teachers(self) -> None:
+        from student_trainer.teachers import plan_teachers, read_teacher_specs, route_field
+
+        if self.teacher or self.teacher_outputs:
+            raise ConfigError("--teacher-spec / --teachers name every teacher (address= or store= each): leave out "
+                              "--teacher and --teacher-outputs")
+        if not self.uses_logits:
+            raise ConfigError("several teachers distil logits: give --kd-weight > 0")
+        if self.hidden_layers or self.attention_layers:
+            raise ConfigError("--hidden-layers and --attention-layers match one teacher's layers: with several "
+                              "teachers, leave them out")
+        field_name = route_field(self.teacher_route)
+        if field_name and self.on_policy:
+            raise ConfigError("--teacher-route field:NAME routes the data's examples; on-policy training (its "
+                              "prompts) asks every teacher: use --teacher-route all")
+        if field_name and self.teacher_combine != "sum":
+            raise ConfigError("--teacher-route field:NAME scores each token with one teacher, so there is nothing to "
+                              "combine: leave out --teacher-combine")
+        self.teacher_plans = plan_teachers(self, read_teacher_specs(self.teacher_spec, self.teachers))
+        if not self.teacher_plans:
+            raise ConfigError(f"--teachers {self.teachers}: the list is empty")
+        stores_alone = [plan.name for plan in self.teacher_plans if not plan.address]
+        if stores_alone and self.eval_data:
+            raise ConfigError(f"--eval-data scores KD against each teacher, and teacher(s) {', '.join(stores_alone)} "
+                              "have a store only: give them address= too, or leave out --eval-data")
+
+    @property
+    def several_teachers(self) -> bool:
+        return bool(self.teacher_plans)
 
     def _check_cross_tokenizer(self) -> None:
         if not self.uses_logits:
@@ -313,7 +367,7 @@ class TrainConfig:
         return 1.0 - self.kd_weight if self.ce_weight is None else self.ce_weight
 
 
-def _check_max_teacher_kl(value: float) -> None:
+def check_max_teacher_kl(value: float) -> None:
     if not 0 <= value < float("inf"):
         raise ConfigError(f"--max-teacher-kl {value} must be a finite number >= 0 (nats per token; 0: no bound)")
 
@@ -381,7 +435,7 @@ class DumpConfig:
         self.attention_layers = IntTuple(self.attention_layers)
         self.aux_layers = IntTuple(self.aux_layers)
         check_choices(self)
-        _check_max_teacher_kl(self.max_teacher_kl)
+        check_max_teacher_kl(self.max_teacher_kl)
         for name in ("data", "teacher_outputs"):
             if not getattr(self, name):
                 raise ConfigError(f"{flag(name)} is required")

@@ -350,6 +350,8 @@ class PackedDataset(torch.utils.data.Dataset):
         *,
         mode: PackMode = "pack",
         skip_bad_lines: bool = False,
+        route_field: str = "",
+        route_names: Sequence[str] = (),
     ) -> None:
         read_stats = ReadStats()
         numbered = list(read_jsonl(path, skip_bad_lines=skip_bad_lines, stats=read_stats))
@@ -361,11 +363,14 @@ class PackedDataset(torch.utils.data.Dataset):
             source=str(path),
             read_stats=read_stats,
             labels=[f"{path}:{line_number}" for line_number, _ in numbered],
+            route_field=route_field,
+            route_names=route_names,
         )
 
     @classmethod
     def from_records(
-        cls, records: Iterable[dict], tokenizer, seq_len: int, *, mode: PackMode = "pack"
+        cls, records: Iterable[dict], tokenizer, seq_len: int, *, mode: PackMode = "pack", route_field: str = "",
+        route_names: Sequence[str] = (),
     ) -> PackedDataset:
         """The same from records in memory; a malformed record raises DataError naming its index."""
         records = list(records)
@@ -383,6 +388,8 @@ class PackedDataset(torch.utils.data.Dataset):
             source="<records>",
             read_stats=ReadStats(records=len(records)),
             labels=[f"<records>[{index}]" for index in range(len(records))],
+            route_field=route_field,
+            route_names=route_names,
         )
         return dataset
 
@@ -396,6 +403,8 @@ class PackedDataset(torch.utils.data.Dataset):
         source: str,
         read_stats: ReadStats,
         labels: list[str] | None = None,
+        route_field: str = "",
+        route_names: Sequence[str] = (),
     ) -> None:
         if mode not in PACK_MODES:
             raise ValueError(f"mode={mode!r} is not one of {PACK_MODES}; use 'pack' or 'truncate'.")
@@ -411,6 +420,7 @@ class PackedDataset(torch.utils.data.Dataset):
         self.source = source
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _eos_id(tokenizer)
         documents = tokenize_records(records, tokenizer, labels=labels)
+        routes = _routes(records, route_field, route_names, labels) if route_field else None
         stats = DatasetStats(records=len(records), skipped_bad_lines=read_stats.skipped_bad_lines)
         stats.document_tokens = sum(len(ids) for ids, _ in documents)
 
@@ -428,10 +438,16 @@ class PackedDataset(torch.utils.data.Dataset):
             input_ids, loss_mask, attention_mask = (
                 t.view(num_examples, seq_len) for t in (input_ids, loss_mask, attention_mask)
             )
+            if routes is not None:
+                route = torch.full((length,), -1, dtype=torch.int64)
+                route[: len(stream_ids)] = torch.tensor(
+                    [index for (ids, _), index in zip(documents, routes) for _ in ids], dtype=torch.int64)
+                route = route.view(num_examples, seq_len)
         else:
             input_ids = torch.full((len(documents), seq_len), pad_id, dtype=torch.int64)
             loss_mask = torch.zeros((len(documents), seq_len), dtype=torch.int64)
             attention_mask = torch.zeros((len(documents), seq_len), dtype=torch.int64)
+            route = torch.full((len(documents), seq_len), -1, dtype=torch.int64) if routes is not None else None
             for row, (ids, mask) in enumerate(documents):
                 kept = min(len(ids), seq_len)
                 if kept < len(ids):
@@ -440,6 +456,8 @@ class PackedDataset(torch.utils.data.Dataset):
                 input_ids[row, :kept] = torch.tensor(ids[:kept], dtype=torch.int64)
                 loss_mask[row, :kept] = torch.tensor(mask[:kept], dtype=torch.int64)
                 attention_mask[row, :kept] = 1
+                if route is not None:
+                    route[row, :kept] = routes[row]
 
         self.input_ids = input_ids.contiguous()
         self.attention_mask = attention_mask.contiguous()
@@ -452,17 +470,41 @@ class PackedDataset(torch.utils.data.Dataset):
         for tensor in (self.input_ids, self.attention_mask, self.loss_mask):
             digest.update(tensor.numpy().tobytes())
         self.fingerprint = digest.hexdigest()
+        # Which teacher each token belongs to (several teachers, --teacher-route field:NAME): -1 for
+        # padding. Kept out of `fingerprint`, which a store of one teacher's outputs checks.
+        self.route = route.contiguous() if routes is not None else None
+        self.route_fingerprint = (hashlib.sha256(f"{route_field}:{list(route_names)}".encode()
+                                                 + self.route.numpy().tobytes()).hexdigest()
+                                  if routes is not None else None)
         logger.info("dataset %s (%s, seq_len=%d): %s", source, mode, seq_len, stats)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {
+        item = {
             "input_ids": self.input_ids[index],
             "attention_mask": self.attention_mask[index],
             "loss_mask": self.loss_mask[index],
         }
+        if self.route is not None:
+            item["route"] = self.route[index]
+        return item
+
+
+def _routes(records: list[dict], route_field: str, names: Sequence[str], labels: list[str] | None) -> list[int]:
+    """Each record's teacher: the index in `names` of its field `route_field` (a DataError naming
+    the record when it has none, or one that names no teacher)."""
+    routes = []
+    for index, record in enumerate(records):
+        value = record.get(route_field)
+        if value not in names:
+            label = labels[index] if labels is not None else f"record {index}"
+            found = "has no field" if route_field not in record else f"has {value!r} in"
+            raise DataError(f'{label}: {found} "{route_field}", which must name its teacher (--teacher-route '
+                            f"field:{route_field}): one of {', '.join(names)}")
+        routes.append(names.index(value))
+    return routes
 
 
 # ---------------------------------------------------------------------------------------
@@ -655,6 +697,9 @@ class BatchIterator:
             "attention_mask": self.dataset.attention_mask[indices],
             "loss_mask": self.dataset.loss_mask[indices],
         }
+        route = getattr(self.dataset, "route", None)
+        if route is not None:
+            batch["route"] = route[indices]
         self.position += 1
         if self.position == self.steps_per_epoch:
             self.epoch += 1
@@ -662,7 +707,7 @@ class BatchIterator:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "epoch": self.epoch,
             "position": self.position,
             # The rest is checked on load: any difference would change the order.
@@ -672,6 +717,10 @@ class BatchIterator:
             "num_examples": len(self.dataset),
             "data_fingerprint": self.dataset.fingerprint,
         }
+        route_fingerprint = getattr(self.dataset, "route_fingerprint", None)
+        if route_fingerprint is not None:
+            state["route_fingerprint"] = route_fingerprint
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = {"epoch", "position"} - set(state)
@@ -684,9 +733,10 @@ class BatchIterator:
             "world_size": "resume with the same number of data-parallel ranks",
             "num_examples": "resume on the same data file, seq_len and mode",
             "data_fingerprint": "resume on the same data file, tokenizer, seq_len and mode",
+            "route_fingerprint": "resume with the same teachers and --teacher-route",
         }
         for key, fix in fixes.items():
-            if key in state and state[key] != current[key]:
+            if key in state and state[key] != current.get(key):
                 raise ResumeStateError(
                     f"saved data state has {key}={state[key]!r} but this run has {current[key]!r}; {fix} "
                     f"(the batch order depends on it)."

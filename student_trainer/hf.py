@@ -15,6 +15,14 @@ The attention term (``attention_layers``) compares MiniLMv2 relations of the stu
 queries, keys and values with the teacher's layers at the same relative depth, over the real
 tokens (``attention_mask``).
 
+Several teachers (``teachers=[{"name": "code", "address": "host:50051", "weight": 2}, ...]``, the
+keys of ``--teacher-spec``, docs/training.md#several-teachers): each is its own session (or
+store), every micro-batch is submitted to all of them before any is waited for, and the KD term
+is their combination, ``teacher_combine="sum"`` (the weighted mean of each teacher's divergence)
+or ``"mixture"`` (the divergence to their weighted mixture), as student_trainer/teachers.py
+computes it for ``student-trainer train``; each teacher's own divergence is logged as
+``kd_loss/NAME``. Every teacher scores every example (no routing here).
+
 One teacher session per process. Each process (rank) joins the teacher the first time it
 needs it, as rank ``args.process_index`` of job ``args.run_name`` (else the output folder's
 name), on ``args.device``. Under DDP or FSDP every rank asks for the outputs of exactly the
@@ -38,7 +46,9 @@ submitted before the student's forward and awaited after it (student_trainer/hf_
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +58,7 @@ from distill_common.attention_inputs import AttentionCapture
 from distill_common.outputs import AttentionInputs, FinalHidden, Logits, TeacherOutput, TopK
 from student_trainer import losses
 from student_trainer.hf_teacher import FEED_CLIENT_ARGUMENTS, TeacherFeed
+from student_trainer.teachers import EnsembleOutput, TeacherSpec, ensemble_kd, plan_teachers
 
 
 class DistillationTrainer(Trainer):
@@ -75,6 +86,11 @@ class DistillationTrainer(Trainer):
     attention_layers, attention_weight: teacher decoder layers (0-based) whose attention inputs
         the student's layer at the same relative depth matches, and the weight of that term.
     attention_relation_heads, attention_block_rows: see `student_trainer.losses.relation_kl`.
+    teachers: several teachers instead of teacher_address / teacher_outputs: a list of dicts (or
+        `student_trainer.teachers.TeacherSpec`s) with the keys of `--teacher-spec` (name, address or
+        store, weight, temperature, kind, topk, tail, loss, ...); keys left out take this trainer's
+        arguments (kd_loss, temperature, topk, topk_tail, head_on_student).
+    teacher_combine: with `teachers`, "sum" or "mixture" (module docstring).
     """
 
     def __init__(self, *args, teacher_address: str | None = None, teacher_outputs: str | None = None,
@@ -84,10 +100,14 @@ class DistillationTrainer(Trainer):
                  kd_chunk_tokens: int = 1024, teacher_auth_token: str | None = None,
                  teacher_client_options: dict | None = None, head_on_student: bool = False,
                  attention_layers: tuple[int, ...] = (), attention_weight: float = 0.0,
-                 attention_relation_heads: int = 8, attention_block_rows: int = 256, **kwargs):
+                 attention_relation_heads: int = 8, attention_block_rows: int = 256, teachers: list | None = None,
+                 teacher_combine: str = "sum", **kwargs):
         if teacher_address is not None and (not isinstance(teacher_address, str) or not teacher_address):
             raise ValueError(f"teacher_address must be 'host:port' of a running teacher, got {teacher_address!r}")
-        if not teacher_address and not teacher_outputs:
+        if teachers and (teacher_address or teacher_outputs):
+            raise ValueError("teachers= names every teacher (address or store each): leave out teacher_address and "
+                             "teacher_outputs")
+        if not teacher_address and not teacher_outputs and not teachers:
             raise ValueError("give teacher_address='host:port' of a running teacher, or teacher_outputs=DIR, a store "
                              "of its outputs (student-trainer dump), or both (the store, filled by the teacher)")
         if not 0.0 <= kd_weight <= 1.0:
@@ -106,6 +126,17 @@ class DistillationTrainer(Trainer):
                              "together: give both (layers to match and a weight > 0) or neither")
         if head_on_student and kd_weight == 0:
             raise ValueError("head_on_student applies the teacher's output head for the KD term: it needs kd_weight > 0")
+        plans = ()
+        if teachers:
+            if kd_weight == 0 or attention_layers:
+                raise ValueError("several teachers distil logits: give kd_weight > 0, and leave out attention_layers "
+                                 "(which match one teacher's layers)")
+            if teacher_combine not in ("sum", "mixture"):
+                raise ValueError(f"teacher_combine must be 'sum' or 'mixture', got {teacher_combine!r}")
+            specs = [spec if isinstance(spec, TeacherSpec) else TeacherSpec.from_dict(spec, f"teachers[{i}]")
+                     for i, spec in enumerate(teachers)]
+            plans = plan_teachers(_EnsembleSettings(kd_loss, temperature, jsd_beta, kd_chunk_tokens, topk, topk_tail,
+                                                    head_on_student, teacher_combine), specs)
         options = dict(teacher_client_options or {})
         taken = FEED_CLIENT_ARGUMENTS & options.keys()
         if taken:
@@ -131,7 +162,9 @@ class DistillationTrainer(Trainer):
         self.attention_block_rows = attention_block_rows
         self._capture: AttentionCapture | None = None  # the student's attention inputs, once the teacher joined
         self._attention_map: dict[int, int] = {}  # teacher decoder layer -> the student's
-        self._feed: TeacherFeed | None = None  # the teacher's outputs, when distilling
+        self._feed: TeacherFeed | None = None  # the teacher's outputs, when distilling from one
+        self.teacher_plans, self.teacher_combine = plans, teacher_combine
+        self._feeds: dict[str, TeacherFeed] = {}  # several teachers: each one's outputs, by name
         self._since_log: dict[str, tuple[torch.Tensor, int]] = {}  # name -> (sum, count) of micro-batch means
         if not self.distils:
             return
@@ -151,12 +184,18 @@ class DistillationTrainer(Trainer):
                              "output embedding (get_output_embeddings() is None); use a causal LM")
         # A processor (multimodal) carries its tokenizer; the teacher compares fingerprints.
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        self._feed = TeacherFeed(
-            teacher_address, teacher_outputs, self._teacher_outputs(), device=self.args.device,
+        feed_options = dict(
+            device=self.args.device,
             job_id=self.args.run_name or os.path.basename(os.path.normpath(self.args.output_dir)),
             job_rank=self.args.process_index, tokenizer=tokenizer if hasattr(tokenizer, "get_vocab") else None,
-            vocab_size=head.weight.shape[0], timeout_s=self.teacher_timeout_s, auth_token=teacher_auth_token,
-            client_options=options, summary=self._summary())
+            vocab_size=head.weight.shape[0], timeout_s=self.teacher_timeout_s, auth_token=teacher_auth_token)
+        if plans:
+            self._feeds = {plan.name: TeacherFeed(plan.address or None, plan.store or None, plan.outputs(),
+                                                  client_options={"weight": plan.share, **options},
+                                                  summary=plan.describe(), **feed_options) for plan in plans}
+            return
+        self._feed = TeacherFeed(teacher_address, teacher_outputs, self._teacher_outputs(), client_options=options,
+                                 summary=self._summary(), **feed_options)
 
     # ---- the loss ------------------------------------------------------------------------
 
@@ -178,7 +217,10 @@ class DistillationTrainer(Trainer):
         if packed:
             raise ValueError(f"the batch carries {packed}: packed (padding-free) batches are not supported, since the "
                              "teacher sees only input_ids and attention_mask. Use a padding collator")
-        future = self._feed.future(inputs, from_prefetch=model.training)
+        if self._feeds:  # every teacher's batch in flight before any is waited for
+            futures = {name: feed.future(inputs, from_prefetch=model.training) for name, feed in self._feeds.items()}
+        else:
+            future = self._feed.future(inputs, from_prefetch=model.training)
 
         # The same rule as Trainer.training_step's: with a token count for the whole step the
         # model's CE is already a share of the step's mean, and the Trainer will not divide by
@@ -197,9 +239,15 @@ class DistillationTrainer(Trainer):
         n_tokens = mask.sum()
         token_share = n_tokens / num_items_in_batch if scaled else 1.0
 
-        teacher_out = self._feed.wait(future)
         loss = logits.new_zeros((), dtype=torch.float32)
-        if self.kd_weight > 0:
+        if self._feeds:
+            kd = self._ensemble_kd(logits[:, :-1], {name: self._feeds[name].wait(f) for name, f in futures.items()},
+                                   mask, record=model.training)
+            loss = loss + self.kd_weight * kd * token_share
+            if model.training:
+                self._record("kd_loss", kd)
+        teacher_out = self._feed.wait(future) if self._feed is not None else None
+        if self.kd_weight > 0 and teacher_out is not None:
             kd = self._kd(logits[:, :-1], teacher_out, mask)  # mean over this micro-batch's targets
             loss = loss + self.kd_weight * kd * token_share
             if model.training:
@@ -237,6 +285,23 @@ class DistillationTrainer(Trainer):
                                        out.topk_indices[:, :-1].to(device), mask, tail=self.topk_tail, **options)
         return losses.kd_loss(student, out.logits[:, :-1].to(device), mask, **options)
 
+    def _ensemble_kd(self, student: torch.Tensor, outs: dict, mask: torch.Tensor, record: bool) -> torch.Tensor:
+        """The teachers' combined KD term (student_trainer/teachers.py: `ensemble_kd`)."""
+        device = student.device
+        outs = {name: _on(out, device) for name, out in outs.items()}
+        heads = {name: feed.teacher.joined.head for name, feed in self._feeds.items()
+                 if feed.teacher is not None and feed.teacher.joined.head is not None}
+        matched = {name: feed.teacher.matched_student_ids.to(device) for name, feed in self._feeds.items()
+                   if feed.teacher is not None and feed.teacher.matched_student_ids is not None}
+        settings = _EnsembleSettings(self.kd_loss_kind, self.temperature, self.jsd_beta, self.kd_chunk_tokens,
+                                     self.topk, self.topk_tail, self.head_on_student, self.teacher_combine,
+                                     teacher_plans=self.teacher_plans)
+        ens = EnsembleOutput(0, outs, {name: None for name in outs})
+        kd, own = ensemble_kd(settings, student, ens, mask.to(device), heads, matched, per_teacher=record)
+        for name, value in own.items():
+            self._record(f"kd_loss/{name}", torch.tensor(value))
+        return kd
+
     def _attention(self, student: dict, out: TeacherOutput, attention_mask, device) -> torch.Tensor:
         """Mean over the layers asked of the MiniLMv2 relation loss, over the real tokens."""
         mask = attention_mask.to(device) if attention_mask is not None else None
@@ -267,7 +332,8 @@ class DistillationTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.distils:
-            self._feed.step(batch_samples)  # the Trainer trains these next, in this order
+            for feed in self._feeds.values() or (self._feed,):
+                feed.step(batch_samples)  # the Trainer trains these next, in this order
         return batch_samples, num_items_in_batch
 
     def _teacher_outputs(self) -> tuple:
@@ -289,8 +355,9 @@ class DistillationTrainer(Trainer):
 
     def close_teacher(self) -> None:
         """Leaves the teacher session, if one is open (the next loss computation joins again)."""
-        if self._feed is not None:
-            self._feed.close()
+        for feed in (*self._feeds.values(), self._feed):
+            if feed is not None:
+                feed.close()
 
     # ---- lifetime and logs ---------------------------------------------------------------
 
@@ -303,9 +370,9 @@ class DistillationTrainer(Trainer):
     def __del__(self):
         # A trainer dropped without train() returning (evaluate() only, an interrupted notebook)
         # still leaves its session rather than waiting for the teacher's lease to expire.
-        feed = self.__dict__.get("_feed")
-        if feed is not None and feed.teacher is not None:
-            feed.teacher.close(timeout_s=0)
+        for feed in (*self.__dict__.get("_feeds", {}).values(), self.__dict__.get("_feed")):
+            if feed is not None and feed.teacher is not None:
+                feed.teacher.close(timeout_s=0)
 
     def _record(self, name: str, micro_batch_mean: torch.Tensor) -> None:
         total, count = self._since_log.get(name, (0.0, 0))
@@ -318,3 +385,34 @@ class DistillationTrainer(Trainer):
                 logs[name] = (total / count).item()
             self._since_log.clear()
         super().log(logs, *args, **kwargs)
+
+
+@dataclass
+class _EnsembleSettings:
+    """The run settings several teachers are resolved against and combined with (student_trainer/
+    teachers.py reads a TrainConfig's fields of these names): this trainer's arguments."""
+
+    loss: str
+    temperature: float
+    jsd_beta: float
+    kd_chunk_tokens: int
+    topk: int
+    topk_tail: str
+    head_on_student: bool
+    teacher_combine: str
+    teacher_plans: tuple = ()
+    teacher_route: str = "all"
+    teacher_weight: float = 1.0
+    cross_topk: int = 8
+    cross_match: str = "exact"
+    on_policy: bool = False
+
+
+def _on(out: TeacherOutput, device: torch.device) -> TeacherOutput:
+    """The tensors the KD terms read, on the student's device (a model split over several keeps its
+    logits on the last)."""
+    moved = {name: getattr(out, name).to(device) for name in ("logits", "topk_values", "topk_indices", "final_hidden",
+                                                              "projected_probs", "unmatched_mass", "unmatched_topk",
+                                                              "sorted_probs")
+             if getattr(out, name) is not None}
+    return dataclasses.replace(out, **moved)

@@ -115,6 +115,21 @@ those two (k + 1)-outcome distributions is a lower bound of the full one (coarse
 increases a divergence), and equals it when the k ids hold all the mass that differs; with
 k = vocab there is no tail.
 
+Several teachers' mixture (``mixture_kd_loss``). The divergence of the student from
+m = sum_i w_i p_i (weights normalised to sum to 1; each p_i at its own temperature), chunked and
+with its gradient in closed form like the others. Where every teacher's distribution is known
+over the whole vocabulary (full logits, its head on the student) m is exact there. A teacher that
+sent only its top k is known at its k ids and in one bucket, the rest; its probability at an id
+another teacher sent is not known. So the mixture is taken over the finest partition on which
+every teacher's mass is known: the ids *every* top-k teacher sent (their intersection; all ids for
+full-vocabulary teachers) one by one, and one bucket for everything else, whose mixture mass is
+1 - the rest (floored at ``TAIL_FLOOR``) and whose student mass is exact, as for one teacher's
+top-k. No coarser choice is needed and no finer one is exact: an id in one teacher's top k and
+not another's falls in that other teacher's tail, whose split is unknown. With one teacher this
+is ``topk_kd_loss(tail="bucket")`` (or ``kd_loss``); with teachers scored at the same ids (the
+student's own top k, on-policy) the ids are the same for all and the mixture is exact on them and
+the rest. Like every bucketed divergence, it is a lower bound of the full one.
+
 Hidden states (``hidden_state_loss``). Per-token MSE (mean over features) or 1 - cosine
 similarity, averaged over masked tokens, in float32. A ``HiddenProjection`` maps the student's
 hidden size to the teacher's when they differ.
@@ -122,6 +137,7 @@ hidden size to the teacher's when they differ.
 
 from __future__ import annotations
 
+import functools
 import math
 import typing
 from typing import Literal
@@ -728,6 +744,194 @@ def scored_kd_loss(
     _check_same_device(student_logits, score_ids=score_ids, teacher_logprobs=teacher_logprobs, mask=mask)
     return _divergence_at_ids(student_logits, score_ids, teacher_logprobs, mask, kind, temperature, jsd_beta,
                               chunk_tokens, "bucket")
+
+
+# --------------------------------------------------------------------------- several teachers' mixture
+
+
+class MixtureTeacher(typing.NamedTuple):
+    """One teacher of a mixture (``mixture_kd_loss``): its weight and its distribution, given one
+    of three ways, each [B, S, ...] for the student's [B, S] positions:
+
+    * ``logits`` [B, S, V]: its full logits, taken at ``temperature``;
+    * ``logprobs`` [B, S, k] at ``ids`` [B, S, k]: its log-probabilities at k ids per position,
+      already at its temperature (what ``TopK`` and ``ScoredLogprobs`` send);
+    * ``hidden`` [B, S, H] and ``head`` (an ``OutputHead``): its final hidden state, its logits
+      computed per chunk at ``temperature``, all of them or (``topk`` > 0) their k largest.
+    """
+
+    weight: float
+    logits: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    head: typing.Any = None
+    temperature: float = 1.0
+    topk: int = 0
+
+
+def mixture_kd_loss(
+    student_logits: torch.Tensor,
+    teachers: typing.Sequence[MixtureTeacher],
+    mask: torch.Tensor | None = None,
+    *,
+    kind: str = "forward_kl",
+    temperature: float = 1.0,
+    jsd_beta: float = 0.5,
+    chunk_tokens: int = 4096,
+) -> torch.Tensor:
+    """The divergence of the student (at ``temperature``) from the teachers' mixture
+    m = sum_i w_i p_i, w_i = weight_i / sum of weights, over the ids every teacher's distribution is
+    known at and one bucket for the rest (module docstring). Mean over masked tokens, times
+    temperature², as ``kd_loss``."""
+    check_options(kind, temperature, jsd_beta, chunk_tokens)
+    _check_logits("student_logits", student_logits)
+    if not teachers:
+        raise ValueError("a mixture needs at least one teacher")
+    batch, seq, vocab = student_logits.shape
+    total_weight = sum(float(t.weight) for t in teachers)
+    if not all(float(t.weight) > 0 for t in teachers) or not math.isfinite(total_weight):
+        raise ValueError(f"mixture weights must be finite and > 0, got {[t.weight for t in teachers]}")
+    members = [(math.log(float(t.weight) / total_weight), _mixture_member(t, batch, seq, vocab, student_logits))
+               for t in teachers]
+    token_index = _selected_tokens(mask, batch, seq)
+    if token_index is not None and token_index.numel() == 0:
+        return _connected_zero(student_logits)
+    for _, member in members:
+        member.check_ids(slice(None) if token_index is None else token_index)
+    return _ChunkedDivergence.apply(
+        student_logits.reshape(batch * seq, vocab), _MixtureRows(members), token_index, kind, float(temperature),
+        float(jsd_beta), int(chunk_tokens), torch.is_grad_enabled() and student_logits.requires_grad,
+    )
+
+
+def _mixture_member(teacher: MixtureTeacher, batch: int, seq: int, vocab: int, student: torch.Tensor):
+    given = [name for name in ("logits", "logprobs", "hidden") if getattr(teacher, name) is not None]
+    if len(given) != 1:
+        raise ValueError(f"a mixture teacher gives exactly one of logits, logprobs (with ids) or hidden (with head), "
+                         f"got {given or 'none'}")
+    if not (math.isfinite(teacher.temperature) and teacher.temperature > 0):
+        raise ValueError(f"a mixture teacher's temperature must be > 0 and finite, got {teacher.temperature!r}")
+    if teacher.logits is not None:
+        _check_logits("logits", teacher.logits)
+        if tuple(teacher.logits.shape) != (batch, seq, vocab):
+            raise ValueError(f"a mixture teacher's logits {tuple(teacher.logits.shape)} must be the student's "
+                             f"{(batch, seq, vocab)}: the same batch and vocabulary")
+        _check_same_device(student, logits=teacher.logits)
+        return _LogitMember(teacher.logits.detach().reshape(batch * seq, vocab), teacher.temperature)
+    if teacher.logprobs is not None:
+        _check_logits("logprobs", teacher.logprobs)
+        if teacher.ids is None or teacher.ids.shape != teacher.logprobs.shape \
+                or tuple(teacher.ids.shape[:2]) != (batch, seq) or teacher.ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"a mixture teacher's ids must be int32/int64 [batch, seq, k] like its logprobs "
+                             f"{tuple(teacher.logprobs.shape)}, for the student's {(batch, seq)}")
+        _check_same_device(student, logprobs=teacher.logprobs, ids=teacher.ids)
+        k = teacher.ids.shape[-1]
+        return _IdMember(teacher.ids.reshape(batch * seq, k), teacher.logprobs.detach().reshape(batch * seq, k), vocab)
+    hidden, head = teacher.hidden, teacher.head
+    if head is None or hidden.dim() != 3 or tuple(hidden.shape[:2]) != (batch, seq) \
+            or tuple(head.weight.shape) != (vocab, hidden.shape[-1]):
+        raise ValueError(f"a mixture teacher's hidden {tuple(hidden.shape)} needs its head, [vocab, hidden] = "
+                         f"[{vocab}, {hidden.shape[-1]}], for the student's {(batch, seq)}")
+    if isinstance(teacher.topk, bool) or not 0 <= teacher.topk <= vocab:
+        raise ValueError(f"topk must be an int in [0, {vocab}], got {teacher.topk!r}")
+    _check_same_device(student, hidden=hidden, head_weight=head.weight)
+    return _HeadMember(hidden.detach().reshape(batch * seq, hidden.shape[-1]), head, teacher.temperature,
+                       teacher.topk if teacher.topk < vocab else 0)
+
+
+class _LogitMember:
+    """A teacher known over the whole vocabulary by its logits."""
+
+    def __init__(self, rows_2d: torch.Tensor, temperature: float):
+        self.rows_2d, self.temperature, self.dtype = rows_2d, temperature, rows_2d.dtype
+
+    def check_ids(self, token_index: torch.Tensor | slice) -> None:
+        pass
+
+    def log_probs(self, rows, compute_dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[n, V] log-probabilities of the chunk's rows, and where they are known (None: everywhere)."""
+        scaled = _take_rows(self.rows_2d, rows).to(compute_dtype, copy=True).div_(self.temperature)
+        return torch.log_softmax(scaled, dim=-1), None
+
+
+class _IdMember:
+    """A teacher known at k ids per position (and, as one bucket, off them)."""
+
+    def __init__(self, ids_2d: torch.Tensor, logprobs_2d: torch.Tensor, vocab: int):
+        self.ids_2d, self.logprobs_2d, self.vocab, self.dtype = ids_2d, logprobs_2d, vocab, logprobs_2d.dtype
+
+    def check_ids(self, token_index: torch.Tensor | slice) -> None:
+        _check_topk_indices(self.ids_2d[token_index].long(), self.vocab)
+
+    def log_probs(self, rows, compute_dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids = _take_rows(self.ids_2d, rows).long()
+        values = _take_rows(self.logprobs_2d, rows).to(compute_dtype)
+        return _scattered(ids, values, self.vocab)
+
+
+class _HeadMember:
+    """A teacher whose logits its head gives its final hidden states, chunk by chunk."""
+
+    def __init__(self, hidden_2d: torch.Tensor, head, temperature: float, topk: int):
+        self.hidden_2d, self.head, self.temperature, self.topk = hidden_2d, head, temperature, topk
+        self.dtype = head.weight.dtype
+
+    def check_ids(self, token_index: torch.Tensor | slice) -> None:
+        pass
+
+    def log_probs(self, rows, compute_dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        log_p = torch.log_softmax(self.head.logits(_take_rows(self.hidden_2d, rows), compute_dtype)
+                                  .div_(self.temperature), dim=-1)
+        if not self.topk:
+            return log_p, None
+        values, ids = log_p.topk(self.topk, dim=-1)
+        return _scattered(ids, values, log_p.shape[-1])
+
+
+def _scattered(ids: torch.Tensor, values: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """k log-probabilities per row written into [n, V] (-inf elsewhere), and where they are (None: k = V)."""
+    full = values.new_full((ids.shape[0], vocab), -math.inf).scatter_(1, ids, values)
+    if ids.shape[-1] >= vocab:
+        return full, None
+    return full, torch.zeros(full.shape, dtype=torch.bool, device=full.device).scatter_(1, ids, True)
+
+
+class _MixtureRows:
+    """The teachers' mixture as the rows a chunk selects (`_ChunkedDivergence`'s teacher side)."""
+
+    def __init__(self, members: list):
+        self.members = members  # (log of the normalised weight, a _LogitMember / _IdMember / _HeadMember)
+        self.dtype = functools.reduce(torch.promote_types, (member.dtype for _, member in members))
+
+    def divergence(self, student_chunk, rows, span, kind, temperature, jsd_beta, need_grad, compute_dtype):
+        log_m, known = None, None
+        for log_weight, member in self.members:
+            log_p, member_known = member.log_probs(rows, compute_dtype)
+            log_p.add_(log_weight)
+            log_m = log_p if log_m is None else torch.logaddexp(log_m, log_p, out=log_m)
+            del log_p
+            if member_known is not None:
+                known = member_known if known is None else known.logical_and_(member_known)
+        scaled = student_chunk().div_(temperature)
+        if known is None:  # every teacher known everywhere: the mixture itself
+            return _divergence_and_grad(lambda: scaled, lambda: log_m, kind, jsd_beta, need_grad)
+        vocab = scaled.shape[-1]
+        unknown = known.logical_not_()
+        log_m.masked_fill_(unknown, -math.inf)  # the mixture at the ids every teacher sent
+        # Its mass off them in float64, as for one teacher's tail: 1 - sum cancels.
+        tail_mass = (1 - log_m.double().exp().sum(-1, keepdim=True)).clamp_min(TAIL_FLOOR)
+        teacher_buckets = torch.cat([log_m, tail_mass.log().to(log_m.dtype)], dim=1)
+        del log_m
+        rest = scaled.masked_fill(~unknown, -math.inf).logsumexp(-1, keepdim=True)  # the student's, exact
+        student_buckets = torch.cat([scaled.masked_fill(unknown, -math.inf), rest], dim=1)
+        loss, grad = _divergence_and_grad(lambda: student_buckets, lambda: teacher_buckets, kind, jsd_beta, need_grad)
+        del teacher_buckets, student_buckets
+        if not need_grad:
+            return loss, None
+        # Off the known ids: the rest bucket's gradient times softmax over the rest.
+        spread = scaled.sub_(rest).exp_().mul_(grad[:, vocab:])
+        return loss, torch.where(unknown, spread, grad[:, :vocab])
 
 
 # --------------------------------------------------------------------------- hidden states

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,8 @@ from distill_common.outputs import Logits, NextTokenLogprobs, Output, ScoredLogp
 from distill_common.settings import ConfigError
 from student_trainer.config import TrainConfig
 from student_trainer.data import BatchIterator, PromptDataset, prompt_lengths, tokenize_record
-from student_trainer.losses import kd_loss, sampled_reverse_kl_loss, scored_kd_loss
+from student_trainer.losses import (MixtureTeacher, kd_loss, mixture_kd_loss, sampled_reverse_kl_loss,
+                                    scored_kd_loss)
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +49,16 @@ def samples_with_divergence(cfg: TrainConfig) -> bool:
     return cfg.on_policy_fraction < 1 or cfg.on_policy_loss == "divergence"
 
 
-def teacher_outputs(cfg: TrainConfig) -> tuple[Output, ...]:
+def teacher_outputs(cfg: TrainConfig, temperature: float | None = None) -> tuple[Output, ...]:
     """The teacher's log-probability of each next token for the sampled-token loss; its
-    log-probabilities at the student's top k (or its full logits) for the divergence."""
+    log-probabilities at the student's top k (or its full logits) for the divergence; at
+    `temperature` (default --temperature; one of several teachers: its own)."""
+    temperature = cfg.temperature if temperature is None else temperature
     kinds: list[Output] = []
     if cfg.on_policy_fraction > 0 and cfg.on_policy_loss == "sampled":
-        kinds.append(NextTokenLogprobs(cfg.temperature))
+        kinds.append(NextTokenLogprobs(temperature))
     if samples_with_divergence(cfg):
-        kinds.append(ScoredLogprobs(cfg.student_topk, cfg.temperature) if cfg.student_topk else Logits())
+        kinds.append(ScoredLogprobs(cfg.student_topk, temperature) if cfg.student_topk else Logits())
     return tuple(kinds)
 
 
@@ -72,7 +76,10 @@ def distill_losses(cfg: TrainConfig, logits: torch.Tensor, batch: dict, out: Tea
     if not cfg.uses_logits:
         losses["loss"] = losses["ce"]
         return losses
-    if sampled and cfg.on_policy_loss == "sampled":
+    if cfg.several_teachers:
+        losses["kd"], own = several_teachers_kd(cfg, student, targets, batch, out, mask, sampled)
+        losses.update({f"kd/{name}": torch.tensor(value) for name, value in own.items()})
+    elif sampled and cfg.on_policy_loss == "sampled":
         losses["kd"] = sampled_reverse_kl_loss(student, targets, out.next_token_logprobs[:, :-1].to(device), mask,
                                                temperature=cfg.sample_temperature)
     elif cfg.student_topk:
@@ -85,6 +92,66 @@ def distill_losses(cfg: TrainConfig, logits: torch.Tensor, batch: dict, out: Tea
                                jsd_beta=cfg.jsd_beta, chunk_tokens=cfg.kd_chunk_tokens)
     losses["loss"] = losses["kd"] if sampled else cfg.kd_weight * losses["kd"] + (1 - cfg.kd_weight) * losses["ce"]
     return losses
+
+
+def several_teachers_kd(cfg: TrainConfig, student: torch.Tensor, targets: torch.Tensor, batch: dict, ens,
+                        mask: torch.Tensor, sampled: bool) -> tuple[torch.Tensor, dict[str, float]]:
+    """The on-policy KD loss against several teachers (every teacher scores every batch) and each
+    one's own, w~_i = w_i / sum_j w_j:
+
+    - sampled tokens: the sampled-token loss against log p = sum_i w~_i log p_i(x) (`sum`: its
+      value and gradient are the weighted mean of each teacher's, being linear in log p) or
+      log sum_i w~_i p_i(x) (`mixture`: the mixture's log-probability of the token);
+    - the divergence on the student's top k (or the full logits): `sum` of each teacher's at its
+      temperature, or to the mixture at --temperature, exact on the k ids every teacher scored and
+      the rest (student_trainer/losses.py: `mixture_kd_loss`).
+    """
+    plans = cfg.teacher_plans
+    outs = [ens.outputs[plan.name] for plan in plans]
+    log_weights = torch.tensor([plan.weight for plan in plans], dtype=torch.float64)
+    log_weights = (log_weights / log_weights.sum()).log().tolist()
+    own: dict[str, float] = {}
+    device = student.device
+    if sampled and cfg.on_policy_loss == "sampled":
+        each = torch.stack([out.next_token_logprobs[:, :-1].to(device) for out in outs])
+        weights = torch.tensor(log_weights, dtype=torch.float64, device=device)
+        combined = ((weights.exp()[:, None, None] * each.double()).sum(0) if cfg.teacher_combine == "sum"
+                    else (weights[:, None, None] + each.double()).logsumexp(0))
+        with torch.no_grad():
+            for plan, logprobs in zip(plans, each):
+                own[plan.name] = sampled_reverse_kl_loss(student, targets, logprobs, mask,
+                                                         temperature=cfg.sample_temperature).item()
+        return sampled_reverse_kl_loss(student, targets, combined.to(each.dtype), mask,
+                                       temperature=cfg.sample_temperature), own
+
+    def each_kd(plan, out):  # one teacher's divergence, at its own settings
+        options = dict(kind=plan.loss, temperature=plan.temperature, jsd_beta=cfg.jsd_beta,
+                       chunk_tokens=cfg.kd_chunk_tokens)
+        if cfg.student_topk:
+            return scored_kd_loss(student, batch["score_ids"][:, :-1].to(device),
+                                  out.scored_logprobs[:, :-1].to(device), mask, **options)
+        return kd_loss(student, out.logits[:, :-1], mask, **options)
+
+    if cfg.teacher_combine == "sum":
+        kd = student.new_zeros((), dtype=torch.float32)
+        for plan, out, log_weight in zip(plans, outs, log_weights):
+            loss = each_kd(plan, out)
+            kd = kd + math.exp(log_weight) * loss
+            own[plan.name] = loss.item()
+        return kd, own
+    if cfg.student_topk:
+        ids = batch["score_ids"][:, :-1].to(device)
+        members = [MixtureTeacher(plan.weight, logprobs=out.scored_logprobs[:, :-1].to(device), ids=ids)
+                   for plan, out in zip(plans, outs)]
+    else:
+        members = [MixtureTeacher(plan.weight, logits=out.logits[:, :-1], temperature=plan.temperature)
+                   for plan, out in zip(plans, outs)]
+    kd = mixture_kd_loss(student, members, mask, kind=cfg.loss, temperature=cfg.temperature, jsd_beta=cfg.jsd_beta,
+                         chunk_tokens=cfg.kd_chunk_tokens)
+    with torch.no_grad():
+        for plan, out in zip(plans, outs):
+            own[plan.name] = each_kd(plan, out).item()
+    return kd, own
 
 
 # ---- sampling ------------------------------------------------------------------------------------------

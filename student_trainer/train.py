@@ -7,7 +7,9 @@ are requested while the current one trains, so a step costs max(teacher, student
 not their sum. They come from a teacher server, or from a store of them computed once
 (`--teacher-outputs`, student_trainer/store/), read the same way. With
 `--on-policy-fraction` the batches are prompts the student completes and their losses
-those of student_trainer/onpolicy.py; the loop is the same.
+those of student_trainer/onpolicy.py; the loop is the same. With several teachers
+(`--teacher-spec`, `--teachers`) each micro-batch goes to all of them at once and their losses
+combine as student_trainer/teachers.py says; the loop is the same again.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ from student_trainer.config import TrainConfig
 from student_trainer.data import BatchIterator, PackedDataset, PromptDataset
 from student_trainer.errors import TeacherUnavailable
 from student_trainer.loop import resume, run_loop
-from student_trainer.losses import (HiddenProjection, attention_relation_loss, gold_loss, hidden_state_loss, kd_loss,
-                                    kd_loss_from_hidden, topk_kd_loss, uld_loss)
+from student_trainer.losses import HiddenProjection, attention_relation_loss, hidden_state_loss
 from student_trainer.rank import set_up_rank
+from student_trainer.teachers import EnsembleOutput, TeacherSet, ensemble_kd, open_teachers, step_metrics, teacher_kd
 
 log = logging.getLogger(__name__)
 
@@ -66,17 +68,24 @@ class TeacherPrefetcher:
         while len(self._queue) < size:
             position = self.batches.state_dict()
             batch = self._replay.popleft() if self._replay else next(self.batches)
-            future = (self.teacher.submit(batch["input_ids"], batch["attention_mask"], score_ids=batch.get("score_ids"))
+            # Several teachers (a TeacherSet) are sent the batch's route too, under field routing.
+            route = {"route": batch["route"]} if "route" in batch else {}
+            future = (self.teacher.submit(batch["input_ids"], batch["attention_mask"], score_ids=batch.get("score_ids"),
+                                          **route)
                       if self.teacher else None)
             self._queue.append((position, batch, future))
 
-    def next(self) -> tuple[dict, TeacherOutput | None, float]:
-        """The next micro-batch, its teacher outputs, and the seconds spent waiting for them."""
+    def next(self) -> tuple[dict, TeacherOutput | EnsembleOutput | None, float]:
+        """The next micro-batch, its teacher outputs, and the seconds spent waiting for them
+        (several teachers: for the slowest; each one's wait in the EnsembleOutput's `waits`)."""
         self._fill(self.depth + 1)
         _, batch, future = self._queue.popleft()
         start = time.perf_counter()
         out = teacher_result(self.teacher, future, self.timeout_s) if future is not None else None
-        return batch, out, time.perf_counter() - start
+        waited_s = time.perf_counter() - start
+        if isinstance(out, EnsembleOutput):
+            out.waits = {name: max(0.0, at - start) for name, at in out.resolved_at.items()}
+        return batch, out, waited_s
 
     def data_state(self) -> dict:
         return self._queue[0][0] if self._queue else self.batches.state_dict()
@@ -98,33 +107,42 @@ class TeacherPrefetcher:
 
 
 def load_dataset(cfg: TrainConfig, tokenizer, path: str, skip_bad_lines: bool = False):
-    """Packed examples, or (on-policy) prompts with their reference completions."""
+    """Packed examples (with each token's teacher, under --teacher-route field:NAME), or
+    (on-policy) prompts with their reference completions."""
     if cfg.on_policy:
         return PromptDataset(path, tokenizer, cfg.seq_len, min_new_tokens=cfg.max_new_tokens,
                              skip_bad_lines=skip_bad_lines)
-    return PackedDataset(path, tokenizer, cfg.seq_len, mode=cfg.pack_mode, skip_bad_lines=skip_bad_lines)
+    route = cfg.teacher_route.removeprefix("field:") if cfg.teacher_route != "all" else ""
+    return PackedDataset(path, tokenizer, cfg.seq_len, mode=cfg.pack_mode, skip_bad_lines=skip_bad_lines,
+                         route_field=route, route_names=[plan.name for plan in cfg.teacher_plans] if route else ())
 
 
 def open_teacher(cfg, device: torch.device, outputs: tuple[Output, ...], *, tokenizer, vocab_size: int, dataset,
-                 job_id: str, rank: int, dtype: str | None = None):
+                 job_id: str, rank: int, dtype: str | None = None, address: str | None = None,
+                 store: str | None = None, weight: float | None = None):
     """Where a run's teacher outputs come from (the trainer's, EAGLE-3's `cfg`): the teacher server
     (`--teacher`), a store of them (`--teacher-outputs`, student_trainer/store/), or both: the
     store, and the teacher for what it lacks, written through. Either way a source with
-    TeacherClient's interface, asked for `outputs` in `dtype` (None: the teacher's, or the store's)."""
+    TeacherClient's interface, asked for `outputs` in `dtype` (None: the teacher's, or the store's).
+    `address`, `store`, `weight`: one of several teachers' (default: --teacher, --teacher-outputs,
+    --teacher-weight)."""
+    address = cfg.teacher if address is None else address
+    store = cfg.teacher_outputs if store is None else store
     live = None
-    if cfg.teacher:
+    if address:
         live = TeacherClient(
-            cfg.teacher, device, outputs=outputs, dtype=dtype, tokenizer=tokenizer, vocab_size=vocab_size,
+            address, device, outputs=outputs, dtype=dtype, tokenizer=tokenizer, vocab_size=vocab_size,
             max_inflight=cfg.prefetch + 1, job_id=job_id, job_rank=rank, transfer_timeout_s=cfg.teacher_timeout_s,
             reconnect_timeout_s=cfg.teacher_reconnect_timeout_s, max_resubmits=cfg.teacher_max_resubmits,
-            weight=cfg.teacher_weight, refuse_quantized=cfg.refuse_fp8_teacher, max_teacher_kl=cfg.max_teacher_kl,
-            tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None)
-    if not cfg.teacher_outputs:
+            weight=cfg.teacher_weight if weight is None else weight, refuse_quantized=cfg.refuse_fp8_teacher,
+            max_teacher_kl=cfg.max_teacher_kl, tls_ca=cfg.teacher_tls, tls_cert=cfg.teacher_tls_cert or None,
+            tls_key=cfg.teacher_tls_key or None)
+    if not store:
         return live
     from student_trainer.store import open_store_teacher
 
     try:
-        return open_store_teacher(cfg.teacher_outputs, device, outputs, dtype=dtype, dataset=dataset,
+        return open_store_teacher(store, device, outputs, dtype=dtype, dataset=dataset,
                                   data_path=cfg.data, tokenizer=tokenizer, vocab_size=vocab_size, teacher=live,
                                   model_name=live.info.model_name if live is not None else "",
                                   timeout_s=cfg.teacher_timeout_s + cfg.teacher_reconnect_timeout_s)
@@ -163,12 +181,15 @@ def attention_layer_for(teacher_layer: int, teacher_layers: int, student_layers:
     return max(0, student_layer_for(teacher_layer + 1, teacher_layers, student_layers) - 1)
 
 
-def teacher_outputs(cfg: TrainConfig) -> tuple[Output, ...]:
+def teacher_outputs(cfg: TrainConfig, plan=None) -> tuple[Output, ...]:
     """What `distill_losses` reads of the teacher: its full logits or top k, or its final hidden
     state for its head on the student, for KD; the hidden states and attention inputs of the
-    layers asked (on-policy: what onpolicy.distill_losses reads)."""
+    layers asked (on-policy: what onpolicy.distill_losses reads). `plan`: one of several teachers
+    (student_trainer/teachers.py), asked what its own settings say."""
     if cfg.on_policy:
-        return onpolicy.teacher_outputs(cfg)
+        return onpolicy.teacher_outputs(cfg, None if plan is None else plan.temperature)
+    if plan is not None:
+        return plan.outputs()
     if cfg.cross_tokenizer:
         if cfg.loss == "gold":
             return (ProjectedNext(cfg.cross_topk, by_prefix=cfg.cross_match == "prefix"),)
@@ -194,6 +215,20 @@ class StudentMaps:
         self.attention = attention or {}  # teacher decoder layer -> the student's
         self.head = head  # the teacher's output head, for --head-on-student
         self.matched_ids: torch.Tensor | None = None  # --loss gold: the student ids of the projection's columns
+        # Several teachers: each one's head (kind=head) and matched ids (kind=gold), by name.
+        self.heads: dict[str, OutputHead] = {}
+        self.matched: dict[str, torch.Tensor] = {}
+
+
+def several_teachers_maps(teachers: TeacherSet, device: torch.device) -> StudentMaps:
+    """What several teachers' losses need besides the student: each one's head and matched ids."""
+    maps = StudentMaps()
+    for plan, source in zip(teachers.plans, teachers.sources):
+        if plan.head_on_student:
+            maps.heads[plan.name] = source.joined.head
+        if source.matched_student_ids is not None:
+            maps.matched[plan.name] = source.matched_student_ids.to(device)
+    return maps
 
 
 def build_maps(cfg: TrainConfig, model, teacher_layers: int, teacher_hidden: int, head: OutputHead | None,
@@ -232,7 +267,11 @@ def distill_losses(cfg: TrainConfig, logits: torch.Tensor, student_hidden, batch
         losses["ce"] = (F.cross_entropy(student[mask].float(), targets[mask]) if mask.any()
                         else student.sum() * 0.0)
         total = total + cfg.ce_factor * losses["ce"]
-    if cfg.uses_logits:
+    if cfg.several_teachers:
+        losses["kd"], own = ensemble_kd(cfg, student, out, mask, maps.heads, maps.matched)
+        losses.update({f"kd/{name}": torch.tensor(value) for name, value in own.items()})
+        total = total + cfg.kd_weight * losses["kd"]
+    elif cfg.uses_logits:
         losses["kd"] = logit_kd(cfg, student, out, mask, maps.head, maps.matched_ids)
         total = total + cfg.kd_weight * losses["kd"]
     real = batch["attention_mask"].to(device).bool()
@@ -256,23 +295,8 @@ def distill_losses(cfg: TrainConfig, logits: torch.Tensor, student_hidden, batch
 def logit_kd(cfg: TrainConfig, student: torch.Tensor, out: TeacherOutput, mask: torch.Tensor,
              head: OutputHead | None = None, matched_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The KD loss of the student's logits [B, S - 1, V] against the teacher's for the same
-    positions, with the run's loss settings (full logits or the top k, or the teacher's head applied
-    to its final hidden state; divergence, temperature), or across tokenizers (--loss gold with the
-    student ids `matched_ids` of the projection's columns, or uld)."""
-    if cfg.loss == "gold":
-        return gold_loss(student, out.projected_probs[:, :-1], out.unmatched_mass[:, :-1], matched_ids,
-                         out.unmatched_topk[:, :-1] if out.unmatched_topk is not None else None, mask,
-                         chunk_tokens=cfg.kd_chunk_tokens)
-    if cfg.loss == "uld":
-        return uld_loss(student, out.sorted_probs[:, :-1], mask, chunk_tokens=cfg.kd_chunk_tokens)
-    options = dict(kind=cfg.loss, temperature=cfg.temperature, jsd_beta=cfg.jsd_beta, chunk_tokens=cfg.kd_chunk_tokens)
-    if cfg.head_on_student:
-        return kd_loss_from_hidden(student, out.final_hidden[:, :-1], head, mask, topk=cfg.topk, tail=cfg.topk_tail,
-                                   **options)
-    if cfg.topk:
-        return topk_kd_loss(student, out.topk_values[:, :-1], out.topk_indices[:, :-1], mask, tail=cfg.topk_tail,
-                            **options)
-    return kd_loss(student, out.logits[:, :-1], mask, **options)
+    positions, with the run's loss settings (student_trainer/teachers.py: `teacher_kd`)."""
+    return teacher_kd(cfg, student, out, mask, head, matched_ids)
 
 
 def train_micro_batch(cfg: TrainConfig, model, batch: dict, out: TeacherOutput | None, autocast,
@@ -326,26 +350,34 @@ def build_student(cfg: TrainConfig, device: torch.device, checkpoint: Path | Non
 
 
 @torch.no_grad()
-def evaluate(model, dataset: PackedDataset, cfg: TrainConfig, device: torch.device, teacher: TeacherClient | None,
-             timeout_s: float) -> dict[str, float]:
+def evaluate(model, dataset: PackedDataset, cfg: TrainConfig, device: torch.device,
+             teacher: TeacherClient | TeacherSet | None, timeout_s: float,
+             maps: StudentMaps | None = None) -> dict[str, float]:
     """Held-out scores per target token: cross-entropy ("eval_ce") and, when the run distils
-    logits, the KD loss against the teacher's outputs for the same batches ("eval_kd")."""
+    logits, the KD loss against the teacher's outputs for the same batches ("eval_kd"; several
+    teachers: their combined loss, as in training, with `maps`' heads and matched ids)."""
     model.eval()
     ce_sum, kd_sum, count = 0.0, 0.0, 0
     for start in range(0, len(dataset), cfg.batch_size):
         batch = {k: v[start:start + cfg.batch_size] for k, v in
                  (("input_ids", dataset.input_ids), ("attention_mask", dataset.attention_mask),
                   ("loss_mask", dataset.loss_mask))}
+        routes = getattr(dataset, "route", None)
+        route = {} if routes is None else {"route": routes[start:start + cfg.batch_size]}
         # Submitted first: the teacher computes while the student's forward runs. (A session that
         # asks for hidden states or attention inputs is sent those too; they go unused here.)
-        future = teacher.submit(batch["input_ids"], batch["attention_mask"]) if cfg.uses_logits else None
+        future = teacher.submit(batch["input_ids"], batch["attention_mask"], **route) if cfg.uses_logits else None
         student = model(input_ids=batch["input_ids"].to(device),
                         attention_mask=batch["attention_mask"].to(device)).logits[:, :-1]
         mask = (batch["loss_mask"][:, 1:] * batch["attention_mask"][:, 1:]).to(device).bool()
         targets = batch["input_ids"][:, 1:].to(device)
         tokens = int(mask.sum())
         ce_sum += F.cross_entropy(student[mask].float(), targets[mask], reduction="sum").item()
-        if future is not None:
+        if future is not None and isinstance(teacher, TeacherSet):
+            outputs = teacher_result(teacher, future, timeout_s)
+            kd, _ = ensemble_kd(cfg, student, outputs, mask, maps.heads, maps.matched, per_teacher=False)
+            kd_sum += kd.item() * tokens
+        elif future is not None:
             head = teacher.joined.head if cfg.head_on_student else None
             kd_sum += logit_kd(cfg, student, teacher_result(teacher, future, timeout_s), mask, head,
                                teacher.matched_student_ids).item() * tokens
@@ -363,6 +395,7 @@ def distill_step(cfg: TrainConfig, trained, params: list[torch.Tensor], optimize
     """One optimizer step over `cfg.grad_accum` micro-batches: their losses (averaged), `grad_norm`,
     `teacher_wait_s` and the `tokens` trained on (student_trainer/loop.py's `train_step`)."""
     teacher_wait_s, tokens, sums = 0.0, 0, {}
+    per_teacher = []  # several teachers: each micro-batch's EnsembleOutput and each teacher's own loss
     for micro in range(cfg.grad_accum):
         batch, out, wait_s = prefetcher.next()
         teacher_wait_s += wait_s
@@ -371,9 +404,14 @@ def distill_step(cfg: TrainConfig, trained, params: list[torch.Tensor], optimize
         sync = micro == cfg.grad_accum - 1 or world_size == 1
         with (contextlib.nullcontext() if sync else trained.no_sync()):
             losses = train_micro_batch(cfg, trained, batch, out, autocast, device, maps, capture)
+        own = {key.removeprefix("kd/"): losses.pop(key) for key in [k for k in losses if k.startswith("kd/")]}
+        if isinstance(out, EnsembleOutput):
+            per_teacher.append((out, own))
         for key, value in losses.items():
             sums[key] = sums.get(key, 0.0) + value / cfg.grad_accum
         del out
+    if per_teacher:
+        sums.update(step_metrics([plan.name for plan in cfg.teacher_plans], per_teacher))
     if world_size > 1 and maps.projections is not None:
         # DDP wraps the student only: without this each rank would train its own projections,
         # and a resume would give every rank rank 0's.
@@ -386,6 +424,15 @@ def distill_step(cfg: TrainConfig, trained, params: list[torch.Tensor], optimize
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return {**sums, "grad_norm": grad_norm, "teacher_wait_s": teacher_wait_s, "tokens": tokens}
+
+
+def progress_postfix(record: dict) -> dict:
+    """What the progress bar shows of a step: loss, tokens/s, the wait for the teacher (several
+    teachers: for the slowest, and each one's as wait/NAME)."""
+    shown = dict(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                 wait=f"{record['teacher_wait_s']:.2f}s")
+    shown.update({key: f"{value:.2f}s" for key, value in record.items() if key.startswith("teacher_wait_s/")})
+    return {key.replace("teacher_wait_s/", "wait/"): value for key, value in shown.items()}
 
 
 # ---- the loop ------------------------------------------------------------------------------
@@ -420,13 +467,22 @@ def train(cfg: TrainConfig) -> dict:
     teacher = None
     if cfg.needs_teacher:
         student_vocab = model.get_output_embeddings().weight.shape[0]
-        teacher = open_teacher(cfg, device, teacher_outputs(cfg), tokenizer=tokenizer if cfg.uses_logits else None,
-                               vocab_size=student_vocab if cfg.uses_logits else 0, dataset=dataset,
-                               job_id=cfg.job_id or output_dir.name, rank=rank, dtype=cfg.teacher_dtype or None)
-    maps, capture = (build_maps(cfg, model, teacher.info.num_layers, teacher.info.hidden_size, teacher.joined.head,
-                                device) if teacher is not None else (StudentMaps(), None))
+        options = dict(tokenizer=tokenizer if cfg.uses_logits else None,
+                       vocab_size=student_vocab if cfg.uses_logits else 0, dataset=dataset,
+                       job_id=cfg.job_id or output_dir.name, rank=rank, dtype=cfg.teacher_dtype or None)
+        if cfg.several_teachers:
+            teacher = open_teachers(cfg, lambda plan: open_teacher(
+                cfg, device, teacher_outputs(cfg, plan), address=plan.address, store=plan.store, weight=plan.share,
+                **options))
+        else:
+            teacher = open_teacher(cfg, device, teacher_outputs(cfg), **options)
+    if isinstance(teacher, TeacherSet):
+        maps, capture = several_teachers_maps(teacher, device), None
+    else:
+        maps, capture = (build_maps(cfg, model, teacher.info.num_layers, teacher.info.hidden_size,
+                                    teacher.joined.head, device) if teacher is not None else (StudentMaps(), None))
     projections = maps.projections
-    if teacher is not None and teacher.matched_student_ids is not None:
+    if teacher is not None and not isinstance(teacher, TeacherSet) and teacher.matched_student_ids is not None:
         maps.matched_ids = teacher.matched_student_ids.to(device)
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -476,8 +532,8 @@ def train(cfg: TrainConfig) -> dict:
             record.update(onpolicy.evaluate(model, eval_set, cfg, device, stop_ids, pad_id))
         else:
             # Held-out rows are asked of the live teacher, never written into the store.
-            record.update(evaluate(model, eval_set, cfg, device, getattr(teacher, "teacher", teacher),
-                                   outputs_timeout_s))
+            live = teacher.live_set() if isinstance(teacher, TeacherSet) else getattr(teacher, "teacher", teacher)
+            record.update(evaluate(model, eval_set, cfg, device, live, outputs_timeout_s, maps))
         log.info("step %d held-out: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in record.items()
                                                         if k.startswith("eval_")))
 
@@ -494,9 +550,7 @@ def train(cfg: TrainConfig) -> dict:
             world_size=world_size, checkpoint=checkpoint_now, export=export, barrier=barrier, desc="distilling",
             train_step=lambda: distill_step(cfg, trained, params, optimizer, scheduler, prefetcher, device,
                                             world_size, autocast, maps, capture),
-            evaluate=evaluate_now,
-            postfix=lambda record: dict(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
-                                        wait=f"{record['teacher_wait_s']:.2f}s"))
+            evaluate=evaluate_now, postfix=progress_postfix)
     finally:
         if teacher is not None:
             teacher.close(timeout_s=5)

@@ -16,6 +16,9 @@ output in the model's dtype):
             of DeepSeek-V3 and the Qwen3 FP8 releases): finer, so an outlier costs the
             precision of 128 values instead of a whole row
 
+On a CPU there is no block-scaled kernel: FP8Linear dequantizes and multiplies in float32 there
+(`reference_linear`), so a published checkpoint serves there too (slowly: for tests).
+
 A scale here is the dequantization multiplier: x ≈ q * scale, with q = x / scale in e4m3
 (|q| <= 448). The slow, obvious version of every product is `reference_linear` (dequantize
 to float32, multiply): the tests hold the fast one to it.
@@ -43,6 +46,7 @@ multiple of 4 (hence the row padding, in `block_scaled_mm`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -76,8 +80,10 @@ def fp8_device_problem(device: torch.device, scaling: str = "row") -> str:
             return (f"block-wise FP8 scales run through cuBLAS on compute capability 9.0 (Hopper) only, not "
                     f"{major}.{minor}")
         return ""
-    if device.type == "cpu" and scaling == "row":
-        return ""  # torch's CPU _scaled_mm runs row-wise scales (slowly: for tests, not for speed)
+    if device.type == "cpu":
+        # torch's CPU _scaled_mm runs row-wise scales; block-wise ones are dequantized and multiplied in
+        # float32 (FP8Linear.forward). Slowly: for tests and published checkpoints on a laptop, not for speed.
+        return ""
     return f"FP8 with {scaling}-wise scales does not run on {device.type}: it needs a GPU of compute capability 8.9+"
 
 
@@ -245,6 +251,8 @@ class FP8Linear(nn.Module):
         return reference_linear(x, *self.stored(), self.scaling, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scaling == "block" and x.device.type != "cuda":
+            return self.reference(x)  # no block-scaled kernel off a GPU: the same product, in float32
         x2 = x.reshape(-1, self.in_features)
         if self._k_pad:  # the in-features padded with zeros as the weight is (the rows: in block_scaled_mm)
             x2 = torch.nn.functional.pad(x2, (0, self._k_pad))
@@ -417,6 +425,28 @@ def checkpoint_quantization(config) -> dict | None:
         return None
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     return qc if qc.get("quant_method") == "fp8" else None
+
+
+@contextlib.contextmanager
+def loaded_as_stored():
+    """Within it, transformers loads an FP8 checkpoint's weights as they are stored on a machine
+    without a GPU too (its FP8 quantizer dequantizes them to bf16 there): the teacher adopts them
+    as they are (`adopt_published`, fp8_experts.adopt_published) and computes their products on
+    the CPU by dequantizing at each product."""
+    from transformers.quantizers import auto
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    class AsStored(FineGrainedFP8HfQuantizer):
+        def validate_environment(self, *args, **kwargs):
+            if torch.cuda.is_available() or not self.pre_quantized:
+                return super().validate_environment(*args, **kwargs)
+
+    previous = auto.AUTO_QUANTIZER_MAPPING["fp8"]
+    auto.AUTO_QUANTIZER_MAPPING["fp8"] = AsStored
+    try:
+        yield
+    finally:
+        auto.AUTO_QUANTIZER_MAPPING["fp8"] = previous
 
 
 def adopt_published(model) -> int:

@@ -1,28 +1,38 @@
-"""The experts of MoE layers in FP8 (e4m3), quantized at load under --quantize fp8. (A published
-FP8 MoE checkpoint's experts, 128 x 128 block scales in the Qwen3-30B-A3B-FP8 / DeepSeek-V3 layout,
-would fit the block scaling here; they are not read yet, and moe.install refuses them.)
+"""The experts of MoE layers in FP8 (e4m3): quantized at load under --quantize fp8, or a published
+FP8 MoE checkpoint's experts (128 x 128 block scales, the Qwen3-30B-A3B-FP8 / DeepSeek-V3 layout)
+served as they are stored.
 
 transformers keeps an MoE layer's experts as 3-D parameters (teacher_server/moe.py). Here each of
 them (gate_up_proj or up_proj, down_proj) becomes an `FP8ExpertWeights`: the e4m3 weights of every
 expert as [E, N, K] (N output rows, K inputs, whatever transformers' layout was) and their scales,
 
-    row     one per expert and output row, [E, N]: the scaling `torch._scaled_grouped_mm` runs on
-            Hopper, with one scale per activation row computed at each forward
+    row     one per expert and output row, [E, N], with one scale per activation row computed at
+            each forward (what --quantize fp8 gives by default)
     block   one per expert and 128 x 128 tile, [E, N / 128, K / 128] (a published checkpoint's
-            `weight_scale_inv`), activations per 1 x 128 block of each row
+            `weight_scale_inv`; --fp8-scaling block), activations per 1 x 128 block of each row
 
 A scale is the dequantization multiplier, as in teacher_server/fp8.py: w ≈ q * scale.
-moe.experts_forward calls the weights with the rows sorted by expert and the group offsets; the
+moe.experts_forward calls the weights with the activation, the group offsets and, for the first
+product, each sorted pair's token row (`rows`: the permutation) and, for the second, each sorted
+row's place in token order (`out_rows`: the combine's order). The activation is quantized before
+the permutation (one scale per token row, or per 1 x 128 block of it: the same values as after it,
+once per token instead of once per pair; in a compiled layer the quantization fuses into what
+produces the activation: the norm before the experts, the gate before the down product). The
 product is
 
-    row, CUDA   torch._scaled_grouped_mm: every expert in one launch, FP8 tensor cores, float32
-                accumulation, the output in the activation's dtype
-    otherwise   the operands quantized the same way, dequantized to float32 and multiplied by
-                the grouped GEMM in float32 (moe.grouped_mm): numerically the product above, up to
-                the order of the float32 sums. It is the CPU path (tests) and, on a GPU, the block
-                path (--fp8-scaling block): torch 2.11 has no grouped product with 128 x 128 block
-                scales on Hopper, so the experts stay in FP8 in memory (half of bf16's bytes) and
-                each product pays a dequantization (to bf16 on a GPU, float32 on a CPU).
+    GPU      teacher_server/fp8_grouped_gemm.py: one Triton kernel over every expert, FP8 tensor
+             cores, float32 accumulation (with --fp8-fast-accum and row scales, the tensor cores'
+             partial sums kept over the whole K), the scales in its epilogue (row) or per K block
+             (block), the permutation read by index and the combine's order written by index; a
+             plain SwiGLU gate, the routing weight and the down product's input quantization in one
+             kernel before it (`swiglu_product`)
+    CPU      the operands quantized the same way, dequantized to float32 and multiplied by the
+             grouped GEMM in float32 (moe.grouped_mm): numerically the product above, up to the
+             order of the float32 sums. Also the path of a GPU without Triton (in bf16 there).
+
+A published checkpoint's experts come from transformers' FP8 loader (its `FP8Experts`: e4m3
+[E, N, K] and `<name>_scale_inv`); `adopt_published` wraps the same tensors, before moe.install.
+Measured on an H200: docs/performance.md, "MoE teachers on one GPU".
 
 `reference_product` is the slow, obvious version (one expert at a time, the quantization written
 out): what `verify` holds the device's product to at load, and what the tests hold both to.
@@ -35,7 +45,7 @@ import logging
 import torch
 from torch import nn
 
-from teacher_server import fp8, moe
+from teacher_server import fp8, fp8_grouped_gemm, moe
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +59,23 @@ _SCALED_GROUPED_MM = getattr(torch, "_scaled_grouped_mm", None)
 _CHECK_RTOL = 2e-2
 
 
+def choose_kernel(device: torch.device, scaling: str) -> str:
+    """Which product runs on `device`: "triton" (fp8_grouped_gemm.py), "scaled_grouped_mm" (torch's
+    grouped FP8 GEMM, row scales: a GPU without Triton) or "dequantize" (a CPU's)."""
+    if fp8_grouped_gemm.runs_on(device):
+        return "triton"
+    if scaling == "row" and device.type == "cuda" and _SCALED_GROUPED_MM is not None:
+        return "scaled_grouped_mm"
+    return "dequantize"
+
+
 class FP8ExpertWeights(nn.Module):
     """One 3-D expert weight in e4m3 ([E, N, K]) with row or block scales; called with rows sorted by
     expert and the group offsets, it returns their products [M, N]."""
 
     is_expert_weights = True  # what moe.experts_modules recognises besides a 3-D tensor
 
-    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, scaling: str):
+    def __init__(self, weight_q: torch.Tensor, weight_scale: torch.Tensor, scaling: str, fast_accum: bool = False):
         super().__init__()
         if scaling not in fp8.SCALINGS:
             raise ValueError(f"FP8 scaling {scaling!r}: choose one of {', '.join(fp8.SCALINGS)}")
@@ -68,17 +88,28 @@ class FP8ExpertWeights(nn.Module):
             raise ValueError(f"FP8 expert scales {tuple(weight_scale.shape)} for weights {tuple(weight_q.shape)} "
                              f"with {scaling} scaling: expected {want}")
         self.scaling = scaling
+        # Row scales on a GPU: the FP8 tensor cores' partial sums kept over the whole K instead of
+        # promoted to float32 at each 128-wide step (--fp8-fast-accum; fp8_grouped_gemm.launch).
+        self.fast_accum = fast_accum and scaling == "row"
         self.register_buffer("weight", weight_q.contiguous())
         self.register_buffer("weight_scale", weight_scale.float().contiguous())
+        self.kernel = choose_kernel(self.weight.device, scaling)
+
+    def _apply(self, fn, recurse=True):
+        # Moved to another device (.to, .cuda): the product that runs there. Decided here, not in
+        # forward, so that a compiled layer reads a plain attribute.
+        result = super()._apply(fn, recurse)
+        self.kernel = choose_kernel(self.weight.device, self.scaling)
+        return result
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, scaling: str) -> "FP8ExpertWeights":
+    def quantize(cls, weight: torch.Tensor, scaling: str, fast_accum: bool = False) -> "FP8ExpertWeights":
         """From transformers' [E, N, K] weights (transpose an [E, K, N] layout first)."""
         quantize = fp8.quantize_rows if scaling == "row" else fp8.quantize_tiles
         parts = [quantize(expert) for expert in weight.detach()]  # one expert at a time: bounded memory
         q = torch.stack([p[0] for p in parts])
         scale = torch.stack([p[1].reshape(p[1].shape[0]) if scaling == "row" else p[1] for p in parts])
-        return cls(q, scale, scaling)
+        return cls(q, scale, scaling, fast_accum)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -104,20 +135,55 @@ class FP8ExpertWeights(nn.Module):
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return fp8.quantize_rows(x) if self.scaling == "row" else fp8.quantize_row_blocks(x)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        xq, xs = self.quantize_input(x)
-        if self.scaling == "row" and x.device.type == "cuda" and _SCALED_GROUPED_MM is not None:
-            return _SCALED_GROUPED_MM(xq, self.weight.transpose(1, 2), xs.reshape(-1), self.weight_scale,
-                                      offs=offsets, out_dtype=x.dtype)
-        # float32 on a CPU (the tests' exactness); on a GPU the operands rounded to the activation's dtype,
-        # where the grouped GEMM runs (bf16: the values of e4m3 x a float32 scale, to 8 bits).
-        dtype = torch.float32 if x.device.type == "cpu" else x.dtype
-        activation = fp8.dequantize(xq, xs).to(dtype)
-        return moe.grouped_mm(activation, self.dequantized(dtype).transpose(1, 2), offsets).to(x.dtype)
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor | None = None,
+                out_rows: torch.Tensor | None = None, zero_unwritten: bool = False,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The products of the M sorted (token, expert) pairs: [M, N] in `out_dtype` (x's by default).
+        `x`: the activation, [M, K] in sorted order, or [T, K] by token with `rows` [M] the token of each
+        sorted pair; `offsets` int32 [E]: where each expert's pairs end; `out_rows` [M]: where each
+        sorted pair's product goes (None: in sorted order). `zero_unwritten`: the pairs past
+        offsets[-1] (other ranks' experts) give zeros."""
+        return self.product(*self.quantize_input(x), offsets, rows, out_rows, zero_unwritten, out_dtype or x.dtype)
+
+    def product(self, xq: torch.Tensor, xs: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor | None = None,
+                out_rows: torch.Tensor | None = None, zero_unwritten: bool = False,
+                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """`forward` on an activation quantized already (e4m3 `xq` and its scales `xs`, as
+        `quantize_input` or fp8_grouped_gemm.swiglu_quantize give them)."""
+        if self.kernel == "triton":
+            return fp8_grouped_gemm.grouped_fp8_mm(xq, xs, self.weight, self.weight_scale, offsets, rows, out_rows,
+                                                   zero_unwritten, out_dtype, self.fast_accum)
+        if rows is not None:
+            xq, xs = xq.index_select(0, rows), xs.index_select(0, rows)
+        if self.kernel == "scaled_grouped_mm":
+            out = _SCALED_GROUPED_MM(xq, self.weight.transpose(1, 2), xs.reshape(-1), self.weight_scale,
+                                     offs=offsets, out_dtype=out_dtype, use_fast_accum=self.fast_accum)
+        else:
+            # float32 on a CPU (the tests' exactness); on a GPU the operands rounded to the output's
+            # dtype, where the grouped GEMM runs (bf16: the values of e4m3 x a float32 scale, to 8 bits).
+            dtype = torch.float32 if xq.device.type == "cpu" else out_dtype
+            activation = fp8.dequantize(xq, xs).to(dtype)
+            out = moe.grouped_mm(activation, self.dequantized(dtype).transpose(1, 2), offsets).to(out_dtype)
+        if zero_unwritten:
+            held = torch.arange(out.shape[0], device=out.device) < offsets[-1]
+            out = torch.where(held.unsqueeze(-1), out, 0)
+        if out_rows is not None:
+            out = torch.empty_like(out).index_copy_(0, out_rows, out)
+        return out
+
+    def swiglu_product(self, projected: torch.Tensor, pair_weights: torch.Tensor, offsets: torch.Tensor,
+                       **placed) -> torch.Tensor:
+        """The down product of silu(gate) x up x the routing weight of each row of `projected` [M, 2I]
+        ([gate | up], sorted by expert): the gate, the weight and the quantization in one kernel
+        (fp8_grouped_gemm.swiglu_quantize), then `product` (`placed`: its out_rows, zero_unwritten,
+        out_dtype)."""
+        xq, xs = fp8_grouped_gemm.swiglu_quantize(projected, pair_weights, self.scaling == "block")
+        return self.product(xq, xs, offsets, **placed)
 
     def extra_repr(self) -> str:
         experts, n, k = self.weight.shape
-        return f"experts={experts}, out_features={n}, in_features={k}, scaling={self.scaling}"
+        return (f"experts={experts}, out_features={n}, in_features={k}, scaling={self.scaling}, kernel={self.kernel}"
+                + (", fast_accum=True" if self.fast_accum else ""))
 
 
 def reference_product(weights: FP8ExpertWeights, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -143,7 +209,8 @@ def reference_product(weights: FP8ExpertWeights, x: torch.Tensor, offsets: torch
     return out.to(x.dtype)
 
 
-def quantize_experts(model: nn.Module, scaling: str, keep_layers: tuple[int, ...] = ()) -> int:
+def quantize_experts(model: nn.Module, scaling: str, keep_layers: tuple[int, ...] = (), fast_accum: bool = False
+                     ) -> int:
     """Replaces the 3-D expert weights of every MoE layer (but those of decoder layers `keep_layers`)
     by FP8ExpertWeights in place; returns how many weights were replaced."""
     layers = fp8.decoder_layers(model)
@@ -162,7 +229,7 @@ def quantize_experts(model: nn.Module, scaling: str, keep_layers: tuple[int, ...
                                      "matrix dimensions divisible by 16; serve the model without --quantize fp8")
                 canonical = weight.transpose(1, 2) if module.is_transposed else weight  # [E, N, K]
                 del module._parameters[name]
-                setattr(module, name, FP8ExpertWeights.quantize(canonical, scaling))
+                setattr(module, name, FP8ExpertWeights.quantize(canonical, scaling, fast_accum))
                 replaced += 1
     return replaced
 
@@ -170,8 +237,9 @@ def quantize_experts(model: nn.Module, scaling: str, keep_layers: tuple[int, ...
 def verify(model: nn.Module, dtype: torch.dtype, rows: int = 96) -> int:
     """Checks one FP8ExpertWeights of each shape against `reference_product` on its own device,
     before the teacher serves (a scale layout the device's kernel reads otherwise gives wrong
-    outputs without an error). Rows spread over the first experts, one expert left empty. Returns
-    how many shapes were checked; raises fp8.FP8Unsupported."""
+    outputs without an error): the rows sorted already, and the rows gathered from token rows and
+    written back in token order, as moe.experts_forward calls it. Rows spread over the first
+    experts, one expert left empty. Returns how many shapes were checked; raises fp8.FP8Unsupported."""
     checked: set[tuple] = set()
     for name, module in model.named_modules():
         if not isinstance(module, FP8ExpertWeights):
@@ -191,12 +259,47 @@ def verify(model: nn.Module, dtype: torch.dtype, rows: int = 96) -> int:
         if used > 1:
             sizes[1], sizes[used - 1] = 0, sizes[used - 1] + sizes[1]  # an expert without rows
         offsets = sizes.cumsum(0).to(torch.int32).to(device)
+        tokens = x[: rows // 2 + 1]
+        gather = torch.randint(0, tokens.shape[0], (rows,), generator=generator, device=device)
+        scatter = torch.randperm(rows, generator=generator, device=device)
         with torch.inference_mode():
-            got = module(x, offsets).float()
-            want = reference_product(module, x, offsets).float()
-        error = ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
-        if not error <= _CHECK_RTOL:
+            sorted_want = reference_product(module, tokens.index_select(0, gather), offsets)
+            cases = ((module(x, offsets), reference_product(module, x, offsets)),
+                     (module(tokens, offsets, rows=gather, out_rows=scatter),
+                      torch.empty_like(sorted_want).index_copy_(0, scatter, sorted_want)))
+            errors = [((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
+                      for got, want in cases]
+        if not max(errors) <= _CHECK_RTOL:
             raise fp8.FP8Unsupported(f"FP8 experts {name} ({module.extra_repr()}) on {device}: the grouped product "
-                                     f"is off the dequantize-then-multiply reference by {error:.3g} (relative): this "
-                                     f"torch reads the scales otherwise. Serve the model without --quantize fp8")
+                                     f"is off the dequantize-then-multiply reference by {max(errors):.3g} (relative; "
+                                     f"sorted rows {errors[0]:.3g}, gathered and scattered {errors[1]:.3g}): the "
+                                     f"{module.kernel} product reads its operands otherwise. Serve the model without "
+                                     "--quantize fp8")
     return len(checked)
+
+
+def adopt_published(model: nn.Module) -> int:
+    """Replaces the FP8 experts transformers' loader built for a published FP8 checkpoint (its
+    `FP8Experts`: e4m3 3-D weights [E, N, K] and a `<name>_scale_inv` [E, N / 128, K / 128] per
+    128 x 128 tile) by FP8ExpertWeights over the same tensors (nothing dequantized, nothing copied
+    but the scales' dtype); returns how many weights. moe.install then runs them through the
+    teacher's experts forward (transformers' own runs a kernel fetched from the hub at first use)."""
+    replaced = 0
+    for module in model.modules():
+        for name in WEIGHT_NAMES:
+            weight = module._parameters.get(name)
+            scale = module._parameters.get(f"{name}_scale_inv")
+            if weight is None or scale is None or weight.dtype != FP8:
+                continue
+            block = tuple(getattr(module, "block_size", None) or ())
+            if block != (BLOCK, BLOCK) or scale.dim() != 3 or getattr(module, "is_transposed", False):
+                raise ValueError(f"{type(module).__name__}.{name}: FP8 experts with scales {tuple(scale.shape)} of "
+                                 f"block {block or None}; the teacher serves 128 x 128 blocks over [experts, out, in] "
+                                 "weights (transformers' FineGrainedFP8Config with weight_block_size [128, 128])")
+            experts, n, k = weight.shape
+            # transformers allocates at least two scale rows for gate_up (its halves); the weight's own rows count.
+            scale = scale.detach()[:, :-(-n // BLOCK)]
+            del module._parameters[name], module._parameters[f"{name}_scale_inv"]
+            setattr(module, name, FP8ExpertWeights(weight.detach(), scale, "block"))
+            replaced += 1
+    return replaced

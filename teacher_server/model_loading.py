@@ -44,10 +44,22 @@ def load_model(model_name: str, device: torch.device, world: World | None, dtype
         if world is not None:
             model = parallel.load_model(model_name, world, dtype=torch_dtype, trust_remote_code=trust_remote_code,
                                         own_plan=quantize is not None)
+        elif published:
+            with fp8.loaded_as_stored():
+                model = load_causal_lm(model_name, device=device, dtype=torch_dtype,
+                                       trust_remote_code=trust_remote_code)
         else:
             model = load_causal_lm(model_name, device=device, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     except ValueError as e:
         raise ValueError(f"--model: {e}") from e
+    if published:
+        try:
+            adopted = fp8_experts.adopt_published(model)
+        except ValueError as e:
+            raise fp8.FP8Unsupported(f"--model {model_name}: {e}") from e
+        if adopted:
+            log.info("%d MoE expert weights served as the checkpoint stores them (e4m3, 128 x 128 block scales)",
+                     adopted)
     # The teacher's own kernels first: the FP8 calibration's forwards run through them, and FP8
     # experts run only through them.
     expert_load, kernels = _own_kernels(model, device, world, compile_layers=not (published or quantize))
@@ -138,9 +150,10 @@ def _quantize_at_load(model, model_name: str, plan: fp8.Fp8Plan, world: World | 
 def _quantize_experts(model, plan: fp8.Fp8Plan) -> None:
     """A MoE model's expert weights in FP8 too (teacher_server/fp8_experts.py); not kept for
     --fp8-max-kl, and not counted in the FP8 share of the decoder's linear FLOPs."""
-    experts = fp8_experts.quantize_experts(model, plan.scaling, plan.keep_layers)
+    experts = fp8_experts.quantize_experts(model, plan.scaling, plan.keep_layers, plan.fast_accum)
     if experts:
-        log.info("%d MoE expert weights in FP8 (%s scales per expert)", experts, plan.scaling)
+        log.info("%d MoE expert weights in FP8 (%s scales per expert%s)", experts, plan.scaling,
+                 ", fast accumulation" if plan.fast_accum else "")
 
 
 def _published_fp8(model_name: str, device: torch.device, world: World | None, trust_remote_code: bool,

@@ -36,9 +36,14 @@ eagerly (their collectives run in hooks between the linears).
 Under expert parallelism (teacher_server/parallel.py's ExpertShard) a rank holds E / N experts
 (`expert_range`); every rank sees every token and its routing, sorts its own experts' pairs first
 (the ids rotated by its first expert), runs the products over those groups only and masks the
-other pairs at the combine; an all-reduce after the forward adds the ranks' outputs. FP8 experts
-(teacher_server/fp8_experts.py) replace the 3-D weights by modules that compute their own grouped
-product from the same sorted rows and offsets.
+other pairs at the combine; an all-reduce after the forward adds the ranks' outputs.
+
+FP8 experts (teacher_server/fp8_experts.py: --quantize fp8, or a published FP8 checkpoint) replace
+the 3-D weights by modules that compute their own grouped product from the same offsets, with the
+permutation and the combine's order inside it: the first product reads each sorted pair's token
+row by index (no gathered copy; the activation is quantized once per token), the second writes
+each product to its pair's row in token order, so the combine is a sum over each token's k
+contiguous rows (a model with expert biases or a norm after each expert keeps the combine above).
 
 Expert load (`ExpertLoad`): the histogram each layer computes anyway is written into one row of a
 [layers, experts] tensor on the device; the runner adds it to a running total after each forward
@@ -163,9 +168,6 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         local = sorted_key < span.count
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     token_of_pair = order // k
-    # FP8 experts (teacher_server/fp8_experts.py) take the activation in its dtype and quantize it.
-    weight_dtype = self.down_proj.dtype if self.down_proj.dtype != FP8 else hidden_states.dtype
-    x = hidden_states.index_select(0, token_of_pair).to(weight_dtype)
     sorted_experts = None
     if self.has_bias:
         sorted_experts = ids.index_select(0, order) if span is None else sorted_key.clamp(max=span.count - 1)
@@ -173,16 +175,35 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
 
     first = self.gate_up_proj if self.has_gate else self.up_proj
     first_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
-    projected = _expert_product(self, first, x, offsets)
+    post_norm = getattr(self, "has_post_expert_norm", False)
+    if isinstance(first, nn.Module):
+        # FP8 experts (teacher_server/fp8_experts.py): the activation quantized once per token, each
+        # pair's token row read by index in the product, no gathered copy.
+        projected = first(hidden_states, offsets, rows=token_of_pair)
+    else:
+        x = hidden_states.index_select(0, token_of_pair).to(first.dtype)
+        projected = _expert_product(self, first, x, offsets)
     if first_bias is not None:
         projected = projected + first_bias.index_select(0, sorted_experts)
+    if isinstance(self.down_proj, nn.Module) and not (self.has_bias or post_norm):
+        # FP8 experts write each product to its pair's row in token order: the combine is a sum over
+        # each token's k contiguous rows. Under expert parallelism the other ranks' pairs are zeros.
+        # A plain SwiGLU gate, the routing weight and the quantization run as one kernel.
+        placed = dict(out_rows=order, zero_unwritten=span is not None, out_dtype=hidden_states.dtype)
+        if getattr(self, "plain_swiglu", False):
+            out = self.down_proj.swiglu_product(projected, pair_weights, offsets, **placed)
+        else:
+            hidden = (self._apply_gate(projected) if self.has_gate else self.act_fn(projected)) * pair_weights
+            out = self.down_proj(hidden, offsets, **placed)
+        return _sum_slots(out.view(tokens, k, -1)).to(hidden_states.dtype)
     hidden = self._apply_gate(projected) if self.has_gate else self.act_fn(projected)
     # The routing weight applied before the down product (it is linear), where the rows are I wide
     # instead of H; a norm after each expert would not commute with it.
-    post_norm = getattr(self, "has_post_expert_norm", False)
     if not post_norm:
         hidden = hidden * pair_weights
-    out = _expert_product(self, self.down_proj, hidden.to(weight_dtype), offsets)
+    fp8_down = isinstance(self.down_proj, nn.Module)  # FP8 experts take the activation in its dtype
+    out = _expert_product(self, self.down_proj, hidden.to(hidden_states.dtype if fp8_down else self.down_proj.dtype),
+                          offsets)
     if self.has_bias:
         bias = self.down_proj_bias.index_select(0, sorted_experts)
         out = out + (bias * pair_weights if not post_norm else bias)
@@ -193,8 +214,20 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     # One combine: each token's k rows back in token order, summed in float32.
     position = torch.empty_like(order)
     position[order] = torch.arange(order.numel(), device=order.device)
-    combined = out.index_select(0, position).view(tokens, k, -1).sum(dim=1, dtype=torch.float32)
-    return combined.to(hidden_states.dtype)
+    return _sum_slots(out.index_select(0, position).view(tokens, k, -1)).to(hidden_states.dtype)
+
+
+def _sum_slots(rows: torch.Tensor) -> torch.Tensor:
+    """[T, k, H] -> the float32 sum over k. Compiled, as k row additions: one elementwise kernel with
+    k loads a token, each row read whole (the compiler's reduction over the middle dimension ran at
+    0.85 TB/s on Qwen3-30B-A3B's [8192, 8, 2048]: 0.32 ms a layer, docs/performance.md). Eager, one
+    reduction (k - 1 additions would be k - 1 kernels)."""
+    if not torch.compiler.is_compiling():
+        return rows.sum(dim=1, dtype=torch.float32)
+    total = rows[:, 0].float()
+    for slot in range(1, rows.shape[1]):
+        total = total + rows[:, slot].float()
+    return total
 
 
 def _expert_product(self: nn.Module, weight, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -264,6 +297,26 @@ def _expert_weight(weight) -> bool:
             or getattr(weight, "is_expert_weights", False))
 
 
+def plain_swiglu(module: nn.Module) -> bool:
+    """Whether the experts' gate is silu(gate) x up over the [gate | up] halves of the first
+    product's output, nothing else (Qwen3-MoE, Mixtral, DeepSeek-V3; not gpt-oss's clamped,
+    interleaved one): the gate FP8 experts fuse with their quantization."""
+    if not getattr(module, "has_gate", False) or type(getattr(module, "act_fn", None)).__name__ not in (
+            "SiLU", "SiLUActivation"):
+        return False
+    from transformers.integrations import moe as transformers_moe
+
+    gate = getattr(type(module), "_apply_gate", None)
+    if gate is not None and gate is getattr(transformers_moe, "_default_apply_gate", None):
+        return True
+    try:  # a published FP8 checkpoint's experts class: the same gate when none of its limits is set
+        from transformers.integrations.finegrained_fp8 import FP8Experts
+    except ImportError:
+        return False
+    limits = ("gate_softcap", "up_softcap", "swiglu_alpha", "limit", "swiglu_limit")
+    return isinstance(module, FP8Experts) and all(getattr(module, name, None) is None for name in limits)
+
+
 def global_experts(module: nn.Module) -> int:
     """How many experts the layer of `module` has, on all ranks together."""
     span = getattr(module, "expert_range", None)
@@ -286,18 +339,27 @@ def install(model: nn.Module) -> ExpertLoad | None:
                              "its own plan (teacher_server/parallel.py: attention tensor parallel, experts expert "
                              "parallel): load the model without transformers' tp_plan")
     stored_fp8 = {type(m).__name__ for m in modules
-                  if isinstance(m.down_proj, torch.Tensor) and m.down_proj.dtype == FP8}
+                  if isinstance(m.down_proj, torch.Tensor) and m.down_proj.dtype in (FP8, torch.int8)}
     if stored_fp8:
-        raise MoeUnsupported(f"{', '.join(sorted(stored_fp8))}: expert weights stored in FP8 by the checkpoint "
-                             "(128 x 128 block scales); the teacher does not serve a published FP8 MoE checkpoint's "
-                             "experts yet: dequantize it (transformers' FineGrainedFP8Config(dequantize=True), "
-                             "save_pretrained) and serve that directory, with --quantize fp8 for FP8 experts")
+        raise MoeUnsupported(f"{', '.join(sorted(stored_fp8))}: expert weights stored in FP8 (or FP4) without the "
+                             "128 x 128 block scales the teacher serves (teacher_server/fp8_experts.py's "
+                             "adopt_published reads those): dequantize the checkpoint (transformers' "
+                             "FineGrainedFP8Config(dequantize=True), save_pretrained) and serve that directory, with "
+                             "--quantize fp8 for FP8 experts")
     ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+    try:  # a published FP8 checkpoint's experts class dispatches through transformers' FP8 interface
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:
+        FP8ExpertsInterface = None
+    if FP8ExpertsInterface is not None:
+        FP8ExpertsInterface.register(IMPLEMENTATION, experts_forward)
     model.set_experts_implementation(IMPLEMENTATION)
     unset = {type(m).__name__ for m in modules if getattr(m.config, "_experts_implementation", None) != IMPLEMENTATION}
     if unset:
         raise MoeUnsupported(f"transformers did not switch the experts of {', '.join(sorted(unset))} to "
                              f"{IMPLEMENTATION!r}: this transformers version dispatches them otherwise")
+    for module in modules:
+        module.plain_swiglu = plain_swiglu(module)  # read by the FP8 experts' path (a constant once compiled)
     device = modules[0].down_proj.device
     widths = [global_experts(m) for m in modules]
     load = ExpertLoad(widths, device)

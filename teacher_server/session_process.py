@@ -40,7 +40,6 @@ has the teacher's output tensors mapped (CUDA IPC); docs/security.md says what f
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import json
 import logging
@@ -62,6 +61,7 @@ from multiprocessing.reduction import ForkingPickler
 from torch.multiprocessing.reductions import init_reductions
 
 from distill_common.session_group import TEACHER_RANK, TransferError, build_group, handshake
+from teacher_server import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ _MAX_KEY_BYTES = 512
 _MAX_VALUE_BYTES = 64 << 10  # rendezvous.MAX_BYTES: a whole session's keys fit in it
 _MAX_KEYS_PER_OP = 8
 _STORE_METHODS = {"set", "get", "wait", "check", "add", "compare_set", "delete_key", "num_keys"}
-_PRELOAD = ["torch", "torch.distributed", __name__]
+# die_with_parent first: armed before the seconds torch takes to import.
+_PRELOAD = ["teacher_server.die_with_parent", "torch", "torch.distributed", __name__]
 
 _context = multiprocessing.get_context("forkserver")
 
@@ -437,16 +438,9 @@ def _bytes(value) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the closed pipe still ends the process
-        pass
-
-
 def _worker(ctl, store_conn, spec: _Spec) -> None:
     """The transport process: forms the group, proves the peer, then sends what the teacher hands over."""
-    _die_with_parent()
+    die_with_parent.arm()
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s transport[{spec.session_id}] %(levelname)s "
                                                      "%(message)s")
     init_reductions()

@@ -160,3 +160,56 @@ def test_the_quick_cross_tokenizer_demo_runs_end_to_end(tmp_path):
     assert "KD across tokenizers (300, --loss gold)" in result.stdout
     summary = json.loads((tmp_path / "out" / "results.json").read_text())
     assert set(summary["groups"]) == {"kd_same", "ce_same", "kd_other", "ce_other"}
+
+
+# ---- distill_demo.several_teachers ---------------------------------------------------------------
+
+
+def test_a_file_splits_into_its_code_and_its_docstrings_and_the_mixed_set_holds_as_much_of_each():
+    from distill_demo.several_teachers import balanced, split_domains
+
+    source = ('"""A module that says what it is for, at some length."""\n'
+              "import os  # a comment\n\n"
+              "def f(x):\n    '''Returns x plus one, which is what this function is for.'''\n    return x + 1\n\n"
+              "class C:\n    'short'\n")
+    code, prose = split_domains(source, min_docstring_chars=20)
+    assert "import os" in code and "return x + 1" in code and "class C" in code
+    assert "comment" not in code and "at some length" not in code and "plus one" not in code
+    assert prose == ("A module that says what it is for, at some length.\n\n"
+                     "Returns x plus one, which is what this function is for.\n")
+    assert split_domains("def (:", 20) is None
+    code_rows = [{"text": "c" * 100, "domain": "code"} for _ in range(6)]
+    prose_rows = [{"text": "p" * 100, "domain": "prose"} for _ in range(2)]
+    mixed = balanced(code_rows, prose_rows)
+    assert [row["domain"] for row in mixed] == ["code", "prose", "code", "prose"]
+
+
+def test_the_several_teachers_table_says_whether_two_teachers_win_beyond_the_spread():
+    from distill_demo.several_teachers import ARMS, SeveralTeachersConfig, summarize, table
+
+    cfg = SeveralTeachersConfig(quick=True)
+    means = {"code": 5.40, "prose": 5.60, "routed": 5.30, "mixture": 5.45, "ce": 5.55}
+    scores = {(arm, seed): {"code": means[arm] + 0.01 * seed, "prose": means[arm] + 0.01 * seed,
+                            "mixed": means[arm] + 0.01 * seed} for arm in ARMS for seed in cfg.seeds}
+    result = summarize(cfg, scores, {"code": {"code": 4.5, "prose": 6.0, "mixed": 5.25},
+                                     "prose": {"code": 6.1, "prose": 4.9, "mixed": 5.5}})
+    assert result["beats"] == {"routed_vs_code": True, "routed_vs_prose": True, "mixture_vs_code": False,
+                               "mixture_vs_prose": True}
+    text = table(cfg, result)
+    assert "| KD, both (each example its domain's teacher) | 5.3000 | 5.3100 | 5.3050 ± 0.0050 |" in text
+    assert "beats KD, code teacher alone on the mixed set beyond the spread (5.4550 + 0.0050 < 5.4050 - 0.0050): NO" \
+        in text
+
+
+@pytest.mark.slow
+def test_the_quick_several_teachers_demo_runs_end_to_end(tmp_path):
+    import json
+
+    result = subprocess.run(
+        [sys.executable, "-m", "distill_demo.several_teachers", "--quick", "--output-dir", str(tmp_path / "out"),
+         "--cache-dir", str(tmp_path / "cache")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=ROOT, timeout=900)
+    assert result.returncode == 0, result.stdout
+    assert "KD, both (each example its domain's teacher)" in result.stdout
+    summary = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert set(summary["groups"]) == {"code", "prose", "routed", "mixture", "ce"}

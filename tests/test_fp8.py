@@ -1,7 +1,8 @@
 """The FP8 teacher on CPU: the quantization arithmetic against straightforward references, the
 flag and the fields that say what the teacher runs in, and the refusals. torch's CPU
-`_scaled_mm` runs row-wise scales, so `--quantize fp8` really serves here; block-wise scales and
-published FP8 checkpoints are refused on CPU, and tests/gpu/test_fp8_gpu.py covers them.
+`_scaled_mm` runs row-wise scales, so `--quantize fp8` really serves here; block-wise scales (and
+published FP8 checkpoints, tests/test_fp8_experts.py) are dequantized and multiplied in float32 on a
+CPU, and tests/gpu/test_fp8_gpu.py covers their cuBLAS products.
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ def test_a_head_stored_in_fp8_is_sent_dequantized():
 
 def test_device_problems_name_what_to_do():
     assert fp8.fp8_device_problem(torch.device("cpu"), "row") == ""
-    assert "compute capability 8.9" in fp8.fp8_device_problem(torch.device("cpu"), "block")
+    assert fp8.fp8_device_problem(torch.device("cpu"), "block") == ""  # dequantized and multiplied there
+    assert "compute capability 8.9" in fp8.fp8_device_problem(torch.device("meta"), "block")
 
 
 def test_flags():
@@ -327,8 +329,6 @@ def test_the_runner_reports_fp8_and_sends_the_head_in_the_model_dtype(model_dir)
     runner = ModelRunner(str(model_dir), "cpu", quantize=fp8.Fp8Plan("row", compile="off"))
     assert runner.info.quantization.format == "fp8_e4m3" and runner.info.dtype == torch.bfloat16
     assert runner.join_data.head.weight.dtype == torch.bfloat16 and not runner.info.head.unavailable
-    with pytest.raises(fp8.FP8Unsupported, match="block-wise scales does not run on cpu"):
-        ModelRunner(str(model_dir), "cpu", quantize=fp8.Fp8Plan("block", compile="off"))
 
 
 # ---- published FP8 checkpoints --------------------------------------------------------------
@@ -358,21 +358,18 @@ def restored_logging():
     root.setLevel(level)
 
 
-def test_an_fp8_checkpoint_is_refused_on_cpu_at_start_up(tmp_path, capsys, restored_logging):
+def test_fp8_checkpoints_the_teacher_cannot_serve_are_refused_at_start_up(tmp_path, capsys, restored_logging):
     from teacher_server.__main__ import main
 
-    path = _fp8_checkpoint_config(tmp_path / "fp8")
+    other = _fp8_checkpoint_config(tmp_path / "fp8-64", block=(64, 64))
     with pytest.raises(SystemExit) as exited:  # the command line's own exit, before any weight loads
-        main(["--model", str(path), "--port", "0", "--http-port", "0"])
+        main(["--model", str(other), "--port", "0", "--http-port", "0"])
     stderr = capsys.readouterr().err
     assert exited.value.code == 2
-    assert "is an FP8 checkpoint (128 x 128 block scales)" in stderr
-    assert "FineGrainedFP8Config(dequantize=True)" in stderr  # what to do instead
+    assert "FP8 weights with blocks [64, 64]; the teacher serves 128 x 128 blocks" in stderr
+    path = _fp8_checkpoint_config(tmp_path / "fp8")
     with pytest.raises(ValueError, match="an FP8 checkpoint already"):
         ModelRunner(str(path), "cpu", quantize=fp8.Fp8Plan())
-    other = _fp8_checkpoint_config(tmp_path / "fp8-64", block=(64, 64))
-    with pytest.raises(fp8.FP8Unsupported, match=r"blocks \[64, 64\]"):
-        ModelRunner(str(other), "cpu")
 
 
 # ---- with tensor parallelism ----------------------------------------------------------------

@@ -100,13 +100,138 @@ def test_quantize_fp8_puts_every_experts_layer_in_fp8_equal_to_fake_quantization
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
-def test_experts_stored_in_fp8_by_a_checkpoint_are_refused_with_what_to_do():
-    """transformers' FP8 experts (a published checkpoint's e4m3 3-D weights, on a GPU) are not served:
-    the error says to dequantize and quantize at load instead."""
+def test_experts_stored_in_fp8_without_block_scales_are_refused_with_what_to_do():
+    """3-D e4m3 expert weights without the 128 x 128 scales fp8_experts.adopt_published reads are
+    not served: the error says to dequantize the checkpoint and quantize at load instead."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **TINY["qwen3_moe"]))
     for experts in moe.experts_modules(model):
         experts.down_proj = torch.nn.Parameter(experts.down_proj.detach().to(E4M3), requires_grad=False)
-    with pytest.raises(moe.MoeUnsupported, match=r"dequantize it .*with --quantize fp8 for FP8 experts"):
+    with pytest.raises(moe.MoeUnsupported, match=r"dequantize the checkpoint .*with --quantize fp8 for FP8 experts"):
         moe.install(model)
+
+
+# ---- a published FP8 MoE checkpoint ------------------------------------------------------------
+
+# Qwen3-30B-A3B-FP8's layout in small: every linear of the decoder and every expert's gate, up and
+# down projection stored in e4m3 with a float32 `weight_scale_inv` per 128 x 128 tile (one expert's
+# matrices under their own names, as the release stores them); embeddings, norms, routers and the
+# head in bf16. 128-wide matrices: whole tiles, and a partial one (vocabulary 96 is not quantized).
+PUBLISHED = dict(vocab_size=96, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
+                 num_hidden_layers=2, head_dim=64, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                 num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False, initializer_range=0.1)
+
+
+def _quantize_tiles_by_hand(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> e4m3 values and one scale per 128 x 128 tile (largest magnitude / 448)."""
+    rows, cols = -(-w.shape[0] // 128), w.shape[1] // 128
+    scale = torch.empty(rows, cols)
+    q = torch.empty(w.shape, dtype=E4M3)
+    for r in range(rows):
+        for c in range(cols):
+            tile = w[r * 128:(r + 1) * 128, c * 128:(c + 1) * 128].float()
+            scale[r, c] = max(tile.abs().max().item() / E4M3_MAX, 1e-12)
+            q[r * 128:(r + 1) * 128, c * 128:(c + 1) * 128] = (tile / scale[r, c]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale
+
+
+def _dequantized_by_hand(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.repeat_interleave(128, 0)[:q.shape[0]].repeat_interleave(128, 1)
+
+
+@pytest.fixture(scope="module")
+def published_dir(tmp_path_factory):
+    """A tiny qwen3_moe written as a published FP8 checkpoint: safetensors with per-expert e4m3
+    matrices and their tile scales, config.json with transformers' fine-grained FP8 declaration.
+    Returns the directory and its stored tensors."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("published") / "qwen3-moe-fp8"
+    config = AutoConfig.for_model("qwen3_moe", **PUBLISHED)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    stored = {}
+    for name, value in model.state_dict().items():
+        value = value.detach()
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            prefix = name.rsplit(".", 1)[0]
+            for expert, matrix in enumerate(value):  # [2I, H] (gate rows, then up rows) or [H, I]
+                parts = ({"gate_proj": matrix.chunk(2)[0], "up_proj": matrix.chunk(2)[1]}
+                         if name.endswith("gate_up_proj") else {"down_proj": matrix})
+                for projection, part in parts.items():
+                    q, scale = _quantize_tiles_by_hand(part)
+                    stored[f"{prefix}.{expert}.{projection}.weight"] = q
+                    stored[f"{prefix}.{expert}.{projection}.weight_scale_inv"] = scale
+        elif name.endswith("_proj.weight") and ".self_attn." in name:
+            stored[name], stored[name + "_scale_inv"] = _quantize_tiles_by_hand(value)
+        else:
+            stored[name] = value.to(torch.bfloat16)
+    path.mkdir()
+    save_file({k: v.contiguous() for k, v in stored.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    config.torch_dtype = torch.bfloat16
+    config.save_pretrained(path)
+    raw = json.loads((path / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "weight_block_size": [128, 128]}
+    (path / "config.json").write_text(json.dumps(raw))
+    return path, stored
+
+
+def _published_experts_reference(stored: dict, layer: int, hidden: torch.Tensor, index: torch.Tensor,
+                                 weights: torch.Tensor) -> torch.Tensor:
+    """One MoE layer's output from the checkpoint's tensors dequantized by hand, one token and expert
+    at a time: each product's input fake-quantized per 1 x 128 block, silu(gate) x up x the routing
+    weight, float32 throughout."""
+    def weight(expert: int, projection: str) -> torch.Tensor:
+        key = f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
+        return _dequantized_by_hand(stored[key], stored[key + "_scale_inv"])
+
+    out = torch.zeros(hidden.shape, dtype=torch.float32)
+    for token in range(hidden.shape[0]):
+        for slot in range(index.shape[1]):
+            e = int(index[token, slot])
+            a = fake_quantize(hidden[token:token + 1].float(), 1, 128)
+            gate, up = a @ weight(e, "gate_proj").t(), a @ weight(e, "up_proj").t()
+            h = torch.nn.functional.silu(gate) * up * weights[token, slot].float()
+            out[token] += (fake_quantize(h, 1, 128) @ weight(e, "down_proj").t())[0]
+    return out
+
+
+def test_a_published_fp8_moe_checkpoint_is_served_as_stored(published_dir):
+    """The server's model loading keeps the checkpoint's e4m3 bytes in memory (experts and linears,
+    nothing dequantized at load), runs the experts through the teacher's forward, and each MoE
+    layer's output in the served forward equals the checkpoint dequantized by hand, one token and
+    expert at a time (on a CPU every FP8 product dequantizes then multiplies in float32)."""
+    path, stored = published_dir
+    runner = ModelRunner(str(path), "cpu", dtype="float32")
+    assert runner.quantization.source == "checkpoint" and runner.quantization.scaling == "block"
+    experts = moe.experts_modules(runner.model)
+    assert len(experts) == 2 and moe.IMPLEMENTATION in runner.info.kernels
+    for layer, module in enumerate(experts):
+        assert isinstance(module.down_proj, fp8_experts.FP8ExpertWeights) and module.down_proj.scaling == "block"
+        for e in range(PUBLISHED["num_experts"]):
+            key = f"model.layers.{layer}.mlp.experts.{e}"
+            gate_up = torch.cat([stored[f"{key}.gate_proj.weight"], stored[f"{key}.up_proj.weight"]])
+            assert torch.equal(module.gate_up_proj.weight[e].view(torch.uint8), gate_up.view(torch.uint8))
+            assert torch.equal(module.down_proj.weight[e].view(torch.uint8),
+                               stored[f"{key}.down_proj.weight"].view(torch.uint8))
+            assert torch.equal(module.down_proj.weight_scale[e], stored[f"{key}.down_proj.weight_scale_inv"])
+    from teacher_server import fp8
+
+    linears = [m for m in runner.model.modules() if isinstance(m, fp8.FP8Linear)]
+    assert len(linears) == 2 * 4 and all(m.weight.dtype == E4M3 for m in linears)
+    captured = []
+    hooks = [m.register_forward_hook(lambda module, args, out: captured.append((args, out))) for m in experts]
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    result = runner.forward(ids, torch.ones_like(ids))
+    for hook in hooks:
+        hook.remove()
+    assert len(captured) == 2 and torch.isfinite(result.logits).all()
+    for layer, ((hidden, index, weights), out) in enumerate(captured):
+        expected = _published_experts_reference(stored, layer, hidden, index, weights)
+        torch.testing.assert_close(out.float(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())

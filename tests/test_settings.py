@@ -88,7 +88,7 @@ def test_non_default_settings_are_logged_and_secrets_hidden():
 
 def test_the_eagle3_settings_take_their_teacher_connection_checks_from_the_trainers():
     """Eagle3Config and Eagle3EvalConfig run TrainConfig's checks of reconnects, resubmits, the
-    log level and TLS on themselves: valid values pass, and a bad one is refused by flag."""
+    log level, TLS and the FP8 teacher's bound on themselves: valid values pass, and a bad one is refused by flag."""
     valid = dict(teacher="host:1", data="d.jsonl")
     Eagle3Config(target_model="t", output_dir="o", **valid)
     Eagle3EvalConfig(draft="draft", **valid)
@@ -98,6 +98,10 @@ def test_the_eagle3_settings_take_their_teacher_connection_checks_from_the_train
             config(teacher_max_resubmits=-1)
         with pytest.raises(ConfigError, match="--teacher-tls-cert"):
             config(teacher_tls_cert="cert.pem")  # a client certificate without its key
+        with pytest.raises(ConfigError, match="--max-teacher-kl"):
+            config(max_teacher_kl=-1.0)
+        # An evaluation bounds the FP8 teacher it scores against as training does.
+        assert config(refuse_fp8_teacher=True, max_teacher_kl=0.01).max_teacher_kl == 0.01
 
 
 def test_the_default_held_outputs_take_at_most_a_quarter_of_the_memory_available():

@@ -78,6 +78,19 @@ def test_tp2_model_built_from_config_equals_tp1_and_sigterm_to_rank0_exits_0(tmp
     assert "tensor-parallel rank 1 stopped" in server.log, server.log
 
 
+def test_a_size_that_does_not_divide_the_heads_is_refused_with_the_sizes_that_do():
+    from distill_common.models import model_config
+    from teacher_server.parallel import check_heads
+
+    config = model_config("builtin:tiny", False)  # 4 attention heads, 2 key/value heads
+    for size in (1, 2):
+        check_heads(config, size)
+    with pytest.raises(ValueError, match=r"tensor parallelism over 3 ranks needs the attention heads \(4\) and "
+                                         r"key/value heads \(2\) divisible by 3: run 1 or 2 ranks in all"):
+        check_heads(config, 3)
+
+
+@pytest.mark.slow  # three ranks and torchrun's agent, each importing torch, to see the same refusal from the CLI
 def test_heads_not_divisible_by_the_world_size_are_refused():
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                            "-m", "teacher_server", "--model", "builtin:tiny", "--port", "0", "--http-port", "0"],
@@ -87,7 +100,8 @@ def test_heads_not_divisible_by_the_world_size_are_refused():
             "run 1 or 2 ranks") in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("dies", ["follower", "rank0"])
+# The follower's death in the default suite; rank 0's (the same keep-alive, seen from the other side) under slow.
+@pytest.mark.parametrize("dies", ["follower", pytest.param("rank0", marks=pytest.mark.slow)])
 def test_a_dead_rank_ends_the_others_instead_of_hanging(dies):
     """Ranks started by hand (no torchrun agent to clean up): each notices the other's death."""
     world = dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from distill_common.settings import ConfigError, IntTuple, check_choices, flag
-from student_trainer.config import TrainConfig
+from student_trainer.config import TrainConfig, check_max_teacher_kl
 from student_trainer.data import PackMode
 
 
@@ -97,6 +97,7 @@ class Eagle3Config:
     def __post_init__(self) -> None:
         self.aux_layers = IntTuple(self.aux_layers)
         check_choices(self)
+        check_max_teacher_kl(self.max_teacher_kl)
         for name in ("target_model", "data"):
             if not getattr(self, name):
                 raise ConfigError(f"{flag(name)} is required")
@@ -143,12 +144,15 @@ class Eagle3EvalConfig:
     teacher_timeout_s: float = _as_in_train("teacher_timeout_s")
     teacher_reconnect_timeout_s: float = _as_in_train("teacher_reconnect_timeout_s")
     teacher_max_resubmits: int = _as_in_train("teacher_max_resubmits")
+    refuse_fp8_teacher: bool = _as_in_train("refuse_fp8_teacher")
+    max_teacher_kl: float = _as_in_train("max_teacher_kl")
     teacher_tls_ca: str = _as_in_train("teacher_tls_ca")
     teacher_tls_cert: str = _as_in_train("teacher_tls_cert")
     teacher_tls_key: str = _as_in_train("teacher_tls_key")
     log_level: str = _as_in_train("log_level")
 
     def __post_init__(self) -> None:
+        check_max_teacher_kl(self.max_teacher_kl)
         for name in ("teacher", "draft", "data"):
             if not getattr(self, name):
                 raise ConfigError(f"{flag(name)} is required")

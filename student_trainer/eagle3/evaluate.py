@@ -129,7 +129,8 @@ def evaluate_acceptance(cfg: Eagle3EvalConfig) -> Acceptance:
     with TeacherClient(cfg.teacher, device, outputs=(AuxHiddenStates(aux_layers_of(draft.config)), Argmax()),
                        tokenizer=tokenizer, vocab_size=draft.config.vocab_size, job_id="eagle3-eval",
                        transfer_timeout_s=cfg.teacher_timeout_s, reconnect_timeout_s=cfg.teacher_reconnect_timeout_s,
-                       max_resubmits=cfg.teacher_max_resubmits, tls_ca=cfg.teacher_tls,
+                       max_resubmits=cfg.teacher_max_resubmits, refuse_quantized=cfg.refuse_fp8_teacher,
+                       max_teacher_kl=cfg.max_teacher_kl, tls_ca=cfg.teacher_tls,
                        tls_cert=cfg.teacher_tls_cert or None, tls_key=cfg.teacher_tls_key or None) as teacher:
         # A forward may wait out a reconnect as well as its transfer, as in training.
         timeout_s = cfg.teacher_timeout_s + cfg.teacher_reconnect_timeout_s

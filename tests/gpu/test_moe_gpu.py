@@ -19,6 +19,7 @@ import torch
 
 from teacher_server import moe, sink_attention
 from teacher_server.model_runner import ModelRunner
+from tests.test_fp8_experts import published_dir  # noqa: F401  (a fixture: the tiny published FP8 checkpoint)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -85,25 +86,83 @@ def test_the_served_moe_forward_equals_transformers_eager_in_float32(tmp_path, m
     assert all(sum(layer) == 3 * 300 * config.num_experts_per_tok for layer in snapshot.last)
 
 
-def test_fp8_experts_on_hopper_match_their_reference_and_stay_near_bf16(tmp_path):
-    """--quantize fp8 on a GPU: the experts' products through torch._scaled_grouped_mm (row scales),
-    checked at load against the dequantize-then-multiply reference one expert at a time
-    (fp8_experts.verify raises otherwise), the layers compiled with them inside; the served logits
-    within FP8's error of the bf16 forward of the same weights (a wrong scale or expert gives ~1)."""
+@pytest.mark.parametrize("scaling", ["row", "block"])
+def test_the_triton_fp8_kernel_equals_the_one_expert_at_a_time_reference(scaling):
+    """teacher_server/fp8_grouped_gemm.py as FP8ExpertWeights call it: rows gathered from token rows
+    by index, products written back by index, groups of 40, 0, 130, 1 and 9 rows (ragged tiles, empty
+    experts), 5 pairs no expert holds (zeros), N = 200 (a partial tile), K = 320 for row scales (a
+    partial K step) and 384 for block scales; against fp8_experts.reference_product, one row and
+    expert at a time, dequantize then multiply in float32."""
+    from teacher_server import fp8_experts, fp8_grouped_gemm
+
+    assert not fp8_grouped_gemm.problem(torch.device("cuda")), fp8_grouped_gemm.problem(torch.device("cuda"))
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    k = 320 if scaling == "row" else 384
+    weight = torch.randn(6, 200, k, device="cuda", generator=generator).pow(3)
+    module = fp8_experts.FP8ExpertWeights.quantize(weight, scaling)
+    assert module.kernel == "triton"
+    tokens = torch.randn(50, k, device="cuda", generator=generator).pow(3).to(torch.bfloat16)
+    sizes = [40, 0, 130, 1, 9, 0]
+    held = sum(sizes)
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).int()
+    gather = torch.randint(0, 50, (held + 5,), device="cuda", generator=generator)
+    scatter = torch.randperm(held + 5, device="cuda", generator=generator)
+    with torch.inference_mode():
+        got = module(tokens, offsets, rows=gather, out_rows=scatter, zero_unwritten=True).float()
+        sorted_reference = fp8_experts.reference_product(module, tokens.index_select(0, gather), offsets).float()
+        expected = torch.empty_like(sorted_reference).index_copy_(0, scatter, sorted_reference)
+        plain = module(tokens.index_select(0, gather)[:held], offsets).float()
+    unheld = scatter[held:]
+    assert torch.count_nonzero(got.index_select(0, unheld)) == 0
+    relative = (got - expected).norm() / expected.norm()
+    print(f"{scaling}: Triton kernel against the reference {relative:.2e}")
+    assert relative < 1e-2, relative  # bf16 output, float32 sums in another order; a wrong scale gives ~1
+    assert (plain - sorted_reference[:held]).norm() / sorted_reference[:held].norm() < 1e-2
+
+
+@pytest.mark.parametrize("scaling", ["row", "block"])
+def test_fp8_experts_on_hopper_match_their_reference_and_stay_near_bf16(tmp_path, scaling):
+    """--quantize fp8 on a GPU: the experts' products through the Triton grouped FP8 kernel, checked
+    at load against the dequantize-then-multiply reference one expert at a time (fp8_experts.verify
+    raises otherwise), the layers compiled with them inside; the served logits within FP8's error of
+    the bf16 forward of the same weights (a wrong scale or expert gives ~1)."""
     from transformers import AutoConfig
 
     from teacher_server import fp8_experts
     from teacher_server.fp8 import Fp8Plan
 
     AutoConfig.for_model("qwen3_moe", **SMALL["qwen3_moe"]).save_pretrained(tmp_path)
-    runner = ModelRunner(f"random:{tmp_path}", "cuda:0", dtype="bfloat16", quantize=Fp8Plan("row"))
+    runner = ModelRunner(f"random:{tmp_path}", "cuda:0", dtype="bfloat16", quantize=Fp8Plan(scaling))
     bf16 = ModelRunner(f"random:{tmp_path}", "cuda:0", dtype="bfloat16")
     experts = moe.experts_modules(runner.model)
     assert experts and all(isinstance(m.down_proj, fp8_experts.FP8ExpertWeights) for m in experts)
-    assert fp8_experts._SCALED_GROUPED_MM is not None, "this torch has no torch._scaled_grouped_mm"
+    assert {m.down_proj.kernel for m in experts} == {"triton"}
     ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(3))
     ours = runner.forward(ids, torch.ones_like(ids)).logits.float()
     theirs = bf16.forward(ids, torch.ones_like(ids)).logits.float()
     relative = _relative(ours, theirs)
-    print(f"FP8 experts against bf16: relative norm {relative:.3g}")
+    print(f"FP8 experts ({scaling}) against bf16: relative norm {relative:.3g}")
+    assert relative < 0.1, relative
+
+
+def test_a_published_fp8_moe_checkpoint_serves_on_the_gpu_as_on_the_cpu(published_dir):
+    """tests/test_fp8_experts.py's tiny Qwen3-30B-A3B-FP8-layout checkpoint on the GPU: its e4m3 bytes
+    kept (experts through the Triton kernel with 128 x 128 block scales, linears through cuBLAS's
+    block-scaled product, the layers compiled), the logits within FP8's compounding of the same
+    checkpoint served on the CPU (dequantize, then multiply in float32, there held to the checkpoint
+    dequantized by hand layer by layer)."""
+    from teacher_server import fp8_experts
+
+    path, _ = published_dir
+    gpu = ModelRunner(str(path), "cuda:0")
+    experts = moe.experts_modules(gpu.model)
+    assert experts and {m.down_proj.kernel for m in experts} == {"triton"}
+    assert all(isinstance(m.gate_up_proj, fp8_experts.FP8ExpertWeights) for m in experts)
+    assert gpu.quantization.source == "checkpoint" and gpu.quantization.scaling == "block"
+    cpu = ModelRunner(str(path), "cpu", dtype="float32")
+    ids = torch.randint(0, 96, (2, 200), generator=torch.Generator().manual_seed(4))
+    ours = gpu.forward(ids, torch.ones_like(ids)).logits.float().cpu()
+    reference = cpu.forward(ids, torch.ones_like(ids)).logits.float()
+    relative = ((ours - reference).norm() / reference.norm()).item()
+    print(f"published FP8 MoE checkpoint, GPU against CPU: relative norm {relative:.3g}")
     assert relative < 0.1, relative

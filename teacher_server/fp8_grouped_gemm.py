@@ -1,0 +1,308 @@
+"""The FP8 experts' grouped product on a GPU: one Triton kernel over every expert of an MoE layer.
+
+    out[r] = a[gather[r]] . w[e(r)]^T        for each row r of the pairs sorted by expert
+
+with `a` in e4m3 ([rows, K], one scale per row or per 1 x 128 block of a row), each expert's weight
+in e4m3 ([E, N, K], one scale per output row or per 128 x 128 tile), products on the FP8 tensor
+cores with float32 accumulation, the scales applied in float32, the output in bf16.
+
+    row scales    acc = sum over K of a x w (promoted to float32 at each 128-wide K step, as for
+                  block scales and DeepSeek-V3's recipe; with `fast_accum`, the tensor cores' own
+                  partial sums over the whole K), then acc x a_scale[row] x w_scale[e, col]
+    block scales  per 128-wide K step: acc += (a x w) x a_scale[row, kb] x w_scale[e, col / 128, kb]
+                  (the published checkpoints' layout: `weight_scale_inv` [E, N / 128, K / 128])
+
+What it saves over `torch._scaled_grouped_mm` (row scales only, and measured on an H200 at half the
+speed of bf16 `torch._grouped_mm` on Qwen3-30B-A3B's 512-row groups: docs/performance.md):
+
+    the gather    the first product reads each pair's token row from the [T, K] activation by index
+                  (`gather`): the permutation costs no [T x k, K] copy, and the activation is
+                  quantized once per token, not once per pair
+    the scatter   the second product writes each sorted row to its pair's place in token order
+                  (`scatter`), so the combine is a sum over k contiguous rows, not a gather
+
+Scheduling: the programs are the M-tiles of every expert (an expert of n rows has ceil(n / BLOCK_M))
+times the N-tiles. Each program finds its expert from the group offsets on the device (a cumulative
+sum over E <= 1024 tile counts, in registers): no host sync, no per-expert launch. The grid is the
+upper bound cdiv(M, BLOCK_M) + E M-tiles; programs past the last tile return at once. Consecutive
+programs share an M-tile (its rows are read once from memory, then from L2), and an expert's M-tiles
+follow each other (its weights stay in L2).
+
+`swiglu_quantize` is the step between the two products for a plain SwiGLU gate: silu(gate) x up x
+the routing weight of each row, quantized per row or per 1 x 128 block, one read of the bf16 row.
+
+The tile shapes are autotuned per (N, K, scaling, rows per expert rounded to a power of 4) on first
+use among a few configurations (`CONFIGS`; bench/moe_teacher.py --experts-probe times each). On a
+CPU there is no kernel: teacher_server/fp8_experts.py dequantizes and multiplies there, and the
+tests hold this kernel to that (tests/gpu/test_moe_gpu.py; on a CPU under Triton's interpreter,
+tests/test_fp8_grouped_gemm.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install: fp8_experts.py's dequantize-and-multiply path serves
+    triton = None
+
+BLOCK = 128  # the scale blocks of the block layout (1 x 128 activation, 128 x 128 weight)
+MAX_EXPERTS = 1024  # the experts one kernel schedules (its tile counts are held in registers)
+
+
+def problem(device: torch.device) -> str:
+    """Why the kernel does not run on `device`, or "" when it does."""
+    if triton is None:
+        return "Triton is not installed"
+    if device.type != "cuda":
+        return f"the Triton kernel runs on CUDA devices, not {device.type}"
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return "FP8 tensor cores need compute capability 8.9 or later"
+    return ""
+
+
+def _configs() -> list:
+    # BLOCK_K is the scale block (128): one K step per block-scale pair. Hopper's FP8 MMA wants
+    # K-major operands, which both are (a's rows, w's output rows). The tiles that won somewhere in
+    # bench/moe_teacher.py --experts-probe on an H200 (Qwen3-30B-A3B's and gpt-oss-20b's layers,
+    # docs/performance.md): 64 x 128 with promoted sums and block scales, 128 x 256 with fast
+    # accumulation, 128 x 128 and 64 x 256 close behind; 128 x 128 with 4 warps and 128 x 64 never did.
+    shapes = [(64, 128, 4, 4), (128, 256, 8, 3), (128, 128, 8, 3), (64, 256, 8, 3)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": BLOCK}, num_warps=w, num_stages=s)
+            for m, n, w, s in shapes]
+
+
+if triton is not None:
+    @triton.jit
+    def _grouped_fp8_mm_kernel(
+            a_ptr, a_scale_ptr, gather_ptr, w_ptr, w_scale_ptr, out_ptr, scatter_ptr, offsets_ptr,
+            M, N, K, ROWS_BUCKET,
+            stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+            NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, HAS_GATHER: tl.constexpr,
+            HAS_SCATTER: tl.constexpr, BLOCK_SCALED: tl.constexpr, EVEN_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        tile_m = pid // tiles_n
+        tile_n = pid % tiles_n
+        # This program's expert: the first whose cumulative M-tile count passes tile_m.
+        experts = tl.arange(0, EXPERTS_POW2)
+        inside = experts < NUM_EXPERTS
+        ends = tl.load(offsets_ptr + experts, mask=inside, other=0)
+        starts = tl.load(offsets_ptr + experts - 1, mask=inside & (experts > 0), other=0)
+        tiles = tl.where(inside, tl.cdiv(ends - starts, BLOCK_M), 0)
+        tiles_end = tl.cumsum(tiles, 0)
+        expert = tl.sum((tiles_end <= tile_m).to(tl.int32), 0)
+        if expert >= NUM_EXPERTS:
+            return
+        mine = experts == expert
+        first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0), 0)
+        row_start = tl.sum(tl.where(mine, starts, 0), 0) + (tile_m - first_tile) * BLOCK_M
+        row_end = tl.sum(tl.where(mine, ends, 0), 0)
+
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        rows_in = tl.minimum(rows, row_end - 1)  # rows past the group read its last row: loads unmasked
+        if HAS_GATHER:
+            a_rows = tl.load(gather_ptr + rows_in).to(tl.int64)
+        else:
+            a_rows = rows_in.to(tl.int64)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        cols_in = tl.minimum(cols, N - 1).to(tl.int64)
+        ks = tl.arange(0, BLOCK_K)
+        expert64 = expert.to(tl.int64)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
+        w_ptrs = w_ptr + expert64 * stride_we + cols_in[None, :] * stride_wn + ks[:, None]
+        if BLOCK_SCALED:
+            a_scale_ptrs = a_scale_ptr + a_rows * stride_asm
+            w_scale_ptrs = w_scale_ptr + expert64 * stride_wse + (cols_in // BLOCK_K) * stride_wsn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                w = tl.load(w_ptrs)
+            else:
+                left = K - kb * BLOCK_K
+                a = tl.load(a_ptrs, mask=ks[None, :] < left, other=0.0)
+                w = tl.load(w_ptrs, mask=ks[:, None] < left, other=0.0)
+            if BLOCK_SCALED:
+                a_s = tl.load(a_scale_ptrs + kb)
+                w_s = tl.load(w_scale_ptrs + kb)
+                acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+            elif FAST_ACCUM:
+                acc = tl.dot(a, w, acc)  # the tensor cores' partial sums over the whole K
+            else:
+                acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)  # promoted to float32 each K step
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if not BLOCK_SCALED:
+            a_s = tl.load(a_scale_ptr + a_rows * stride_asm)
+            w_s = tl.load(w_scale_ptr + expert64 * stride_wse + cols_in)
+            acc = acc * a_s[:, None] * w_s[None, :]
+        if HAS_SCATTER:
+            out_rows = tl.load(scatter_ptr + rows_in).to(tl.int64)
+        else:
+            out_rows = rows_in.to(tl.int64)
+        out_ptrs = out_ptr + out_rows[:, None] * stride_om + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _swiglu_quantize_kernel(x_ptr, weight_ptr, q_ptr, scale_ptr, M, I, stride_x, stride_q, stride_s,
+                                BLOCK_SCALED: tl.constexpr, BLOCK_I: tl.constexpr, ROWS: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < M
+        cols = tl.arange(0, BLOCK_I)
+        mask = row_ok[:, None] & (cols < I)[None, :]
+        rows64 = rows.to(tl.int64)
+        gate = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + rows64[:, None] * stride_x + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        weight = tl.load(weight_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
+        h = gate * tl.sigmoid(gate) * up * weight[:, None]
+        if BLOCK_SCALED:
+            blocks = tl.reshape(h, (ROWS, BLOCK_I // 128, 128))
+            scale = tl.maximum(tl.max(tl.abs(blocks), axis=2) / 448.0, 1e-12)  # [ROWS, BLOCK_I / 128]
+            q = tl.reshape(tl.clamp(blocks / scale[:, :, None], -448.0, 448.0), (ROWS, BLOCK_I))
+            nblocks = tl.arange(0, BLOCK_I // 128)
+            tl.store(scale_ptr + rows64[:, None] * stride_s + nblocks[None, :], scale,
+                     mask=row_ok[:, None] & (nblocks * 128 < I)[None, :])
+        else:
+            scale = tl.maximum(tl.max(tl.abs(h), axis=1) / 448.0, 1e-12)  # [ROWS]
+            q = tl.clamp(h / scale[:, None], -448.0, 448.0)
+            tl.store(scale_ptr + rows64 * stride_s, scale, mask=row_ok)
+        tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+
+    CONFIGS = _configs()
+    _tuned_kernel = triton.autotune(configs=CONFIGS, key=["N", "K", "ROWS_BUCKET", "BLOCK_SCALED", "HAS_GATHER",
+                                                          "FAST_ACCUM"])(
+        _grouped_fp8_mm_kernel)
+else:
+    CONFIGS = []
+
+
+def rows_bucket(rows: int, experts: int) -> int:
+    """The mean rows per expert rounded down to a power of 4 (16 .. 4096): the autotuning key, so a
+    small warm-up (the self-check's 96 rows) does not pick the tiles of a 512-row-per-expert pack."""
+    mean = max(rows // max(experts, 1), 1)
+    bucket = 16
+    while bucket * 4 <= min(mean, 4096):
+        bucket *= 4
+    return bucket
+
+
+def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, offsets: torch.Tensor,
+           gather: torch.Tensor | None, scatter: torch.Tensor | None, out: torch.Tensor,
+           config: dict | None = None, fast_accum: bool = False) -> torch.Tensor:
+    """Runs the kernel into `out` [M, N] (M = gather's length, or a's rows). `config`: fixed tile
+    shapes ({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}) instead of the autotuned ones.
+    `fast_accum` (row scales): the FP8 tensor cores' partial sums kept over the whole K, not promoted
+    to float32 at each 128-wide step (faster, less exact: what cuBLAS's fast accumulation does)."""
+    experts, n, k = w.shape
+    m = out.shape[0]
+    if m == 0:
+        return out
+    if experts > MAX_EXPERTS:
+        raise ValueError(f"the grouped FP8 kernel schedules at most {MAX_EXPERTS} experts, not {experts}")
+    block_scaled = w_scale.dim() == 3
+    a_scale = a_scale.reshape(a_scale.shape[0], -1)
+    w_scale = w_scale if block_scaled else w_scale.reshape(experts, n)
+    if w.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("grouped FP8 kernel: the weights and the output must be contiguous in their last dimension")
+    a, a_scale, w_scale = a.contiguous(), a_scale.contiguous(), w_scale.contiguous()
+    dummy = offsets  # an unused pointer argument (HAS_GATHER / HAS_SCATTER off)
+    args = (a, a_scale, gather if gather is not None else dummy, w, w_scale, out,
+            scatter if scatter is not None else dummy, offsets, m, n, k, rows_bucket(m, experts),
+            a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0),
+            w_scale.stride(1) if block_scaled else 0, out.stride(0))
+    constants = dict(NUM_EXPERTS=experts, EXPERTS_POW2=max(triton.next_power_of_2(experts), 16),
+                     HAS_GATHER=gather is not None, HAS_SCATTER=scatter is not None, BLOCK_SCALED=block_scaled,
+                     EVEN_K=k % BLOCK == 0, FAST_ACCUM=fast_accum and not block_scaled)
+
+    def grid(meta):
+        return ((triton.cdiv(m, meta["BLOCK_M"]) + experts) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    if config is None:
+        _tuned_kernel[grid](*args, **constants)
+    else:
+        meta = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=BLOCK)
+        _grouped_fp8_mm_kernel[grid(meta)](*args, **constants, **meta, num_warps=config.get("num_warps", 4),
+                                           num_stages=config.get("num_stages", 3))
+    return out
+
+
+# The product as an operator of its own: a compiled decoder layer calls it as it is (the
+# activation's quantization before it still fuses into what produces the activation).
+@torch.library.custom_op("distill_fp8::grouped_fp8_mm", mutates_args=())
+def grouped_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                   offsets: torch.Tensor, gather: torch.Tensor | None, scatter: torch.Tensor | None,
+                   zero_unwritten: bool, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """a [rows, K] e4m3 with scales [rows] or [rows, K / 128]; w [E, N, K] e4m3 with scales [E, N]
+    or [E, N / 128, K / 128]; offsets int32 [E] (each expert's rows end); gather [M]: the row of
+    `a` of each sorted pair (None: a's rows are the pairs); scatter [M]: each sorted pair's output
+    row (None: in sorted order). -> [M, N] in `out_dtype`. `zero_unwritten`: rows no expert of `w`
+    holds (past offsets[-1], under expert parallelism) are zeros instead of left unset. `fast_accum`:
+    see `launch`."""
+    m = gather.shape[0] if gather is not None else a.shape[0]
+    make = torch.zeros if zero_unwritten else torch.empty
+    out = make(m, w.shape[1], dtype=out_dtype, device=a.device)
+    return launch(a, a_scale, w, w_scale, offsets, gather, scatter, out, fast_accum=fast_accum)
+
+
+@grouped_fp8_mm.register_fake
+def _(a, a_scale, w, w_scale, offsets, gather, scatter, zero_unwritten, out_dtype, fast_accum=False):
+    m = gather.shape[0] if gather is not None else a.shape[0]
+    return a.new_empty((m, w.shape[1]), dtype=out_dtype)
+
+
+def swiglu_quantize_reference(x: torch.Tensor, weight: torch.Tensor, block_scaled: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) x up x weight of each row of x [M, 2I] ([gate | up]), quantized to e4m3 per row
+    ([M, 1] scales) or per 1 x 128 block ([M, I / 128]), in float32 then rounded: the kernel's
+    arithmetic written with torch's operators (the CPU's path, and the tests' reference)."""
+    gate, up = x.float().chunk(2, dim=-1)
+    h = torch.nn.functional.silu(gate) * up * weight.float().reshape(-1, 1)
+    m, i = h.shape
+    blocks = h.reshape(m, i // BLOCK if block_scaled else 1, -1)
+    scale = (blocks.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=1e-12)
+    q = (blocks / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.reshape(m, i), scale.reshape(m, -1)
+
+
+# SwiGLU, the routing weight and the quantization of the down product's input in one pass: what a
+# compiled layer fused into one persistent reduction ran at 1.1 TB/s on Qwen3-30B-A3B's [65536, 1536]
+# (0.22 ms a layer, twice the bf16 gate's time; docs/performance.md); this kernel reads the bf16 row
+# once and writes e4m3 and its scales.
+@torch.library.custom_op("distill_fp8::swiglu_quantize", mutates_args=())
+def swiglu_quantize(x: torch.Tensor, weight: torch.Tensor, block_scaled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, 2I] ([gate | up], transformers' default gated experts), weight [M] or [M, 1]: the routing
+    weight of each row -> (e4m3 [M, I], float32 scales [M, 1] or [M, I / 128])."""
+    m, width = x.shape
+    i = width // 2
+    if x.device.type != "cuda" or triton is None:
+        return swiglu_quantize_reference(x, weight, block_scaled)
+    x = x.contiguous()
+    q = torch.empty(m, i, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, i // BLOCK if block_scaled else 1, dtype=torch.float32, device=x.device)
+    rows = 4
+    if m:
+        _swiglu_quantize_kernel[(triton.cdiv(m, rows),)](
+            x, weight.reshape(-1).contiguous(), q, scale, m, i, x.stride(0), q.stride(0), scale.stride(0),
+            BLOCK_SCALED=block_scaled, BLOCK_I=max(triton.next_power_of_2(i), BLOCK), ROWS=rows, num_warps=4)
+    return q, scale
+
+
+@swiglu_quantize.register_fake
+def _(x, weight, block_scaled):
+    m, width = x.shape
+    i = width // 2
+    return (x.new_empty((m, i), dtype=torch.float8_e4m3fn),
+            x.new_empty((m, i // BLOCK if block_scaled else 1), dtype=torch.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def runs_on(device: torch.device) -> bool:
+    return not problem(device)
