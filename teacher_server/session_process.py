@@ -61,7 +61,6 @@ from multiprocessing.reduction import ForkingPickler
 from torch.multiprocessing.reductions import init_reductions
 
 from distill_common.session_group import TEACHER_RANK, TransferError, build_group, handshake
-from teacher_server import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -440,6 +439,11 @@ def _bytes(value) -> bytes:
 
 def _worker(ctl, store_conn, spec: _Spec) -> None:
     """The transport process: forms the group, proves the peer, then sends what the teacher hands over."""
+    # Imported here, never in the teacher: the module arms where it is imported, and a teacher armed
+    # would be killed when the thread that started it ends (the kernel ties the signal to the
+    # parent thread). A fork clears the setting: armed again in each transport process.
+    from teacher_server import die_with_parent
+
     die_with_parent.arm()
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s transport[{spec.session_id}] %(levelname)s "
                                                      "%(message)s")

@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import signal
+import sys
 import time
 
 import pytest
@@ -124,3 +125,17 @@ def test_store_requests_are_bounded(monkeypatch):
     group = start(monkeypatch, store_oversized)
     assert "malformed store request" in ended(group)
     assert gone(group)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_teacher_that_imports_the_transport_does_not_die_with_its_parent():
+    """teacher_server.die_with_parent arms SIGKILL on parent death where it is imported (the
+    transports' forkserver) and in each transport process. This process imported session_process
+    as the teacher does, and must not be armed: the kernel ties the signal to the thread that
+    started the process, so a teacher started from a thread (a supervisor's, a test's) was killed
+    as soon as that thread ended."""
+    import ctypes
+
+    signal_number = ctypes.c_int(-1)
+    assert ctypes.CDLL("libc.so.6", use_errno=True).prctl(2, ctypes.byref(signal_number)) == 0  # PR_GET_PDEATHSIG
+    assert signal_number.value == 0
