@@ -12,6 +12,7 @@ import torch
 from teacher_server import fp8_experts, moe
 from teacher_server.fp8 import Fp8Plan
 from teacher_server.model_runner import ModelRunner
+from bench.moe_checks import checkable_moe
 from tests.test_moe import TINY
 
 E4M3, E4M3_MAX = torch.float8_e4m3fn, 448.0
@@ -112,68 +113,6 @@ def test_experts_stored_in_fp8_without_block_scales_are_refused_with_what_to_do(
         moe.install(model)
 
 
-# ---- an MoE model whose FP8 products show in its outputs -------------------------------------------
-
-def checkable_moe(model, generator: torch.Generator, margin: float = 2.0) -> None:
-    """Redraws a qwen3_moe model's experts and routers in place (float32), so that the forward of its
-    FP8 experts, compared with a reference one decoder layer at a time, shows what each product did:
-
-    magnitudes  each expert weight N(0, 1 / K) (unit gain: a layer's update is mostly its experts'
-                output, not the attention's), times 2^U(-1, 1) per expert, per 128 x 128 tile and
-                per row: a scale read from another expert, tile or row is off by up to 4 x. With
-                equal magnitudes every scale is alike (a 128 x 128 tile of N(0, s) values has nearly
-                the largest magnitude of any other), and such a slip would not show
-    routing     decided by a code that no layer writes: the residual stream's first E dimensions
-                (o_proj's and the experts' down_proj's rows there are zero) hold, in each token's
-                embedding, 1 to 1.5 for its k experts and -1 to -0.5 for the others (times twice
-                the embedding's std); each layer's router reads that code alone, a permutation of
-                it, scaled so that the chosen experts' logits are `margin` to 1.5 x `margin` and the
-                others' -`margin` to -margin / 2. RMSNorm rescales a token's code without reordering
-                it, so the token picks the same experts on any device, in any dtype, under any
-                rounding (the router's top-k over near-equal logits picks another expert for 10 to
-                35% of the tokens between an FP8 forward and a bf16 one of random weights, and a
-                token routed elsewhere differs by ~1), while its routing weights still differ
-    """
-    config = model.config
-    experts, k = config.num_experts, config.num_experts_per_tok
-    layers = model.model.layers
-    embedding = model.get_input_embeddings().weight
-
-    def magnitudes(shape: tuple[int, ...]) -> torch.Tensor:  # [E, N, K]: 2^U(-1, 1) per expert, tile, row
-        e, n, k_ = shape
-        per = [torch.rand(e, 1, 1, generator=generator),
-               torch.rand(e, -(-n // 128), k_ // 128, generator=generator).repeat_interleave(128, 1)[:, :n]
-               .repeat_interleave(128, 2), torch.rand(e, n, 1, generator=generator)]
-        return torch.exp2(sum(2 * p - 1 for p in per)).expand(shape)
-
-    with torch.no_grad():
-        sigma = embedding.std().item()
-        chosen = torch.rand(embedding.shape[0], experts, generator=generator).argsort(-1)[:, :k]
-        code = torch.rand(embedding.shape[0], experts, generator=generator) / 2 - 1
-        code.scatter_(1, chosen, 1 + torch.rand(embedding.shape[0], k, generator=generator) / 2)
-        embedding[:, :experts] = 2 * sigma * code
-        for layer in layers:
-            module = layer.mlp.experts
-            for weight in (module.gate_up_proj, module.down_proj):  # [E, N, K]
-                weight.copy_(torch.randn(weight.shape, generator=generator) * weight.shape[-1] ** -0.5
-                             * magnitudes(tuple(weight.shape)))
-            module.down_proj[:, :experts] = 0
-            layer.self_attn.o_proj.weight[:experts] = 0
-            layer.mlp.gate.weight.zero_()
-        # Each router's scale from the normed code it reads, layer by layer (a layer's routing moves
-        # the next one's input).
-        ids = torch.randint(0, embedding.shape[0], (2, 64), generator=generator)
-        for layer in layers:
-            seen = []
-            hook = layer.mlp.gate.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
-            model(input_ids=ids)
-            hook.remove()
-            unit = seen[0][..., :experts].abs().mean().item() / code[ids].abs().mean().item()
-            router = torch.zeros_like(layer.mlp.gate.weight)
-            router[torch.arange(experts), torch.randperm(experts, generator=generator)] = margin / unit
-            layer.mlp.gate.weight.copy_(router)
-
-
 # ---- a published FP8 MoE checkpoint ------------------------------------------------------------
 
 # Qwen3-30B-A3B-FP8's layout in small: every linear of the decoder and every expert's gate, up and
@@ -204,9 +143,9 @@ def _dequantized_by_hand(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def published_dir(tmp_path_factory):
-    """A tiny qwen3_moe (its experts and routers as `checkable_moe` draws them) written as a published
-    FP8 checkpoint: safetensors with per-expert e4m3 matrices and their tile scales, config.json with
-    transformers' fine-grained FP8 declaration.
+    """A tiny qwen3_moe (its experts and routers as bench/moe_checks.py's `checkable_moe` draws them)
+    written as a published FP8 checkpoint: safetensors with per-expert e4m3 matrices and their tile
+    scales, config.json with transformers' fine-grained FP8 declaration.
     Returns the directory and its stored tensors."""
     import json
 
