@@ -17,7 +17,8 @@ output in the model's dtype):
             precision of 128 values instead of a whole row
 
 On a CPU there is no block-scaled kernel: FP8Linear dequantizes and multiplies in float32 there
-(`reference_linear`), so a published checkpoint serves there too (slowly: for tests).
+(`reference_linear`), so a published checkpoint serves there too (slowly: for tests); so it does
+for row scales where torch's CPU `_scaled_mm` takes per-tensor scales only (torch 2.11).
 
 A scale here is the dequantization multiplier: x ≈ q * scale, with q = x / scale in e4m3
 (|q| <= 448). The slow, obvious version of every product is `reference_linear` (dequantize
@@ -47,6 +48,7 @@ multiple of 4 (hence the row padding, in `block_scaled_mm`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -81,10 +83,24 @@ def fp8_device_problem(device: torch.device, scaling: str = "row") -> str:
                     f"{major}.{minor}")
         return ""
     if device.type == "cpu":
-        # torch's CPU _scaled_mm runs row-wise scales; block-wise ones are dequantized and multiplied in
-        # float32 (FP8Linear.forward). Slowly: for tests and published checkpoints on a laptop, not for speed.
+        # torch's CPU _scaled_mm runs row-wise scales (from some version on: `rowwise_scaled_mm_on_cpu`);
+        # block-wise ones, and row-wise ones where it does not, are dequantized and multiplied in float32
+        # (FP8Linear.forward). Slowly: for tests and published checkpoints on a laptop, not for speed.
         return ""
     return f"FP8 with {scaling}-wise scales does not run on {device.type}: it needs a GPU of compute capability 8.9+"
+
+
+@functools.lru_cache(maxsize=None)
+def rowwise_scaled_mm_on_cpu() -> bool:
+    """Whether this torch's CPU `_scaled_mm` takes row-wise scales: torch 2.13's does, 2.11's takes
+    per-tensor scales only (an internal assert otherwise: "_scaled_mm only supports per-tensor
+    scaling for CPU backend")."""
+    a = torch.zeros(16, 16, dtype=FP8)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 # ---- quantization: the arithmetic ---------------------------------------------------------
@@ -251,8 +267,8 @@ class FP8Linear(nn.Module):
         return reference_linear(x, *self.stored(), self.scaling, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scaling == "block" and x.device.type != "cuda":
-            return self.reference(x)  # no block-scaled kernel off a GPU: the same product, in float32
+        if x.device.type != "cuda" and (self.scaling == "block" or not rowwise_scaled_mm_on_cpu()):
+            return self.reference(x)  # no FP8 kernel for these scales off a GPU: the same product, in float32
         x2 = x.reshape(-1, self.in_features)
         if self._k_pad:  # the in-features padded with zeros as the weight is (the rows: in block_scaled_mm)
             x2 = torch.nn.functional.pad(x2, (0, self._k_pad))

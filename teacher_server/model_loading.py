@@ -11,6 +11,7 @@ teacher_server/moe.py's; attention with sinks, teacher_server/sink_attention.py'
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import logging
 import os
 from dataclasses import dataclass
@@ -23,6 +24,9 @@ from teacher_server import fp8, fp8_calibration, fp8_experts, moe, parallel, sin
 from teacher_server.parallel import World
 
 log = logging.getLogger(__name__)
+
+# What a model directory's tokenizer is stored as (fast, slow, sentencepiece and tiktoken layouts).
+_TOKENIZER_FILES = ("tokenizer*", "vocab*", "merges.txt", "*.model", "*.spm", "*.tiktoken")
 
 
 @dataclass
@@ -209,6 +213,12 @@ def load_tokenizer(model_name: str):
     """The model directory's tokenizer; None for builtin:, random: and hub ids without a local
     copy, or a directory without one (then no student's vocabulary can be checked)."""
     if not os.path.isdir(model_name):
+        return None
+    if not any(fnmatch.fnmatch(name, pattern) for name in os.listdir(model_name) for pattern in _TOKENIZER_FILES):
+        # transformers (5.25) builds a tokenizer from config.json alone, with no vocabulary: every
+        # text would encode to no tokens.
+        log.warning("no tokenizer files in %s: students' vocabularies cannot be checked, and students with "
+                    "another tokenizer cannot be served", model_name)
         return None
     try:
         from transformers import AutoTokenizer

@@ -1,6 +1,7 @@
 """The FP8 teacher on CPU: the quantization arithmetic against straightforward references, the
 flag and the fields that say what the teacher runs in, and the refusals. torch's CPU
-`_scaled_mm` runs row-wise scales, so `--quantize fp8` really serves here; block-wise scales (and
+`_scaled_mm` runs row-wise scales (CI's torch 2.13; 2.11's does not, and FP8Linear dequantizes
+then), so `--quantize fp8` really serves here; block-wise scales (and
 published FP8 checkpoints, tests/test_fp8_experts.py) are dequantized and multiplied in float32 on a
 CPU, and tests/gpu/test_fp8_gpu.py covers their cuBLAS products.
 """
@@ -103,6 +104,30 @@ def test_fp8_linear_equals_dequantize_then_matmul(bias):
     exact = linear(x).double()
     assert (out.double() - exact).norm() / exact.norm() < 0.08
 
+
+
+def test_row_scales_where_the_cpu_scaled_mm_takes_per_tensor_scales_only(monkeypatch):
+    """torch 2.11's CPU _scaled_mm refuses row-wise scales (an internal assert, the GPU machine's
+    torch): FP8Linear then computes the same product by dequantizing (reference_linear), and the
+    self-check passes, instead of the load failing on the assert."""
+    def per_tensor_only(a, b, scale_a, scale_b, **kwargs):
+        if scale_a.numel() != 1 or scale_b.numel() != 1:
+            raise RuntimeError("(scale_a.numel() == 1 && scale_b.numel() == 1) INTERNAL ASSERT FAILED: Now "
+                               "_scaled_mm only supports per-tensor scaling for CPU backend.")
+        raise AssertionError("not reached here")
+
+    torch.manual_seed(3)
+    layer = fp8.FP8Linear.from_linear(nn.Linear(96, 80).to(torch.bfloat16), "row")
+    x = _heavy_tailed(2, 9, 96, seed=4).to(torch.bfloat16)
+    monkeypatch.setattr(torch, "_scaled_mm", per_tensor_only)
+    fp8.rowwise_scaled_mm_on_cpu.cache_clear()
+    try:
+        assert not fp8.rowwise_scaled_mm_on_cpu()
+        torch.testing.assert_close(layer(x), fp8.reference_linear(x, layer.weight, layer.weight_scale, "row",
+                                                                  layer.bias), rtol=0, atol=0)
+        assert fp8.verify(nn.ModuleList([layer]), torch.bfloat16) == 1
+    finally:
+        fp8.rowwise_scaled_mm_on_cpu.cache_clear()
 
 def test_fast_accumulation_is_a_row_option_that_quantize_model_passes_on():
     from transformers import LlamaConfig, LlamaForCausalLM

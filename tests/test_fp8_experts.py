@@ -12,6 +12,7 @@ import torch
 from teacher_server import fp8_experts, moe
 from teacher_server.fp8 import Fp8Plan
 from teacher_server.model_runner import ModelRunner
+from bench.moe_checks import checkable_moe
 from tests.test_moe import TINY
 
 E4M3, E4M3_MAX = torch.float8_e4m3fn, 448.0
@@ -120,7 +121,7 @@ def test_experts_stored_in_fp8_without_block_scales_are_refused_with_what_to_do(
 # head in bf16. 128-wide matrices: whole tiles, and a partial one (vocabulary 96 is not quantized).
 PUBLISHED = dict(vocab_size=96, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
                  num_hidden_layers=2, head_dim=64, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
-                 num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False, initializer_range=0.1)
+                 num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False)
 
 
 def _quantize_tiles_by_hand(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,8 +143,9 @@ def _dequantized_by_hand(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def published_dir(tmp_path_factory):
-    """A tiny qwen3_moe written as a published FP8 checkpoint: safetensors with per-expert e4m3
-    matrices and their tile scales, config.json with transformers' fine-grained FP8 declaration.
+    """A tiny qwen3_moe (its experts and routers as bench/moe_checks.py's `checkable_moe` draws them)
+    written as a published FP8 checkpoint: safetensors with per-expert e4m3 matrices and their tile
+    scales, config.json with transformers' fine-grained FP8 declaration.
     Returns the directory and its stored tensors."""
     import json
 
@@ -154,6 +156,7 @@ def published_dir(tmp_path_factory):
     config = AutoConfig.for_model("qwen3_moe", **PUBLISHED)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
+    checkable_moe(model, torch.Generator().manual_seed(0))
     stored = {}
     for name, value in model.state_dict().items():
         value = value.detach()

@@ -120,3 +120,20 @@ def test_compiled_layers_compile_once_for_all_layers_through_the_start_up_probe(
         got = runner.forward(ids, torch.ones_like(ids)).logits
     torch._dynamo.reset()
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_a_model_directory_without_tokenizer_files_has_no_tokenizer(tmp_path):
+    """transformers (5.25) builds a tokenizer with no vocabulary from config.json alone, which encodes
+    every text to no tokens: a directory without tokenizer files has none (no vocabulary check, the
+    FP8 calibration's bytes stand for ids), one with them has its own."""
+    from transformers import AutoConfig, PreTrainedTokenizerFast
+
+    from teacher_server.model_loading import load_tokenizer
+    from tests.test_alignment import TEACHER_MERGES, byte_level_tokenizer
+
+    # A Qwen config: transformers maps it to a tokenizer class it then builds empty.
+    AutoConfig.for_model("qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
+    assert load_tokenizer(str(tmp_path)) is None
+    PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer(TEACHER_MERGES)).save_pretrained(tmp_path)
+    assert load_tokenizer(str(tmp_path))("hello world", add_special_tokens=False)["input_ids"]
