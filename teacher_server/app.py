@@ -137,7 +137,8 @@ class TeacherServer:
         # and a flood holds at most cap + backlog descriptors.
         protocol = functools.partial(GuardedH11Protocol,
                                      connections=HttpConnections(c.http_max_connections, c.http_header_timeout_s,
-                                                                 c.http_send_timeout_s, c.http_body_limit))
+                                                                 c.http_send_timeout_s, c.http_body_limit,
+                                                                 c.http_min_send_bytes_per_s))
         http = uvicorn.Server(uvicorn.Config(create_app(self.engine, self.metrics, self.ready, c.auth_token, self.completions, self.callers), host=c.host,
                                              port=c.http_port, log_level="warning", lifespan="off", http=protocol,
                                              backlog=max(8, c.http_max_connections // 4),

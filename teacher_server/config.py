@@ -159,11 +159,16 @@ class ServerConfig(ServerLimits):
     http_header_timeout_s: float = field(default=10.0, metadata=_help(
         "close a HTTP connection that has not sent a whole request (headers and body) within this long of "
         "opening (or of its previous response)"))
-    # The teacher's socket buffer full and its answer waiting: without a deadline a peer that
+    # The teacher's socket buffer full and its answer waiting: without a bound a peer that
     # pipelines requests and never reads holds a connection (and a request in progress) for good.
     http_send_timeout_s: float = field(default=10.0, metadata=_help(
-        "close a HTTP connection whose answers have waited this long for the peer to take them (the socket's "
-        "buffers full: a peer that sends requests and reads no answer)"))
+        "close a HTTP connection whose peer has taken nothing of the answers waiting for it for this long (the "
+        "socket's buffers full: a peer that sends requests and reads no answer); a peer that reads steadily is "
+        "not cut, however long the answer takes"))
+    http_min_send_bytes_per_s: ByteCount = field(default=ByteCount(64 << 10), metadata={"metavar": "BYTES", "help": (
+        "close a HTTP connection whose peer, --http-send-timeout-s into a wait for it to take the answers, has taken "
+        "less than this many bytes per second of the wait (a peer that reads a byte now and then): an answer of N "
+        "bytes is waited for at most --http-send-timeout-s + N / this")})
     # Only POST /v1/completions reads a body: its prompts, at most a batch of ids written as JSON.
     http_max_body_bytes: int = field(default=0, metadata=_help(
         "largest HTTP request body accepted (413 beyond; 0: what POST /v1/completions needs for "
@@ -274,7 +279,8 @@ class ServerConfig(ServerLimits):
                 raise ConfigError(f"{flag(name)} {getattr(self, name)} must be >= 0 (0: derived from the other limits)")
         if self.http_max_connections < 1:
             raise ConfigError(f"--http-max-connections {self.http_max_connections} must be >= 1")
-        for name in ("http_header_timeout_s", "http_send_timeout_s", "request_timeout_s", "grpc_idle_timeout_s"):
+        for name in ("http_header_timeout_s", "http_send_timeout_s", "request_timeout_s", "grpc_idle_timeout_s",
+                     "http_min_send_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{flag(name)} {getattr(self, name)} must be > 0")
         if self.http_max_body_bytes < 0 or self.grpc_max_streams_per_connection < 1:
