@@ -46,7 +46,7 @@ import torch
 
 from bench.table import emit
 from teacher_server.launcher import ServerProcess, child_env, stop_process
-from teacher_server.openai.protocol import LOGPROB_FLOOR, TokenText, prompt_logprobs_json
+from teacher_server.openai.protocol import TokenText, prompt_logprobs_json, write_prompt_logprobs
 
 VOCAB = 32000
 MODEL_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -325,68 +325,17 @@ def latency(server: ServerProcess, model: str, vocab: int, grpc_shape: tuple[int
 
 # ---- 3. the JSON writer, alone -----------------------------------------------------------------------
 
-def _write_fewer_steps(ids, top, top_ids, own, rank, text) -> str:
-    """Candidate: the server's text with less Python per entry (the floor and the search for the
-    prompt token among the top k on whole tensors; each entry one f-string of strings made once)."""
-    positions = len(ids) - 1
-    k = top.shape[-1]
-    floor = torch.tensor(LOGPROB_FLOOR, dtype=top.dtype)
-    nxt = torch.tensor(ids[1:], dtype=torch.int64)
-    repeated = top_ids[:positions] == nxt[:, None]
-    repeated_at = torch.where(repeated.any(1), repeated.int().argmax(1), -1).tolist()
-    values = torch.where(top[:positions] > floor, top[:positions], floor).tolist()
-    own_values = torch.where(own[:positions] > floor, own[:positions], floor).tolist()
-    top_ids, rank = top_ids[:positions].tolist(), rank[:positions].tolist()
-    heads, tails = zip(*text.entries())
-    ranks = [f',"rank":{index + 1}' for index in range(k)]
-    parts = ["[null"]
-    for p in range(positions):
-        token = ids[p + 1]
-        items = [f'{heads[token]}{own_values[p]},"rank":{rank[p]}{tails[token]}']
-        items += [f"{heads[other]}{value}{rank_text}{tails[other]}"
-                  for value, other, rank_text in zip(values[p], top_ids[p], ranks)]
-        if repeated_at[p] >= 0:
-            del items[repeated_at[p] + 1]
-        parts.append("{" + ",".join(items) + "}")
-    return ",".join(parts) + "]"
-
-
-def _write_numpy(ids, top, top_ids, own, rank, text, arrays) -> str:
-    """Candidate: every [positions, 1 + k] entry at once with numpy's string ufuncs (its shortest
-    float text is Python's repr); Python only in the final join."""
-    import numpy as np
-
-    positions = len(ids) - 1
-    string = np.dtypes.StringDType()
-    heads, tails = arrays
-    nxt = np.asarray(ids[1:], dtype=np.int64)
-    top_ids = top_ids[:positions].numpy()
-    every_id = np.concatenate([nxt[:, None], top_ids], axis=1)
-    values = np.concatenate([own[:positions, None].numpy(), top[:positions].numpy()], axis=1).astype(np.float64)
-    values = np.where(values > LOGPROB_FLOOR, values, LOGPROB_FLOOR)
-    ranks = np.concatenate([rank[:positions, None].numpy(),
-                            np.broadcast_to(np.arange(1, top_ids.shape[1] + 1), top_ids.shape)], axis=1)
-    before = np.full(every_id.shape, ",", dtype=string)
-    before[:, 0] = "},{"
-    before[0, 0] = "{"
-    entry = np.strings.add(np.strings.add(before, heads[every_id]), values.astype(string))
-    entry = np.strings.add(np.strings.add(entry, np.strings.add(',"rank":', ranks.astype(string))), tails[every_id])
-    entry[:, 1:][top_ids == nxt[:, None]] = ""
-    return "[null," + "".join(entry.ravel().tolist()) + "}]"
-
-
 def writers(model_dir: Path, vocab: int, length: int, ks: list[int], repeats: int) -> list[str]:
     """Seconds to write one prompt's `prompt_logprobs` from the derived tensors (a real
-    log_softmax of random logits), by the server's writer (its `.tolist()`s included, as
-    `_response` does them) and the candidates; each candidate's text checked equal to the server's."""
-    import numpy as np
+    log_softmax of random logits): the straightforward writer (an f-string per entry, from
+    `.tolist()`s) against the server's (`write_prompt_logprobs`, from the arrays), their texts
+    checked equal."""
     from transformers import PreTrainedTokenizerFast
 
     text = TokenText(PreTrainedTokenizerFast.from_pretrained(model_dir), vocab)
-    heads, tails = zip(*text.entries())
-    arrays = (np.array(heads, dtype=np.dtypes.StringDType()), np.array(tails, dtype=np.dtypes.StringDType()))
+    text.arrays()  # made once per teacher, at its first request
     generator = torch.Generator().manual_seed(0)
-    lines = [f"| k | {length}-token prompt: server's writer s | fewer Python steps s | numpy string ufuncs s | MB |",
+    lines = [f"| k | {length}-token prompt: straightforward writer s | server's writer s | speed-up | MB |",
              "|---|---|---|---|---|"]
     for k in ks:
         logprobs = torch.randn(length, vocab, generator=generator).log_softmax(-1)
@@ -397,21 +346,21 @@ def writers(model_dir: Path, vocab: int, length: int, ks: list[int], repeats: in
         own = logprobs.gather(1, nxt[:, None])[:, 0]
         rank = (logprobs >= own[:, None]).sum(1)
         candidates = {
-            "server": lambda: prompt_logprobs_json(ids, top.tolist(), top_ids.tolist(), own.tolist(), rank.tolist(),
-                                                   None, None, text),
-            "fewer": lambda: _write_fewer_steps(ids, top, top_ids, own, rank, text),
-            "numpy": lambda: _write_numpy(ids, top, top_ids, own, rank, text, arrays)}
+            "straightforward": lambda: prompt_logprobs_json(ids, top.tolist(), top_ids.tolist(), own.tolist(),
+                                                            rank.tolist(), None, None, text),
+            "server": lambda: write_prompt_logprobs(ids, top.numpy(), top_ids.numpy(), own.numpy(), rank.numpy(),
+                                                    None, None, text)}
         seconds, texts = {}, {}
         for _ in range(repeats):
             for name, write in candidates.items():
                 start = time.perf_counter()
                 texts[name] = write()
                 seconds.setdefault(name, []).append(time.perf_counter() - start)
-        for name in ("fewer", "numpy"):
-            if texts[name] != texts["server"]:
-                raise AssertionError(f"the {name} writer's text differs from the server's")
-        lines.append(f"| {k} | " + " | ".join(f"{statistics.median(seconds[name]):.3f}" for name in candidates) +
-                     f" | {len(texts['server']) / 1e6:.1f} |")
+        if texts["server"] != texts["straightforward"]:
+            raise AssertionError("the server's writer's text differs from the straightforward one's")
+        medians = {name: statistics.median(values) for name, values in seconds.items()}
+        lines.append(f"| {k} | {medians['straightforward']:.3f} | {medians['server']:.3f} | "
+                     f"{medians['straightforward'] / medians['server']:.1f}x | {len(texts['server']) / 1e6:.1f} |")
     return lines
 
 

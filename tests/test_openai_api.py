@@ -127,6 +127,42 @@ def test_prompt_logprobs_match_vllms_json_and_ranks(server, model):
             assert all(isinstance(e["decoded_token"], str) for e in entries.values())
 
 
+def test_the_servers_json_writer_writes_the_straightforward_writers_text(model_dir):
+    from transformers import PreTrainedTokenizerFast
+
+    from teacher_server.openai.protocol import TokenText, prompt_logprobs_json, write_prompt_logprobs
+
+    generator = torch.Generator().manual_seed(0)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    # Lengths across the writer's steps of positions; k 0 (ids scored only) to past a step's width.
+    for length, k, scored_width, text in [(1, 3, 0, None), (2, 3, 0, tokenizer), (300, 5, 3, tokenizer),
+                                          (40, 0, 4, None), (600, 20, 0, tokenizer)]:
+        text = TokenText(text, VOCAB)
+        logprobs = torch.randn(length, VOCAB, generator=generator).log_softmax(-1)
+        logprobs[0, 7] = float("-inf")
+        ids = torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+        if length > 4:
+            ids[2], ids[1] = int(logprobs[1].argmax()), 7  # a prompt token in the top k; one at -inf
+        top, top_ids = logprobs.topk(k, dim=1)
+        following = torch.tensor(ids[1:] + ids[-1:])
+        own = logprobs.gather(1, following[:, None])[:, 0]
+        rank = (logprobs >= own[:, None]).sum(1)
+        scored = scored_ids = None
+        if scored_width:
+            chosen = torch.randint(-1, VOCAB, (length, scored_width), generator=generator)
+            chosen[:, 0] = following  # an id asked that is the prompt token, and one in the top k
+            if k:
+                chosen[:, 1] = top_ids[:, 0]
+            scored = logprobs.gather(1, chosen.clamp_min(0)).masked_fill(chosen < 0, float("-inf"))
+            scored_ids = chosen.tolist()
+        want = prompt_logprobs_json(ids, top.tolist(), top_ids.tolist(), own.tolist(), rank.tolist(),
+                                    None if scored is None else scored.tolist(), scored_ids, text)
+        got = write_prompt_logprobs(ids, top.numpy(), top_ids.numpy(), own.numpy(), rank.numpy(),
+                                    None if scored is None else scored.numpy(), scored_ids, text)
+        assert got == want, (length, k, scored_width)
+        assert len(json.loads(got)) == length
+
+
 def test_extensions_prompt_temperature_and_ids_scored_at_every_position(server, model):
     sequence = SEQUENCES[0]
     scored = [[1, 2, -1], [3, 4, 5], [6, -1, -1]]  # rows for positions 2, 3, 4 (predicting tokens 3, 4, 5)

@@ -18,7 +18,7 @@ from teacher_server.errors import ServiceError
 from teacher_server.openai.jobs import ApiJobs, BatchFailed
 from teacher_server.openai.outputs import SCORE_IDS, CompletionLogprobs
 from teacher_server.openai.protocol import (ApiError, CompletionParams, TokenText, _lp, parse_completion,
-                                            prompt_logprobs_json)
+                                            write_prompt_logprobs)
 
 log = logging.getLogger(__name__)
 
@@ -168,13 +168,13 @@ class Completions:
             completion_tokens += len(generated[index])
             prompt_json = "null"
             if params.prompt_logprobs is not None:
-                top, top_ids, own, rank = (t.tolist() for t in tensors[:4])
+                top, top_ids, own, rank = (t.numpy() for t in tensors[:4])
                 scored = scored_ids = None
                 if params.prompt_logprob_token_ids:  # by position: the request's row i is position start + i
-                    scored = tensors[4].tolist()
+                    scored = tensors[4].numpy()
                     start, rows = params.prompt_logprob_start, params.prompt_logprob_token_ids[index]
                     scored_ids = [[]] * start + rows + [[]] * (len(prompt) - start - len(rows))
-                prompt_json = prompt_logprobs_json(prompt, top, top_ids, own, rank, scored, scored_ids, self.text)
+                prompt_json = write_prompt_logprobs(prompt, top, top_ids, own, rank, scored, scored_ids, self.text)
             text = self.text.text(generated[index])
             logprobs_json = "null"
             if params.logprobs is not None:
