@@ -176,6 +176,11 @@ class ServerConfig(ServerLimits):
     max_logprobs: int = field(default=256, metadata=_help(
         "largest `logprobs` and `prompt_logprobs` POST /v1/completions serves (vLLM's --max-logprobs, 20 "
         "there): each is a JSON entry per position, most of a response's size and time"))
+    api_chunk_tokens: int = field(default=512, metadata=_help(
+        "POST /v1/completions runs in forwards of at most this many tokens, each a forward of its own: a request's "
+        "prompts grouped up to it, a longer prompt a chunk at a time on the model's KV cache (on one process; under "
+        "tensor parallelism it runs whole). Another job's batch then waits for one such forward at most, not a whole "
+        "request (0: up to --max-batch-tokens, a prompt whole)"))
     # Part of every request's size bound (--max-request-bytes), which a caller can fill before its token is checked.
     max_score_ids: int = field(default=8, metadata=_help(
         "most ids per position a session may have scored (OutputSpec.score_ids): each request carries up to "
@@ -285,6 +290,8 @@ class ServerConfig(ServerLimits):
                 raise ConfigError(f"{flag(name)} {getattr(self, name)} must be > 0")
         if self.http_max_body_bytes < 0 or self.grpc_max_streams_per_connection < 1:
             raise ConfigError("--http-max-body-bytes must be >= 0 and --grpc-max-streams-per-connection >= 1")
+        if self.api_chunk_tokens < 0:
+            raise ConfigError(f"--api-chunk-tokens {self.api_chunk_tokens} must be >= 0 (0: up to --max-batch-tokens)")
         if self.max_logprobs < 0:
             raise ConfigError(f"--max-logprobs {self.max_logprobs} must be >= 0")
         if self.max_topk < 0:

@@ -31,7 +31,9 @@ No threads, no torch, no I/O: the engine calls it under its own lock, and tests 
 it directly. A session is the engine's object, of which the scheduler reads
 `session_id`, `job_id`, `weight` and `max_inflight` and which it hands back in plans; a
 batch is opaque but for `key` (a content digest: equal keys, equal outputs), `rows`,
-`seq_len`, `tokens` and `output_bytes` (what its outputs take until received).
+`seq_len`, `tokens`, `output_bytes` (what its outputs take until received) and `alone` (it
+runs in a forward with no other computed batch: the HTTP API's, whose forwards are bounded so
+that another job's batch waits at most one of them).
 """
 
 from __future__ import annotations
@@ -256,7 +258,8 @@ class Scheduler:
         that `lookup(session, batch)` finds (the output cache) needs no forward; neither
         counts against the token budget, and both count as served for the share. The
         budget counts padding (rows x the longest sequence); a batch larger than the
-        budget alone runs alone.
+        budget alone runs alone, and so does a batch marked `alone` (only identical batches and
+        cached ones join it).
         """
         taken: dict[str, int] = {}
         planning: dict[str, int] = {}  # by session: output bytes this plan adds
@@ -272,6 +275,7 @@ class Scheduler:
         held_in: list[str] = []  # where each planned batch's outputs are held: POOL or FLOOR
         in_forward: dict[bytes, Planned] = {}
         rows = seq = 0
+        closed = False  # an `alone` batch is in this forward: no other computed one joins it
         candidates = [q for q in self._queues.values() if q.ready and q.pending]
         while candidates:
             candidates.sort(key=lambda q: (self._jobs[q.session.job_id].virtual_tokens, q.virtual_tokens))
@@ -297,13 +301,14 @@ class Scheduler:
             elif cached is not None:
                 plan.append(Planned(session, batch, 0, computed=False, cached=cached))
             else:
-                if rows and (rows + b) * max(seq, s) > self.max_batch_tokens:
+                if rows and (closed or batch.alone or (rows + b) * max(seq, s) > self.max_batch_tokens):
                     candidates.pop(0)  # does not fit this forward; the next one starts with it
                     continue
                 planned = Planned(session, batch, rows)
                 plan.append(planned)
                 in_forward[batch.key] = planned
                 rows, seq = rows + b, max(seq, s)
+                closed = batch.alone
             held_in.append(where)
             taken[session.session_id] = index + 1
             planning[session.session_id] = planning.get(session.session_id, 0) + batch.output_bytes

@@ -11,11 +11,12 @@ import requests
 import torch
 
 from teacher_server.launcher import ServerProcess
-from tests.helpers import build_tiny_model, status_sessions
+from tests.helpers import build_tiny_model, status_sessions, wait_until
 
 VOCAB = 384
 OPERATOR = "operator-token-0123456789abcdef"
 JOB_TOKEN = "job-token-of-trl-0123456789abcdef"
+CHUNK_TOKENS = 8
 TEXTS = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.\n"] * 20
 
 
@@ -40,8 +41,9 @@ def model(model_dir):
 def server(model_dir, tmp_path_factory):
     tokens = tmp_path_factory.mktemp("tokens") / "jobs.json"
     tokens.write_text(json.dumps({"trl-job": {"token": JOB_TOKEN}}))
+    # Forwards of at most 8 tokens: of SEQUENCES, the longest runs in two chunks on the model's KV cache.
     server = ServerProcess("--model", str(model_dir), "--auth-token", OPERATOR, "--job-tokens", str(tokens),
-                           "--max-logprobs", "300")
+                           "--max-logprobs", "300", "--api-chunk-tokens", str(CHUNK_TOKENS))
     yield server
     server.stop()
 
@@ -178,6 +180,44 @@ def test_extensions_prompt_temperature_and_ids_scored_at_every_position(server, 
         for token in (i for i in ids if i >= 0):
             assert entries[token]["logprob"] == pytest.approx(reference[position, token].item(), abs=1e-5)
     assert {int(key) for key in logprobs[1]} == {sequence[1], *reference[0].topk(2).indices.tolist()}
+
+
+def _forwards(server) -> float:
+    text = requests.get(f"{_http(server)}/metrics", headers={"Authorization": f"Bearer {OPERATOR}"}, timeout=30).text
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("teacher_forward_seconds_count"))
+
+
+def test_a_prompt_longer_than_a_forward_runs_in_chunks_on_the_kv_cache(server, model):
+    sequence = [(11 * i + 3) % VOCAB for i in range(5 * CHUNK_TOKENS - 3)]  # 5 chunks, the last one short
+    start = CHUNK_TOKENS - 2  # scored rows that cross the chunks' edges
+    scored = [[(5 * row) % VOCAB, -1, row] for row in range(2 * CHUNK_TOKENS)]
+    before = _forwards(server)
+    response = _post(server, {"prompt": sequence, "max_tokens": 2, "temperature": 0, "logprobs": 3,
+                              "prompt_logprobs": 4, "prompt_logprob_token_ids": scored, "prompt_logprob_start": start,
+                              "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    reference = _log_softmax(model, sequence)
+    logprobs = choice["prompt_logprobs"]
+    assert logprobs[0] is None and len(logprobs) == len(sequence)
+    for t in range(1, len(sequence)):
+        entries = {int(key): value for key, value in logprobs[t].items()}
+        want, token = reference[t - 1], sequence[t]
+        assert list(entries)[0] == token and entries[token]["rank"] == int((want >= want[token]).sum())
+        top = want.topk(4)
+        for value, other in zip(top.values.tolist(), top.indices.tolist()):
+            assert entries[other]["logprob"] == pytest.approx(value, abs=1e-5)
+        asked = scored[t - 1 - start] if 0 <= t - 1 - start < len(scored) else []
+        for other in (i for i in asked if i >= 0):
+            assert entries[other]["logprob"] == pytest.approx(want[other].item(), abs=1e-5)
+    # Greedy tokens from the last chunk's distribution; the second from the sequence one longer, chunked again.
+    generated = list(sequence)
+    for _ in range(2):
+        generated.append(int(_log_softmax(model, generated)[-1].argmax()))
+    assert choice["token_ids"] == generated[len(sequence):]
+    assert choice["logprobs"]["token_logprobs"][0] == pytest.approx(reference[-1].max().item(), abs=1e-5)
+    # One forward per chunk: 5 for the prompt, 5 for it with the first generated token.
+    wait_until(lambda: _forwards(server) - before == 10, 30, "the chunks' forwards to be counted")
 
 
 def test_generation_greedy_and_seeded_with_echo_and_logprobs(server, model):

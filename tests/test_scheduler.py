@@ -39,6 +39,7 @@ class FakeBatch:
     rows: int = ROWS
     seq_len: int = SEQ
     output_bytes: int = 0
+    alone: bool = False
 
     @property
     def tokens(self) -> int:
@@ -201,6 +202,27 @@ def test_a_batch_larger_than_the_budget_runs_alone_and_is_not_starved_by_small_o
     with_large = [plan for plan in plans if any(p.session is large for p in plan)]
     assert len(with_large) == 4
     assert all(len(plan) == 1 for plan in with_large), "a batch over the budget shares its forward"
+
+
+def test_batches_marked_alone_share_no_forward_and_alternate_with_other_jobs_by_share():
+    # The HTTP API's batches: a forward each (identical ones still share it); a student's job
+    # with a batch waiting gets the next forward whenever its clock is behind.
+    scheduler = Scheduler(max_batch_tokens=64 * ROWS * SEQ, max_sessions=8)
+    api, student = joined(scheduler, FakeSession("api", "job-api", max_inflight=8), FakeSession("s", "job-s"))
+    for _ in range(8):
+        scheduler.submit(api, FakeBatch(f"api-{next(_keys)}".encode(), 1, 4 * SEQ, alone=True))
+    scheduler.submit(api, FakeBatch(b"twin", 1, 4 * SEQ, alone=True))
+    scheduler.submit(api, FakeBatch(b"twin", 1, 4 * SEQ, alone=True))
+    plans = forwards(scheduler, [student], 20)
+    for plan in plans:
+        computed = [p for p in plan if p.computed]
+        if any(p.batch.alone for p in computed):
+            assert len(computed) == 1, "an alone batch shared its forward"
+    twins = [plan for plan in plans if any(p.batch.key == b"twin" for p in plan)]
+    assert len(twins) == 1 and len(twins[0]) == 2, "identical alone batches did not share their forward"
+    # 4 x SEQ tokens a forward for each job (the student's 4 batches packed): they take turns.
+    order = ["api" if any(p.session is api for p in plan) else "s" for plan in plans[:16]]
+    assert order == ["api", "s"] * 8, order
 
 
 # ---- bounds ---------------------------------------------------------------------------
