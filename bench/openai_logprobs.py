@@ -371,9 +371,7 @@ def served(args, model_dir: Path, vocab: int, ks: list[int], shapes: list[tuple[
     workdir = Path(args.workdir)
     with ServerProcess("--model", str(model_dir), "--max-logprobs", str(max(ks + [args.api_k])), "--max-seq-len",
                        str(max_len), "--max-batch-tokens", str(max_len), "--log-format", "json",
-                       # The send deadline covers a whole answer, and 4096 x 100 entries are ~30 MB
-                       # through a 16 KiB socket buffer: past the default 10 s on a loaded machine.
-                       "--http-send-timeout-s", str(HTTP_TIMEOUT_S),
+                       *(["--api-chunk-tokens", str(args.api_chunk_tokens)] if args.api_chunk_tokens >= 0 else []),
                        log_path=workdir / "teacher.log", env=child_env()) as teacher:
         teacher_url = f"http://127.0.0.1:{teacher.http_port}"
         if not args.skip_throughput:
@@ -422,6 +420,8 @@ def main() -> None:
     parser.add_argument("--grpc-shape", default="4x256", help="the gRPC job's batches")
     parser.add_argument("--api-shape", default="1x4096", help="the API job's requests")
     parser.add_argument("--api-k", type=int, default=100)
+    parser.add_argument("--api-chunk-tokens", type=int, default=-1,
+                        help="the teacher's --api-chunk-tokens (default: the teacher's own default)")
     parser.add_argument("--batches", type=int, default=30, help="gRPC batches per phase per round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--vllm-startup-timeout-s", type=float, default=900.0)

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from distill_common.outputs.base import BatchOutputs, ForwardNeeds, Output, TeacherFacts, TensorSpec
-from distill_common.outputs.logprobs import _LOGPROB_CHUNK_BYTES, _to_device
+from distill_common.outputs.logprobs import _to_device, rows_per_chunk
 
 # The data a batch carries for it: [B, S, m] int64 ids to score at each position (-1: none).
 SCORE_IDS = "prompt_logprob_token_ids"
@@ -83,7 +83,7 @@ class CompletionLogprobs(Output):
             scored = torch.zeros(rows, seq, self.scored, dtype=torch.float32, device=device)
             score_ids = _to_device(batch.data[SCORE_IDS], device) if self.scored else None
             flat = logits.reshape(rows * seq, vocab)
-            step = max(1, _LOGPROB_CHUNK_BYTES // (4 * vocab))
+            step = rows_per_chunk(vocab, device)
             for start in range(0, rows * seq, step):
                 part = slice(start, start + step)
                 logprobs = flat[part].float()
