@@ -257,7 +257,10 @@ def _hammer(url: str, model: str, rows: int, length: int, vocab: int, k: int | N
                 done.value += 1
 
 
-def _grpc_latencies(teacher, batches: int, rows: int, length: int, vocab: int, seed: int) -> list[float]:
+def _grpc_latencies(teacher, batches: int, rows: int, length: int, vocab: int, seed: int,
+                    think_s: float = 0.0) -> list[float]:
+    """Seconds from submitting each batch to its outputs, one batch at a time, `think_s` between
+    them (a student's training step: 0 submits back to back, a job that wants the whole teacher)."""
     generator = torch.Generator().manual_seed(seed)
     latencies = []
     for _ in range(batches):
@@ -265,6 +268,7 @@ def _grpc_latencies(teacher, batches: int, rows: int, length: int, vocab: int, s
         start = time.perf_counter()
         teacher.submit(ids).result(timeout=HTTP_TIMEOUT_S)
         latencies.append(time.perf_counter() - start)
+        time.sleep(think_s)
     return latencies
 
 
@@ -274,7 +278,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def latency(server: ServerProcess, model: str, vocab: int, grpc_shape: tuple[int, int],
-            http_shape: tuple[int, int], k: int, batches: int, rounds: int) -> tuple[list[str], dict]:
+            http_shape: tuple[int, int], k: int, batches: int, rounds: int, think_s: float = 0.0,
+            weight: float = 1.0) -> tuple[list[str], dict]:
     from distill_common.outputs import TopK
     from student_trainer import TeacherClient
 
@@ -284,7 +289,8 @@ def latency(server: ServerProcess, model: str, vocab: int, grpc_shape: tuple[int
     requests_done: dict[str, int] = {name: 0 for name in phases}
     spent: dict[str, float] = {name: 0.0 for name in phases}
     context = multiprocessing.get_context("spawn")
-    with TeacherClient(server.address, "cpu", outputs=(TopK(64),), job_id="grpc-job", join_timeout_s=120) as teacher:
+    with TeacherClient(server.address, "cpu", outputs=(TopK(64),), job_id="grpc-job", join_timeout_s=120,
+                       weight=weight) as teacher:
         _grpc_latencies(teacher, 3, *grpc_shape, vocab, seed=0)  # warm-up: session, group, first forwards
         seed = 1
         for _ in range(rounds):
@@ -302,7 +308,7 @@ def latency(server: ServerProcess, model: str, vocab: int, grpc_shape: tuple[int
                         time.sleep(0.05)
                     start_done = done.value
                 start = time.perf_counter()
-                results[name] += _grpc_latencies(teacher, batches, *grpc_shape, vocab, seed)
+                results[name] += _grpc_latencies(teacher, batches, *grpc_shape, vocab, seed, think_s)
                 spent[name] += time.perf_counter() - start
                 seed += 1
                 if hammer is not None:
@@ -396,12 +402,13 @@ def served(args, model_dir: Path, vocab: int, ks: list[int], shapes: list[tuple[
                       *([] if args.vllm else ["vLLM: not run (no --vllm)", ""]), *check, ""]
         if not args.skip_latency:
             table, figures_2 = latency(teacher, _model_id(teacher_url), vocab, _shape(args.grpc_shape),
-                                       _shape(args.api_shape), args.api_k, args.batches, args.rounds)
+                                       _shape(args.api_shape), args.api_k, args.batches, args.rounds,
+                                       args.grpc_think_s, args.grpc_weight)
             figures.update(figures_2)
             lines += [f"A gRPC job's batch latency ({args.grpc_shape} tokens, top-64 log-probabilities, one batch at "
-                      f"a time) while another job sends `POST /v1/completions` of {args.api_shape} tokens back to "
-                      f"back from another process, {args.rounds} rounds x {args.batches} batches per phase:", "",
-                      *table, ""]
+                      f"a time, {args.grpc_think_s:g} s between batches, weight {args.grpc_weight:g}) while another "
+                      f"job (weight 1) sends `POST /v1/completions` of {args.api_shape} tokens back to back from "
+                      f"another process, {args.rounds} rounds x {args.batches} batches per phase:", "", *table, ""]
     return lines, figures
 
 
@@ -423,6 +430,9 @@ def main() -> None:
     parser.add_argument("--api-chunk-tokens", type=int, default=-1,
                         help="the teacher's --api-chunk-tokens (default: the teacher's own default)")
     parser.add_argument("--batches", type=int, default=30, help="gRPC batches per phase per round")
+    parser.add_argument("--grpc-think-s", type=float, default=0.0,
+                        help="the gRPC job's pause between batches (its student's step; 0: back to back)")
+    parser.add_argument("--grpc-weight", type=float, default=1.0, help="the gRPC job's weight")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--vllm-startup-timeout-s", type=float, default=900.0)
     parser.add_argument("--out", default="")

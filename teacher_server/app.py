@@ -190,4 +190,5 @@ class TeacherServer:
         self.service.joining.work.close()
         http.should_exit = True
         await http_task
+        await self.completions.close()
         log.info("teacher stopped")

@@ -220,6 +220,32 @@ def test_a_prompt_longer_than_a_forward_runs_in_chunks_on_the_kv_cache(server, m
     wait_until(lambda: _forwards(server) - before == 10, 30, "the chunks' forwards to be counted")
 
 
+def _writers(server) -> list[int]:
+    """The teacher's JSON writer processes (teacher_server/openai/writer.py)."""
+    from pathlib import Path
+
+    pid = server.proc.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"teacher_server.openai.writer" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def test_the_json_is_written_by_a_lower_priority_process_started_again_if_it_dies(server, model):
+    import os
+    import signal
+
+    body = {"prompt": SEQUENCES[1], "max_tokens": 1, "prompt_logprobs": 2}
+    assert _post(server, body).status_code == 200
+    [writer] = _writers(server)
+    assert os.getpriority(os.PRIO_PROCESS, writer) == os.getpriority(os.PRIO_PROCESS, server.proc.pid) + 10
+    os.kill(writer, signal.SIGKILL)
+    response = _post(server, body)  # written by the next one
+    assert response.status_code == 200, response.text
+    reference = _log_softmax(model, SEQUENCES[1])
+    entries = response.json()["choices"][0]["prompt_logprobs"][1]
+    assert entries[str(SEQUENCES[1][1])]["logprob"] == pytest.approx(reference[0, SEQUENCES[1][1]].item(), abs=1e-5)
+    assert len(_writers(server)) == 1 and _writers(server) != [writer]
+
+
 def test_generation_greedy_and_seeded_with_echo_and_logprobs(server, model):
     prompt = SEQUENCES[1]
     greedy = _post(server, {"prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 2,

@@ -240,6 +240,13 @@ class TokenText:
                 self._decoded = list(texts) + [""] * (self.vocab_size - len(texts))
         return self._decoded
 
+    @classmethod
+    def of_entries(cls, entries: list[tuple[str, str]], vocab_size: int) -> "TokenText":
+        """One that has only `entries()` (and `arrays()`): the JSON writer process's."""
+        text = cls(None, vocab_size)
+        text._entries = entries
+        return text
+
     def entries(self) -> list[tuple[str, str]]:
         """Per id: the start of its prompt-logprobs entry up to its logprob, and its end after the rank."""
         if self._entries is None:

@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 
+import numpy as np
 import torch
 from fastapi import FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse
@@ -18,8 +19,8 @@ from teacher_server.errors import ServiceError
 from teacher_server.model_runner import Chunk, Prefix
 from teacher_server.openai.jobs import ApiJobs, BatchFailed
 from teacher_server.openai.outputs import NEXT_IDS, SCORE_IDS, CompletionLogprobs
-from teacher_server.openai.protocol import (ApiError, CompletionParams, TokenText, _lp, parse_completion,
-                                            write_prompt_logprobs)
+from teacher_server.openai.protocol import ApiError, CompletionParams, TokenText, _lp, parse_completion
+from teacher_server.openai.writer import JsonWriter, WriterFailed
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class Completions:
         self.chunked_prompts = chunked_prompts and self.batch_tokens < max_batch_tokens
         self.max_prompt_tokens = max_seq_len if self.chunked_prompts else min(max_seq_len, max_batch_tokens)
         self.text = TokenText(tokenizer, facts.vocab_size)
+        self.writer = JsonWriter(self.text)  # prompt_logprobs, in a process of its own
         self.eos = getattr(tokenizer, "eos_token_id", None)
 
     def parse(self, body) -> CompletionParams:
@@ -159,7 +161,10 @@ class Completions:
         await asyncio.gather(*(one(indices) for indices in self._batches([len(s) for s in sequences], kind.last)))
         return results
 
-    async def complete(self, params: CompletionParams, job: tuple) -> str:
+    async def close(self) -> None:
+        await self.writer.close()
+
+    async def complete(self, params: CompletionParams, job: tuple) -> bytes:
         prompts = params.prompts
         want_prompt = params.prompt_logprobs is not None
         scored = params.prompt_logprob_token_ids
@@ -195,25 +200,29 @@ class Completions:
                 more = await self._run(job, [prompts[i] + generated[i] for i in going], following)
                 for i, tensors in zip(going, more):
                     lasts[i] = tensors[-1]
-        return await asyncio.to_thread(self._response, params, results, generated, gen_logprobs, finish)
-
-    def _response(self, params: CompletionParams, results, generated, gen_logprobs, finish) -> str:
-        """The response's JSON text, written by joining strings (the k entries per position are most of it)."""
-        as_id = params.return_tokens_as_token_ids
-        choices = []
-        prompt_tokens = completion_tokens = 0
-        for index, (prompt, tensors) in enumerate(zip(params.prompts, results)):
-            prompt_tokens += len(prompt)
-            completion_tokens += len(generated[index])
-            prompt_json = "null"
-            if params.prompt_logprobs is not None:
+        prompt_json = [b"null"] * len(prompts)
+        if params.prompt_logprobs is not None:  # most of the response: written by the writer process
+            for index, (prompt, tensors) in enumerate(zip(prompts, results)):
                 top, top_ids, own, rank = (t.numpy() for t in tensors[:4])
                 scored = scored_ids = None
                 if params.prompt_logprob_token_ids:  # by position: the request's row i is position start + i
                     scored = tensors[4].numpy()
                     start, rows = params.prompt_logprob_start, params.prompt_logprob_token_ids[index]
-                    scored_ids = [[]] * start + rows + [[]] * (len(prompt) - start - len(rows))
-                prompt_json = write_prompt_logprobs(prompt, top, top_ids, own, rank, scored, scored_ids, self.text)
+                    scored_ids = np.full(scored.shape, -1, dtype=np.int64)
+                    scored_ids[start:start + len(rows)] = rows
+                prompt_json[index] = await self.writer.prompt_logprobs(prompt, top, top_ids, own, rank, scored,
+                                                                       scored_ids)
+        return await asyncio.to_thread(self._response, params, results, generated, gen_logprobs, finish, prompt_json)
+
+    def _response(self, params: CompletionParams, results, generated, gen_logprobs, finish,
+                  prompt_json: list[bytes]) -> bytes:
+        """The response's JSON, each prompt's `prompt_logprobs` (`prompt_json`) put in by joining bytes."""
+        as_id = params.return_tokens_as_token_ids
+        parts = []
+        prompt_tokens = completion_tokens = 0
+        for index, (prompt, tensors) in enumerate(zip(params.prompts, results)):
+            prompt_tokens += len(prompt)
+            completion_tokens += len(generated[index])
             text = self.text.text(generated[index])
             logprobs_json = "null"
             if params.logprobs is not None:
@@ -221,17 +230,18 @@ class Completions:
                                                           gen_logprobs[index], as_id)
             if params.echo:
                 text = self.text.text(prompt) + text
-            choice = (f'{{"index":{index},"text":{json.dumps(text)},"logprobs":{logprobs_json},'
+            before = (f'{{"index":{index},"text":{json.dumps(text)},"logprobs":{logprobs_json},'
                       f'"finish_reason":{json.dumps(finish[index] if params.max_tokens else "length")},'
-                      f'"stop_reason":null,"prompt_logprobs":{prompt_json}')
+                      f'"stop_reason":null,"prompt_logprobs":')
+            after = "}"
             if params.return_token_ids:
-                choice += f',"prompt_token_ids":{json.dumps(prompt)},"token_ids":{json.dumps(generated[index])}'
-            choices.append(choice + "}")
+                after = f',"prompt_token_ids":{json.dumps(prompt)},"token_ids":{json.dumps(generated[index])}}}'
+            parts += [b"," if index else b"", before.encode(), prompt_json[index], after.encode()]
         usage = (f'{{"prompt_tokens":{prompt_tokens},"total_tokens":{prompt_tokens + completion_tokens},'
                  f'"completion_tokens":{completion_tokens},"prompt_tokens_details":null}}')
-        return (f'{{"id":"cmpl-{uuid.uuid4().hex}","object":"text_completion","created":{int(time.time())},'
-                f'"model":{json.dumps(self.model_id)},"choices":[{",".join(choices)}],"usage":{usage},'
-                f'"system_fingerprint":null}}')
+        head = (f'{{"id":"cmpl-{uuid.uuid4().hex}","object":"text_completion","created":{int(time.time())},'
+                f'"model":{json.dumps(self.model_id)},"choices":[')
+        return b"".join([head.encode(), *parts, f'],"usage":{usage},"system_fingerprint":null}}'.encode()])
 
     def _completion_logprobs(self, params, prompt, tensors, generated, gen_logprobs, as_id) -> str:
         """OpenAI's legacy `logprobs` object: tokens, token_logprobs, top_logprobs, text_offset; the
@@ -301,7 +311,7 @@ def add_routes(app: FastAPI, completions: Completions, callers: Callers, ready) 
             code = _STATUS_CODES.get(e.code.name, 500)
             return _error(ApiError(str(e), code=code, kind="ServiceUnavailableError" if code == 503 else
                                    "BadRequestError" if code < 500 else "InternalServerError"))
-        except BatchFailed as e:
+        except (BatchFailed, WriterFailed) as e:
             return _error(ApiError(f"the teacher could not serve this request: {e}", code=500,
                                    kind="InternalServerError"))
         return Response(text, media_type="application/json")
