@@ -93,7 +93,8 @@ class TeacherServer:
         self.completions = Completions(self.api_jobs, self.service.facts, getattr(runner, "tokenizer", None),
                                        model_id=config.model, max_seq_len=config.max_seq_len,
                                        max_batch_tokens=config.max_batch_tokens, max_logprobs=config.max_logprobs,
-                                       chunk_tokens=config.api_chunk_tokens, chunked_prompts=getattr(runner, "world", None) is None)
+                                       chunk_tokens=config.api_chunk_tokens,
+                                       chunked_prompts=getattr(runner, "world", None) is None)
         self.health = health.aio.HealthServicer()
         self._shutting_down = False
         self.grpc_port = 0
