@@ -378,7 +378,9 @@ def served(args, model_dir: Path, vocab: int, ks: list[int], shapes: list[tuple[
     with ServerProcess("--model", str(model_dir), "--max-logprobs", str(max(ks + [args.api_k])), "--max-seq-len",
                        str(max_len), "--max-batch-tokens", str(max_len), "--log-format", "json",
                        *(["--api-chunk-tokens", str(args.api_chunk_tokens)] if args.api_chunk_tokens >= 0 else []),
-                       log_path=workdir / "teacher.log", env=child_env()) as teacher:
+                       log_path=workdir / "teacher.log",
+                       env=child_env(**({"OMP_NUM_THREADS": str(args.teacher_threads)} if args.teacher_threads else {}))
+                       ) as teacher:
         teacher_url = f"http://127.0.0.1:{teacher.http_port}"
         if not args.skip_throughput:
             servers = {"teacher-server": teacher_url}
@@ -427,6 +429,9 @@ def main() -> None:
     parser.add_argument("--grpc-shape", default="4x256", help="the gRPC job's batches")
     parser.add_argument("--api-shape", default="1x4096", help="the API job's requests")
     parser.add_argument("--api-k", type=int, default=100)
+    parser.add_argument("--teacher-threads", type=int, default=0,
+                        help="the teacher's torch threads (OMP_NUM_THREADS; 0: torch's default, a thread per core). "
+                             "vLLM's CPU build gives its model one core of two and its API server the other")
     parser.add_argument("--api-chunk-tokens", type=int, default=-1,
                         help="the teacher's --api-chunk-tokens (default: the teacher's own default)")
     parser.add_argument("--batches", type=int, default=30, help="gRPC batches per phase per round")

@@ -180,6 +180,18 @@ def test_extensions_prompt_temperature_and_ids_scored_at_every_position(server, 
         for token in (i for i in ids if i >= 0):
             assert entries[token]["logprob"] == pytest.approx(reference[position, token].item(), abs=1e-5)
     assert {int(key) for key in logprobs[1]} == {sequence[1], *reference[0].topk(2).indices.tolist()}
+    # Two prompts, ids of different widths per prompt (the longer one in chunks).
+    per_prompt = [[[7, 12], [8, 13]], [[9, 10, 11]] * 4]
+    response = _post(server, {"prompt": SEQUENCES[1:], "max_tokens": 1, "prompt_logprobs": 0,
+                              "prompt_logprob_token_ids": per_prompt, "prompt_logprob_start": 1})
+    assert response.status_code == 200, response.text
+    for choice, prompt, rows in zip(response.json()["choices"], SEQUENCES[1:], per_prompt):
+        reference = _log_softmax(model, prompt)
+        for row, ids in enumerate(rows):
+            entries = {int(key): value for key, value in choice["prompt_logprobs"][row + 2].items()}
+            assert set(entries) == {prompt[row + 2], *ids}
+            for token in ids:
+                assert entries[token]["logprob"] == pytest.approx(reference[row + 1, token].item(), abs=1e-5)
 
 
 def _forwards(server) -> float:

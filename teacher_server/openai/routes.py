@@ -204,13 +204,14 @@ class Completions:
         if params.prompt_logprobs is not None:  # most of the response: written by the writer process
             for index, (prompt, tensors) in enumerate(zip(prompts, results)):
                 top, top_ids, own, rank = (t.numpy() for t in tensors[:4])
-                scored = scored_ids = None
-                if params.prompt_logprob_token_ids:  # by position: the request's row i is position start + i
-                    scored = tensors[4].numpy()
-                    start, rows = params.prompt_logprob_start, params.prompt_logprob_token_ids[index]
-                    scored_ids = np.full(scored.shape, -1, dtype=np.int64)
-                    scored_ids[start:start + len(rows)] = rows
-                prompt_json[index] = await self.writer.prompt_logprobs(prompt, top, top_ids, own, rank, scored,
+                scored_values = scored_ids = None
+                if scored:  # by position: the request's row i is position start + i; -1 pads
+                    scored_values = tensors[4].numpy()
+                    rows = np.asarray(scored[index], dtype=np.int64)
+                    scored_ids = np.full(scored_values.shape, -1, dtype=np.int64)
+                    start = params.prompt_logprob_start
+                    scored_ids[start:start + rows.shape[0], :rows.shape[1]] = rows
+                prompt_json[index] = await self.writer.prompt_logprobs(prompt, top, top_ids, own, rank, scored_values,
                                                                        scored_ids)
         return await asyncio.to_thread(self._response, params, results, generated, gen_logprobs, finish, prompt_json)
 
