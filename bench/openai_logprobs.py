@@ -5,7 +5,7 @@ requests do to another job's gRPC latency.
     python -m bench.openai_logprobs --skip-latency                                  # throughput only, no vLLM
 
 One tiny Llama with a realistic vocabulary (32,000 entries, a BPE tokenizer trained here; hidden
-256, 4 layers, float32, random weights), built into --workdir, served by both. Two tables:
+256, 4 layers, float32, random weights), built into --workdir, served by both. Four tables:
 
 1. Throughput: `POST /v1/completions` with token-id prompts (fresh random ids each request, so no
    cache or prefix cache serves one), `max_tokens` 1, `prompt_logprobs` k, timed from the request
@@ -16,13 +16,17 @@ One tiny Llama with a realistic vocabulary (32,000 entries, a BPE tokenizer trai
    ids (same weights: they should agree to ~1e-4), and whether the ids listed agree.
    vLLM is `vllm serve` (the CPU build, its own venv: --vllm) with --max-logprobs at the largest k,
    float32, prefix caching off, a batch-token budget as large as the teacher's; without --vllm
-   its column says "not run".
-2. Another job's latency (teacher-server only): a gRPC job (TeacherClient, top-64 log-probabilities)
-   submits one batch at a time; its batch latency p50/p99 alone, then while a second process
-   hammers `POST /v1/completions` as another job with the same prompts without
-   `prompt_logprobs` (the forwards only: the share of the model fair share gives it), then with
-   `prompt_logprobs` k (the forwards and the JSON of k entries per position). Phases are
-   cycled --rounds times and pooled. Goal: p99 with the API job <= 1.5x alone.
+   its column says "not run". The teacher runs with torch's threads (--teacher-threads to set).
+2. Another job's latency (teacher-server only): a gRPC job (TeacherClient, top-64 log-probabilities,
+   --grpc-weight) submits one batch at a time, --grpc-think-s apart (a student's step; 0: back to
+   back, a job that would take the whole teacher); its batch latency p50/p99 alone, then while a
+   second process hammers `POST /v1/completions` as another job (weight 1) with the same prompts
+   without `prompt_logprobs` (the forwards only), then with `prompt_logprobs` k (the forwards,
+   the derive and the JSON of k entries per position). Phases are cycled --rounds times and
+   pooled. Goal: p99 with the API job <= 1.5x alone.
+3. The JSON writers alone, in this process: the straightforward one against the server's.
+4. The derive of the API's log-probabilities alone, in this process: a CPU's row chunks against
+   a GPU's.
 """
 
 from __future__ import annotations
@@ -370,6 +374,41 @@ def writers(model_dir: Path, vocab: int, length: int, ks: list[int], repeats: in
     return lines
 
 
+# ---- 4. the derive, alone -------------------------------------------------------------------------------
+
+def derives(vocab: int, length: int, ks: list[int], repeats: int) -> list[str]:
+    """Seconds of `CompletionLogprobs.derive` (log-softmax, top-k, each position's own log-probability
+    and rank) over [1, length, vocab] float32 logits, in this process, with the row chunks a CPU
+    running torch on one thread gets (`rows_per_chunk`) against chunks of 256 MiB, on this
+    process's torch threads (--derive-threads)."""
+    from types import SimpleNamespace
+
+    from distill_common.outputs import logprobs
+    from teacher_server.openai.outputs import CompletionLogprobs
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, length, vocab, generator=generator) * 3
+    ids = torch.randint(0, vocab, (1, length), generator=generator)
+    batch = SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids), data={})
+    cpu_chunk, gpu_chunk = logprobs._CPU_CHUNK_BYTES, logprobs._LOGPROB_CHUNK_BYTES
+    lines = [f"| k | {length} x {vocab:,} logits: {gpu_chunk >> 20} MiB chunks s | {cpu_chunk >> 20} MiB chunks s |",
+             "|---|---|---|"]
+    for k in ks:
+        kind = CompletionLogprobs(prompt_k=k, last=True)
+        seconds = {}
+        try:
+            for _ in range(repeats):
+                for chunk in (gpu_chunk, cpu_chunk):
+                    logprobs._CPU_CHUNK_BYTES = logprobs._LOGPROB_CHUNK_BYTES = chunk
+                    start = time.perf_counter()
+                    kind.derive(SimpleNamespace(logits=logits), batch, torch.float32)
+                    seconds.setdefault(chunk, []).append(time.perf_counter() - start)
+        finally:
+            logprobs._CPU_CHUNK_BYTES, logprobs._LOGPROB_CHUNK_BYTES = cpu_chunk, gpu_chunk
+        lines.append(f"| {k} | " + " | ".join(f"{statistics.median(v):.3f}" for v in seconds.values()) + " |")
+    return lines
+
+
 def served(args, model_dir: Path, vocab: int, ks: list[int], shapes: list[tuple[int, int]],
            max_len: int) -> tuple[list[str], dict]:
     """Tables 1 and 2: the servers started, measured, stopped."""
@@ -426,6 +465,8 @@ def main() -> None:
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-writers", action="store_true")
+    parser.add_argument("--skip-derive", action="store_true")
+    parser.add_argument("--derive-threads", default="1,2", help="torch threads of the derive table, a comma list")
     parser.add_argument("--grpc-shape", default="4x256", help="the gRPC job's batches")
     parser.add_argument("--api-shape", default="1x4096", help="the API job's requests")
     parser.add_argument("--api-k", type=int, default=100)
@@ -456,6 +497,12 @@ def main() -> None:
     if not args.skip_writers:
         lines += [f"The JSON writer alone, in this process, median of {args.repeats}:", "",
                   *writers(model_dir, vocab, max(length for _, length in shapes), ks, args.repeats), ""]
+    if not args.skip_derive:
+        for threads in (int(t) for t in args.derive_threads.split(",")):
+            torch.set_num_threads(threads)
+            lines += [f"The derive of the API's log-probabilities alone, in this process ({threads} torch "
+                      f"thread{'s' if threads > 1 else ''}), median of {args.repeats}:", "",
+                      *derives(vocab, max(length for _, length in shapes), ks, args.repeats), ""]
     end_load = os.getloadavg()
     lines.append(f"Load average (1 min) at start {load[0]:.2f}, at end {end_load[0]:.2f}; {os.cpu_count()} CPUs.")
     emit(lines, args.out, figures)

@@ -64,6 +64,12 @@ class _Job:
     sessions: int = 0
     # Weighted tokens scheduled for the job (tokens / share): the least-served job goes first.
     virtual_tokens: float = 0.0
+    # What its last planned batch added to `virtual_tokens`: the clock less this is where that
+    # batch started, the virtual time a job that wakes while it is served starts from.
+    last_charge: float = 0.0
+    # When its clock last advanced (the scheduler's count of planned batches): of jobs whose clocks
+    # are equal, the one served longest ago goes first, so that equal jobs take turns.
+    charged_at: int = 0
     # The job's sessions over every replica of a pool (JoinRequest.job_size); 0: unknown.
     size: int = 0
 
@@ -118,6 +124,7 @@ class Scheduler:
         self.max_sessions = max_sessions
         self.held_bytes_limit = held_bytes_limit  # 0: outputs held are bounded by max_inflight only
         self._jobs: dict[str, _Job] = {}
+        self._planned = 0  # batches planned so far: the jobs' `charged_at`
         self._queues: dict[str, _Queue] = {}  # by session_id, in admission order
         # Sessions removed while their outputs were held: counted until each is released (`sent`).
         self._ended: dict[str, _Queue] = {}
@@ -239,17 +246,21 @@ class Scheduler:
         return sum(len(q.pending) for q in self._queues.values())
 
     def _wake_job(self, job_id: str) -> None:
-        """A job with nothing outstanding that submits again starts no further back than
-        the busy jobs: time spent idle is not credit for a burst later."""
-        busy_clocks = []
+        """A job with nothing outstanding that submits again starts no further back than where
+        the busy jobs' last planned batches started (start-time fair queueing): time spent idle
+        is not credit for a burst later, and a job that sends one batch at a time, behind the
+        busy ones, goes before their next batches, waiting for what is being served rather than
+        for another turn of theirs (within one batch of theirs)."""
+        busy_starts = []
         for q in self._queues.values():
             if q.outstanding:
                 if q.session.job_id == job_id:
                     return  # still busy: its clock runs on
-                busy_clocks.append(self._jobs[q.session.job_id].virtual_tokens)
-        if busy_clocks:
+                busy = self._jobs[q.session.job_id]
+                busy_starts.append(busy.virtual_tokens - busy.last_charge)
+        if busy_starts:
             job = self._jobs[job_id]
-            job.virtual_tokens = max(job.virtual_tokens, min(busy_clocks))
+            job.virtual_tokens = max(job.virtual_tokens, min(busy_starts))
 
     def plan(self, lookup: Callable[[object, object], object] = _no_cache) -> list[Planned]:
         """The next forward's batches, taken off their queues (empty: nothing can run now).
@@ -278,7 +289,8 @@ class Scheduler:
         closed = False  # an `alone` batch is in this forward: no other computed one joins it
         candidates = [q for q in self._queues.values() if q.ready and q.pending]
         while candidates:
-            candidates.sort(key=lambda q: (self._jobs[q.session.job_id].virtual_tokens, q.virtual_tokens))
+            candidates.sort(key=lambda q: (self._jobs[q.session.job_id].virtual_tokens,
+                                           self._jobs[q.session.job_id].charged_at, q.virtual_tokens))
             queue = candidates[0]
             session = queue.session
             index = taken.get(session.session_id, 0)
@@ -315,7 +327,10 @@ class Scheduler:
             job_held[session.job_id] += batch.output_bytes
             pool += batch.output_bytes if where == POOL else 0
             job = self._jobs[session.job_id]
-            job.virtual_tokens += batch.tokens / job.share
+            job.last_charge = batch.tokens / job.share
+            job.virtual_tokens += job.last_charge
+            self._planned += 1
+            job.charged_at = self._planned
             queue.virtual_tokens += batch.tokens
         for planned, where in zip(plan, held_in):
             queue = self._queues[planned.session.session_id]

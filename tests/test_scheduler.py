@@ -153,7 +153,9 @@ def test_a_job_idle_for_a_while_comes_back_at_the_busy_jobs_clock():
 
 def test_a_job_still_busy_keeps_its_clock_when_it_submits_again():
     # One batch per forward. job-a's first batch stays unsent while job-b gets ten
-    # forwards: job-a was busy all along, behind rather than idle, so it gets the next ten.
+    # forwards: job-a was busy all along, behind rather than idle, so it gets the next ones
+    # until it is level. (job-b, waking while job-a's first batch was served, started where
+    # that batch started: job-a is nine behind, and at the tie job-b, served longest ago, goes.)
     scheduler = Scheduler(max_batch_tokens=ROWS * SEQ, max_sessions=8)
     b, a = joined(scheduler, FakeSession("b", "job-b"), FakeSession("a", "job-a", max_inflight=1))
     scheduler.submit(a, batch())
@@ -163,7 +165,7 @@ def test_a_job_still_busy_keeps_its_clock_when_it_submits_again():
     scheduler.submit(a, batch())  # while its first batch is still being sent
     scheduler.sent(a)
     plans = forwards(scheduler, [a, b], 10)
-    assert [[p.session.session_id for p in plan] for plan in plans] == [["a"]] * 10
+    assert [[p.session.session_id for p in plan] for plan in plans] == [["a"]] * 9 + [["b"]]
 
 
 # ---- no starvation ---------------------------------------------------------------------
@@ -202,6 +204,27 @@ def test_a_batch_larger_than_the_budget_runs_alone_and_is_not_starved_by_small_o
     with_large = [plan for plan in plans if any(p.session is large for p in plan)]
     assert len(with_large) == 4
     assert all(len(plan) == 1 for plan in with_large), "a batch over the budget shares its forward"
+
+
+def test_a_job_that_sends_one_batch_at_a_time_waits_for_the_batch_being_served_not_another_turn():
+    # A busy job of one-batch forwards (the HTTP API's chunks), and a job that submits one batch
+    # now and then (a student between its steps): its batch goes next, and over a long run the
+    # shares stay fair (it asks for less than its share, so it gets all it asks).
+    scheduler = Scheduler(max_batch_tokens=64 * ROWS * SEQ, max_sessions=8)
+    api, student = joined(scheduler, FakeSession("api", "job-api", max_inflight=2), FakeSession("s", "job-s"))
+    waits = []
+    for step in range(200):
+        while scheduler.queued(api) < 2:
+            scheduler.submit(api, FakeBatch(f"api-{next(_keys)}".encode(), 1, 2 * SEQ, alone=True))
+        if step % 3 == 0:
+            scheduler.submit(student, batch(rows=4, seq_len=SEQ))
+            submitted = step
+        plan = scheduler.plan()
+        if any(p.session is student for p in plan):
+            waits.append(step - submitted)
+        for planned in plan:
+            scheduler.sent(planned.session)
+    assert len(waits) > 60 and max(waits[1:]) == 0, waits  # planned in the next forward (the first: level)
 
 
 def test_batches_marked_alone_share_no_forward_and_alternate_with_other_jobs_by_share():

@@ -37,15 +37,20 @@ def _logprobs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float) ->
 
 
 _LOGPROB_CHUNK_BYTES = 256 << 20
-# On a CPU, chunks that stay in its caches: the several passes over a chunk (log-sum-exp, top-k,
-# ranks) then read memory once. Measured on 2 cores (a [4096, 32,000] float32 derive of the
-# HTTP API's log-probabilities, k = 20): 256 MiB chunks 7.2 s, 16 MiB 2.5 s, 4 MiB 1.5 s.
+# On a CPU running torch on one thread, chunks that stay in its caches: the several passes over a
+# chunk (log-sum-exp, top-k, ranks) then read memory once. Measured on 2 cores (a [4096, 32,000]
+# float32 derive of the HTTP API's log-probabilities, k = 20, bench/openai_logprobs.py's fourth
+# table): one thread, 256 MiB chunks 1.81 s, 4 MiB 0.60 s; two threads 1.84 s and 1.83 s, and
+# under load small chunks were slower there (each op's threads then split a small chunk and wait
+# on each other), so with several threads chunks stay large.
 _CPU_CHUNK_BYTES = 4 << 20
 
 
 def rows_per_chunk(vocab: int, device: torch.device, element_bytes: int = 4) -> int:
     """Rows of `vocab` entries of `element_bytes` per chunk of a pass over logits on `device`."""
-    limit = _LOGPROB_CHUNK_BYTES if device.type != "cpu" else min(_LOGPROB_CHUNK_BYTES, _CPU_CHUNK_BYTES)
+    limit = _LOGPROB_CHUNK_BYTES
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        limit = min(limit, _CPU_CHUNK_BYTES)
     return max(1, limit // (element_bytes * vocab))
 
 
