@@ -5,7 +5,7 @@ requests do to another job's gRPC latency.
     python -m bench.openai_logprobs --skip-latency                                  # throughput only, no vLLM
 
 One tiny Llama with a realistic vocabulary (32,000 entries, a BPE tokenizer trained here; hidden
-256, 4 layers, float32, random weights), built into --workdir, served by both. Two tables:
+256, 4 layers, float32, random weights), built into --workdir, served by both. Four tables:
 
 1. Throughput: `POST /v1/completions` with token-id prompts (fresh random ids each request, so no
    cache or prefix cache serves one), `max_tokens` 1, `prompt_logprobs` k, timed from the request
@@ -16,13 +16,17 @@ One tiny Llama with a realistic vocabulary (32,000 entries, a BPE tokenizer trai
    ids (same weights: they should agree to ~1e-4), and whether the ids listed agree.
    vLLM is `vllm serve` (the CPU build, its own venv: --vllm) with --max-logprobs at the largest k,
    float32, prefix caching off, a batch-token budget as large as the teacher's; without --vllm
-   its column says "not run".
-2. Another job's latency (teacher-server only): a gRPC job (TeacherClient, top-64 log-probabilities)
-   submits one batch at a time; its batch latency p50/p99 alone, then while a second process
-   hammers `POST /v1/completions` as another job with the same prompts without
-   `prompt_logprobs` (the forwards only: the share of the model fair share gives it), then with
-   `prompt_logprobs` k (the forwards and the JSON of k entries per position). Phases are
-   cycled --rounds times and pooled. Goal: p99 with the API job <= 1.5x alone.
+   its column says "not run". The teacher runs with torch's threads (--teacher-threads to set).
+2. Another job's latency (teacher-server only): a gRPC job (TeacherClient, top-64 log-probabilities,
+   --grpc-weight) submits one batch at a time, --grpc-think-s apart (a student's step; 0: back to
+   back, a job that would take the whole teacher); its batch latency p50/p99 alone, then while a
+   second process hammers `POST /v1/completions` as another job (weight 1) with the same prompts
+   without `prompt_logprobs` (the forwards only), then with `prompt_logprobs` k (the forwards,
+   the derive and the JSON of k entries per position). Phases are cycled --rounds times and
+   pooled. Goal: p99 with the API job <= 1.5x alone.
+3. The JSON writers alone, in this process: the straightforward one against the server's.
+4. The derive of the API's log-probabilities alone, in this process: a CPU's row chunks against
+   a GPU's.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ import torch
 
 from bench.table import emit
 from teacher_server.launcher import ServerProcess, child_env, stop_process
-from teacher_server.openai.protocol import LOGPROB_FLOOR, TokenText, prompt_logprobs_json
+from teacher_server.openai.protocol import TokenText, prompt_logprobs_json, write_prompt_logprobs
 
 VOCAB = 32000
 MODEL_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -257,7 +261,10 @@ def _hammer(url: str, model: str, rows: int, length: int, vocab: int, k: int | N
                 done.value += 1
 
 
-def _grpc_latencies(teacher, batches: int, rows: int, length: int, vocab: int, seed: int) -> list[float]:
+def _grpc_latencies(teacher, batches: int, rows: int, length: int, vocab: int, seed: int,
+                    think_s: float = 0.0) -> list[float]:
+    """Seconds from submitting each batch to its outputs, one batch at a time, `think_s` between
+    them (a student's training step: 0 submits back to back, a job that wants the whole teacher)."""
     generator = torch.Generator().manual_seed(seed)
     latencies = []
     for _ in range(batches):
@@ -265,6 +272,7 @@ def _grpc_latencies(teacher, batches: int, rows: int, length: int, vocab: int, s
         start = time.perf_counter()
         teacher.submit(ids).result(timeout=HTTP_TIMEOUT_S)
         latencies.append(time.perf_counter() - start)
+        time.sleep(think_s)
     return latencies
 
 
@@ -274,7 +282,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def latency(server: ServerProcess, model: str, vocab: int, grpc_shape: tuple[int, int],
-            http_shape: tuple[int, int], k: int, batches: int, rounds: int) -> tuple[list[str], dict]:
+            http_shape: tuple[int, int], k: int, batches: int, rounds: int, think_s: float = 0.0,
+            weight: float = 1.0) -> tuple[list[str], dict]:
     from distill_common.outputs import TopK
     from student_trainer import TeacherClient
 
@@ -284,7 +293,8 @@ def latency(server: ServerProcess, model: str, vocab: int, grpc_shape: tuple[int
     requests_done: dict[str, int] = {name: 0 for name in phases}
     spent: dict[str, float] = {name: 0.0 for name in phases}
     context = multiprocessing.get_context("spawn")
-    with TeacherClient(server.address, "cpu", outputs=(TopK(64),), job_id="grpc-job", join_timeout_s=120) as teacher:
+    with TeacherClient(server.address, "cpu", outputs=(TopK(64),), job_id="grpc-job", join_timeout_s=120,
+                       weight=weight) as teacher:
         _grpc_latencies(teacher, 3, *grpc_shape, vocab, seed=0)  # warm-up: session, group, first forwards
         seed = 1
         for _ in range(rounds):
@@ -302,7 +312,7 @@ def latency(server: ServerProcess, model: str, vocab: int, grpc_shape: tuple[int
                         time.sleep(0.05)
                     start_done = done.value
                 start = time.perf_counter()
-                results[name] += _grpc_latencies(teacher, batches, *grpc_shape, vocab, seed)
+                results[name] += _grpc_latencies(teacher, batches, *grpc_shape, vocab, seed, think_s)
                 spent[name] += time.perf_counter() - start
                 seed += 1
                 if hammer is not None:
@@ -325,68 +335,17 @@ def latency(server: ServerProcess, model: str, vocab: int, grpc_shape: tuple[int
 
 # ---- 3. the JSON writer, alone -----------------------------------------------------------------------
 
-def _write_fewer_steps(ids, top, top_ids, own, rank, text) -> str:
-    """Candidate: the server's text with less Python per entry (the floor and the search for the
-    prompt token among the top k on whole tensors; each entry one f-string of strings made once)."""
-    positions = len(ids) - 1
-    k = top.shape[-1]
-    floor = torch.tensor(LOGPROB_FLOOR, dtype=top.dtype)
-    nxt = torch.tensor(ids[1:], dtype=torch.int64)
-    repeated = top_ids[:positions] == nxt[:, None]
-    repeated_at = torch.where(repeated.any(1), repeated.int().argmax(1), -1).tolist()
-    values = torch.where(top[:positions] > floor, top[:positions], floor).tolist()
-    own_values = torch.where(own[:positions] > floor, own[:positions], floor).tolist()
-    top_ids, rank = top_ids[:positions].tolist(), rank[:positions].tolist()
-    heads, tails = zip(*text.entries())
-    ranks = [f',"rank":{index + 1}' for index in range(k)]
-    parts = ["[null"]
-    for p in range(positions):
-        token = ids[p + 1]
-        items = [f'{heads[token]}{own_values[p]},"rank":{rank[p]}{tails[token]}']
-        items += [f"{heads[other]}{value}{rank_text}{tails[other]}"
-                  for value, other, rank_text in zip(values[p], top_ids[p], ranks)]
-        if repeated_at[p] >= 0:
-            del items[repeated_at[p] + 1]
-        parts.append("{" + ",".join(items) + "}")
-    return ",".join(parts) + "]"
-
-
-def _write_numpy(ids, top, top_ids, own, rank, text, arrays) -> str:
-    """Candidate: every [positions, 1 + k] entry at once with numpy's string ufuncs (its shortest
-    float text is Python's repr); Python only in the final join."""
-    import numpy as np
-
-    positions = len(ids) - 1
-    string = np.dtypes.StringDType()
-    heads, tails = arrays
-    nxt = np.asarray(ids[1:], dtype=np.int64)
-    top_ids = top_ids[:positions].numpy()
-    every_id = np.concatenate([nxt[:, None], top_ids], axis=1)
-    values = np.concatenate([own[:positions, None].numpy(), top[:positions].numpy()], axis=1).astype(np.float64)
-    values = np.where(values > LOGPROB_FLOOR, values, LOGPROB_FLOOR)
-    ranks = np.concatenate([rank[:positions, None].numpy(),
-                            np.broadcast_to(np.arange(1, top_ids.shape[1] + 1), top_ids.shape)], axis=1)
-    before = np.full(every_id.shape, ",", dtype=string)
-    before[:, 0] = "},{"
-    before[0, 0] = "{"
-    entry = np.strings.add(np.strings.add(before, heads[every_id]), values.astype(string))
-    entry = np.strings.add(np.strings.add(entry, np.strings.add(',"rank":', ranks.astype(string))), tails[every_id])
-    entry[:, 1:][top_ids == nxt[:, None]] = ""
-    return "[null," + "".join(entry.ravel().tolist()) + "}]"
-
-
 def writers(model_dir: Path, vocab: int, length: int, ks: list[int], repeats: int) -> list[str]:
     """Seconds to write one prompt's `prompt_logprobs` from the derived tensors (a real
-    log_softmax of random logits), by the server's writer (its `.tolist()`s included, as
-    `_response` does them) and the candidates; each candidate's text checked equal to the server's."""
-    import numpy as np
+    log_softmax of random logits): the straightforward writer (an f-string per entry, from
+    `.tolist()`s) against the server's (`write_prompt_logprobs`, from the arrays), their texts
+    checked equal."""
     from transformers import PreTrainedTokenizerFast
 
     text = TokenText(PreTrainedTokenizerFast.from_pretrained(model_dir), vocab)
-    heads, tails = zip(*text.entries())
-    arrays = (np.array(heads, dtype=np.dtypes.StringDType()), np.array(tails, dtype=np.dtypes.StringDType()))
+    text.arrays()  # made once per teacher, at its first request
     generator = torch.Generator().manual_seed(0)
-    lines = [f"| k | {length}-token prompt: server's writer s | fewer Python steps s | numpy string ufuncs s | MB |",
+    lines = [f"| k | {length}-token prompt: straightforward writer s | server's writer s | speed-up | MB |",
              "|---|---|---|---|---|"]
     for k in ks:
         logprobs = torch.randn(length, vocab, generator=generator).log_softmax(-1)
@@ -397,21 +356,56 @@ def writers(model_dir: Path, vocab: int, length: int, ks: list[int], repeats: in
         own = logprobs.gather(1, nxt[:, None])[:, 0]
         rank = (logprobs >= own[:, None]).sum(1)
         candidates = {
-            "server": lambda: prompt_logprobs_json(ids, top.tolist(), top_ids.tolist(), own.tolist(), rank.tolist(),
-                                                   None, None, text),
-            "fewer": lambda: _write_fewer_steps(ids, top, top_ids, own, rank, text),
-            "numpy": lambda: _write_numpy(ids, top, top_ids, own, rank, text, arrays)}
+            "straightforward": lambda: prompt_logprobs_json(ids, top.tolist(), top_ids.tolist(), own.tolist(),
+                                                            rank.tolist(), None, None, text),
+            "server": lambda: write_prompt_logprobs(ids, top.numpy(), top_ids.numpy(), own.numpy(), rank.numpy(),
+                                                    None, None, text)}
         seconds, texts = {}, {}
         for _ in range(repeats):
             for name, write in candidates.items():
                 start = time.perf_counter()
                 texts[name] = write()
                 seconds.setdefault(name, []).append(time.perf_counter() - start)
-        for name in ("fewer", "numpy"):
-            if texts[name] != texts["server"]:
-                raise AssertionError(f"the {name} writer's text differs from the server's")
-        lines.append(f"| {k} | " + " | ".join(f"{statistics.median(seconds[name]):.3f}" for name in candidates) +
-                     f" | {len(texts['server']) / 1e6:.1f} |")
+        if texts["server"] != texts["straightforward"]:
+            raise AssertionError("the server's writer's text differs from the straightforward one's")
+        medians = {name: statistics.median(values) for name, values in seconds.items()}
+        lines.append(f"| {k} | {medians['straightforward']:.3f} | {medians['server']:.3f} | "
+                     f"{medians['straightforward'] / medians['server']:.1f}x | {len(texts['server']) / 1e6:.1f} |")
+    return lines
+
+
+# ---- 4. the derive, alone -------------------------------------------------------------------------------
+
+def derives(vocab: int, length: int, ks: list[int], repeats: int) -> list[str]:
+    """Seconds of `CompletionLogprobs.derive` (log-softmax, top-k, each position's own log-probability
+    and rank) over [1, length, vocab] float32 logits, in this process, with the row chunks a CPU
+    running torch on one thread gets (`rows_per_chunk`) against chunks of 256 MiB, on this
+    process's torch threads (--derive-threads)."""
+    from types import SimpleNamespace
+
+    from distill_common.outputs import logprobs
+    from teacher_server.openai.outputs import CompletionLogprobs
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, length, vocab, generator=generator) * 3
+    ids = torch.randint(0, vocab, (1, length), generator=generator)
+    batch = SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids), data={})
+    cpu_chunk, gpu_chunk = logprobs._CPU_CHUNK_BYTES, logprobs._LOGPROB_CHUNK_BYTES
+    lines = [f"| k | {length} x {vocab:,} logits: {gpu_chunk >> 20} MiB chunks s | {cpu_chunk >> 20} MiB chunks s |",
+             "|---|---|---|"]
+    for k in ks:
+        kind = CompletionLogprobs(prompt_k=k, last=True)
+        seconds = {}
+        try:
+            for _ in range(repeats):
+                for chunk in (gpu_chunk, cpu_chunk):
+                    logprobs._CPU_CHUNK_BYTES = logprobs._LOGPROB_CHUNK_BYTES = chunk
+                    start = time.perf_counter()
+                    kind.derive(SimpleNamespace(logits=logits), batch, torch.float32)
+                    seconds.setdefault(chunk, []).append(time.perf_counter() - start)
+        finally:
+            logprobs._CPU_CHUNK_BYTES, logprobs._LOGPROB_CHUNK_BYTES = cpu_chunk, gpu_chunk
+        lines.append(f"| {k} | " + " | ".join(f"{statistics.median(v):.3f}" for v in seconds.values()) + " |")
     return lines
 
 
@@ -422,10 +416,10 @@ def served(args, model_dir: Path, vocab: int, ks: list[int], shapes: list[tuple[
     workdir = Path(args.workdir)
     with ServerProcess("--model", str(model_dir), "--max-logprobs", str(max(ks + [args.api_k])), "--max-seq-len",
                        str(max_len), "--max-batch-tokens", str(max_len), "--log-format", "json",
-                       # The send deadline covers a whole answer, and 4096 x 100 entries are ~30 MB
-                       # through a 16 KiB socket buffer: past the default 10 s on a loaded machine.
-                       "--http-send-timeout-s", str(HTTP_TIMEOUT_S),
-                       log_path=workdir / "teacher.log", env=child_env()) as teacher:
+                       *(["--api-chunk-tokens", str(args.api_chunk_tokens)] if args.api_chunk_tokens >= 0 else []),
+                       log_path=workdir / "teacher.log",
+                       env=child_env(**({"OMP_NUM_THREADS": str(args.teacher_threads)} if args.teacher_threads else {}))
+                       ) as teacher:
         teacher_url = f"http://127.0.0.1:{teacher.http_port}"
         if not args.skip_throughput:
             servers = {"teacher-server": teacher_url}
@@ -449,12 +443,13 @@ def served(args, model_dir: Path, vocab: int, ks: list[int], shapes: list[tuple[
                       *([] if args.vllm else ["vLLM: not run (no --vllm)", ""]), *check, ""]
         if not args.skip_latency:
             table, figures_2 = latency(teacher, _model_id(teacher_url), vocab, _shape(args.grpc_shape),
-                                       _shape(args.api_shape), args.api_k, args.batches, args.rounds)
+                                       _shape(args.api_shape), args.api_k, args.batches, args.rounds,
+                                       args.grpc_think_s, args.grpc_weight)
             figures.update(figures_2)
             lines += [f"A gRPC job's batch latency ({args.grpc_shape} tokens, top-64 log-probabilities, one batch at "
-                      f"a time) while another job sends `POST /v1/completions` of {args.api_shape} tokens back to "
-                      f"back from another process, {args.rounds} rounds x {args.batches} batches per phase:", "",
-                      *table, ""]
+                      f"a time, {args.grpc_think_s:g} s between batches, weight {args.grpc_weight:g}) while another "
+                      f"job (weight 1) sends `POST /v1/completions` of {args.api_shape} tokens back to back from "
+                      f"another process, {args.rounds} rounds x {args.batches} batches per phase:", "", *table, ""]
     return lines, figures
 
 
@@ -470,10 +465,20 @@ def main() -> None:
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-writers", action="store_true")
+    parser.add_argument("--skip-derive", action="store_true")
+    parser.add_argument("--derive-threads", default="1,2", help="torch threads of the derive table, a comma list")
     parser.add_argument("--grpc-shape", default="4x256", help="the gRPC job's batches")
     parser.add_argument("--api-shape", default="1x4096", help="the API job's requests")
     parser.add_argument("--api-k", type=int, default=100)
+    parser.add_argument("--teacher-threads", type=int, default=0,
+                        help="the teacher's torch threads (OMP_NUM_THREADS; 0: torch's default, a thread per core). "
+                             "vLLM's CPU build gives its model one core of two and its API server the other")
+    parser.add_argument("--api-chunk-tokens", type=int, default=-1,
+                        help="the teacher's --api-chunk-tokens (default: the teacher's own default)")
     parser.add_argument("--batches", type=int, default=30, help="gRPC batches per phase per round")
+    parser.add_argument("--grpc-think-s", type=float, default=0.0,
+                        help="the gRPC job's pause between batches (its student's step; 0: back to back)")
+    parser.add_argument("--grpc-weight", type=float, default=1.0, help="the gRPC job's weight")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--vllm-startup-timeout-s", type=float, default=900.0)
     parser.add_argument("--out", default="")
@@ -492,6 +497,12 @@ def main() -> None:
     if not args.skip_writers:
         lines += [f"The JSON writer alone, in this process, median of {args.repeats}:", "",
                   *writers(model_dir, vocab, max(length for _, length in shapes), ks, args.repeats), ""]
+    if not args.skip_derive:
+        for threads in (int(t) for t in args.derive_threads.split(",")):
+            torch.set_num_threads(threads)
+            lines += [f"The derive of the API's log-probabilities alone, in this process ({threads} torch "
+                      f"thread{'s' if threads > 1 else ''}), median of {args.repeats}:", "",
+                      *derives(vocab, max(length for _, length in shapes), ks, args.repeats), ""]
     end_load = os.getloadavg()
     lines.append(f"Load average (1 min) at start {load[0]:.2f}, at end {end_load[0]:.2f}; {os.cpu_count()} CPUs.")
     emit(lines, args.out, figures)

@@ -92,7 +92,9 @@ class TeacherServer:
         self.api_jobs = ApiJobs(self.engine, max_inflight=config.max_inflight, timeout_s=config.transfer_timeout_s)
         self.completions = Completions(self.api_jobs, self.service.facts, getattr(runner, "tokenizer", None),
                                        model_id=config.model, max_seq_len=config.max_seq_len,
-                                       max_batch_tokens=config.max_batch_tokens, max_logprobs=config.max_logprobs)
+                                       max_batch_tokens=config.max_batch_tokens, max_logprobs=config.max_logprobs,
+                                       chunk_tokens=config.api_chunk_tokens,
+                                       chunked_prompts=getattr(runner, "world", None) is None)
         self.health = health.aio.HealthServicer()
         self._shutting_down = False
         self.grpc_port = 0
@@ -137,7 +139,8 @@ class TeacherServer:
         # and a flood holds at most cap + backlog descriptors.
         protocol = functools.partial(GuardedH11Protocol,
                                      connections=HttpConnections(c.http_max_connections, c.http_header_timeout_s,
-                                                                 c.http_send_timeout_s, c.http_body_limit))
+                                                                 c.http_send_timeout_s, c.http_body_limit,
+                                                                 c.http_min_send_bytes_per_s))
         http = uvicorn.Server(uvicorn.Config(create_app(self.engine, self.metrics, self.ready, c.auth_token, self.completions, self.callers), host=c.host,
                                              port=c.http_port, log_level="warning", lifespan="off", http=protocol,
                                              backlog=max(8, c.http_max_connections // 4),
@@ -188,4 +191,5 @@ class TeacherServer:
         self.service.joining.work.close()
         http.should_exit = True
         await http_task
+        await self.completions.close()
         log.info("teacher stopped")

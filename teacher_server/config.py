@@ -161,11 +161,16 @@ class ServerConfig(ServerLimits):
     http_header_timeout_s: float = field(default=10.0, metadata=_help(
         "close a HTTP connection that has not sent a whole request (headers and body) within this long of "
         "opening (or of its previous response)"))
-    # The teacher's socket buffer full and its answer waiting: without a deadline a peer that
+    # The teacher's socket buffer full and its answer waiting: without a bound a peer that
     # pipelines requests and never reads holds a connection (and a request in progress) for good.
     http_send_timeout_s: float = field(default=10.0, metadata=_help(
-        "close a HTTP connection whose answers have waited this long for the peer to take them (the socket's "
-        "buffers full: a peer that sends requests and reads no answer)"))
+        "close a HTTP connection whose peer has taken nothing of the answers waiting for it for this long (the "
+        "socket's buffers full: a peer that sends requests and reads no answer); a peer that reads steadily is "
+        "not cut, however long the answer takes"))
+    http_min_send_bytes_per_s: ByteCount = field(default=ByteCount(64 << 10), metadata={"metavar": "BYTES", "help": (
+        "close a HTTP connection whose peer, --http-send-timeout-s into a wait for it to take the answers, has taken "
+        "less than this many bytes per second of the wait (a peer that reads a byte now and then): an answer of N "
+        "bytes is waited for at most --http-send-timeout-s + N / this")})
     # Only POST /v1/completions reads a body: its prompts, at most a batch of ids written as JSON.
     http_max_body_bytes: int = field(default=0, metadata=_help(
         "largest HTTP request body accepted (413 beyond; 0: what POST /v1/completions needs for "
@@ -173,6 +178,11 @@ class ServerConfig(ServerLimits):
     max_logprobs: int = field(default=256, metadata=_help(
         "largest `logprobs` and `prompt_logprobs` POST /v1/completions serves (vLLM's --max-logprobs, 20 "
         "there): each is a JSON entry per position, most of a response's size and time"))
+    api_chunk_tokens: int = field(default=512, metadata=_help(
+        "POST /v1/completions runs in forwards of at most this many tokens, each a forward of its own: a request's "
+        "prompts grouped up to it, a longer prompt a chunk at a time on the model's KV cache (on one process; under "
+        "tensor parallelism it runs whole). Another job's batch then waits for one such forward at most, not a whole "
+        "request (0: up to --max-batch-tokens, a prompt whole)"))
     # Part of every request's size bound (--max-request-bytes), which a caller can fill before its token is checked.
     max_score_ids: int = field(default=8, metadata=_help(
         "most ids per position a session may have scored (OutputSpec.score_ids): each request carries up to "
@@ -276,11 +286,14 @@ class ServerConfig(ServerLimits):
                 raise ConfigError(f"{flag(name)} {getattr(self, name)} must be >= 0 (0: derived from the other limits)")
         if self.http_max_connections < 1:
             raise ConfigError(f"--http-max-connections {self.http_max_connections} must be >= 1")
-        for name in ("http_header_timeout_s", "http_send_timeout_s", "request_timeout_s", "grpc_idle_timeout_s"):
+        for name in ("http_header_timeout_s", "http_send_timeout_s", "request_timeout_s", "grpc_idle_timeout_s",
+                     "http_min_send_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{flag(name)} {getattr(self, name)} must be > 0")
         if self.http_max_body_bytes < 0 or self.grpc_max_streams_per_connection < 1:
             raise ConfigError("--http-max-body-bytes must be >= 0 and --grpc-max-streams-per-connection >= 1")
+        if self.api_chunk_tokens < 0:
+            raise ConfigError(f"--api-chunk-tokens {self.api_chunk_tokens} must be >= 0 (0: up to --max-batch-tokens)")
         if self.max_logprobs < 0:
             raise ConfigError(f"--max-logprobs {self.max_logprobs} must be >= 0")
         if self.max_topk < 0:

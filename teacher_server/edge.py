@@ -404,32 +404,74 @@ class HttpConnections:
     """The open connections of one HTTP server, and those a new one may displace, oldest first."""
 
     def __init__(self, max_connections: int, header_timeout_s: float, send_timeout_s: float,
-                 max_body_bytes: int = 1024):
+                 max_body_bytes: int = 1024, min_send_bytes_per_s: float = 64 << 10):
         self.max_connections = max_connections
         self.header_timeout_s = header_timeout_s
         self.send_timeout_s = send_timeout_s
+        self.min_send_bytes_per_s = min_send_bytes_per_s
+        self.send_check_s = min(SEND_CHECK_S, send_timeout_s / 4)
         self.max_body_bytes = max_body_bytes
         self.open: set[GuardedH11Protocol] = set()
         self.displaceable: dict[GuardedH11Protocol, None] = {}  # by when they became displaceable
         self.displaced_log = RateLimitedLog()
         self.timed_out_log = RateLimitedLog()
         self.send_timed_out_log = RateLimitedLog()
+        self.send_slow_log = RateLimitedLog()
         self.body_log = RateLimitedLog()
 
 
-# The kernel's send buffer of a HTTP connection, fixed (the kernel's initial size, which it
-# would otherwise grow to megabytes for a peer that never reads): what one connection holds
-# in the kernel, and how many answers a peer that reads none gets before the teacher's sends
-# wait, and --http-send-timeout-s runs. Larger answers wait in the transport's buffer.
+# The kernel's send buffer of a HTTP connection (SO_SNDBUF, which also stops the kernel from
+# sizing it itself: it would give a peer that never reads megabytes at once). A connection
+# starts with HTTP_SEND_BUFFER_BYTES, what the kernel holds for a peer that takes nothing: how
+# many answers such a peer gets before the teacher's sends wait. While a peer takes what is sent
+# as fast as it is sent (a buffer's worth between two checks), its buffer doubles, up to
+# HTTP_SEND_BUFFER_MAX_BYTES, and it is back to the small one once the answer is sent. The
+# small one alone would pace a large answer by the peer's delayed ACKs: with under two
+# segments in flight the peer waits ~40 ms before acknowledging (measured on loopback, one
+# 30 MB answer: 16 KiB 1.6 MB/s, 128 KiB 600 MB/s).
 HTTP_SEND_BUFFER_BYTES = 16 << 10
+HTTP_SEND_BUFFER_MAX_BYTES = 256 << 10
 # What may wait in the transport's buffer (asyncio's default: 64 KiB) before the connection's
-# next answer and its reading wait, and --http-send-timeout-s runs: a few answers. Not 0: a
-# TLS transport pauses at a size >= the mark, and holds the end of its handshake at first.
+# next answer and its reading wait, and the send checks run: a few answers. Not 0: a TLS
+# transport pauses at a size >= the mark, and holds the end of its handshake at first.
 HTTP_WRITE_BUFFER_BYTES = 4 << 10
+# How often a connection whose answers wait for its peer reads what the peer has taken: soon
+# after the wait starts and while its send buffer grows, then every SEND_CHECK_S (at most a
+# quarter of --http-send-timeout-s): the slack of that timeout.
+SEND_GROW_CHECK_S = 0.02
+SEND_CHECK_S = 0.25
 
 # What a connection waits on its peer for: each has its deadline.
 _REQUEST = "a whole request"
 _TAKEN = "the answer to be taken"
+
+
+class _Taking:
+    """One wait of a connection for its peer to take what was sent: since when, and what the
+    peer's TCP had acknowledged then and at the last check."""
+
+    def __init__(self, now: float, acked_bytes: int):
+        self.start = now
+        self.last_taken = now  # when the peer last took a byte (the wait's start before that)
+        self.acked_at_start = acked_bytes
+        self.acked_bytes = acked_bytes
+
+
+def bytes_acked(sock: socket.socket | None) -> int:
+    """What the peer's TCP has acknowledged of what this socket sent (tcp_info's bytes_acked,
+    Linux >= 4.1; 0 where it is not there: every wait then reads as no progress)."""
+    if sock is None or sock.fileno() < 0:
+        return 0
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
+    except OSError:
+        return 0
+    return struct.unpack_from("Q", info, _BYTES_ACKED_AT)[0] if len(info) >= _BYTES_ACKED_AT + 8 else 0
+
+
+# struct tcp_info (linux/tcp.h): tcpi_bytes_acked is the u64 at offset 120.
+_BYTES_ACKED_AT = 120
+_TCP_INFO_BYTES = 136
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -440,13 +482,18 @@ class GuardedH11Protocol(H11Protocol):
       connection that never completes a request stays open for good. Here a connection
       must complete its request within --http-header-timeout-s of opening (or of its
       previous response), however slowly it trickles it.
-    - A deadline for the peer to take what the teacher sends, --http-send-timeout-s. The
-      kernel's send buffer is fixed and small (`HTTP_SEND_BUFFER_BYTES`), and so is the
-      transport's (`HTTP_WRITE_BUFFER_BYTES`), so `pause_writing` means "the peer's TCP has
-      not taken the last few answers": the next answer waits (uvicorn's `drain`), reading
-      waits too, and the deadline runs until the transport's buffer is down to its low-water
-      mark. A peer that pipelines requests and never reads would otherwise hold its
-      connection, with a request in progress, for good. A connection closed with bytes
+    - Bounds on the peer taking what the teacher sends. The kernel's send buffer is small
+      (`HTTP_SEND_BUFFER_BYTES`, grown only while the peer keeps up: `HTTP_SEND_BUFFER_MAX_BYTES`),
+      and so is the transport's (`HTTP_WRITE_BUFFER_BYTES`), so `pause_writing` means "the
+      peer's TCP has not taken what was sent yet": the next answer waits (uvicorn's `drain`),
+      reading waits too, and until the transport's buffer is down to its low-water mark the
+      connection checks what the peer's TCP has acknowledged (`bytes_acked`). It is closed
+      when the peer has taken nothing for --http-send-timeout-s (a peer that pipelines
+      requests and never reads would otherwise hold its connection, with a request in
+      progress, for good), or when, that long into the wait, it has taken less than
+      --http-min-send-bytes-per-s over the wait (a peer that reads a byte now and then: the
+      wait for an answer of N bytes lasts at most the timeout + N / that rate). A peer that
+      reads steadily is never cut, however large the answer. A connection closed with bytes
       unsent is aborted: asyncio's close would wait for the peer to take them first.
     - Pipelined input is bounded: h11 parses one request at a time and uvicorn stops reading
       while one is answered with the next already buffered; here reading also stops while
@@ -471,6 +518,8 @@ class GuardedH11Protocol(H11Protocol):
         self.guard = connections
         self._waiting_for: str | None = None  # _REQUEST, _TAKEN or None
         self._deadline: asyncio.TimerHandle | None = None
+        self._taking: _Taking | None = None  # while _TAKEN
+        self._send_buffer_bytes = HTTP_SEND_BUFFER_BYTES
         self._pipelined = False
         self._body_bytes = 0  # of the request whose body is coming
 
@@ -559,9 +608,12 @@ class GuardedH11Protocol(H11Protocol):
             waiting_for = None
         if waiting_for is not self._waiting_for:
             self._cancel_deadline()
+            if self._waiting_for is _TAKEN:
+                self._end_taking()
             self._waiting_for = waiting_for
             if waiting_for is _TAKEN:
-                self._deadline = self.loop.call_later(self.guard.send_timeout_s, self._send_timeout)
+                self._taking = _Taking(self.loop.time(), bytes_acked(self._socket()))
+                self._deadline = self.loop.call_later(SEND_GROW_CHECK_S, self._check_taken)
             elif waiting_for is _REQUEST:
                 self._deadline = self.loop.call_later(self.guard.header_timeout_s, self._header_timeout)
         if waiting_for is not None or self._pipelined:
@@ -577,16 +629,61 @@ class GuardedH11Protocol(H11Protocol):
     def _stop_waiting(self) -> None:
         self._cancel_deadline()
         self._waiting_for = None
+        self._taking = None
         self.guard.displaceable.pop(self, None)
+
+    def _socket(self) -> socket.socket | None:
+        return self.transport.get_extra_info("socket") if self.transport is not None else None
+
+    def _set_send_buffer(self, size_bytes: int) -> None:
+        sock = self._socket()
+        if size_bytes != self._send_buffer_bytes and sock is not None and sock.fileno() >= 0:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size_bytes)
+            self._send_buffer_bytes = size_bytes
+
+    def _end_taking(self) -> None:
+        """The peer took the answers down to the transport's low-water mark: the kernel's buffer
+        goes back to the small one (what it holds beyond stays until the peer takes it)."""
+        self._taking = None
+        self._set_send_buffer(HTTP_SEND_BUFFER_BYTES)
+
+    def _check_taken(self) -> None:
+        """While answers wait for the peer: what it took since the last check; closes the
+        connection past --http-send-timeout-s without progress, or below
+        --http-min-send-bytes-per-s once that long into the wait; grows the send buffer while
+        the peer takes a buffer's worth between two checks."""
+        taking = self._taking
+        if taking is None:
+            return
+        now = self.loop.time()
+        acked = bytes_acked(self._socket())
+        took = acked - taking.acked_bytes
+        taking.acked_bytes = acked
+        if took > 0:
+            taking.last_taken = now
+        guard = self.guard
+        if now - taking.last_taken >= guard.send_timeout_s:
+            guard.send_timed_out_log.warning("closed a HTTP connection whose peer had taken nothing of the answer for "
+                                             "%.0f s (--http-send-timeout-s)", guard.send_timeout_s)
+            self._close()
+            return
+        waited_s = now - taking.start
+        taken = acked - taking.acked_at_start
+        if taken < guard.min_send_bytes_per_s * (waited_s - guard.send_timeout_s):
+            guard.send_slow_log.warning("closed a HTTP connection whose peer took %d bytes of the answer in %.1f s, "
+                                        "less than %d bytes/s past the first %.0f s (--http-min-send-bytes-per-s, "
+                                        "--http-send-timeout-s)", taken, waited_s, guard.min_send_bytes_per_s,
+                                        guard.send_timeout_s)
+            self._close()
+            return
+        grow = took >= self._send_buffer_bytes and self._send_buffer_bytes < HTTP_SEND_BUFFER_MAX_BYTES
+        if grow:
+            self._set_send_buffer(min(2 * self._send_buffer_bytes, HTTP_SEND_BUFFER_MAX_BYTES))
+        self._deadline = self.loop.call_later(SEND_GROW_CHECK_S if grow else guard.send_check_s, self._check_taken)
 
     def _header_timeout(self) -> None:
         self.guard.timed_out_log.warning("closed a HTTP connection with no complete request after %.0f s "
                                          "(--http-header-timeout-s)", self.guard.header_timeout_s)
-        self._close()
-
-    def _send_timeout(self) -> None:
-        self.guard.send_timed_out_log.warning("closed a HTTP connection whose peer had not taken the answer after "
-                                              "%.0f s (--http-send-timeout-s)", self.guard.send_timeout_s)
         self._close()
 
     def _close(self) -> None:
@@ -595,7 +692,11 @@ class GuardedH11Protocol(H11Protocol):
         self.guard.open.discard(self)
         if self._unsent_bytes():
             # close() would wait for the peer to take them first (asyncio's buffer), or leave
-            # the kernel holding them after the descriptor is gone (its own).
+            # the kernel holding them after the descriptor is gone (its own, sent before the
+            # FIN to a peer that may never take them): a reset drops both at once.
+            sock = self._socket()
+            if sock is not None and sock.fileno() >= 0:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.transport.abort()
         else:
             self.transport.close()

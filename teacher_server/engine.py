@@ -296,6 +296,8 @@ class Engine:
         return plan
 
     def _cached(self, session: Session, batch: Batch) -> BatchOutputs | None:
+        if batch.chunk is not None:  # its outputs depend on the chunks before it
+            return None
         return self.cache.get(batch.key, session.outputs.needs)
 
     def _forward(self, plan: list[Planned]) -> _Forward:
@@ -315,13 +317,15 @@ class Engine:
         input_ids, mask = pack([(p.batch.input_ids, p.batch.attention_mask) for p in computed],
                                pinned=self.runner.device.type == "cuda")
         rows, seq = input_ids.shape
+        # A chunk of a longer sequence (the HTTP API's) runs alone on the cache of the ones before it.
+        chunk = computed[0].batch.chunk if len(computed) == 1 else None
         wanted = [p.session for p in plan]
-        if self.cache.enabled:  # entries keep what any live session needs, so later ones hit
+        if self.cache.enabled and chunk is None:  # entries keep what any live session needs, so later ones hit
             wanted += self.sessions()
         needs = ForwardNeeds.union(session.outputs.needs for session in wanted)
         start = time.monotonic()
         tracing.mark("t_inputs", plan[0].batch.batch_id)
-        out = self.runner.forward(input_ids, mask, needs)
+        out = self.runner.forward(input_ids, mask, needs, chunk=chunk)
         tracing.mark("t_launched", plan[0].batch.batch_id)
         launched = time.monotonic()
         produced: dict[int, BatchOutputs | Failed] = {}  # by the batch's row in the plan
@@ -330,7 +334,8 @@ class Engine:
             b, s = p.batch.input_ids.shape
             try:
                 outputs = BatchOutputs.of_rows(out, needs, slice(row, row + b), s)
-                produced[p.row] = self.cache.put(p.batch.key, outputs)  # `outputs` itself with the cache off
+                # `outputs` itself with the cache off; a chunk's are never asked again
+                produced[p.row] = outputs if chunk is not None else self.cache.put(p.batch.key, outputs)
             except Exception as e:
                 log.exception("keeping the outputs of batch %d of session %s failed", p.batch.batch_id,
                               p.session.session_id)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import logging
 from dataclasses import dataclass, field
 
@@ -83,6 +84,26 @@ class ModelInfo:
     quantization: fp8.Quantization = fp8.Quantization()  # what the decoder's linears run in
     kernels: str = ""  # the teacher's own kernels it runs through (MoE experts, attention sinks); "": none
     weights_fingerprint: str = ""  # the weights as served (`weights_fingerprint`): the same on every replica of a pool
+
+
+@dataclass
+class Prefix:
+    """One sequence run a chunk at a time (the HTTP API's long prompts, so that another job's
+    batch waits for a chunk, not the whole prompt): the model's KV cache of the `length`
+    positions run so far. A chunk is run only right after the one before it (`begin` ==
+    `length`): after a failed chunk, the ones that follow fail too rather than run on a cache
+    that lacks it. One process only (no tensor parallelism: the other ranks hold no cache)."""
+
+    cache: object = None  # transformers' Cache, made by the first chunk's forward
+    length: int = 0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A batch that is positions `begin` on of the sequence `prefix` holds the start of."""
+
+    prefix: Prefix
+    begin: int
 
 
 @dataclass
@@ -188,12 +209,15 @@ class ModelRunner:
         return self.world is None or not self.world.error
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, needs: ForwardNeeds | None = None, *,
-                hidden: bool = False) -> ForwardOutputs:
+                hidden: bool = False, chunk: Chunk | None = None) -> ForwardOutputs:
         """The forward of a pack, producing what `needs` asks; without `needs`, the logits and
-        (`hidden`) every hidden state."""
+        (`hidden`) every hidden state. With `chunk`: one row without padding, the positions from
+        `chunk.begin` on of a sequence whose earlier positions `chunk.prefix` holds (logits only)."""
         if needs is None:
             needs = ForwardNeeds(logits=True, hidden_layers=frozenset(range(self.info.num_layers + 1)) if hidden
                                  else frozenset())
+        if chunk is not None:
+            return self._forward_chunk(input_ids, attention_mask, needs, chunk.prefix, chunk.begin)
         if self.world is None:
             return self._forward(input_ids, attention_mask, needs)
         # The followers start the same forward: with or without the hidden states and the
@@ -229,6 +253,28 @@ class ModelRunner:
             except TensorParallelError as e:
                 log.warning("could not tell the other ranks to stop: %s", e)
         self.world.close()
+
+    def _forward_chunk(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, needs: ForwardNeeds,
+                       prefix: Prefix, begin: int) -> ForwardOutputs:
+        if self.world is not None:
+            raise ValueError("a sequence runs a chunk at a time on one process only: under tensor parallelism "
+                             "the other ranks hold no KV cache")
+        if needs != ForwardNeeds(logits=True):
+            raise ValueError(f"a chunk of a sequence gives its logits only, not {needs}")
+        if input_ids.shape[0] != 1 or not attention_mask.all():
+            raise ValueError(f"a chunk of a sequence is one row without padding, not {tuple(input_ids.shape)}")
+        if begin != prefix.length:
+            raise ValueError(f"this chunk starts at position {begin}, but the positions run so far end at "
+                             f"{prefix.length}: a chunk before it failed")
+        # transformers 5.2x names the cache `cache` (`past_key_values` before, deprecated since).
+        name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        with self._grad_free(), ONE_SEQUENCE_PER_ROW.active(True):
+            out = self.model(input_ids=input_ids.to(self.device, non_blocking=True), use_cache=True, return_dict=True,
+                             **{name: prefix.cache})
+            if self.expert_load is not None:
+                self.expert_load.accumulate()
+        prefix.cache, prefix.length = out.get(name), begin + input_ids.shape[1]
+        return ForwardOutputs(logits=out.logits, hidden_states=None)
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, needs: ForwardNeeds) -> ForwardOutputs:
         with self._grad_free():

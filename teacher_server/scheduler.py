@@ -31,7 +31,9 @@ No threads, no torch, no I/O: the engine calls it under its own lock, and tests 
 it directly. A session is the engine's object, of which the scheduler reads
 `session_id`, `job_id`, `weight` and `max_inflight` and which it hands back in plans; a
 batch is opaque but for `key` (a content digest: equal keys, equal outputs), `rows`,
-`seq_len`, `tokens` and `output_bytes` (what its outputs take until received).
+`seq_len`, `tokens`, `output_bytes` (what its outputs take until received) and `alone` (it
+runs in a forward with no other computed batch: the HTTP API's, whose forwards are bounded so
+that another job's batch waits at most one of them).
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ class _Job:
     sessions: int = 0
     # Weighted tokens scheduled for the job (tokens / share): the least-served job goes first.
     virtual_tokens: float = 0.0
+    # What its last planned batch added to `virtual_tokens`: the clock less this is where that
+    # batch started, the virtual time a job that wakes while it is served starts from.
+    last_charge: float = 0.0
+    # When its clock last advanced (the scheduler's count of planned batches): of jobs whose clocks
+    # are equal, the one served longest ago goes first, so that equal jobs take turns.
+    charged_at: int = 0
     # The job's sessions over every replica of a pool (JoinRequest.job_size); 0: unknown.
     size: int = 0
 
@@ -116,6 +124,7 @@ class Scheduler:
         self.max_sessions = max_sessions
         self.held_bytes_limit = held_bytes_limit  # 0: outputs held are bounded by max_inflight only
         self._jobs: dict[str, _Job] = {}
+        self._planned = 0  # batches planned so far: the jobs' `charged_at`
         self._queues: dict[str, _Queue] = {}  # by session_id, in admission order
         # Sessions removed while their outputs were held: counted until each is released (`sent`).
         self._ended: dict[str, _Queue] = {}
@@ -237,17 +246,21 @@ class Scheduler:
         return sum(len(q.pending) for q in self._queues.values())
 
     def _wake_job(self, job_id: str) -> None:
-        """A job with nothing outstanding that submits again starts no further back than
-        the busy jobs: time spent idle is not credit for a burst later."""
-        busy_clocks = []
+        """A job with nothing outstanding that submits again starts no further back than where
+        the busy jobs' last planned batches started (start-time fair queueing): time spent idle
+        is not credit for a burst later, and a job that sends one batch at a time, behind the
+        busy ones, goes before their next batches, waiting for what is being served rather than
+        for another turn of theirs (within one batch of theirs)."""
+        busy_starts = []
         for q in self._queues.values():
             if q.outstanding:
                 if q.session.job_id == job_id:
                     return  # still busy: its clock runs on
-                busy_clocks.append(self._jobs[q.session.job_id].virtual_tokens)
-        if busy_clocks:
+                busy = self._jobs[q.session.job_id]
+                busy_starts.append(busy.virtual_tokens - busy.last_charge)
+        if busy_starts:
             job = self._jobs[job_id]
-            job.virtual_tokens = max(job.virtual_tokens, min(busy_clocks))
+            job.virtual_tokens = max(job.virtual_tokens, min(busy_starts))
 
     def plan(self, lookup: Callable[[object, object], object] = _no_cache) -> list[Planned]:
         """The next forward's batches, taken off their queues (empty: nothing can run now).
@@ -256,7 +269,8 @@ class Scheduler:
         that `lookup(session, batch)` finds (the output cache) needs no forward; neither
         counts against the token budget, and both count as served for the share. The
         budget counts padding (rows x the longest sequence); a batch larger than the
-        budget alone runs alone.
+        budget alone runs alone, and so does a batch marked `alone` (only identical batches and
+        cached ones join it).
         """
         taken: dict[str, int] = {}
         planning: dict[str, int] = {}  # by session: output bytes this plan adds
@@ -272,9 +286,11 @@ class Scheduler:
         held_in: list[str] = []  # where each planned batch's outputs are held: POOL or FLOOR
         in_forward: dict[bytes, Planned] = {}
         rows = seq = 0
+        closed = False  # an `alone` batch is in this forward: no other computed one joins it
         candidates = [q for q in self._queues.values() if q.ready and q.pending]
         while candidates:
-            candidates.sort(key=lambda q: (self._jobs[q.session.job_id].virtual_tokens, q.virtual_tokens))
+            candidates.sort(key=lambda q: (self._jobs[q.session.job_id].virtual_tokens,
+                                           self._jobs[q.session.job_id].charged_at, q.virtual_tokens))
             queue = candidates[0]
             session = queue.session
             index = taken.get(session.session_id, 0)
@@ -297,20 +313,24 @@ class Scheduler:
             elif cached is not None:
                 plan.append(Planned(session, batch, 0, computed=False, cached=cached))
             else:
-                if rows and (rows + b) * max(seq, s) > self.max_batch_tokens:
+                if rows and (closed or batch.alone or (rows + b) * max(seq, s) > self.max_batch_tokens):
                     candidates.pop(0)  # does not fit this forward; the next one starts with it
                     continue
                 planned = Planned(session, batch, rows)
                 plan.append(planned)
                 in_forward[batch.key] = planned
                 rows, seq = rows + b, max(seq, s)
+                closed = batch.alone
             held_in.append(where)
             taken[session.session_id] = index + 1
             planning[session.session_id] = planning.get(session.session_id, 0) + batch.output_bytes
             job_held[session.job_id] += batch.output_bytes
             pool += batch.output_bytes if where == POOL else 0
             job = self._jobs[session.job_id]
-            job.virtual_tokens += batch.tokens / job.share
+            job.last_charge = batch.tokens / job.share
+            job.virtual_tokens += job.last_charge
+            self._planned += 1
+            job.charged_at = self._planned
             queue.virtual_tokens += batch.tokens
         for planned, where in zip(plan, held_in):
             queue = self._queues[planned.session.session_id]

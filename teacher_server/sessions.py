@@ -36,6 +36,12 @@ class Batch:
     student_key: bytes | None = field(default=None, compare=False)
     # What its outputs take in teacher memory until the student has them (the scheduler's budget).
     output_bytes: int = field(default=0, compare=False)
+    # Runs in a forward of its own (an HTTP API batch: packed with a student's, both would be padded
+    # to the longer, and another job's batch would wait for the sum); identical ones still share.
+    alone: bool = field(default=False, compare=False)
+    # A chunk of a longer sequence, run after the chunks before it on their KV cache
+    # (model_runner.Chunk): alone, never shared or cached, its key its own.
+    chunk: object = field(default=None, compare=False, repr=False)
 
     @functools.cached_property
     def key(self) -> bytes:
@@ -46,7 +52,10 @@ class Batch:
         (delivery derives each one's outputs for itself).
 
         Computed when the engine first plans the batch, on its thread, not in the gRPC
-        handler that queues it."""
+        handler that queues it. A chunk's outputs depend on the chunks before it: its key is
+        random, so nothing shares them."""
+        if self.chunk is not None:
+            return secrets.token_bytes(32)
         return batch_key(self.input_ids, self.attention_mask)
 
     @property

@@ -10,6 +10,7 @@ a flood of sockets that exhausted descriptors (/healthz dead, a traceback per fa
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import socket
@@ -26,7 +27,7 @@ from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from student_trainer import TeacherClient
 from student_trainer.errors import InvalidRequest
 from teacher_server.launcher import ServerProcess, child_env
-from tests.attacks import PipelinedUnread
+from tests.attacks import _TCP_ESTABLISHED, PipelinedUnread, _tcp_state
 from tests.helpers import build_tiny_model, wait_until
 
 TOKEN = "edge-token"
@@ -40,6 +41,7 @@ REQUEST_LIMIT_BYTES = (16 + 4 * 8) * MAX_BATCH_TOKENS + (64 << 10)
 HTTP_MAX_CONNECTIONS = 32
 HEADER_TIMEOUT_S = 2.0
 SEND_TIMEOUT_S = 2.0
+MIN_SEND_BYTES_PER_S = 64 << 10
 MAX_WEIGHT = 10.0
 LEASE_S = 3.0
 FD_SOFT_LIMIT = 1024
@@ -51,7 +53,8 @@ def server(tmp_path_factory):
     server = ServerProcess("--model", str(model_dir), "--max-sessions", str(MAX_SESSIONS), "--max-batch-tokens",
                            str(MAX_BATCH_TOKENS), "--http-max-connections", str(HTTP_MAX_CONNECTIONS),
                            "--http-header-timeout-s", str(HEADER_TIMEOUT_S), "--http-send-timeout-s",
-                           str(SEND_TIMEOUT_S), "--max-weight", str(MAX_WEIGHT),
+                           str(SEND_TIMEOUT_S), "--http-min-send-bytes-per-s", str(MIN_SEND_BYTES_PER_S),
+                           "--max-weight", str(MAX_WEIGHT),
                            "--lease-s", str(LEASE_S), "--heartbeat-interval-s", "0.5",
                            env=child_env(TEACHER_AUTH_TOKEN=TOKEN))
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
@@ -271,6 +274,84 @@ def test_answers_never_read_close_their_connection_at_the_send_deadline(server):
     # The slack: the teacher's own buffers fill after the attacker's stops growing.
     assert max(attack.stalled_s) < SEND_TIMEOUT_S + 3, sorted(attack.stalled_s)
     assert "(--http-send-timeout-s)" in "".join(server.log_lines[start:])
+
+
+def _completion_request(length: int, k: int) -> bytes:
+    """A POST /v1/completions of one prompt of `length` ids with `prompt_logprobs` k (about 70 bytes
+    of answer per id listed: (k + 1) x length)."""
+    body = json.dumps({"prompt": [[(7 * i) % 384 for i in range(length)]], "max_tokens": 1,
+                       "prompt_logprobs": k}).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: teacher\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (TOKEN.encode(), len(body), body))
+
+
+def _read_answer(port: int, request: bytes, bytes_per_s: float, result: dict, stop_after_bytes: int = 0) -> None:
+    """Sends `request` and reads its answer at about `bytes_per_s`, through a 4 KiB receive buffer
+    (so that what the teacher's TCP sees taken is what is read), with `stop_after_bytes` no more
+    reading once that much of the body came: into `result`, the answer's status line, bytes of
+    body read, whether it came whole, and how long after its first byte (or after the reading
+    stopped) the reading ended or the teacher closed the connection."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(request)
+    data, length, started, ended = b"", None, None, None
+    try:
+        while length is None or len(data) < length:
+            chunk = sock.recv(1024)
+            if not chunk:
+                break
+            data += chunk
+            if length is None and b"\r\n\r\n" in data:
+                head, data = data.split(b"\r\n\r\n", 1)
+                result["status"] = head.split(b"\r\n")[0]
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                started = time.monotonic()
+            if ended is None and _tcp_state(sock) != _TCP_ESTABLISHED:
+                ended = time.monotonic()
+            if started is not None:  # paced from the answer's first byte on
+                time.sleep(max(0.0, started + len(data) / bytes_per_s - time.monotonic()))
+            if stop_after_bytes and len(data) >= stop_after_bytes:
+                started = time.monotonic()
+                while _tcp_state(sock) == _TCP_ESTABLISHED and time.monotonic() < started + 30:
+                    time.sleep(0.05)
+                ended = time.monotonic()
+                break
+    except (ConnectionResetError, TimeoutError):
+        pass
+    finally:
+        sock.close()
+    ended = ended or time.monotonic()
+    result.update(body_bytes=len(data), whole=length is not None and len(data) >= length,
+                  seconds=ended - started if started is not None else None, length=length)
+
+
+def test_a_steady_reader_takes_a_long_answer_and_a_trickling_one_is_cut(server):
+    start = len(server.log_lines)
+    request = _completion_request(600, 16)  # ~0.7 MB of answer
+    steady, trickle, stopped = {}, {}, {}
+    # Longer than --http-send-timeout-s for the whole answer, but never without progress.
+    steady_rate = 200_000
+    # Progress every read, but below --http-min-send-bytes-per-s: cut once the timeout's grace is over.
+    trickle_rate = MIN_SEND_BYTES_PER_S / 8
+    # Fast (its send buffer grown), then nothing: cut once it has taken nothing for the timeout.
+    threads = [threading.Thread(target=_read_answer, args=(server.http_port, request, rate, out, stop))
+               for rate, out, stop in ((steady_rate, steady, 0), (trickle_rate, trickle, 0), (1e9, stopped, 300_000))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert steady["status"] == trickle["status"] == b"HTTP/1.1 200 OK", (steady, trickle)
+    assert steady["whole"] and steady["seconds"] > SEND_TIMEOUT_S, steady
+    assert not trickle["whole"], trickle
+    # Cut when it had taken less than the rate past the grace: at about the grace itself.
+    assert trickle["seconds"] < SEND_TIMEOUT_S + 3, trickle
+    assert not stopped["whole"] and SEND_TIMEOUT_S - 0.5 < stopped["seconds"] < SEND_TIMEOUT_S + 3, stopped
+    # (Which bound cut each is in its timing: the trickle took something every read, the stopped
+    # one had taken 300 kB, far above the rate, when it was cut; the log says one line in 10 s.)
+    assert "(--http-min-send-bytes-per-s, --http-send-timeout-s)" in "".join(server.log_lines[start:])
 
 
 def test_pipelined_requests_never_read_starve_no_probes(server):

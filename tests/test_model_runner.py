@@ -31,6 +31,23 @@ def test_forward_equals_the_model_with_and_without_padding():
         assert (got.hidden_states[-1] - want.hidden_states[-1])[valid].abs().max() <= 1e-5
 
 
+def test_a_sequence_run_a_chunk_at_a_time_on_its_kv_cache_gives_the_whole_forwards_logits():
+    from teacher_server.model_runner import Chunk, Prefix
+
+    runner = ModelRunner("builtin:tiny", "cpu", dtype="float32")
+    ids = torch.randint(0, runner.info.vocab_size, (1, 23), generator=torch.Generator().manual_seed(1))
+    whole = runner.forward(ids, torch.ones_like(ids)).logits
+    prefix, parts = Prefix(), []
+    for begin in range(0, 23, 8):
+        part = ids[:, begin:begin + 8]
+        parts.append(runner.forward(part, torch.ones_like(part), chunk=Chunk(prefix, begin)).logits)
+    assert prefix.length == 23
+    assert (torch.cat(parts, dim=1) - whole).abs().max() <= 1e-5
+    # A chunk whose predecessor did not run (it failed) is refused, not run on a cache without it.
+    with pytest.raises(ValueError, match="a chunk before it failed"):
+        runner.forward(ids[:, :4], torch.ones_like(ids[:, :4]), chunk=Chunk(Prefix(), 8))
+
+
 def test_packed_sequences_are_still_found_outside_the_runners_forward():
     from transformers import masking_utils
 

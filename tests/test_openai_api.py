@@ -11,11 +11,12 @@ import requests
 import torch
 
 from teacher_server.launcher import ServerProcess
-from tests.helpers import build_tiny_model, status_sessions
+from tests.helpers import build_tiny_model, status_sessions, wait_until
 
 VOCAB = 384
 OPERATOR = "operator-token-0123456789abcdef"
 JOB_TOKEN = "job-token-of-trl-0123456789abcdef"
+CHUNK_TOKENS = 8
 TEXTS = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.\n"] * 20
 
 
@@ -40,8 +41,9 @@ def model(model_dir):
 def server(model_dir, tmp_path_factory):
     tokens = tmp_path_factory.mktemp("tokens") / "jobs.json"
     tokens.write_text(json.dumps({"trl-job": {"token": JOB_TOKEN}}))
+    # Forwards of at most 8 tokens: of SEQUENCES, the longest runs in two chunks on the model's KV cache.
     server = ServerProcess("--model", str(model_dir), "--auth-token", OPERATOR, "--job-tokens", str(tokens),
-                           "--max-logprobs", "300")
+                           "--max-logprobs", "300", "--api-chunk-tokens", str(CHUNK_TOKENS))
     yield server
     server.stop()
 
@@ -127,6 +129,42 @@ def test_prompt_logprobs_match_vllms_json_and_ranks(server, model):
             assert all(isinstance(e["decoded_token"], str) for e in entries.values())
 
 
+def test_the_servers_json_writer_writes_the_straightforward_writers_text(model_dir):
+    from transformers import PreTrainedTokenizerFast
+
+    from teacher_server.openai.protocol import TokenText, prompt_logprobs_json, write_prompt_logprobs
+
+    generator = torch.Generator().manual_seed(0)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
+    # Lengths across the writer's steps of positions; k 0 (ids scored only) to past a step's width.
+    for length, k, scored_width, text in [(1, 3, 0, None), (2, 3, 0, tokenizer), (300, 5, 3, tokenizer),
+                                          (40, 0, 4, None), (600, 20, 0, tokenizer)]:
+        text = TokenText(text, VOCAB)
+        logprobs = torch.randn(length, VOCAB, generator=generator).log_softmax(-1)
+        logprobs[0, 7] = float("-inf")
+        ids = torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+        if length > 4:
+            ids[2], ids[1] = int(logprobs[1].argmax()), 7  # a prompt token in the top k; one at -inf
+        top, top_ids = logprobs.topk(k, dim=1)
+        following = torch.tensor(ids[1:] + ids[-1:])
+        own = logprobs.gather(1, following[:, None])[:, 0]
+        rank = (logprobs >= own[:, None]).sum(1)
+        scored = scored_ids = None
+        if scored_width:
+            chosen = torch.randint(-1, VOCAB, (length, scored_width), generator=generator)
+            chosen[:, 0] = following  # an id asked that is the prompt token, and one in the top k
+            if k:
+                chosen[:, 1] = top_ids[:, 0]
+            scored = logprobs.gather(1, chosen.clamp_min(0)).masked_fill(chosen < 0, float("-inf"))
+            scored_ids = chosen.tolist()
+        want = prompt_logprobs_json(ids, top.tolist(), top_ids.tolist(), own.tolist(), rank.tolist(),
+                                    None if scored is None else scored.tolist(), scored_ids, text)
+        got = write_prompt_logprobs(ids, top.numpy(), top_ids.numpy(), own.numpy(), rank.numpy(),
+                                    None if scored is None else scored.numpy(), scored_ids, text)
+        assert got == want, (length, k, scored_width)
+        assert len(json.loads(got)) == length
+
+
 def test_extensions_prompt_temperature_and_ids_scored_at_every_position(server, model):
     sequence = SEQUENCES[0]
     scored = [[1, 2, -1], [3, 4, 5], [6, -1, -1]]  # rows for positions 2, 3, 4 (predicting tokens 3, 4, 5)
@@ -142,6 +180,82 @@ def test_extensions_prompt_temperature_and_ids_scored_at_every_position(server, 
         for token in (i for i in ids if i >= 0):
             assert entries[token]["logprob"] == pytest.approx(reference[position, token].item(), abs=1e-5)
     assert {int(key) for key in logprobs[1]} == {sequence[1], *reference[0].topk(2).indices.tolist()}
+    # Two prompts, ids of different widths per prompt (the longer one in chunks).
+    per_prompt = [[[7, 12], [8, 13]], [[9, 10, 11]] * 4]
+    response = _post(server, {"prompt": SEQUENCES[1:], "max_tokens": 1, "prompt_logprobs": 0,
+                              "prompt_logprob_token_ids": per_prompt, "prompt_logprob_start": 1})
+    assert response.status_code == 200, response.text
+    for choice, prompt, rows in zip(response.json()["choices"], SEQUENCES[1:], per_prompt):
+        reference = _log_softmax(model, prompt)
+        for row, ids in enumerate(rows):
+            entries = {int(key): value for key, value in choice["prompt_logprobs"][row + 2].items()}
+            assert set(entries) == {prompt[row + 2], *ids}
+            for token in ids:
+                assert entries[token]["logprob"] == pytest.approx(reference[row + 1, token].item(), abs=1e-5)
+
+
+def _forwards(server) -> float:
+    text = requests.get(f"{_http(server)}/metrics", headers={"Authorization": f"Bearer {OPERATOR}"}, timeout=30).text
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("teacher_forward_seconds_count"))
+
+
+def test_a_prompt_longer_than_a_forward_runs_in_chunks_on_the_kv_cache(server, model):
+    sequence = [(11 * i + 3) % VOCAB for i in range(5 * CHUNK_TOKENS - 3)]  # 5 chunks, the last one short
+    start = CHUNK_TOKENS - 2  # scored rows that cross the chunks' edges
+    scored = [[(5 * row) % VOCAB, -1, row] for row in range(2 * CHUNK_TOKENS)]
+    before = _forwards(server)
+    response = _post(server, {"prompt": sequence, "max_tokens": 2, "temperature": 0, "logprobs": 3,
+                              "prompt_logprobs": 4, "prompt_logprob_token_ids": scored, "prompt_logprob_start": start,
+                              "return_token_ids": True})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    reference = _log_softmax(model, sequence)
+    logprobs = choice["prompt_logprobs"]
+    assert logprobs[0] is None and len(logprobs) == len(sequence)
+    for t in range(1, len(sequence)):
+        entries = {int(key): value for key, value in logprobs[t].items()}
+        want, token = reference[t - 1], sequence[t]
+        assert list(entries)[0] == token and entries[token]["rank"] == int((want >= want[token]).sum())
+        top = want.topk(4)
+        for value, other in zip(top.values.tolist(), top.indices.tolist()):
+            assert entries[other]["logprob"] == pytest.approx(value, abs=1e-5)
+        asked = scored[t - 1 - start] if 0 <= t - 1 - start < len(scored) else []
+        for other in (i for i in asked if i >= 0):
+            assert entries[other]["logprob"] == pytest.approx(want[other].item(), abs=1e-5)
+    # Greedy tokens from the last chunk's distribution; the second from the sequence one longer, chunked again.
+    generated = list(sequence)
+    for _ in range(2):
+        generated.append(int(_log_softmax(model, generated)[-1].argmax()))
+    assert choice["token_ids"] == generated[len(sequence):]
+    assert choice["logprobs"]["token_logprobs"][0] == pytest.approx(reference[-1].max().item(), abs=1e-5)
+    # One forward per chunk: 5 for the prompt, 5 for it with the first generated token.
+    wait_until(lambda: _forwards(server) - before == 10, 30, "the chunks' forwards to be counted")
+
+
+def _writers(server) -> list[int]:
+    """The teacher's JSON writer processes (teacher_server/openai/writer.py)."""
+    from pathlib import Path
+
+    pid = server.proc.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"teacher_server.openai.writer" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def test_the_json_is_written_by_a_lower_priority_process_started_again_if_it_dies(server, model):
+    import os
+    import signal
+
+    body = {"prompt": SEQUENCES[1], "max_tokens": 1, "prompt_logprobs": 2}
+    assert _post(server, body).status_code == 200
+    [writer] = _writers(server)
+    assert os.getpriority(os.PRIO_PROCESS, writer) == os.getpriority(os.PRIO_PROCESS, server.proc.pid) + 10
+    os.kill(writer, signal.SIGKILL)
+    response = _post(server, body)  # written by the next one
+    assert response.status_code == 200, response.text
+    reference = _log_softmax(model, SEQUENCES[1])
+    entries = response.json()["choices"][0]["prompt_logprobs"][1]
+    assert entries[str(SEQUENCES[1][1])]["logprob"] == pytest.approx(reference[0, SEQUENCES[1][1]].item(), abs=1e-5)
+    assert len(_writers(server)) == 1 and _writers(server) != [writer]
 
 
 def test_generation_greedy_and_seeded_with_echo_and_logprobs(server, model):

@@ -39,6 +39,7 @@ class FakeBatch:
     rows: int = ROWS
     seq_len: int = SEQ
     output_bytes: int = 0
+    alone: bool = False
 
     @property
     def tokens(self) -> int:
@@ -152,7 +153,9 @@ def test_a_job_idle_for_a_while_comes_back_at_the_busy_jobs_clock():
 
 def test_a_job_still_busy_keeps_its_clock_when_it_submits_again():
     # One batch per forward. job-a's first batch stays unsent while job-b gets ten
-    # forwards: job-a was busy all along, behind rather than idle, so it gets the next ten.
+    # forwards: job-a was busy all along, behind rather than idle, so it gets the next ones
+    # until it is level. (job-b, waking while job-a's first batch was served, started where
+    # that batch started: job-a is nine behind, and at the tie job-b, served longest ago, goes.)
     scheduler = Scheduler(max_batch_tokens=ROWS * SEQ, max_sessions=8)
     b, a = joined(scheduler, FakeSession("b", "job-b"), FakeSession("a", "job-a", max_inflight=1))
     scheduler.submit(a, batch())
@@ -162,7 +165,7 @@ def test_a_job_still_busy_keeps_its_clock_when_it_submits_again():
     scheduler.submit(a, batch())  # while its first batch is still being sent
     scheduler.sent(a)
     plans = forwards(scheduler, [a, b], 10)
-    assert [[p.session.session_id for p in plan] for plan in plans] == [["a"]] * 10
+    assert [[p.session.session_id for p in plan] for plan in plans] == [["a"]] * 9 + [["b"]]
 
 
 # ---- no starvation ---------------------------------------------------------------------
@@ -201,6 +204,48 @@ def test_a_batch_larger_than_the_budget_runs_alone_and_is_not_starved_by_small_o
     with_large = [plan for plan in plans if any(p.session is large for p in plan)]
     assert len(with_large) == 4
     assert all(len(plan) == 1 for plan in with_large), "a batch over the budget shares its forward"
+
+
+def test_a_job_that_sends_one_batch_at_a_time_waits_for_the_batch_being_served_not_another_turn():
+    # A busy job of one-batch forwards (the HTTP API's chunks), and a job that submits one batch
+    # now and then (a student between its steps): its batch goes next, and over a long run the
+    # shares stay fair (it asks for less than its share, so it gets all it asks).
+    scheduler = Scheduler(max_batch_tokens=64 * ROWS * SEQ, max_sessions=8)
+    api, student = joined(scheduler, FakeSession("api", "job-api", max_inflight=2), FakeSession("s", "job-s"))
+    waits = []
+    for step in range(200):
+        while scheduler.queued(api) < 2:
+            scheduler.submit(api, FakeBatch(f"api-{next(_keys)}".encode(), 1, 2 * SEQ, alone=True))
+        if step % 3 == 0:
+            scheduler.submit(student, batch(rows=4, seq_len=SEQ))
+            submitted = step
+        plan = scheduler.plan()
+        if any(p.session is student for p in plan):
+            waits.append(step - submitted)
+        for planned in plan:
+            scheduler.sent(planned.session)
+    assert len(waits) > 60 and max(waits[1:]) == 0, waits  # planned in the next forward (the first: level)
+
+
+def test_batches_marked_alone_share_no_forward_and_alternate_with_other_jobs_by_share():
+    # The HTTP API's batches: a forward each (identical ones still share it); a student's job
+    # with a batch waiting gets the next forward whenever its clock is behind.
+    scheduler = Scheduler(max_batch_tokens=64 * ROWS * SEQ, max_sessions=8)
+    api, student = joined(scheduler, FakeSession("api", "job-api", max_inflight=8), FakeSession("s", "job-s"))
+    for _ in range(8):
+        scheduler.submit(api, FakeBatch(f"api-{next(_keys)}".encode(), 1, 4 * SEQ, alone=True))
+    scheduler.submit(api, FakeBatch(b"twin", 1, 4 * SEQ, alone=True))
+    scheduler.submit(api, FakeBatch(b"twin", 1, 4 * SEQ, alone=True))
+    plans = forwards(scheduler, [student], 20)
+    for plan in plans:
+        computed = [p for p in plan if p.computed]
+        if any(p.batch.alone for p in computed):
+            assert len(computed) == 1, "an alone batch shared its forward"
+    twins = [plan for plan in plans if any(p.batch.key == b"twin" for p in plan)]
+    assert len(twins) == 1 and len(twins[0]) == 2, "identical alone batches did not share their forward"
+    # 4 x SEQ tokens a forward for each job (the student's 4 batches packed): they take turns.
+    order = ["api" if any(p.session is api for p in plan) else "s" for plan in plans[:16]]
+    assert order == ["api", "s"] * 8, order
 
 
 # ---- bounds ---------------------------------------------------------------------------

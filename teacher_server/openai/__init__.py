@@ -9,5 +9,7 @@ the same engine as the gRPC sessions: `GET /v1/models`, `GET /health`, `POST /v1
   cache apply to them as to any session.
 - `protocol.py`: the requests, read and checked with vLLM's field names and error shapes, and
   the responses, written with its JSON shapes and conventions.
+- `writer.py`: the child process that writes the JSON of prompt log-probabilities, off the
+  engine's GIL and at a lower priority.
 - `routes.py`: the FastAPI routes.
 """

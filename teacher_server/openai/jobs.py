@@ -24,6 +24,7 @@ from distill_common.outputs import OutputRequest
 from distill_common.rendezvous import SessionStore
 from teacher_server.engine import Engine
 from teacher_server.errors import ResourceExhausted, Unavailable
+from teacher_server.model_runner import Chunk
 from teacher_server.sessions import Batch, Session
 
 log = logging.getLogger(__name__)
@@ -123,7 +124,9 @@ class ApiJobs:
     """The sessions of the HTTP API, by (job, what its requests ask), made on first use.
 
     `submit` runs one batch and returns its tensors on the host; a session's batches wait for a
-    slot of its --max-inflight here rather than being refused.
+    slot of its --max-inflight here rather than being refused. Each runs in a forward of its
+    own (`Batch.alone`): the route bounds their tokens (--api-chunk-tokens), so that a student's
+    batch waits for one of them at most, and is never padded to a prompt's length.
     """
 
     # Request shapes one job may keep sessions for at once; the least recently used one ends past it.
@@ -164,12 +167,13 @@ class ApiJobs:
 
     async def submit(self, job_id: str, outputs: OutputRequest, input_ids: torch.Tensor,
                      attention_mask: torch.Tensor, data: dict[str, torch.Tensor] | None = None, *, weight: float = 1.0,
-                     max_job_sessions: int = 0, job_limit: str = "") -> list[torch.Tensor]:
+                     max_job_sessions: int = 0, job_limit: str = "", chunk: Chunk | None = None) -> list[torch.Tensor]:
         session, pending, slots = self._session(job_id, outputs, weight, max_job_sessions, job_limit)
         async with slots:
             batch_id = session.next_batch_id
             session.next_batch_id += 1
-            batch = Batch(batch_id=batch_id, input_ids=input_ids, attention_mask=attention_mask, data=data or {})
+            batch = Batch(batch_id=batch_id, input_ids=input_ids, attention_mask=attention_mask, data=data or {},
+                          alone=True, chunk=chunk)
             batch.output_bytes = sum(int(torch.Size(spec.shape).numel()) * spec.dtype.itemsize
                                      for spec in outputs.layout(batch.rows, batch.seq_len))
             future = pending.add(batch_id)

@@ -8,10 +8,13 @@ from typing import ClassVar
 import torch
 
 from distill_common.outputs.base import BatchOutputs, ForwardNeeds, Output, TeacherFacts, TensorSpec
-from distill_common.outputs.logprobs import _LOGPROB_CHUNK_BYTES, _to_device
+from distill_common.outputs.logprobs import _to_device, rows_per_chunk
 
 # The data a batch carries for it: [B, S, m] int64 ids to score at each position (-1: none).
 SCORE_IDS = "prompt_logprob_token_ids"
+# A chunk of a longer prompt also carries [B, S] int64: the prompt token after each of its
+# positions (its last position's is the next chunk's first token).
+NEXT_IDS = "next_ids"
 
 
 @dataclass(frozen=True)
@@ -21,7 +24,8 @@ class CompletionLogprobs(Output):
     - `prompt_k` >= 0: the k largest log-probabilities at each position and their ids [B, S, k]
       (int64), the log-probability of the next prompt token [B, S] and its rank [B, S] (int64:
       1 + how many ids have a larger log-probability, vLLM's count `(x >= x[token]).sum()`);
-      position t is about token t + 1 (the last position's are zeros).
+      position t is about token t + 1 (`batch.data[NEXT_IDS]` when the batch has it: a chunk
+      of a longer prompt; the last position's are zeros otherwise).
     - `scored` (m > 0): the log-probabilities at the ids `batch.data[SCORE_IDS]` [B, S, m]
       (-inf where an id is -1).
     - `last`: the whole log-softmax at each row's last real position [B, V], at temperature 1
@@ -66,6 +70,9 @@ class CompletionLogprobs(Output):
         rows, seq, vocab = logits.shape
         device = logits.device
         ids = _to_device(batch.input_ids, device)
+        nxt = (_to_device(batch.data[NEXT_IDS], device) if NEXT_IDS in batch.data
+               else torch.cat([ids[:, 1:], ids[:, -1:]], dim=1))  # the last column's is never read
+        nxt = nxt.reshape(-1, 1)
         tensors = []
         if self.prompt_k >= 0 or self.scored:
             k = self.prompt_k if self.prompt_k >= 0 else 0
@@ -76,8 +83,7 @@ class CompletionLogprobs(Output):
             scored = torch.zeros(rows, seq, self.scored, dtype=torch.float32, device=device)
             score_ids = _to_device(batch.data[SCORE_IDS], device) if self.scored else None
             flat = logits.reshape(rows * seq, vocab)
-            nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1).reshape(-1, 1)  # the last column's is never read
-            step = max(1, _LOGPROB_CHUNK_BYTES // (4 * vocab))
+            step = rows_per_chunk(vocab, device)
             for start in range(0, rows * seq, step):
                 part = slice(start, start + step)
                 logprobs = flat[part].float()

@@ -8,6 +8,7 @@ import logging
 import time
 import uuid
 
+import numpy as np
 import torch
 from fastapi import FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse
@@ -15,10 +16,11 @@ from fastapi.responses import JSONResponse
 from distill_common.outputs import OutputRequest, TeacherFacts
 from teacher_server.edge import Callers
 from teacher_server.errors import ServiceError
+from teacher_server.model_runner import Chunk, Prefix
 from teacher_server.openai.jobs import ApiJobs, BatchFailed
-from teacher_server.openai.outputs import SCORE_IDS, CompletionLogprobs
-from teacher_server.openai.protocol import (ApiError, CompletionParams, TokenText, _lp, parse_completion,
-                                            prompt_logprobs_json)
+from teacher_server.openai.outputs import NEXT_IDS, SCORE_IDS, CompletionLogprobs
+from teacher_server.openai.protocol import ApiError, CompletionParams, TokenText, _lp, parse_completion
+from teacher_server.openai.writer import JsonWriter, WriterFailed
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +38,18 @@ def _error(error: ApiError) -> JSONResponse:
 
 
 class Completions:
-    """One teacher's completions: prompts in, batches through the engine, vLLM's JSON out."""
+    """One teacher's completions: prompts in, batches through the engine, vLLM's JSON out.
+
+    A request's forwards are bounded by `chunk_tokens` (--api-chunk-tokens): its prompts are
+    grouped into batches of at most that many padded tokens, and a longer prompt runs a chunk
+    at a time on the model's KV cache (`model_runner.Prefix`; on one process: under tensor
+    parallelism such a prompt runs whole, as one batch). Each batch is a forward of its own,
+    and the scheduler's fair share puts other jobs' batches between them, so another job's
+    batch waits for one chunk at most, not for a whole request.
+    """
 
     def __init__(self, jobs: ApiJobs, facts: TeacherFacts, tokenizer, *, model_id: str, max_seq_len: int,
-                 max_batch_tokens: int, max_logprobs: int):
+                 max_batch_tokens: int, max_logprobs: int, chunk_tokens: int = 0, chunked_prompts: bool = True):
         self.jobs = jobs
         self.facts = facts
         self.tokenizer = tokenizer
@@ -47,7 +57,13 @@ class Completions:
         self.max_seq_len = max_seq_len
         self.max_batch_tokens = max_batch_tokens
         self.max_logprobs = max_logprobs
+        # Padded tokens of one forward of a request (0: --max-batch-tokens); longer prompts in
+        # chunks of as many when `chunked_prompts` (one process), whole otherwise.
+        self.batch_tokens = min(chunk_tokens, max_batch_tokens) if chunk_tokens else max_batch_tokens
+        self.chunked_prompts = chunked_prompts and self.batch_tokens < max_batch_tokens
+        self.max_prompt_tokens = max_seq_len if self.chunked_prompts else min(max_seq_len, max_batch_tokens)
         self.text = TokenText(tokenizer, facts.vocab_size)
+        self.writer = JsonWriter(self.text)  # prompt_logprobs, in a process of its own
         self.eos = getattr(tokenizer, "eos_token_id", None)
 
     def parse(self, body) -> CompletionParams:
@@ -64,9 +80,10 @@ class Completions:
                 params.prompts[index] = list(self.tokenizer(prompt, add_special_tokens=params.add_special_tokens)[
                     "input_ids"])
             length = len(params.prompts[index])
-            if length + params.max_tokens > self.max_seq_len or length > self.max_batch_tokens:
-                raise ApiError(f"This model's maximum context length is {min(self.max_seq_len, self.max_batch_tokens)}"
-                               f" tokens (the teacher's --max-seq-len and --max-batch-tokens). However, you requested "
+            if length + params.max_tokens > self.max_prompt_tokens:
+                raise ApiError(f"This model's maximum context length is {self.max_prompt_tokens} tokens (the teacher's "
+                               f"--max-seq-len{'' if self.chunked_prompts else ' and --max-batch-tokens'}). However, "
+                               f"you requested "
                                f"{length + params.max_tokens} tokens ({length} in the prompt {index}, "
                                f"{params.max_tokens} in the completion). Please reduce the length of the prompt or "
                                "completion.", param="prompt")
@@ -79,15 +96,15 @@ class Completions:
         return params
 
     def _batches(self, lengths: list[int], last: bool) -> list[list[int]]:
-        """Prompt indices grouped into batches of at most --max-batch-tokens padded tokens, longest
-        first; with `last` (a row's whole distribution at its end, 4 bytes an entry of the
-        vocabulary), at most LAST_ROWS_BYTES of those a batch."""
+        """Prompt indices grouped into batches of at most `batch_tokens` padded tokens, longest
+        first (a longer prompt alone); with `last` (a row's whole distribution at its end, 4
+        bytes an entry of the vocabulary), at most LAST_ROWS_BYTES of those a batch."""
         order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
         max_rows = max(1, LAST_ROWS_BYTES // (4 * self.facts.vocab_size)) if last else len(lengths)
         batches, current = [], []
         for index in order:
             width = max([lengths[i] for i in current] + [lengths[index]])
-            if current and (width * (len(current) + 1) > self.max_batch_tokens or len(current) == max_rows):
+            if current and (width * (len(current) + 1) > self.batch_tokens or len(current) == max_rows):
                 batches.append(current)
                 current = []
             current.append(index)
@@ -99,7 +116,31 @@ class Completions:
         request = OutputRequest((kind,), torch.float32, self.facts)
         results: list = [None] * len(sequences)
 
+        async def chunked(i: int) -> None:
+            """Sequence i, longer than `batch_tokens`, a chunk at a time on the model's KV cache."""
+            sequence, prefix, parts = sequences[i], Prefix(), []
+            rows = None
+            if kind.scored:
+                rows = torch.full((1, len(sequence), kind.scored), -1, dtype=torch.int64)
+                given = torch.tensor(score_rows[i], dtype=torch.int64)
+                rows[0, start:start + len(given), :given.shape[1]] = given
+            for begin in range(0, len(sequence), self.batch_tokens):
+                end = min(len(sequence), begin + self.batch_tokens)
+                ids = torch.tensor([sequence[begin:end]], dtype=torch.int64)
+                following = sequence[begin + 1:end + 1]
+                data = {NEXT_IDS: torch.tensor([following + [0] * (end - begin - len(following))], dtype=torch.int64)}
+                if rows is not None:
+                    data[SCORE_IDS] = rows[:, begin:end]
+                tensors = await self.jobs.submit(job[0], request, ids, torch.ones_like(ids), data,
+                                                 max_job_sessions=job[1], job_limit=job[2], chunk=Chunk(prefix, begin))
+                parts.append([t[0] for t in tensors])
+            by_position = len(parts[0]) - (1 if kind.last else 0)  # `last` is the final chunk's alone
+            results[i] = ([torch.cat([part[j] for part in parts]) for j in range(by_position)]
+                          + ([parts[-1][-1]] if kind.last else []))
+
         async def one(indices: list[int]) -> None:
+            if len(indices) == 1 and self.chunked_prompts and len(sequences[indices[0]]) > self.batch_tokens:
+                return await chunked(indices[0])
             width = max(len(sequences[i]) for i in indices)
             ids = torch.zeros(len(indices), width, dtype=torch.int64)
             mask = torch.zeros_like(ids)
@@ -120,7 +161,10 @@ class Completions:
         await asyncio.gather(*(one(indices) for indices in self._batches([len(s) for s in sequences], kind.last)))
         return results
 
-    async def complete(self, params: CompletionParams, job: tuple) -> str:
+    async def close(self) -> None:
+        await self.writer.close()
+
+    async def complete(self, params: CompletionParams, job: tuple) -> bytes:
         prompts = params.prompts
         want_prompt = params.prompt_logprobs is not None
         scored = params.prompt_logprob_token_ids
@@ -156,25 +200,30 @@ class Completions:
                 more = await self._run(job, [prompts[i] + generated[i] for i in going], following)
                 for i, tensors in zip(going, more):
                     lasts[i] = tensors[-1]
-        return await asyncio.to_thread(self._response, params, results, generated, gen_logprobs, finish)
+        prompt_json = [b"null"] * len(prompts)
+        if params.prompt_logprobs is not None:  # most of the response: written by the writer process
+            for index, (prompt, tensors) in enumerate(zip(prompts, results)):
+                top, top_ids, own, rank = (t.numpy() for t in tensors[:4])
+                scored_values = scored_ids = None
+                if scored:  # by position: the request's row i is position start + i; -1 pads
+                    scored_values = tensors[4].numpy()
+                    rows = np.asarray(scored[index], dtype=np.int64)
+                    scored_ids = np.full(scored_values.shape, -1, dtype=np.int64)
+                    start = params.prompt_logprob_start
+                    scored_ids[start:start + rows.shape[0], :rows.shape[1]] = rows
+                prompt_json[index] = await self.writer.prompt_logprobs(prompt, top, top_ids, own, rank, scored_values,
+                                                                       scored_ids)
+        return await asyncio.to_thread(self._response, params, results, generated, gen_logprobs, finish, prompt_json)
 
-    def _response(self, params: CompletionParams, results, generated, gen_logprobs, finish) -> str:
-        """The response's JSON text, written by joining strings (the k entries per position are most of it)."""
+    def _response(self, params: CompletionParams, results, generated, gen_logprobs, finish,
+                  prompt_json: list[bytes]) -> bytes:
+        """The response's JSON, each prompt's `prompt_logprobs` (`prompt_json`) put in by joining bytes."""
         as_id = params.return_tokens_as_token_ids
-        choices = []
+        parts = []
         prompt_tokens = completion_tokens = 0
         for index, (prompt, tensors) in enumerate(zip(params.prompts, results)):
             prompt_tokens += len(prompt)
             completion_tokens += len(generated[index])
-            prompt_json = "null"
-            if params.prompt_logprobs is not None:
-                top, top_ids, own, rank = (t.tolist() for t in tensors[:4])
-                scored = scored_ids = None
-                if params.prompt_logprob_token_ids:  # by position: the request's row i is position start + i
-                    scored = tensors[4].tolist()
-                    start, rows = params.prompt_logprob_start, params.prompt_logprob_token_ids[index]
-                    scored_ids = [[]] * start + rows + [[]] * (len(prompt) - start - len(rows))
-                prompt_json = prompt_logprobs_json(prompt, top, top_ids, own, rank, scored, scored_ids, self.text)
             text = self.text.text(generated[index])
             logprobs_json = "null"
             if params.logprobs is not None:
@@ -182,17 +231,18 @@ class Completions:
                                                           gen_logprobs[index], as_id)
             if params.echo:
                 text = self.text.text(prompt) + text
-            choice = (f'{{"index":{index},"text":{json.dumps(text)},"logprobs":{logprobs_json},'
+            before = (f'{{"index":{index},"text":{json.dumps(text)},"logprobs":{logprobs_json},'
                       f'"finish_reason":{json.dumps(finish[index] if params.max_tokens else "length")},'
-                      f'"stop_reason":null,"prompt_logprobs":{prompt_json}')
+                      f'"stop_reason":null,"prompt_logprobs":')
+            after = "}"
             if params.return_token_ids:
-                choice += f',"prompt_token_ids":{json.dumps(prompt)},"token_ids":{json.dumps(generated[index])}'
-            choices.append(choice + "}")
+                after = f',"prompt_token_ids":{json.dumps(prompt)},"token_ids":{json.dumps(generated[index])}}}'
+            parts += [b"," if index else b"", before.encode(), prompt_json[index], after.encode()]
         usage = (f'{{"prompt_tokens":{prompt_tokens},"total_tokens":{prompt_tokens + completion_tokens},'
                  f'"completion_tokens":{completion_tokens},"prompt_tokens_details":null}}')
-        return (f'{{"id":"cmpl-{uuid.uuid4().hex}","object":"text_completion","created":{int(time.time())},'
-                f'"model":{json.dumps(self.model_id)},"choices":[{",".join(choices)}],"usage":{usage},'
-                f'"system_fingerprint":null}}')
+        head = (f'{{"id":"cmpl-{uuid.uuid4().hex}","object":"text_completion","created":{int(time.time())},'
+                f'"model":{json.dumps(self.model_id)},"choices":[')
+        return b"".join([head.encode(), *parts, f'],"usage":{usage},"system_fingerprint":null}}'.encode()])
 
     def _completion_logprobs(self, params, prompt, tensors, generated, gen_logprobs, as_id) -> str:
         """OpenAI's legacy `logprobs` object: tokens, token_logprobs, top_logprobs, text_offset; the
@@ -262,7 +312,7 @@ def add_routes(app: FastAPI, completions: Completions, callers: Callers, ready) 
             code = _STATUS_CODES.get(e.code.name, 500)
             return _error(ApiError(str(e), code=code, kind="ServiceUnavailableError" if code == 503 else
                                    "BadRequestError" if code < 500 else "InternalServerError"))
-        except BatchFailed as e:
+        except (BatchFailed, WriterFailed) as e:
             return _error(ApiError(f"the teacher could not serve this request: {e}", code=500,
                                    kind="InternalServerError"))
         return Response(text, media_type="application/json")
