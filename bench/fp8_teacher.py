@@ -318,7 +318,7 @@ def train(model, data, seconds: float, lr: float, teacher=None, steps: int = 0, 
         decay = 0.5 * (1 + math.cos(math.pi * min(1.0, step / total))) if steps else 1.0
         for group in opt.param_groups:
             group["lr"] = lr * warm * max(decay, 0.1)
-        batch = next(data)
+        batch, target = next(data), None
         if isinstance(batch, tuple):  # ids and the teacher's log-probabilities, computed ahead
             batch, target = batch
         elif teacher is not None:
@@ -326,7 +326,7 @@ def train(model, data, seconds: float, lr: float, teacher=None, steps: int = 0, 
                 target = teacher(input_ids=batch[:, :-1], use_cache=False).logits.float().log_softmax(-1)
         with torch.autocast(batch.device.type, torch.bfloat16):
             logits = model(input_ids=batch[:, :-1], use_cache=False).logits.float()
-        if teacher is None:
+        if target is None:
             loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         else:
             loss = F.kl_div(logits.log_softmax(-1), target, log_target=True, reduction="batchmean") / batch.shape[1]

@@ -217,3 +217,12 @@ def test_the_bench_students_learn_from_the_quantized_teachers_own_distribution(m
     shape = dict(vocab_size=512, max_position_embeddings=16, **bench.llama_shape(1, 64))
     first, second = (bench.llama(shape, torch.float32, "cpu", seed=s) for s in (100, 101))
     assert not torch.equal(first.lm_head.weight, second.lm_head.weight)
+    # A step on cached targets is the step on the teacher run in the loop (not one on the labels).
+    ids, target = draws[100][0]
+    students = {}
+    for how, data, kwargs in (("cached", [(ids, target)], {}), ("teacher", [ids], {"teacher": teacher}),
+                              ("labels", [ids], {})):
+        students[how] = bench.llama(shape, torch.float32, "cpu", seed=100)
+        bench.train(students[how], iter(data), 0, lr=1e-2, steps=1, warmup_steps=1, **kwargs)
+    assert torch.equal(students["cached"].lm_head.weight, students["teacher"].lm_head.weight)
+    assert not torch.equal(students["cached"].lm_head.weight, students["labels"].lm_head.weight)
