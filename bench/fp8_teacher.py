@@ -40,7 +40,9 @@ A real teacher (--sections smollm2): SmolLM2-135M-Instruct (distill_common/smoll
 from its PyPI package), KL(bf16 || FP8) on --smollm2-rows sequences of English prose and Python
 source for row scales, bias-corrected, and the plans the start-up calibration keeps for each of
 --smollm2-bounds (written as fp8_plan_smollm2_BOUND.json beside --out, for the '+plan' speed
-variants); with --smollm2-student-steps, students distilled from it in bf16 and in FP8. The
+variants); with --smollm2-student-steps, students distilled from it in bf16 and in FP8
+(--smollm2-student-teachers; each teacher's last hidden states computed once over a pool of
+--smollm2-pool training windows, its head applied at each step, each seed drawing its own batches). The
 kept plan's speed on the 8B shape, at 2 x 4096:
 
     python3 -m bench.fp8_teacher --sections smollm2 --device cpu --out smollm2.md
@@ -301,25 +303,30 @@ def batches(ids: torch.Tensor, rows: int, seq: int, generator: torch.Generator):
         yield torch.stack([ids[s:s + seq + 1] for s in starts.tolist()]).to(DEVICE)
 
 
-def train(model, data, seconds: float, lr: float, teacher=None, steps: int = 0) -> int:
+def train(model, data, seconds: float, lr: float, teacher=None, steps: int = 0, after_step=None,
+          warmup_steps: int = 100) -> int:
     """Trains `model` (float32 weights, bf16 autocast) on next tokens, or on `teacher`'s
-    distribution (forward KL) when given; for `steps` steps, else for `seconds`."""
+    distribution (forward KL) when given or when `data` yields (ids, teacher log-probabilities)
+    pairs; for `steps` steps (cosine decay to a tenth), else for `seconds`; linear warm-up over
+    `warmup_steps`. `after_step(step)` is called after each step."""
     model.train().requires_grad_(True)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     total = steps or 10**9
     started, step = time.perf_counter(), 0
     while step < total and (steps or time.perf_counter() - started < seconds):
-        warm = min(1.0, (step + 1) / 100)
+        warm = min(1.0, (step + 1) / warmup_steps)
         decay = 0.5 * (1 + math.cos(math.pi * min(1.0, step / total))) if steps else 1.0
         for group in opt.param_groups:
             group["lr"] = lr * warm * max(decay, 0.1)
-        batch = next(data)
-        if teacher is not None:
+        batch, target = next(data), None
+        if isinstance(batch, tuple):  # ids and the teacher's log-probabilities, computed ahead
+            batch, target = batch
+        elif teacher is not None:
             with torch.no_grad():
                 target = teacher(input_ids=batch[:, :-1], use_cache=False).logits.float().log_softmax(-1)
         with torch.autocast(batch.device.type, torch.bfloat16):
             logits = model(input_ids=batch[:, :-1], use_cache=False).logits.float()
-        if teacher is None:
+        if target is None:
             loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         else:
             loss = F.kl_div(logits.log_softmax(-1), target, log_target=True, reduction="batchmean") / batch.shape[1]
@@ -328,6 +335,8 @@ def train(model, data, seconds: float, lr: float, teacher=None, steps: int = 0) 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         step += 1
+        if after_step is not None:
+            after_step(step)
     model.eval().requires_grad_(False)
     return step
 
@@ -527,23 +536,86 @@ def smollm2(args, rows_out: list, figures: dict) -> None:
         teachers[name] = model
     if not args.smollm2_student_steps:
         return
+    students(args, tokenizer, teachers, heldout, rows_out, figures)
+
+
+@torch.inference_mode()
+def final_hidden(model, windows: torch.Tensor, rows: int = 4) -> torch.Tensor:
+    """The teacher's last normed hidden state [N, S, H] on `windows` [N, S] (the input to its
+    head, which FP8 leaves in the model's dtype): the teacher's distribution for a fraction of
+    the memory of its logits."""
+    decoder = model.get_decoder()
+    return torch.cat([decoder(input_ids=windows[i:i + rows], use_cache=False).last_hidden_state
+                      for i in range(0, len(windows), rows)])
+
+
+def distilled_batches(windows: torch.Tensor, hidden: torch.Tensor, head, rows: int, generator: torch.Generator):
+    """`rows` windows drawn at random (the student's seed) with the teacher's log-probabilities:
+    its head applied to its cached hidden states, as in its own forward."""
+    while True:
+        picked = torch.randint(len(windows), (rows,), generator=generator)
+        with torch.no_grad():
+            target = head(hidden[picked]).float().log_softmax(-1)
+        yield windows[picked].to(DEVICE), target
+
+
+# --smollm2-student-teachers' names for the KL table's rows (a number: the calibrated plan of that bound).
+STUDENT_TEACHERS = {"bf16": "bf16", "row": "row", "row+bc": "row, bias-corrected"}
+
+
+def students(args, tokenizer, teachers: dict, heldout: torch.Tensor, rows_out: list, figures: dict) -> None:
+    """Students distilled from SmolLM2 in bf16 and in FP8 (--smollm2-student-teachers): each
+    teacher runs once over a fixed pool of --smollm2-pool windows of training text (its FP8 linears
+    as served: quantize_and_measure above, the server's own path), and each seed draws its own
+    batches from that pool (with its own initial weights; warm-up over a tenth of the steps); held-out
+    CE before, halfway and at the end."""
+    pool_rows = args.smollm2_pool
     train_ids = smollm2_train_ids(tokenizer)
-    shape = dict(vocab_size=teacher.config.vocab_size, max_position_embeddings=args.smollm2_seq,
+    seq = args.smollm2_seq
+    starts = torch.randint(len(train_ids) - seq - 1, (pool_rows,), generator=torch.Generator().manual_seed(0))
+    windows = torch.stack([train_ids[s:s + seq + 1] for s in starts.tolist()])
+    shape = dict(vocab_size=teachers["bf16"].config.vocab_size, max_position_embeddings=seq,
                  **llama_shape(args.student_layers, args.student_hidden))
-    rows_out += ["", f"Students of SmolLM2 ({args.student_layers} x {args.student_hidden}, {args.smollm2_student_steps} "
-                 f"steps of {args.batch_rows} x {args.smollm2_seq} tokens, forward KL to the teacher): held-out CE per seed", "",
+    steps = args.smollm2_student_steps
+    if steps < 2:
+        raise SystemExit("--smollm2-student-steps: at least 2 (the students' held-out CE is measured halfway too)")
+    try:
+        names = [STUDENT_TEACHERS.get(key) or f"row, bias-corrected, --fp8-max-kl {float(key):g}"
+                 for key in args.smollm2_student_teachers]
+    except ValueError:
+        names = [""]
+    missing = [n for n in names if n not in teachers]
+    if missing:
+        raise SystemExit(f"--smollm2-student-teachers: no teacher {missing}: give bf16, row, row+bc or one of "
+                         "--smollm2-bounds")
+    untrained = [held_out_ce(llama(shape, torch.float32, DEVICE, seed=100 + seed), heldout) for seed in range(args.seeds)]
+    figures["smollm2/student/untrained"] = untrained
+    rows_out += ["", f"Students of SmolLM2 ({args.student_layers} x {args.student_hidden}, {steps} steps of "
+                 f"{args.batch_rows} x {seq} tokens drawn from {pool_rows} windows of {seq} tokens, forward KL to the "
+                 f"teacher): held-out CE per seed at the end (halfway in brackets); untrained: "
+                 + ", ".join(f"{c:.3f}" for c in untrained), "",
                  "| teacher | " + " | ".join(f"seed {s}" for s in range(args.seeds)) + " | mean | spread |",
                  "|---|" + "---|" * (args.seeds + 2)]
-    for name in ["bf16"] + [n for n in teachers if "max-kl" in n or n == "row"]:
-        ces = []
+    for name in names:
+        started = time.perf_counter()
+        hidden = final_hidden(teachers[name], windows[:, :-1].to(DEVICE))
+        print(f"{name}: teacher over the pool ({pool_rows} x {seq} tokens) in {time.perf_counter() - started:.0f} s",
+              flush=True)
+        head = teachers[name].get_output_embeddings()
+        ces, halfway = [], []
         for seed in range(args.seeds):
+            started = time.perf_counter()
             student = llama(shape, torch.float32, DEVICE, seed=100 + seed)
-            train(student, batches(train_ids, args.batch_rows, args.smollm2_seq, torch.Generator().manual_seed(100 + seed)),
-                  0, lr=2e-3, teacher=teachers[name], steps=args.smollm2_student_steps)
+            data = distilled_batches(windows, hidden, head, args.batch_rows, torch.Generator().manual_seed(100 + seed))
+            train(student, data, 0, lr=2e-3, steps=steps, warmup_steps=max(1, steps // 10),
+                  after_step=lambda step: step == steps // 2 and halfway.append(held_out_ce(student, heldout)))
             ces.append(held_out_ce(student, heldout))
+            print(f"{name}, seed {seed}: held-out CE {halfway[-1]:.4f} at step {steps // 2}, {ces[-1]:.4f} at {steps} "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
             del student
         figures[f"smollm2/student/{name}"] = ces
-        rows_out.append(f"| {name} | " + " | ".join(f"{c:.4f}" for c in ces) +
+        figures[f"smollm2/student/{name}/halfway"] = halfway
+        rows_out.append(f"| {name} | " + " | ".join(f"{c:.4f} ({h:.3f})" for c, h in zip(ces, halfway)) +
                         f" | {sum(ces) / len(ces):.4f} | {max(ces) - min(ces):.4f} |")
         print(rows_out[-1], flush=True)
 
@@ -578,6 +650,13 @@ def main() -> None:
                         default=[2e-2, 1e-2, 5e-3], help="--fp8-max-kl values of the smollm2 section's plans")
     parser.add_argument("--smollm2-student-steps", type=int, default=0,
                         help="students distilled from SmolLM2 in bf16 and in FP8 (0: none)")
+    parser.add_argument("--smollm2-student-teachers", type=lambda v: [x for x in v.split(",") if x],
+                        default=["bf16", "row+bc", "0.02"], help="the smollm2 students' teachers: bf16, row (no bias "
+                        "correction), row+bc (bias-corrected, as served by default), a bound of --smollm2-bounds (the "
+                        "plan calibrated for it)")
+    parser.add_argument("--smollm2-pool", type=int, default=128,
+                        help="windows of training text the smollm2 students' batches are drawn from (each teacher "
+                        "runs over them once)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="")
     args = parser.parse_args()

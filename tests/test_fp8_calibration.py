@@ -190,3 +190,39 @@ def test_the_bench_maps_a_calibrated_plan_onto_another_depth(tmp_path):
     assert {n for n, e in linears.items() if not isinstance(e[3], fp8.FP8Linear)} == set(kept)
     with pytest.raises(ValueError, match="no decoder linear of that name"):
         fp8.quantize_model(builtin_model("tiny"), fp8.Fp8Plan(keep_linears=("model.layers.5.mlp.up_proj",)))
+
+
+def test_the_bench_students_learn_from_the_quantized_teachers_own_distribution(monkeypatch):
+    """bench/fp8_teacher.py's SmolLM2 students read each teacher's distribution from its cached last
+    hidden states through its head: the same log-probabilities as the FP8 teacher's own forward;
+    each seed draws its own batches from the pool and starts from its own weights."""
+    from bench import fp8_teacher as bench
+    from distill_common.models import builtin_model
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    teacher = builtin_model("tiny", torch.bfloat16).eval()
+    fp8.quantize_model(teacher, fp8.Fp8Plan())
+    windows = torch.randint(0, teacher.config.vocab_size, (6, 17), generator=torch.Generator().manual_seed(0))
+    hidden = bench.final_hidden(teacher, windows[:, :-1], rows=4)
+    draws = {}
+    for seed in (100, 101):
+        data = bench.distilled_batches(windows, hidden, teacher.get_output_embeddings(), 3,
+                                       torch.Generator().manual_seed(seed))
+        draws[seed] = [next(data) for _ in range(2)]
+    for ids, target in draws[100] + draws[101]:
+        with torch.inference_mode():
+            want = teacher(input_ids=ids[:, :-1]).logits.float().log_softmax(-1)
+        torch.testing.assert_close(target, want, rtol=0, atol=0)
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(draws[100], draws[101]))
+    shape = dict(vocab_size=512, max_position_embeddings=16, **bench.llama_shape(1, 64))
+    first, second = (bench.llama(shape, torch.float32, "cpu", seed=s) for s in (100, 101))
+    assert not torch.equal(first.lm_head.weight, second.lm_head.weight)
+    # A step on cached targets is the step on the teacher run in the loop (not one on the labels).
+    ids, target = draws[100][0]
+    students = {}
+    for how, data, kwargs in (("cached", [(ids, target)], {}), ("teacher", [ids], {"teacher": teacher}),
+                              ("labels", [ids], {})):
+        students[how] = bench.llama(shape, torch.float32, "cpu", seed=100)
+        bench.train(students[how], iter(data), 0, lr=1e-2, steps=1, warmup_steps=1, **kwargs)
+    assert torch.equal(students["cached"].lm_head.weight, students["teacher"].lm_head.weight)
+    assert not torch.equal(students["cached"].lm_head.weight, students["labels"].lm_head.weight)
