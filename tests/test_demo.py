@@ -37,18 +37,25 @@ def run_demo(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def demo_runs(tmp_path_factory):
-    """The quick demo run twice on one cache: cold, then warm."""
+def cold_run(tmp_path_factory):
+    """The quick demo on an empty cache."""
     tmp_path = tmp_path_factory.mktemp("demo")
     cold = run_demo(tmp_path)
     assert cold.returncode == 0, cold.stdout
+    return tmp_path, cold
+
+
+@pytest.fixture(scope="module")
+def demo_runs(cold_run):
+    """The quick demo run twice on one cache: cold, then warm."""
+    tmp_path, cold = cold_run
     warm = run_demo(tmp_path)
     assert warm.returncode == 0, warm.stdout
     return tmp_path, cold, warm
 
 
-def test_quick_demo_prints_the_table_and_a_result_line(demo_runs):
-    tmp_path, cold, _ = demo_runs
+def test_quick_demo_prints_the_table_and_a_result_line(cold_run):
+    tmp_path, cold = cold_run
     lines = cold.stdout.strip().splitlines()
     match = RESULT.match(lines[-1])
     assert match, f"last line is not a RESULT line: {lines[-1]!r}\n{cold.stdout}"
@@ -73,6 +80,7 @@ def test_quick_demo_prints_the_table_and_a_result_line(demo_runs):
         assert "matplotlib is not installed" in cold.stdout
 
 
+@pytest.mark.slow  # a second whole demo (server and four students) to see the cache used
 def test_second_run_reuses_the_cached_teacher(demo_runs):
     _, cold, warm = demo_runs
     assert "teacher: training" in cold.stdout
@@ -83,8 +91,8 @@ def test_second_run_reuses_the_cached_teacher(demo_runs):
     assert cold_teacher == warm_teacher
 
 
-def test_a_teacher_server_that_never_gets_ready_fails_with_its_log(demo_runs):
-    tmp_path, _, _ = demo_runs
+def test_a_teacher_server_that_never_gets_ready_fails_with_its_log(cold_run):
+    tmp_path, _ = cold_run
     failed = run_demo(tmp_path, "--startup-timeout-s", "0.01")
     assert failed.returncode == 1, failed.stdout
     assert "distill_demo failed: the teacher server did not print READY within" in failed.stdout

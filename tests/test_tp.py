@@ -61,6 +61,7 @@ def test_tp2_saved_model_equals_tp1_and_sigterm_to_torchrun_stops_every_rank(tmp
     assert "Traceback" not in server.log.split("Received 15 death signal")[0], server.log
 
 
+@pytest.mark.slow  # a second TP=2 teacher; the saved model's (default suite) runs the same sharding
 def test_tp2_model_built_from_config_equals_tp1_and_sigterm_to_rank0_exits_0(tmp_path):
     """builtin:tiny: built from a config, sharded by torch's parallelize_module."""
     from distill_common.models import builtin_model

@@ -359,6 +359,7 @@ def test_topk_distillation(server, models, corpus, tmp_path):
 
 # A teacher whose output head is padded past its tokenizer (as Qwen2's and Phi-3's are)
 # serves a student with the same tokenizer and head: the join compares logit widths.
+@pytest.mark.slow  # a teacher server of its own for one two-step run
 def test_padded_output_embedding_with_the_same_tokenizer_is_accepted(models, corpus, tmp_path):
     padded = dict(vocab_size=VOCAB + 16, tokenizer=models["tokenizer"])
     teacher = build_llama(tmp_path / "teacher", hidden_size=64, layers=2, seed=0, **padded)
