@@ -40,7 +40,7 @@ MAX_BATCH_TOKENS = 256
 # Logits and two hidden layers of a 4 x 64 batch fit (163,840 bytes in float32); three do not.
 MAX_OUTPUT_BYTES = 180_000
 MAX_TOPK = 16
-JOIN_TIMEOUT_S = 20.0
+JOIN_TIMEOUT_S = 12.0
 # How long a batch the teacher cannot serve may take to fail at the student: the teacher tells
 # it on the submit stream once the failed pack was run again batch by batch (a SLOW forward
 # first), with room for a loaded machine. No session ends and nothing is sent again.
