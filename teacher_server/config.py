@@ -178,7 +178,7 @@ class ServerConfig(ServerLimits):
     max_logprobs: int = field(default=256, metadata=_help(
         "largest `logprobs` and `prompt_logprobs` POST /v1/completions serves (vLLM's --max-logprobs, 20 "
         "there): each is a JSON entry per position, most of a response's size and time"))
-    api_chunk_tokens: int = field(default=512, metadata=_help(
+    api_chunk_tokens: int = field(default=256, metadata=_help(
         "POST /v1/completions runs in forwards of at most this many tokens, each a forward of its own: a request's "
         "prompts grouped up to it, a longer prompt a chunk at a time on the model's KV cache (on one process; under "
         "tensor parallelism it runs whole). Another job's batch then waits for one such forward at most, not a whole "
