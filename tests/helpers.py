@@ -60,6 +60,33 @@ def finish_student(proc: subprocess.Popen, out: Path, timeout_s: float = 180.0) 
     return json.loads(out.read_text())
 
 
+def run_ok(command: list[str], timeout_s: float) -> str:
+    """Runs `command` (from the repository's root, the tests' environment) to its end; its output,
+    stdout and stderr together. Fails the test, with the output, if it exits non-zero or runs past
+    `timeout_s`."""
+    try:
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
+                              cwd=ROOT, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{' '.join(command)} did not finish within {timeout_s}s:\n{e.output}") from None
+    assert done.returncode == 0, done.stdout
+    return done.stdout
+
+
+def divergence(p: torch.Tensor, q: torch.Tensor, kind: str, beta: float = 0.5) -> torch.Tensor:
+    """Per position [...] the divergence of distributions p, q [..., n] (forward_kl, reverse_kl or
+    jsd with `beta`), as its formula reads: the reference the losses are tested against."""
+    def kl(a, b):
+        return torch.where(a > 0, a * (a.log() - b.log()), torch.zeros_like(a)).sum(-1)
+
+    if kind == "forward_kl":
+        return kl(p, q)
+    if kind == "reverse_kl":
+        return kl(q, p)
+    m = beta * p + (1 - beta) * q
+    return beta * kl(p, m) + (1 - beta) * kl(q, m)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (a rendezvous, a port nothing listens on)."""
     with socket.socket() as sock:

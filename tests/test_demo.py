@@ -19,7 +19,7 @@ from distill_demo.config import DemoConfig
 from distill_demo.processes import DemoError, TrainerRun, wait_all
 from distill_demo.report import GroupStats, StudentResult, kd_beats_ce, loss_table
 from teacher_server.launcher import child_env
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run_ok
 
 RESULT = re.compile(r"^RESULT teacher_loss=(\d+\.\d{4}) kd_loss=(\d+\.\d{4}) ce_loss=(\d+\.\d{4})$")
 RUN_TIMEOUT_S = 150
@@ -156,17 +156,19 @@ def test_the_cross_tokenizer_table_compares_kd_and_ce_per_tokenizer():
         CrossTokenizerConfig(quick=True, vocab_size=320, student_vocab_size=320)
 
 
-@pytest.mark.slow
-def test_the_quick_cross_tokenizer_demo_runs_end_to_end(tmp_path):
+def run_quick_demo(module: str, tmp_path, timeout_s: float) -> tuple[str, dict]:
+    """`python -m <module> --quick` into tmp_path, to its end: its output and its results.json."""
     import json
 
-    result = subprocess.run(
-        [sys.executable, "-m", "distill_demo.cross_tokenizer", "--quick", "--output-dir", str(tmp_path / "out"),
-         "--cache-dir", str(tmp_path / "cache")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=ROOT, timeout=600)
-    assert result.returncode == 0, result.stdout
-    assert "KD across tokenizers (300, --loss gold)" in result.stdout
-    summary = json.loads((tmp_path / "out" / "results.json").read_text())
+    output = run_ok([sys.executable, "-m", module, "--quick", "--output-dir", str(tmp_path / "out"),
+                     "--cache-dir", str(tmp_path / "cache")], timeout_s)
+    return output, json.loads((tmp_path / "out" / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_the_quick_cross_tokenizer_demo_runs_end_to_end(tmp_path):
+    output, summary = run_quick_demo("distill_demo.cross_tokenizer", tmp_path, 600)
+    assert "KD across tokenizers (300, --loss gold)" in output
     assert set(summary["groups"]) == {"kd_same", "ce_same", "kd_other", "ce_other"}
 
 
@@ -211,13 +213,6 @@ def test_the_several_teachers_table_says_whether_two_teachers_win_beyond_the_spr
 
 @pytest.mark.slow
 def test_the_quick_several_teachers_demo_runs_end_to_end(tmp_path):
-    import json
-
-    result = subprocess.run(
-        [sys.executable, "-m", "distill_demo.several_teachers", "--quick", "--output-dir", str(tmp_path / "out"),
-         "--cache-dir", str(tmp_path / "cache")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(), cwd=ROOT, timeout=900)
-    assert result.returncode == 0, result.stdout
-    assert "KD, both (each example its domain's teacher)" in result.stdout
-    summary = json.loads((tmp_path / "out" / "results.json").read_text())
+    output, summary = run_quick_demo("distill_demo.several_teachers", tmp_path, 900)
+    assert "KD, both (each example its domain's teacher)" in output
     assert set(summary["groups"]) == {"code", "prose", "routed", "mixture", "ce"}

@@ -14,29 +14,17 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from student_trainer.eagle3.model import Eagle3Draft
-from teacher_server.launcher import child_env
-from tests.helpers import ROOT, free_port
+from tests.helpers import ROOT, free_port, run_ok as run
 from tests.test_eagle3 import DRAFT_VOCAB, SEQ_LEN
 from tests.test_eagle3 import corpus, server, teacher_dir  # noqa: F401  (fixtures of this module too)
 
 pytestmark = pytest.mark.slow
-
-
-def run(command: list[str], timeout_s: float) -> str:
-    try:
-        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
-                              cwd=ROOT, timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"{' '.join(command)} did not finish within {timeout_s}s:\n{e.output}") from None
-    assert done.returncode == 0, done.stdout
-    return done.stdout
 
 
 def eagle3_command(server, teacher_dir, corpus, output_dir, batch_size: int, *extra: str) -> list[str]:

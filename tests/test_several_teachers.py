@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from distill_demo.corpus import write_jsonl_corpus
 from distill_demo.tokenizer import train_tokenizer
 from teacher_server.launcher import ServerProcess, child_env, metrics_samples
-from tests.helpers import ROOT, wait_until
+from tests.helpers import ROOT, divergence, run_ok, wait_until
 from tests.test_trainer import build_llama
 
 VOCAB = 300
@@ -108,19 +108,6 @@ def settings(assets, servers, output_dir: Path, specs: dict[str, str], stores_al
 
 
 # ---- the straightforward reference ------------------------------------------------------------------
-
-
-def divergence(p: torch.Tensor, q: torch.Tensor, kind: str, beta: float = 0.5) -> torch.Tensor:
-    """Per position [...] the divergence of distributions p, q [..., n], as its formula reads."""
-    def kl(a, b):
-        return torch.where(a > 0, a * (a.log() - b.log()), torch.zeros_like(a)).sum(-1)
-
-    if kind == "forward_kl":
-        return kl(p, q)
-    if kind == "reverse_kl":
-        return kl(q, p)
-    m = beta * p + (1 - beta) * q
-    return beta * kl(p, m) + (1 - beta) * kl(q, m)
 
 
 def buckets(probs: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
@@ -340,16 +327,6 @@ def trainer_command(assets, addresses: dict, output_dir: Path, steps: int) -> li
             "--teacher-spec", f"name=prose,address={addresses['prose']},kind=topk,topk=8"]
 
 
-def run_trainer(command: list[str], timeout_s: float = 300) -> str:
-    try:
-        result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(),
-                                cwd=ROOT, timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"the trainer did not finish within {timeout_s}s:\n{e.output}") from None
-    assert result.returncode == 0, result.stdout
-    return result.stdout
-
-
 @pytest.mark.slow
 def test_a_teacher_killed_mid_run_repeats_the_uninterrupted_losses_and_keeps_the_others_outputs(assets, tmp_path):
     from tests.test_restart import RestartableTeacher, logged_steps
@@ -360,7 +337,7 @@ def test_a_teacher_killed_mid_run_repeats_the_uninterrupted_losses_and_keeps_the
                                "--max-batch-tokens", str(BATCH * SEQ_LEN))
     try:
         addresses = {"code": code.address, "prose": prose.running().address}
-        run_trainer(trainer_command(assets, addresses, tmp_path / "reference", steps))
+        run_ok(trainer_command(assets, addresses, tmp_path / "reference", steps), 300)
         joins_before = metrics_samples(code.http)[("teacher_sessions_joined_total", ())]
         restarted_dir = tmp_path / "restarted"
         trainer = subprocess.Popen(trainer_command(assets, addresses, restarted_dir, steps), stdout=subprocess.PIPE,

@@ -17,21 +17,9 @@ from distill_common.settings import ConfigError
 from student_trainer.config import TrainConfig
 from student_trainer.losses import MixtureTeacher, kd_loss, mixture_kd_loss, topk_kd_loss
 from student_trainer.teachers import TeacherSpec, read_teacher_specs
+from tests.helpers import divergence
 
 B, S, V = 2, 5, 11
-
-
-def plain_divergence(p: torch.Tensor, q: torch.Tensor, kind: str, beta: float) -> torch.Tensor:
-    """The divergence between two distributions over the same outcomes, as its formula reads."""
-    def kl(a, b):
-        return torch.where(a > 0, a * (a.log() - b.log()), torch.zeros_like(a)).sum()
-
-    if kind == "forward_kl":
-        return kl(p, q)
-    if kind == "reverse_kl":
-        return kl(q, p)
-    m = beta * p + (1 - beta) * q
-    return beta * kl(p, m) + (1 - beta) * kl(q, m)
 
 
 def plain_mixture_loss(student, teachers, mask, kind, temperature, beta=0.5):
@@ -53,11 +41,11 @@ def plain_mixture_loss(student, teachers, mask, kind, temperature, beta=0.5):
                     known &= k[b, s]
             q = q_all[b, s]
             if bool(known.all()):
-                losses.append(plain_divergence(m, q, kind, beta))
+                losses.append(divergence(m, q, kind, beta))
             else:
                 p_buckets = torch.cat([m[known], (1 - m[known].sum()).reshape(1)])
                 q_buckets = torch.cat([q[known], (1 - q[known].sum()).reshape(1)])
-                losses.append(plain_divergence(p_buckets, q_buckets, kind, beta))
+                losses.append(divergence(p_buckets, q_buckets, kind, beta))
     return torch.stack(losses).mean() * temperature ** 2
 
 
