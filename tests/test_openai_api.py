@@ -165,6 +165,46 @@ def test_the_servers_json_writer_writes_the_straightforward_writers_text(model_d
         assert len(json.loads(got)) == length
 
 
+def test_a_request_cancelled_mid_answer_leaves_the_writer_no_answer_for_the_next_one():
+    """The writer process answers in order down one pipe: a request cancelled while its answer is
+    being written must not leave that answer for the next request to read as its own."""
+    import asyncio
+
+    import numpy as np
+
+    from teacher_server.openai.protocol import TokenText, write_prompt_logprobs
+    from teacher_server.openai.writer import JsonWriter
+
+    text = TokenText(None, VOCAB)
+
+    def arrays(seed: int, length: int, k: int):
+        generator = torch.Generator().manual_seed(seed)
+        logprobs = torch.randn(length, VOCAB, generator=generator).log_softmax(-1)
+        ids = torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+        top, top_ids = logprobs.topk(k, dim=1)
+        own = logprobs.gather(1, torch.tensor(ids[1:] + ids[-1:])[:, None])[:, 0]
+        rank = (logprobs >= own[:, None]).sum(1)
+        return ids, top.numpy(), top_ids.numpy(), own.numpy(), rank.numpy().astype(np.int64)
+
+    long, short = arrays(1, 4000, 100), arrays(2, 50, 3)
+
+    async def scenario() -> bytes:
+        writer = JsonWriter(text)
+        try:
+            await writer.prompt_logprobs(*short)  # the child started
+            first = asyncio.ensure_future(writer.prompt_logprobs(*long))
+            await asyncio.sleep(0.2)  # its arrays sent, its answer (about 20 MB) being written
+            assert not first.done()
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            return await writer.prompt_logprobs(*short)
+        finally:
+            await writer.close()
+
+    assert asyncio.run(scenario()) == write_prompt_logprobs(*short[:5], None, None, text).encode()
+
+
 def test_extensions_prompt_temperature_and_ids_scored_at_every_position(server, model):
     sequence = SEQUENCES[0]
     scored = [[1, 2, -1], [3, 4, 5], [6, -1, -1]]  # rows for positions 2, 3, 4 (predicting tokens 3, 4, 5)

@@ -63,12 +63,19 @@ class JsonWriter:
             for attempt in (1, 2):
                 try:
                     return await asyncio.wait_for(self._ask(arrays), self._timeout_s)
+                except WriterFailed:  # the child answered with its error: the exchange is whole
+                    raise
                 except (OSError, EOFError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
                     reason = "no answer within %g s" % self._timeout_s if isinstance(e, asyncio.TimeoutError) else repr(e)
                     log.warning("the JSON writer process failed (%s); starting another", reason)
                     await self._stop()
                     if attempt == 2:
                         raise WriterFailed(f"the JSON writer process failed twice: {reason}") from e
+                except BaseException:
+                    # Cancelled mid-exchange: the child may hold half of these arrays or an answer
+                    # not yet read, which the next request would take as its own. It goes.
+                    self._discard()
+                    raise
         raise AssertionError("unreachable")
 
     async def _ask(self, arrays: dict[str, np.ndarray | None]) -> bytes:
@@ -103,6 +110,13 @@ class JsonWriter:
         self._proc.stdin.write(b"%d\n" % len(entries) + entries)
         await self._proc.stdin.drain()
         return self._proc
+
+    def _discard(self) -> None:
+        """Kills the child without waiting for it (a cancelled task cannot wait): the next request
+        starts another."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:
+            proc.kill()
 
     async def _stop(self) -> None:
         proc, self._proc = self._proc, None
