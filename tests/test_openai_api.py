@@ -272,6 +272,21 @@ def test_a_prompt_longer_than_a_forward_runs_in_chunks_on_the_kv_cache(server, m
     wait_until(lambda: _forwards(server) - before == 10, 30, "the chunks' forwards to be counted")
 
 
+def test_more_long_prompts_than_a_job_runs_at_once_each_get_their_own_values(server, model):
+    """Five prompts of three chunks each in one request: a job runs two prompts on the KV cache at
+    once (routes.LIVE_PREFIXES_PER_JOB), the others wait their turn; each prompt's values are its own."""
+    prompts = [[(13 * i + 5 * p + 1) % VOCAB for i in range(3 * CHUNK_TOKENS - p)] for p in range(5)]
+    response = _post(server, {"prompt": prompts, "max_tokens": 1, "prompt_logprobs": 2})
+    assert response.status_code == 200, response.text
+    for choice, prompt in zip(response.json()["choices"], prompts):
+        reference = _log_softmax(model, prompt)
+        logprobs = choice["prompt_logprobs"]
+        assert len(logprobs) == len(prompt)
+        for t in range(1, len(prompt)):
+            entries = {int(key): value for key, value in logprobs[t].items()}
+            assert entries[prompt[t]]["logprob"] == pytest.approx(reference[t - 1, prompt[t]].item(), abs=1e-5)
+
+
 def _writers(server) -> list[int]:
     """The teacher's JSON writer processes (teacher_server/openai/writer.py)."""
     from pathlib import Path

@@ -19,7 +19,7 @@ from teacher_server.errors import ServiceError
 from teacher_server.model_runner import Chunk, Prefix
 from teacher_server.openai.jobs import ApiJobs, BatchFailed
 from teacher_server.openai.outputs import NEXT_IDS, SCORE_IDS, CompletionLogprobs
-from teacher_server.openai.protocol import ApiError, CompletionParams, TokenText, _lp, parse_completion
+from teacher_server.openai.protocol import ApiError, CompletionParams, TokenText, parse_completion
 from teacher_server.openai.writer import JsonWriter, WriterFailed
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,13 @@ LAST_ROWS_BYTES = 256 << 20
 OPERATOR_JOB = "openai-api"
 _STATUS_CODES = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503,
                  "FAILED_PRECONDITION": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403}
+
+
+# Prompts of one job run a chunk at a time on the model's KV cache at once, at most (each prompt's
+# cache lives until its last chunk): the KV memory a job's requests hold is this many prompts of
+# up to --max-seq-len, however many long prompts it sends. Two keep the device busy between one
+# prompt's chunk returning and its next being submitted.
+LIVE_PREFIXES_PER_JOB = 2
 
 
 def _error(error: ApiError) -> JSONResponse:
@@ -65,6 +72,7 @@ class Completions:
         self.text = TokenText(tokenizer, facts.vocab_size)
         self.writer = JsonWriter(self.text)  # prompt_logprobs, in a process of its own
         self.eos = getattr(tokenizer, "eos_token_id", None)
+        self._prefix_slots: dict[str, asyncio.Semaphore] = {}  # by job: LIVE_PREFIXES_PER_JOB each
 
     def parse(self, body) -> CompletionParams:
         params = parse_completion(body, vocab_size=self.facts.vocab_size, max_logprobs=self.max_logprobs,
@@ -124,16 +132,20 @@ class Completions:
                 rows = torch.full((1, len(sequence), kind.scored), -1, dtype=torch.int64)
                 given = torch.tensor(score_rows[i], dtype=torch.int64)
                 rows[0, start:start + len(given), :given.shape[1]] = given
-            for begin in range(0, len(sequence), self.batch_tokens):
-                end = min(len(sequence), begin + self.batch_tokens)
-                ids = torch.tensor([sequence[begin:end]], dtype=torch.int64)
-                following = sequence[begin + 1:end + 1]
-                data = {NEXT_IDS: torch.tensor([following + [0] * (end - begin - len(following))], dtype=torch.int64)}
-                if rows is not None:
-                    data[SCORE_IDS] = rows[:, begin:end]
-                tensors = await self.jobs.submit(job[0], request, ids, torch.ones_like(ids), data,
-                                                 max_job_sessions=job[1], job_limit=job[2], chunk=Chunk(prefix, begin))
-                parts.append([t[0] for t in tensors])
+            slots = self._prefix_slots.setdefault(job[0], asyncio.Semaphore(LIVE_PREFIXES_PER_JOB))
+            async with slots:  # its KV cache lives from its first chunk to its last
+                for begin in range(0, len(sequence), self.batch_tokens):
+                    end = min(len(sequence), begin + self.batch_tokens)
+                    ids = torch.tensor([sequence[begin:end]], dtype=torch.int64)
+                    following = sequence[begin + 1:end + 1]
+                    data = {NEXT_IDS: torch.tensor([following + [0] * (end - begin - len(following))],
+                                                   dtype=torch.int64)}
+                    if rows is not None:
+                        data[SCORE_IDS] = rows[:, begin:end]
+                    tensors = await self.jobs.submit(job[0], request, ids, torch.ones_like(ids), data,
+                                                     max_job_sessions=job[1], job_limit=job[2],
+                                                     chunk=Chunk(prefix, begin))
+                    parts.append([t[0] for t in tensors])
             by_position = len(parts[0]) - (1 if kind.last else 0)  # `last` is the final chunk's alone
             results[i] = ([torch.cat([part[j] for part in parts]) for j in range(by_position)]
                           + ([parts[-1][-1]] if kind.last else []))
@@ -318,4 +330,4 @@ def add_routes(app: FastAPI, completions: Completions, callers: Callers, ready) 
         return Response(text, media_type="application/json")
 
 
-__all__ = ["Completions", "add_routes", "_lp"]
+__all__ = ["Completions", "add_routes"]
