@@ -116,6 +116,7 @@ def session_status(server: ServerProcess, session_id: str) -> dict | None:
 # ---- the client ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a kill -9 and restart of its own; the training across a kill -9 (default suite) repeats it end to end
 def test_every_future_resolves_once_in_order_across_a_kill_9(teacher, assets, thread_errors):
     from transformers import AutoModelForCausalLM
 
