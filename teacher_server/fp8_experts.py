@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 FP8 = fp8.FP8
 BLOCK = fp8.BLOCK
+GATE_GROUP = 64  # gate rows interleaved with their up rows in groups of this many (FP8ExpertWeights.interleave_gate)
 # The experts' 3-D weights that are quantized, by transformers' names.
 WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj")
 _SCALED_GROUPED_MM = getattr(torch, "_scaled_grouped_mm", None)
@@ -94,6 +95,21 @@ class FP8ExpertWeights(nn.Module):
         self.register_buffer("weight", weight_q.contiguous())
         self.register_buffer("weight_scale", weight_scale.float().contiguous())
         self.kernel = choose_kernel(self.weight.device, scaling)
+        # > 0: the rows alternate this many gate rows and their up rows (`interleave_gate`), so that the
+        # Triton kernel computes silu(gate) x up in its epilogue (`gated`). Products and `dequantized`
+        # still give [gate | up].
+        self.gate_group = 0
+
+    def interleave_gate(self, group: int = GATE_GROUP) -> bool:
+        """A plain SwiGLU expert's first weight ([gate | up], row scales, on the Triton kernel) stored
+        with its gate and up rows alternating in groups of `group`, for `gated`. Returns whether it was."""
+        n = self.weight.shape[1]
+        if self.gate_group or self.kernel != "triton" or self.scaling != "row" or n % (2 * group):
+            return False
+        self.weight = fp8_grouped_gemm.interleave_gate(self.weight, group).contiguous()
+        self.weight_scale = fp8_grouped_gemm.interleave_gate(self.weight_scale, group).contiguous()
+        self.gate_group = group
+        return True
 
     def _apply(self, fn, recurse=True):
         # Moved to another device (.to, .cuda): the product that runs there. Decided here, not in
@@ -130,7 +146,11 @@ class FP8ExpertWeights(nn.Module):
             scale = self.weight_scale.unsqueeze(-1)
         else:
             scale = self.weight_scale.repeat_interleave(BLOCK, 1)[:, :n].repeat_interleave(BLOCK, 2)
-        return (self.weight.float() * scale).to(dtype)
+        weight = (self.weight.float() * scale).to(dtype)
+        if self.gate_group:  # back to [gate | up]
+            weight = fp8_grouped_gemm.deinterleave_gate(weight.transpose(1, 2), self.gate_group).transpose(1, 2)
+            weight = weight.contiguous()
+        return weight
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return fp8.quantize_rows(x) if self.scaling == "row" else fp8.quantize_row_blocks(x)
@@ -151,8 +171,9 @@ class FP8ExpertWeights(nn.Module):
         """`forward` on an activation quantized already (e4m3 `xq` and its scales `xs`, as
         `quantize_input` or fp8_grouped_gemm.swiglu_quantize give them)."""
         if self.kernel == "triton":
-            return fp8_grouped_gemm.grouped_fp8_mm(xq, xs, self.weight, self.weight_scale, offsets, rows, out_rows,
-                                                   zero_unwritten, out_dtype, self.fast_accum)
+            out = fp8_grouped_gemm.grouped_fp8_mm(xq, xs, self.weight, self.weight_scale, offsets, rows, out_rows,
+                                                  zero_unwritten, out_dtype, self.fast_accum)
+            return fp8_grouped_gemm.deinterleave_gate(out, self.gate_group) if self.gate_group else out
         if rows is not None:
             xq, xs = xq.index_select(0, rows), xs.index_select(0, rows)
         if self.kernel == "scaled_grouped_mm":
@@ -164,6 +185,8 @@ class FP8ExpertWeights(nn.Module):
             dtype = torch.float32 if xq.device.type == "cpu" else out_dtype
             activation = fp8.dequantize(xq, xs).to(dtype)
             out = moe.grouped_mm(activation, self.dequantized(dtype).transpose(1, 2), offsets).to(out_dtype)
+        if self.kernel == "scaled_grouped_mm" and self.gate_group:
+            out = fp8_grouped_gemm.deinterleave_gate(out, self.gate_group)
         if zero_unwritten:
             held = torch.arange(out.shape[0], device=out.device) < offsets[-1]
             out = torch.where(held.unsqueeze(-1), out, 0)
@@ -180,10 +203,32 @@ class FP8ExpertWeights(nn.Module):
         xq, xs = fp8_grouped_gemm.swiglu_quantize(projected, pair_weights, self.scaling == "block")
         return self.product(xq, xs, offsets, **placed)
 
+    def canonical(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The e4m3 weight and its scales with the rows as transformers keeps them ([gate | up])."""
+        if not self.gate_group:  # (interleaved only with row scales: weight_scale [E, N])
+            return self.weight, self.weight_scale
+        weight = fp8_grouped_gemm.deinterleave_gate(self.weight.transpose(1, 2), self.gate_group).transpose(1, 2)
+        return weight.contiguous(), fp8_grouped_gemm.deinterleave_gate(self.weight_scale, self.gate_group)
+
+    def gated(self, x: torch.Tensor, offsets: torch.Tensor, pair_weights: torch.Tensor,
+              rows: torch.Tensor | None = None, zero_unwritten: bool = False) -> torch.Tensor:
+        """A plain SwiGLU expert's first product and gate: silu(gate) x up x the routing weight of each
+        sorted pair, [M, I] in x's dtype (`x`, `offsets`, `rows`, `zero_unwritten` as in `forward`).
+        With the gate rows interleaved on the Triton kernel, in the product's epilogue: the [M, 2I]
+        product is never written; otherwise the product, then the gate in float32."""
+        if self.kernel == "triton" and self.gate_group:
+            xq, xs = self.quantize_input(x)
+            return fp8_grouped_gemm.grouped_fp8_gated_mm(xq, xs, self.weight, self.weight_scale, offsets, rows,
+                                                         pair_weights.reshape(-1), self.gate_group, zero_unwritten,
+                                                         x.dtype, self.fast_accum)
+        gate, up = self(x, offsets, rows=rows, zero_unwritten=zero_unwritten).float().chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up * pair_weights.float().reshape(-1, 1)).to(x.dtype)
+
     def extra_repr(self) -> str:
         experts, n, k = self.weight.shape
         return (f"experts={experts}, out_features={n}, in_features={k}, scaling={self.scaling}, kernel={self.kernel}"
-                + (", fast_accum=True" if self.fast_accum else ""))
+                + (", fast_accum=True" if self.fast_accum else "")
+                + (f", gate rows interleaved by {self.gate_group}" if self.gate_group else ""))
 
 
 def reference_product(weights: FP8ExpertWeights, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -206,6 +251,8 @@ def reference_product(weights: FP8ExpertWeights, x: torch.Tensor, offsets: torch
                 w = q * scale_w.repeat_interleave(BLOCK, 0)[:q.shape[0]].repeat_interleave(BLOCK, 1)
             out[row] = w @ activation
         start = end
+    if weights.gate_group:
+        out = fp8_grouped_gemm.deinterleave_gate(out, weights.gate_group)
     return out.to(x.dtype)
 
 
@@ -229,7 +276,10 @@ def quantize_experts(model: nn.Module, scaling: str, keep_layers: tuple[int, ...
                                      "matrix dimensions divisible by 16; serve the model without --quantize fp8")
                 canonical = weight.transpose(1, 2) if module.is_transposed else weight  # [E, N, K]
                 del module._parameters[name]
-                setattr(module, name, FP8ExpertWeights.quantize(canonical, scaling, fast_accum))
+                quantized = FP8ExpertWeights.quantize(canonical, scaling, fast_accum)
+                if name == "gate_up_proj" and getattr(module, "plain_swiglu", False):
+                    quantized.interleave_gate()  # the gate in the first product's epilogue (moe.experts_forward)
+                setattr(module, name, quantized)
                 replaced += 1
     return replaced
 
@@ -264,15 +314,21 @@ def verify(model: nn.Module, dtype: torch.dtype, rows: int = 96) -> int:
         scatter = torch.randperm(rows, generator=generator, device=device)
         with torch.inference_mode():
             sorted_want = reference_product(module, tokens.index_select(0, gather), offsets)
-            cases = ((module(x, offsets), reference_product(module, x, offsets)),
+            cases = [(module(x, offsets), reference_product(module, x, offsets)),
                      (module(tokens, offsets, rows=gather, out_rows=scatter),
-                      torch.empty_like(sorted_want).index_copy_(0, scatter, sorted_want)))
+                      torch.empty_like(sorted_want).index_copy_(0, scatter, sorted_want))]
+            if module.gate_group:  # the gate in the product's epilogue, against the reference product's gate
+                route = torch.rand(rows, generator=generator, device=device)
+                gate, up = sorted_want.float().chunk(2, dim=-1)
+                cases.append((module.gated(tokens, offsets, route, rows=gather),
+                              torch.nn.functional.silu(gate) * up * route.unsqueeze(-1)))
             errors = [((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
                       for got, want in cases]
         if not max(errors) <= _CHECK_RTOL:
             raise fp8.FP8Unsupported(f"FP8 experts {name} ({module.extra_repr()}) on {device}: the grouped product "
                                      f"is off the dequantize-then-multiply reference by {max(errors):.3g} (relative; "
-                                     f"sorted rows {errors[0]:.3g}, gathered and scattered {errors[1]:.3g}): the "
+                                     f"sorted rows {errors[0]:.3g}, gathered and scattered {errors[1]:.3g}"
+                                     + (f", gated {errors[2]:.3g}" if module.gate_group else "") + "): the "
                                      f"{module.kernel} product reads its operands otherwise. Serve the model without "
                                      "--quantize fp8")
     return len(checked)

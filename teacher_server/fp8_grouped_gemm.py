@@ -76,29 +76,62 @@ def _configs() -> list:
             for m, n, w, s in shapes]
 
 
+def _persistent_configs() -> list:
+    # (BLOCK_M, BLOCK_N, warps, stages, programs an SM, flattened pipelining, weights through TMA): the
+    # fastest with fast accumulation on Qwen3-30B-A3B's layers (H200, Triton 3.6,
+    # bench/investigations/fp8_grouped_tiles.py: 128 x 256 in 4 stages flattened, 1.32x bf16 over
+    # both products where the plain kernel's best gave 1.24x), and 64 x 128 two an SM for small groups.
+    # With sums promoted at every K step the large tiles spill (0.4-0.6x bf16): the plain kernel runs those.
+    shapes = [(128, 256, 8, 4, 1, True, False), (128, 256, 8, 4, 1, True, True), (64, 128, 4, 4, 2, True, True)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": BLOCK, "PER_SM": p, "FLATTEN": f, "TMA_W": t},
+                          num_warps=w, num_stages=s) for m, n, w, s, p, f, t in shapes]
+
+
+autotune_timings = 0  # how many configurations the autotuner has timed in this process (benches read it)
+
+
+def _bench_warm(kernel_call, quantiles=None) -> list[float]:
+    """The autotuner's timing: median of 20 calls after 3, the L2 cache left as the calls leave it
+    (Triton's default flushes it before each call; in a forward the activation was just written)."""
+    global autotune_timings
+    autotune_timings += 1
+    for _ in range(3):
+        kernel_call()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(20)]
+    for start, end in events:
+        start.record()
+        kernel_call()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    return [times[10], times[4], times[16]] if quantiles is not None else times[10]
+
+
 if triton is not None:
     @triton.jit
-    def _grouped_fp8_mm_kernel(
-            a_ptr, a_scale_ptr, gather_ptr, w_ptr, w_scale_ptr, out_ptr, scatter_ptr, offsets_ptr,
-            M, N, K, ROWS_BUCKET,
-            stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
-            NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, HAS_GATHER: tl.constexpr,
-            HAS_SCATTER: tl.constexpr, BLOCK_SCALED: tl.constexpr, EVEN_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        pid = tl.program_id(0)
-        tiles_n = tl.cdiv(N, BLOCK_N)
-        tile_m = pid // tiles_n
-        tile_n = pid % tiles_n
-        # This program's expert: the first whose cumulative M-tile count passes tile_m.
+    def _expert_tiles(offsets_ptr, NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Each expert's rows (starts, ends) and the cumulative count of its M-tiles, in registers."""
         experts = tl.arange(0, EXPERTS_POW2)
         inside = experts < NUM_EXPERTS
         ends = tl.load(offsets_ptr + experts, mask=inside, other=0)
         starts = tl.load(offsets_ptr + experts - 1, mask=inside & (experts > 0), other=0)
         tiles = tl.where(inside, tl.cdiv(ends - starts, BLOCK_M), 0)
-        tiles_end = tl.cumsum(tiles, 0)
+        return experts, starts, ends, tiles, tl.cumsum(tiles, 0)
+
+    @triton.jit
+    def _product_tile(
+            tile_m, tile_n, experts, starts, ends, tiles, tiles_end,
+            a_ptr, a_scale_ptr, gather_ptr, w_ptr, w_desc, w_scale_ptr, out_ptr, scatter_ptr, route_ptr,
+            N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+            HAS_GATHER: tl.constexpr, HAS_SCATTER: tl.constexpr, BLOCK_SCALED: tl.constexpr, EVEN_K: tl.constexpr,
+            FAST_ACCUM: tl.constexpr, TMA_W: tl.constexpr, GATE_GROUP: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One BLOCK_M x BLOCK_N tile of the output: M-tile `tile_m` of all the experts' (it must be
+        one), N-tile `tile_n`. With GATE_GROUP (> 0) the weight's rows alternate GATE_GROUP gate rows
+        and the same GATE_GROUP up rows, and the tile writes silu(gate) x up x route[row]: BLOCK_N / 2
+        columns of the [M, N / 2] output."""
+        # The tile's expert: the first whose cumulative M-tile count passes tile_m.
         expert = tl.sum((tiles_end <= tile_m).to(tl.int32), 0)
-        if expert >= NUM_EXPERTS:
-            return
         mine = experts == expert
         first_tile = tl.sum(tl.where(mine, tiles_end - tiles, 0), 0)
         row_start = tl.sum(tl.where(mine, starts, 0), 0) + (tile_m - first_tile) * BLOCK_M
@@ -118,6 +151,7 @@ if triton is not None:
         expert64 = expert.to(tl.int64)
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]
         w_ptrs = w_ptr + expert64 * stride_we + cols_in[None, :] * stride_wn + ks[:, None]
+        w_row = expert * N + tile_n * BLOCK_N  # the tile's first row of [E x N, K] (TMA: rows past N masked at the store)
         if BLOCK_SCALED:
             a_scale_ptrs = a_scale_ptr + a_rows * stride_asm
             w_scale_ptrs = w_scale_ptr + expert64 * stride_wse + (cols_in // BLOCK_K) * stride_wsn
@@ -125,11 +159,14 @@ if triton is not None:
         for kb in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=ks[None, :] < K - kb * BLOCK_K, other=0.0)
+            if TMA_W:
+                w = w_desc.load([w_row, kb * BLOCK_K]).T  # zeros past K
+            elif EVEN_K:
                 w = tl.load(w_ptrs)
             else:
-                left = K - kb * BLOCK_K
-                a = tl.load(a_ptrs, mask=ks[None, :] < left, other=0.0)
-                w = tl.load(w_ptrs, mask=ks[:, None] < left, other=0.0)
+                w = tl.load(w_ptrs, mask=ks[:, None] < K - kb * BLOCK_K, other=0.0)
             if BLOCK_SCALED:
                 a_s = tl.load(a_scale_ptrs + kb)
                 w_s = tl.load(w_scale_ptrs + kb)
@@ -148,8 +185,69 @@ if triton is not None:
             out_rows = tl.load(scatter_ptr + rows_in).to(tl.int64)
         else:
             out_rows = rows_in.to(tl.int64)
-        out_ptrs = out_ptr + out_rows[:, None] * stride_om + cols[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        if GATE_GROUP > 0:
+            # [BLOCK_M, groups, gate | up, GATE_GROUP] -> the gate and up halves, each [BLOCK_M, BLOCK_N / 2]
+            halves = tl.permute(tl.reshape(acc, (BLOCK_M, BLOCK_N // (2 * GATE_GROUP), 2, GATE_GROUP)), (0, 1, 3, 2))
+            gate, up = tl.split(halves)
+            gate = tl.reshape(gate, (BLOCK_M, BLOCK_N // 2))
+            up = tl.reshape(up, (BLOCK_M, BLOCK_N // 2))
+            route = tl.load(route_ptr + rows_in).to(tl.float32)
+            h = gate * tl.sigmoid(gate) * up * route[:, None]
+            hcols = tile_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            out_ptrs = out_ptr + out_rows[:, None] * stride_om + hcols[None, :]
+            tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (hcols < N // 2)[None, :])
+        else:
+            out_ptrs = out_ptr + out_rows[:, None] * stride_om + cols[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _grouped_fp8_mm_kernel(
+            a_ptr, a_scale_ptr, gather_ptr, w_ptr, w_scale_ptr, out_ptr, scatter_ptr, route_ptr, offsets_ptr,
+            M, N, K, ROWS_BUCKET,
+            stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+            NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, HAS_GATHER: tl.constexpr,
+            HAS_SCATTER: tl.constexpr, BLOCK_SCALED: tl.constexpr, EVEN_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
+            GATE_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """A program a tile: the grid is the upper bound of the tiles; programs past the last return."""
+        pid = tl.program_id(0)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        tile_m = pid // tiles_n
+        experts, starts, ends, tiles, tiles_end = _expert_tiles(offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, BLOCK_M)
+        if tile_m >= tl.sum(tiles, 0):
+            return
+        _product_tile(tile_m, pid % tiles_n, experts, starts, ends, tiles, tiles_end,
+                      a_ptr, a_scale_ptr, gather_ptr, w_ptr, w_ptr, w_scale_ptr, out_ptr, scatter_ptr, route_ptr,
+                      N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                      HAS_GATHER, HAS_SCATTER, BLOCK_SCALED, EVEN_K, FAST_ACCUM, False, GATE_GROUP,
+                      BLOCK_M, BLOCK_N, BLOCK_K)
+
+    @triton.jit
+    def _grouped_fp8_mm_persistent_kernel(
+            a_ptr, a_scale_ptr, gather_ptr, w_ptr, w_scale_ptr, out_ptr, scatter_ptr, route_ptr, offsets_ptr,
+            M, N, K, ROWS_BUCKET, NUM_SMS,
+            stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+            NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, HAS_GATHER: tl.constexpr,
+            HAS_SCATTER: tl.constexpr, BLOCK_SCALED: tl.constexpr, EVEN_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
+            GATE_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            PER_SM: tl.constexpr, FLATTEN: tl.constexpr, TMA_W: tl.constexpr):
+        """NUM_SMS x PER_SM programs walk the tiles: the experts' tile counts are read once,
+        no program is launched past the last tile; with FLATTEN Triton's pipeliner loads the next
+        tile's first K steps during this tile's epilogue; with TMA_W the weights come through the
+        tensor memory accelerator."""
+        experts, starts, ends, tiles, tiles_end = _expert_tiles(offsets_ptr, NUM_EXPERTS, EXPERTS_POW2, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        total = tl.sum(tiles, 0) * tiles_n
+        if TMA_W:
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[NUM_EXPERTS * N, K], strides=[K, 1],
+                                               block_shape=[BLOCK_N, BLOCK_K])
+        else:
+            w_desc = w_ptr
+        for tile in tl.range(tl.program_id(0), total, NUM_SMS * PER_SM, flatten=FLATTEN):
+            _product_tile(tile // tiles_n, tile % tiles_n, experts, starts, ends, tiles, tiles_end,
+                          a_ptr, a_scale_ptr, gather_ptr, w_ptr, w_desc, w_scale_ptr, out_ptr, scatter_ptr,
+                          route_ptr, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
+                          stride_om, HAS_GATHER, HAS_SCATTER, BLOCK_SCALED, EVEN_K, FAST_ACCUM, TMA_W, GATE_GROUP,
+                          BLOCK_M, BLOCK_N, BLOCK_K)
 
     @triton.jit
     def _swiglu_quantize_kernel(x_ptr, weight_ptr, q_ptr, scale_ptr, M, I, stride_x, stride_q, stride_s,
@@ -176,12 +274,44 @@ if triton is not None:
             tl.store(scale_ptr + rows64 * stride_s, scale, mask=row_ok)
         tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
+    _KEY = ["N", "K", "ROWS_BUCKET", "BLOCK_SCALED", "HAS_GATHER", "FAST_ACCUM", "GATE_GROUP"]
     CONFIGS = _configs()
-    _tuned_kernel = triton.autotune(configs=CONFIGS, key=["N", "K", "ROWS_BUCKET", "BLOCK_SCALED", "HAS_GATHER",
-                                                          "FAST_ACCUM"])(
-        _grouped_fp8_mm_kernel)
+    PERSISTENT_CONFIGS = _persistent_configs()
+
+    def _autotuned(kernel, configs):
+        try:
+            return triton.autotune(configs=configs, key=_KEY, do_bench=_bench_warm)(kernel)
+        except TypeError:  # a Triton without the do_bench argument
+            return triton.autotune(configs=configs, key=_KEY)(kernel)
+
+    _tuned_kernel = _autotuned(_grouped_fp8_mm_kernel, CONFIGS)
+    _tuned_persistent = _autotuned(_grouped_fp8_mm_persistent_kernel, PERSISTENT_CONFIGS)
 else:
-    CONFIGS = []
+    CONFIGS = PERSISTENT_CONFIGS = []
+
+# The autotuned launch runs the persistent kernel for row scales with fast accumulation, the plain
+# kernel otherwise (bench/investigations/fp8_grouped_tiles.py).
+PERSISTENT_FAST = True
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_allocator_set = False
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """The global memory Triton asks for the TMA descriptors a kernel makes on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_tma_allocator() -> None:
+    global _allocator_set
+    if not _allocator_set:
+        triton.set_allocator(_tma_scratch)
+        _allocator_set = True
 
 
 def rows_bucket(rows: int, experts: int) -> int:
@@ -196,13 +326,23 @@ def rows_bucket(rows: int, experts: int) -> int:
 
 def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, offsets: torch.Tensor,
            gather: torch.Tensor | None, scatter: torch.Tensor | None, out: torch.Tensor,
-           config: dict | None = None, fast_accum: bool = False) -> torch.Tensor:
+           config: dict | None = None, fast_accum: bool = False, route: torch.Tensor | None = None,
+           gate_group: int = 0) -> torch.Tensor:
     """Runs the kernel into `out` [M, N] (M = gather's length, or a's rows). `config`: fixed tile
-    shapes ({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}) instead of the autotuned ones.
+    shapes ({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}) instead of the autotuned ones; with
+    "PER_SM" (and "FLATTEN", "TMA_W") the persistent kernel's.
     `fast_accum` (row scales): the FP8 tensor cores' partial sums kept over the whole K, not promoted
-    to float32 at each 128-wide step (faster, less exact: what cuBLAS's fast accumulation does)."""
+    to float32 at each 128-wide step (faster, less exact: what cuBLAS's fast accumulation does).
+    `gate_group` (row scales): w's rows alternate `gate_group` gate rows and their up rows
+    (`interleave_gate`), `out` is [M, N / 2] and gets silu(gate) x up x `route` [M] of each row."""
     experts, n, k = w.shape
     m = out.shape[0]
+    if gate_group:
+        if w_scale.dim() == 3 or route is None or n % (2 * gate_group) or out.shape[1] != n // 2:
+            raise ValueError("grouped FP8 kernel: the gated product takes row scales, a routing weight per row, "
+                             f"N a multiple of {2 * gate_group} and an [M, N / 2] output")
+        if config is not None and config["BLOCK_N"] % (2 * gate_group):
+            raise ValueError(f"grouped FP8 kernel: BLOCK_N {config['BLOCK_N']} holds no whole gate groups")
     if m == 0:
         return out
     if experts > MAX_EXPERTS:
@@ -215,22 +355,42 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: tor
     a, a_scale, w_scale = a.contiguous(), a_scale.contiguous(), w_scale.contiguous()
     dummy = offsets  # an unused pointer argument (HAS_GATHER / HAS_SCATTER off)
     args = (a, a_scale, gather if gather is not None else dummy, w, w_scale, out,
-            scatter if scatter is not None else dummy, offsets, m, n, k, rows_bucket(m, experts),
+            scatter if scatter is not None else dummy, route.contiguous() if gate_group else dummy, offsets,
+            m, n, k, rows_bucket(m, experts),
             a.stride(0), a_scale.stride(0), w.stride(0), w.stride(1), w_scale.stride(0),
             w_scale.stride(1) if block_scaled else 0, out.stride(0))
     constants = dict(NUM_EXPERTS=experts, EXPERTS_POW2=max(triton.next_power_of_2(experts), 16),
                      HAS_GATHER=gather is not None, HAS_SCATTER=scatter is not None, BLOCK_SCALED=block_scaled,
-                     EVEN_K=k % BLOCK == 0, FAST_ACCUM=fast_accum and not block_scaled)
+                     EVEN_K=k % BLOCK == 0, FAST_ACCUM=fast_accum and not block_scaled, GATE_GROUP=gate_group)
 
-    def grid(meta):
-        return ((triton.cdiv(m, meta["BLOCK_M"]) + experts) * triton.cdiv(n, meta["BLOCK_N"]),)
+    def tiles(meta):  # the upper bound of the output tiles
+        return (triton.cdiv(m, meta["BLOCK_M"]) + experts) * triton.cdiv(n, meta["BLOCK_N"])
 
-    if config is None:
-        _tuned_kernel[grid](*args, **constants)
+    sms = _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device()) \
+        if a.is_cuda else 4
+    tma_ok = w.is_contiguous() and k % 16 == 0 and w.data_ptr() % 16 == 0
+    # The autotuned persistent configurations read the weights through TMA: others run the plain kernel.
+    persistent = (PERSISTENT_FAST and constants["FAST_ACCUM"] and tma_ok) if config is None else "PER_SM" in config
+    if persistent:
+        args = args[:13] + (sms,) + args[13:]
+        _ensure_tma_allocator()
+
+        def grid(meta):
+            return (min(tiles(meta), sms * meta["PER_SM"]),)
     else:
-        meta = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=BLOCK)
-        _grouped_fp8_mm_kernel[grid(meta)](*args, **constants, **meta, num_warps=config.get("num_warps", 4),
-                                           num_stages=config.get("num_stages", 3))
+        def grid(meta):
+            return (tiles(meta),)
+    if config is None:
+        (_tuned_persistent if persistent else _tuned_kernel)[grid](*args, **constants)
+        return out
+    meta = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=BLOCK)
+    if persistent:
+        meta.update(PER_SM=config["PER_SM"], FLATTEN=config.get("FLATTEN", False), TMA_W=config.get("TMA_W", False))
+        if meta["TMA_W"] and not tma_ok:
+            raise ValueError("grouped FP8 kernel: TMA reads contiguous weights with K a multiple of 16")
+    kernel = _grouped_fp8_mm_persistent_kernel if persistent else _grouped_fp8_mm_kernel
+    kernel[grid(meta)](*args, **constants, **meta, num_warps=config.get("num_warps", 4),
+                       num_stages=config.get("num_stages", 3))
     return out
 
 
@@ -256,6 +416,41 @@ def grouped_fp8_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_sc
 def _(a, a_scale, w, w_scale, offsets, gather, scatter, zero_unwritten, out_dtype, fast_accum=False):
     m = gather.shape[0] if gather is not None else a.shape[0]
     return a.new_empty((m, w.shape[1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("distill_fp8::grouped_fp8_gated_mm", mutates_args=())
+def grouped_fp8_gated_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                         offsets: torch.Tensor, gather: torch.Tensor | None, route: torch.Tensor, gate_group: int,
+                         zero_unwritten: bool, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """The first product of a plain SwiGLU expert with its gate in the epilogue: w [E, 2I, K] with rows
+    interleaved by `gate_group` (`interleave_gate`), row scales; route [M]: each sorted pair's routing
+    weight. -> silu(gate) x up x route, [M, I] in `out_dtype` (the [M, 2I] product is never written)."""
+    m = gather.shape[0] if gather is not None else a.shape[0]
+    make = torch.zeros if zero_unwritten else torch.empty
+    out = make(m, w.shape[1] // 2, dtype=out_dtype, device=a.device)
+    return launch(a, a_scale, w, w_scale, offsets, gather, None, out, fast_accum=fast_accum, route=route,
+                  gate_group=gate_group)
+
+
+@grouped_fp8_gated_mm.register_fake
+def _(a, a_scale, w, w_scale, offsets, gather, route, gate_group, zero_unwritten, out_dtype, fast_accum=False):
+    m = gather.shape[0] if gather is not None else a.shape[0]
+    return a.new_empty((m, w.shape[1] // 2), dtype=out_dtype)
+
+
+def interleave_gate(rows: torch.Tensor, group: int) -> torch.Tensor:
+    """[E, 2I, ...] as [gate | up] -> rows alternating `group` gate rows and the same `group` up rows
+    (the layout `grouped_fp8_gated_mm` reads: a tile of 2 x group rows holds a gate and its up)."""
+    experts, n = rows.shape[:2]
+    tail = rows.shape[2:]
+    return rows.reshape(experts, 2, n // (2 * group), group, *tail).transpose(1, 2).reshape(experts, n, *tail)
+
+
+def deinterleave_gate(columns: torch.Tensor, group: int) -> torch.Tensor:
+    """The inverse of `interleave_gate` on the last dimension of a product: [..., 2I] back to [gate | up]."""
+    n = columns.shape[-1]
+    lead = columns.shape[:-1]
+    return columns.reshape(*lead, n // (2 * group), 2, group).transpose(-3, -2).reshape(*lead, n)
 
 
 def swiglu_quantize_reference(x: torch.Tensor, weight: torch.Tensor, block_scaled: bool

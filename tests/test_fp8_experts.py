@@ -101,6 +101,33 @@ def test_quantize_fp8_puts_every_experts_layer_in_fp8_equal_to_fake_quantization
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
+def test_gate_rows_interleaved_for_the_gpu_give_the_same_products_and_gate_off_it():
+    """An expert weight whose gate and up rows were interleaved for the Triton kernel's gated
+    epilogue (fp8_experts.interleave_gate), then run where that kernel does not (moved to a CPU):
+    its product, its dequantized weight and its gate equal those of the same weight never
+    interleaved, and the interleaving moved rows and their scales together."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(3, 256, 96, generator=generator)
+    plain = fp8_experts.FP8ExpertWeights.quantize(weight, "row")
+    interleaved = fp8_experts.FP8ExpertWeights.quantize(weight, "row")
+    interleaved.kernel = "triton"  # what a CUDA device would have chosen
+    assert interleaved.interleave_gate(64) and interleaved.gate_group == 64
+    assert torch.equal(interleaved.weight[0, 64:128], plain.weight[0, 128:192])  # up rows after their gate rows
+    assert torch.equal(interleaved.weight_scale[1, 64:128], plain.weight_scale[1, 128:192])
+    interleaved.kernel = "dequantize"
+    x = torch.randn(20, 96, generator=generator)
+    offsets = torch.tensor([7, 7, 20], dtype=torch.int32)
+    route = torch.rand(20, generator=generator)
+    torch.testing.assert_close(interleaved.dequantized(), plain.dequantized(), rtol=0, atol=0)
+    torch.testing.assert_close(interleaved(x, offsets), plain(x, offsets), rtol=0, atol=0)
+    torch.testing.assert_close(fp8_experts.reference_product(interleaved, x, offsets),
+                               fp8_experts.reference_product(plain, x, offsets), rtol=0, atol=0)
+    gate, up = plain(x, offsets).chunk(2, dim=-1)
+    torch.testing.assert_close(interleaved.gated(x, offsets, route), torch.nn.functional.silu(gate) * up
+                               * route.unsqueeze(-1), rtol=1e-6, atol=1e-6)
+    assert not plain.interleave_gate(64)  # not on the Triton kernel: left as it is
+
+
 def test_experts_stored_in_fp8_without_block_scales_are_refused_with_what_to_do():
     """3-D e4m3 expert weights without the 128 x 128 scales fp8_experts.adopt_published reads are
     not served: the error says to dequantize the checkpoint and quantize at load instead."""

@@ -65,7 +65,9 @@ def _checks() -> None:
         a, a_scale = (fp8.quantize_row_blocks if block else fp8.quantize_rows)(torch.randn(23, k, generator=generator))
         gather = torch.randint(0, 23, (rows,), generator=generator)
         scatter = torch.randperm(rows, generator=generator)
-        for config in ({"BLOCK_M": 16, "BLOCK_N": 64}, {"BLOCK_M": 32, "BLOCK_N": 128}):
+        for config in ({"BLOCK_M": 16, "BLOCK_N": 64}, {"BLOCK_M": 32, "BLOCK_N": 128},
+                       {"BLOCK_M": 16, "BLOCK_N": 64, "PER_SM": 1}, {"BLOCK_M": 32, "BLOCK_N": 128, "PER_SM": 2,
+                                                                     "FLATTEN": True}):
             out = torch.zeros(rows, 200)
             fp8_grouped_gemm.launch(a, a_scale, w, w_scale, offsets, gather, scatter, out, config=config)
             expected = _reference(a, a_scale, w, w_scale, offsets, gather, scatter, rows)

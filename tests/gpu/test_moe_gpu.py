@@ -121,6 +121,65 @@ def test_the_triton_fp8_kernel_equals_the_one_expert_at_a_time_reference(scaling
     assert (plain - sorted_reference[:held]).norm() / sorted_reference[:held].norm() < 1e-2
 
 
+@pytest.mark.parametrize("scaling", ["row", "block"])
+def test_every_tile_configuration_of_both_fp8_kernels_equals_the_reference(scaling):
+    """Each configuration the autotuner may pick, of the plain kernel (a program a tile) and of the
+    persistent one (programs walking the tiles, flattened pipelining, weights through TMA), with
+    promoted and fast sums: the same ragged and empty groups as above, against the one-expert-at-a-
+    time reference. Autotuning picks by speed alone, so a configuration wrong only for some shapes
+    would otherwise be served where it wins."""
+    from teacher_server import fp8_experts, fp8_grouped_gemm
+
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    k = 320 if scaling == "row" else 384
+    weight = torch.randn(6, 200, k, device="cuda", generator=generator).pow(3)
+    module = fp8_experts.FP8ExpertWeights.quantize(weight, scaling)
+    tokens = torch.randn(50, k, device="cuda", generator=generator).pow(3).to(torch.bfloat16)
+    sizes = [40, 0, 130, 1, 9, 0]
+    held = sum(sizes)
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).int()
+    gather = torch.randint(0, 50, (held + 5,), device="cuda", generator=generator)
+    scatter = torch.randperm(held + 5, device="cuda", generator=generator)
+    sorted_reference = fp8_experts.reference_product(module, tokens.index_select(0, gather), offsets).float()
+    expected = torch.zeros_like(sorted_reference)
+    expected.index_copy_(0, scatter[:held], sorted_reference[:held])
+    aq, a_s = module.quantize_input(tokens)
+    configs = [dict(BLOCK_M=c.kwargs["BLOCK_M"], BLOCK_N=c.kwargs["BLOCK_N"], num_warps=c.num_warps,
+                    num_stages=c.num_stages, **{key: c.kwargs[key] for key in ("PER_SM", "FLATTEN", "TMA_W")
+                                                if key in c.kwargs})
+               for c in fp8_grouped_gemm.CONFIGS + fp8_grouped_gemm.PERSISTENT_CONFIGS]
+    assert any("PER_SM" in c for c in configs) and any("PER_SM" not in c for c in configs)
+    for config in configs:
+        for fast in ((False, True) if scaling == "row" else (False,)):
+            out = torch.zeros(held + 5, 200, device="cuda", dtype=torch.bfloat16)
+            fp8_grouped_gemm.launch(aq, a_s, module.weight, module.weight_scale, offsets, gather, scatter, out,
+                                    config=config, fast_accum=fast)
+            relative = ((out.float() - expected).norm() / expected.norm()).item()
+            print(f"{scaling} {config} fast={fast}: {relative:.2e}")
+            assert torch.count_nonzero(out.index_select(0, scatter[held:])) == 0, config
+            assert relative < 1e-2, (config, fast, relative)
+    if scaling == "row":
+        # The gate in the epilogue: rows interleaved by 64, silu(gate) x up x the routing weight; N 384
+        # (three gate groups: a 256-wide tile half past the end).
+        group = 64
+        gated = fp8_experts.FP8ExpertWeights.quantize(
+            torch.randn(6, 384, k, device="cuda", generator=generator).pow(3), scaling)
+        gate, up = fp8_experts.reference_product(gated, tokens.index_select(0, gather), offsets).float().chunk(2, -1)
+        w = fp8_grouped_gemm.interleave_gate(gated.weight, group).contiguous()
+        w_scale = fp8_grouped_gemm.interleave_gate(gated.weight_scale, group).contiguous()
+        route = torch.rand(held + 5, device="cuda", generator=generator)
+        want = torch.nn.functional.silu(gate) * up * route.unsqueeze(-1)
+        for config in configs:
+            for fast in (False, True):
+                out = torch.zeros(held + 5, 192, device="cuda", dtype=torch.bfloat16)
+                fp8_grouped_gemm.launch(aq, a_s, w, w_scale, offsets, gather, None, out, config=config,
+                                        fast_accum=fast, route=route, gate_group=group)
+                relative = ((out[:held].float() - want[:held]).norm() / want[:held].norm()).item()
+                print(f"gated {config} fast={fast}: {relative:.2e}")
+                assert torch.count_nonzero(out[held:]) == 0, config
+                assert relative < 1e-2, (config, fast, relative)
+
+
 # FP8 experts served on the GPU against the same FP8 weights computed on the CPU (the activations
 # quantized at the same points, per row or per 1 x 128 block; products dequantized and multiplied in
 # float32: the CPU path of fp8_experts.py and fp8.py), one decoder layer at a time: each reference
@@ -192,8 +251,9 @@ def test_fp8_experts_on_hopper_match_their_reference_layer_by_layer(tmp_path, sc
     for ours, theirs in zip(experts, moe.experts_modules(reference.model)):
         for name in ("gate_up_proj", "down_proj"):
             mine, cpu = getattr(ours, name), getattr(theirs, name)
-            torch.testing.assert_close(mine.weight_scale.cpu(), cpu.weight_scale, rtol=1e-6, atol=0)
-            codes = mine.weight.cpu().view(torch.uint8).int() - cpu.weight.view(torch.uint8).int()
+            weight, weight_scale = mine.canonical()  # the GPU's gate_up rows are interleaved for its gated kernel
+            torch.testing.assert_close(weight_scale.cpu(), cpu.weight_scale, rtol=1e-6, atol=0)
+            codes = weight.cpu().view(torch.uint8).int() - cpu.weight.view(torch.uint8).int()
             assert codes.abs().max() <= 1 and codes.count_nonzero() < 1e-2 * codes.numel(), \
                 (name, codes.count_nonzero().item(), codes.abs().max().item())
     ids = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(3))

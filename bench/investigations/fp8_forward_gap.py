@@ -1,0 +1,80 @@
+"""The Qwen3-30B-A3B-shaped forward in bf16 and in FP8 with fast accumulation, both models built in
+one process and timed in turns (bf16, FP8, bf16, FP8, ...), each turn with the median of
+bench/moe_teacher.py's timing, the wall time of one synced call, and the kernels' device time from
+a profile. Asks why bench/moe_teacher.py, which builds, times and frees the variants one after
+another, gave the FP8 forward 120-142 ms timed while its kernels add up to 91-95 ms (an H200,
+2026-12-04), and what the ratio is when nothing else differs.
+
+    python3 -m bench.investigations.fp8_forward_gap --out /tmp/gap.md   (one Hopper GPU, minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from bench.moe_teacher import config_of, time_forward
+from bench.table import emit
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    from teacher_server import fp8_grouped_gemm
+    from teacher_server.fp8 import Fp8Plan
+    from teacher_server.model_runner import ModelRunner
+
+    config = config_of("qwen3-30b-a3b")
+    runners = {}
+    with tempfile.TemporaryDirectory() as directory:
+        config.save_pretrained(directory)
+        for name, plan in (("bf16", None), ("FP8, fast accumulation", Fp8Plan("row", fast_accum=True))):
+            started = time.perf_counter()
+            runners[name] = ModelRunner(f"random:{directory}", "cuda:0", dtype="bfloat16", quantize=plan)
+            print(f"{name}: built in {time.perf_counter() - started:.0f} s", flush=True)
+    ids = torch.randint(config.vocab_size, (args.rows, args.seq), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    lines = ["| turn | forward | timed ms (median) | wall ms of one synced call | kernels ms (profile) | "
+             "autotuner timings in the timed calls |", "|---|---|---|---|---|---|"]
+    timed: dict[str, list[float]] = {name: [] for name in runners}
+    device: dict[str, list[float]] = {name: [] for name in runners}
+    for turn in range(args.turns):
+        for name, runner in runners.items():
+            call = lambda ids, mask, runner=runner: runner.forward(ids, mask).logits  # noqa: E731
+            before = fp8_grouped_gemm.autotune_timings
+            ms, _ = time_forward(call, args.rows, args.seq, config.vocab_size, args.iters)
+            tuned = fp8_grouped_gemm.autotune_timings - before
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            call(ids, mask)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - started) * 1e3
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                call(ids, mask)
+                torch.cuda.synchronize()
+            kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+            timed[name].append(ms)
+            device[name].append(kernels)
+            lines.append(f"| {turn + 1} | {name} | {ms:.1f} | {wall:.1f} | {kernels:.1f} | {tuned} |")
+            print(lines[-1], flush=True)
+    (bf16, fp8) = runners
+    lines += ["", "| | bf16 / FP8, timed | bf16 / FP8, kernels |", "|---|---|---|"]
+    for turn in range(args.turns):
+        lines.append(f"| turn {turn + 1} | {timed[bf16][turn] / timed[fp8][turn]:.3f} | "
+                     f"{device[bf16][turn] / device[fp8][turn]:.3f} |")
+    print("\n".join(lines[-args.turns - 3:]), flush=True)
+    emit(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()
