@@ -16,7 +16,7 @@
 # the Qwen3-30B-A3B-shaped forward in bf16 and FP8);
 # two GPUs: recipeserved (the seed recipe with its teacher served, and colocated), eagle3served and
 # eagle3servedlong (EAGLE-3 from a served target, with the colocated baseline).
-# Investigations (bench/investigations/): tpsend, disk.
+# Investigations (bench/investigations/): tpsend, disk, fp8tiles, fp8gap.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
 # shellcheck source=bench/gpu_env.sh
@@ -118,6 +118,10 @@ print('stubs import under grpcio', grpc.__version__)" ;;
             timeout 400 python3 -m bench.moe_teacher --models qwen3-30b-a3b --shapes 2x4096 --baseline-shapes '' \
               --router-std 0 --iters 5 --quantize --fp8-scalings row+fastacc,row,block --profile qwen3-30b-a3b \
               --profile-dir "$out" --out "$out/moe_fp8.md" 2>&1 | quiet | tail -20 ;;
+    # The grouped FP8 kernels' variants on Qwen3-30B-A3B's layer (plain, persistent; tiles, TMA, flattening).
+    fp8tiles) timeout 400 python3 -m bench.investigations.fp8_grouped_tiles --out "$out/tiles.md" 2>&1 | quiet | tail -60 ;;
+    # bf16 and FP8 (fast accumulation) Qwen3-30B-A3B-shaped forwards built in one process, timed in turns.
+    fp8gap) timeout 400 python3 -m bench.investigations.fp8_forward_gap --out "$out/gap.md" 2>&1 | quiet | tail -20 ;;
     # The stores are written under /tmp (local disk) and removed after.
     store) timeout 400 python3 -m bench.store_throughput --profile --out "$out/store.md" 2>&1 | quiet | tail -40 ;;
     # EAGLE-3 draft training from a served Llama-3-8B-shaped target (GPU 0) on GPU 1 at 2k .. 32k tokens: target

@@ -23,9 +23,11 @@ product is
     GPU      teacher_server/fp8_grouped_gemm.py: one Triton kernel over every expert, FP8 tensor
              cores, float32 accumulation (with --fp8-fast-accum and row scales, the tensor cores'
              partial sums kept over the whole K), the scales in its epilogue (row) or per K block
-             (block), the permutation read by index and the combine's order written by index; a
-             plain SwiGLU gate, the routing weight and the down product's input quantization in one
-             kernel before it (`swiglu_product`)
+             (block), the permutation read by index and the combine's order written by index. A
+             plain SwiGLU gate with row scales: the first weight's gate and up rows interleaved at
+             load (`interleave_gate`), the gate and the routing weight in the first product's
+             epilogue (`gated`); with block scales, the gate, the routing weight and the down
+             product's input quantization in one kernel between the products (`swiglu_product`)
     CPU      the operands quantized the same way, dequantized to float32 and multiplied by the
              grouped GEMM in float32 (moe.grouped_mm): numerically the product above, up to the
              order of the float32 sums. Also the path of a GPU without Triton (in bf16 there).

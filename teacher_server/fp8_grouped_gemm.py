@@ -21,21 +21,37 @@ speed of bf16 `torch._grouped_mm` on Qwen3-30B-A3B's 512-row groups: docs/perfor
     the scatter   the second product writes each sorted row to its pair's place in token order
                   (`scatter`), so the combine is a sum over k contiguous rows, not a gather
 
-Scheduling: the programs are the M-tiles of every expert (an expert of n rows has ceil(n / BLOCK_M))
-times the N-tiles. Each program finds its expert from the group offsets on the device (a cumulative
-sum over E <= 1024 tile counts, in registers): no host sync, no per-expert launch. The grid is the
-upper bound cdiv(M, BLOCK_M) + E M-tiles; programs past the last tile return at once. Consecutive
-programs share an M-tile (its rows are read once from memory, then from L2), and an expert's M-tiles
-follow each other (its weights stay in L2).
+Scheduling: the output tiles are the M-tiles of every expert (an expert of n rows has ceil(n /
+BLOCK_M)) times the N-tiles; each tile finds its expert from the group offsets on the device (a
+cumulative sum over E <= 1024 tile counts, in registers): no host sync, no per-expert launch.
+Consecutive tiles share an M-tile (its rows are read once from memory, then from L2), and an
+expert's M-tiles follow each other (its weights stay in L2). Two kernels walk them:
 
-`swiglu_quantize` is the step between the two products for a plain SwiGLU gate: silu(gate) x up x
-the routing weight of each row, quantized per row or per 1 x 128 block, one read of the bf16 row.
+    plain        a program a tile; the grid is the upper bound cdiv(M, BLOCK_M) + E M-tiles, and
+                 programs past the last tile return at once (the promoted sums and block scales)
+    persistent   a few programs an SM loop over the tiles with the tile counts read once, Triton's
+                 pipelining flattened over the loop (the next tile's first K steps load during a
+                 tile's epilogue), the weights optionally through TMA: fast accumulation, where it
+                 ran Qwen3-30B-A3B's two products 1.32x bf16 against the plain kernel's 1.24x
+                 (bench/investigations/fp8_grouped_tiles.py, an H200; with promoted sums its large
+                 tiles spill and it ran 0.4-0.6x bf16, so those stay on the plain kernel)
 
-The tile shapes are autotuned per (N, K, scaling, rows per expert rounded to a power of 4) on first
-use among a few configurations (`CONFIGS`; bench/moe_teacher.py --experts-probe times each). On a
-CPU there is no kernel: teacher_server/fp8_experts.py dequantizes and multiplies there, and the
-tests hold this kernel to that (tests/gpu/test_moe_gpu.py; on a CPU under Triton's interpreter,
-tests/test_fp8_grouped_gemm.py).
+The gated first product (`grouped_fp8_gated_mm`): a plain SwiGLU expert's weight stored with its
+gate and up rows alternating in groups of 64 (`interleave_gate`, at load), so a tile holds gates
+and their ups; the epilogue writes silu(gate) x up x the routing weight, [M, I] instead of the
+[M, 2I] product (per Qwen3-30B-A3B layer at 8,192 tokens: 100 MB less written, and 100 MB less
+read by the quantization that follows). Row scales only (block scales keep transformers' layout).
+
+`swiglu_quantize` is the step between the two products for a plain SwiGLU gate whose rows are not
+interleaved (block scales): silu(gate) x up x the routing weight of each row, quantized per row or
+per 1 x 128 block, one read of the bf16 row.
+
+The tile shapes are autotuned per (N, K, scaling, gated, rows per expert rounded to a power of 4)
+on first use among a few configurations (`CONFIGS`, `PERSISTENT_CONFIGS`), timed with the L2 cache
+as the calls leave it (Triton's default flushes it first; in a forward the activation was just
+written). On a CPU there is no kernel: teacher_server/fp8_experts.py dequantizes and multiplies
+there, and the tests hold this kernel to that (tests/gpu/test_moe_gpu.py, every configuration of
+both kernels, gated and not; on a CPU under Triton's interpreter, tests/test_fp8_grouped_gemm.py).
 """
 
 from __future__ import annotations
