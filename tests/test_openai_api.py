@@ -205,6 +205,38 @@ def test_a_request_cancelled_mid_answer_leaves_the_writer_no_answer_for_the_next
     assert asyncio.run(scenario()) == write_prompt_logprobs(*short[:5], None, None, text).encode()
 
 
+def test_a_request_waits_for_the_writer_a_bounded_time_then_hears_it_is_busy():
+    """The writer answers one request at a time: a request behind others gives up after the
+    queue's timeout with an error that says what to do, and the writer serves the next one."""
+    import asyncio
+
+    import numpy as np
+
+    from teacher_server.openai.protocol import TokenText, write_prompt_logprobs
+    from teacher_server.openai.writer import JsonWriter, WriterBusy
+
+    text = TokenText(None, VOCAB)
+    ids = [1, 2, 3]
+    arrays = (ids, np.zeros((3, 2), np.float32), np.zeros((3, 2), np.int64), np.zeros(3, np.float32),
+              np.ones(3, np.int64))
+
+    async def scenario() -> bytes:
+        writer = JsonWriter(text, queue_timeout_s=0.3)
+        try:
+            writer._lock = asyncio.Lock()
+            await writer._lock.acquire()  # another request's turn, for longer than the queue waits
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(WriterBusy, match="retry later"):
+                await writer.prompt_logprobs(*arrays)
+            assert 0.25 < asyncio.get_running_loop().time() - started < 5
+            writer._lock.release()
+            return await writer.prompt_logprobs(*arrays)
+        finally:
+            await writer.close()
+
+    assert asyncio.run(scenario()) == write_prompt_logprobs(*arrays, None, None, text).encode()
+
+
 def test_extensions_prompt_temperature_and_ids_scored_at_every_position(server, model):
     sequence = SEQUENCES[0]
     scored = [[1, 2, -1], [3, 4, 5], [6, -1, -1]]  # rows for positions 2, 3, 4 (predicting tokens 3, 4, 5)

@@ -20,7 +20,7 @@ from teacher_server.model_runner import Chunk, Prefix
 from teacher_server.openai.jobs import ApiJobs, BatchFailed
 from teacher_server.openai.outputs import NEXT_IDS, SCORE_IDS, CompletionLogprobs
 from teacher_server.openai.protocol import ApiError, CompletionParams, TokenText, parse_completion
-from teacher_server.openai.writer import JsonWriter, WriterFailed
+from teacher_server.openai.writer import JsonWriter, WriterBusy, WriterFailed
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +324,8 @@ def add_routes(app: FastAPI, completions: Completions, callers: Callers, ready) 
             code = _STATUS_CODES.get(e.code.name, 500)
             return _error(ApiError(str(e), code=code, kind="ServiceUnavailableError" if code == 503 else
                                    "BadRequestError" if code < 500 else "InternalServerError"))
+        except WriterBusy as e:
+            return _error(ApiError(str(e), code=503, kind="ServiceUnavailableError"))
         except (BatchFailed, WriterFailed) as e:
             return _error(ApiError(f"the teacher could not serve this request: {e}", code=500,
                                    kind="InternalServerError"))

@@ -12,7 +12,8 @@ the cores first.
 The child is started at the first request and again if it dies (the request that found it dead
 is written by the new one). Arrays go down its stdin raw (a JSON header line, then their bytes)
 and the text comes back length-prefixed after a JSON header line: nothing is pickled. One request
-at a time; the child exits when the teacher closes its stdin (or dies).
+at a time (a request waits at most `queue_timeout_s` for its turn: `WriterBusy`, a 503); the child
+exits when the teacher closes its stdin (or dies).
 """
 
 from __future__ import annotations
@@ -40,13 +41,19 @@ class WriterFailed(RuntimeError):
     """The writer process failed twice for one request (its message says why)."""
 
 
+class WriterBusy(RuntimeError):
+    """The writer was busy with other requests' answers for the whole of the queue's timeout."""
+
+
 class JsonWriter:
     """The teacher's end: `prompt_logprobs(...)` returns the JSON text as bytes."""
 
-    def __init__(self, text: TokenText, *, nice: int = WRITER_NICE, timeout_s: float = 300.0):
+    def __init__(self, text: TokenText, *, nice: int = WRITER_NICE, timeout_s: float = 300.0,
+                 queue_timeout_s: float = 300.0):
         self._text = text
         self._nice = nice
         self._timeout_s = timeout_s  # for one answer: a stuck child fails the request, not the teacher
+        self._queue_timeout_s = queue_timeout_s  # for the turn: a request behind many others gives up
         self._proc: asyncio.subprocess.Process | None = None
         self._lock: asyncio.Lock | None = None  # made on the event loop that uses it
 
@@ -59,7 +66,12 @@ class JsonWriter:
                   "scored": scored, "scored_ids": scored_ids}
         if self._lock is None:
             self._lock = asyncio.Lock()
-        async with self._lock:
+        try:
+            await asyncio.wait_for(self._lock.acquire(), self._queue_timeout_s)
+        except asyncio.TimeoutError:
+            raise WriterBusy(f"the JSON writer was busy with other requests' answers for {self._queue_timeout_s:g} s: "
+                             "retry later, or ask for fewer prompt_logprobs or shorter prompts per request") from None
+        try:
             for attempt in (1, 2):
                 try:
                     return await asyncio.wait_for(self._ask(arrays), self._timeout_s)
@@ -76,6 +88,8 @@ class JsonWriter:
                     # not yet read, which the next request would take as its own. It goes.
                     self._discard()
                     raise
+        finally:
+            self._lock.release()
         raise AssertionError("unreachable")
 
     async def _ask(self, arrays: dict[str, np.ndarray | None]) -> bytes:
