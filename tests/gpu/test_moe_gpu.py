@@ -87,6 +87,25 @@ def test_the_served_moe_forward_equals_transformers_eager_in_float32(tmp_path, m
     assert all(sum(layer) == 3 * 300 * config.num_experts_per_tok for layer in snapshot.last)
 
 
+def _ragged_case(scaling: str, seed: int, device: str = "cuda"):
+    """An FP8 expert weight [6, 200, K] (K 320 for row scales: a partial K step; 384 for block), 50
+    token rows, groups of 40, 0, 130, 1, 9 and 0 rows and 5 pairs no expert holds, each pair's
+    token (gather) and place (scatter): (generator, weights, tokens, held, offsets, gather, scatter)."""
+    from teacher_server import fp8_experts
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+    k = 320 if scaling == "row" else 384
+    weight = torch.randn(6, 200, k, device=device, generator=generator).pow(3)
+    module = fp8_experts.FP8ExpertWeights.quantize(weight, scaling)
+    tokens = torch.randn(50, k, device=device, generator=generator).pow(3).to(torch.bfloat16)
+    sizes = [40, 0, 130, 1, 9, 0]
+    held = sum(sizes)
+    offsets = torch.tensor(sizes, device=device).cumsum(0).int()
+    gather = torch.randint(0, 50, (held + 5,), device=device, generator=generator)
+    scatter = torch.randperm(held + 5, device=device, generator=generator)
+    return generator, module, tokens, held, offsets, gather, scatter
+
+
 @pytest.mark.parametrize("scaling", ["row", "block"])
 def test_the_triton_fp8_kernel_equals_the_one_expert_at_a_time_reference(scaling):
     """teacher_server/fp8_grouped_gemm.py as FP8ExpertWeights call it: rows gathered from token rows
@@ -97,17 +116,8 @@ def test_the_triton_fp8_kernel_equals_the_one_expert_at_a_time_reference(scaling
     from teacher_server import fp8_experts, fp8_grouped_gemm
 
     assert not fp8_grouped_gemm.problem(torch.device("cuda")), fp8_grouped_gemm.problem(torch.device("cuda"))
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    k = 320 if scaling == "row" else 384
-    weight = torch.randn(6, 200, k, device="cuda", generator=generator).pow(3)
-    module = fp8_experts.FP8ExpertWeights.quantize(weight, scaling)
+    _, module, tokens, held, offsets, gather, scatter = _ragged_case(scaling, 0)
     assert module.kernel == "triton"
-    tokens = torch.randn(50, k, device="cuda", generator=generator).pow(3).to(torch.bfloat16)
-    sizes = [40, 0, 130, 1, 9, 0]
-    held = sum(sizes)
-    offsets = torch.tensor(sizes, device="cuda").cumsum(0).int()
-    gather = torch.randint(0, 50, (held + 5,), device="cuda", generator=generator)
-    scatter = torch.randperm(held + 5, device="cuda", generator=generator)
     with torch.inference_mode():
         got = module(tokens, offsets, rows=gather, out_rows=scatter, zero_unwritten=True).float()
         sorted_reference = fp8_experts.reference_product(module, tokens.index_select(0, gather), offsets).float()
@@ -130,16 +140,8 @@ def test_every_tile_configuration_of_both_fp8_kernels_equals_the_reference(scali
     would otherwise be served where it wins."""
     from teacher_server import fp8_experts, fp8_grouped_gemm
 
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    k = 320 if scaling == "row" else 384
-    weight = torch.randn(6, 200, k, device="cuda", generator=generator).pow(3)
-    module = fp8_experts.FP8ExpertWeights.quantize(weight, scaling)
-    tokens = torch.randn(50, k, device="cuda", generator=generator).pow(3).to(torch.bfloat16)
-    sizes = [40, 0, 130, 1, 9, 0]
-    held = sum(sizes)
-    offsets = torch.tensor(sizes, device="cuda").cumsum(0).int()
-    gather = torch.randint(0, 50, (held + 5,), device="cuda", generator=generator)
-    scatter = torch.randperm(held + 5, device="cuda", generator=generator)
+    generator, module, tokens, held, offsets, gather, scatter = _ragged_case(scaling, 1)
+    k = tokens.shape[1]
     sorted_reference = fp8_experts.reference_product(module, tokens.index_select(0, gather), offsets).float()
     expected = torch.zeros_like(sorted_reference)
     expected.index_copy_(0, scatter[:held], sorted_reference[:held])
