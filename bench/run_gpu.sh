@@ -112,7 +112,9 @@ print('stubs import under grpcio', grpc.__version__)" ;;
          timeout 560 python3 -m bench.moe_teacher --profile qwen3-30b-a3b --profile-dir "$out" \
            --out "$out/moe_teacher.md" 2>&1 | quiet | tail -60 ;;
     # FP8 experts: the grouped FP8 kernels alone (Qwen3-30B-A3B and gpt-oss-20b layers), then the
-    # Qwen3-30B-A3B-shaped forward in bf16 and FP8 (fast accumulation, promoted sums, block scales).
+    # Qwen3-30B-A3B-shaped forward in bf16 and FP8 (fast accumulation, promoted sums, block scales) with
+    # profiles. Its timings come right after each build, when the host stalls at times: the ratio to
+    # quote is fp8gap's (both models in one process, timed in turns).
     moefp8) timeout 200 python3 -m bench.moe_teacher --models qwen3-30b-a3b,gpt-oss-20b --shapes '' \
               --experts-probe --iters 10 --out "$out/moe_probe.md" 2>&1 | quiet | tail -60
             timeout 400 python3 -m bench.moe_teacher --models qwen3-30b-a3b --shapes 2x4096 --baseline-shapes '' \
