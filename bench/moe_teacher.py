@@ -264,8 +264,10 @@ def experts_probe(iters: int, models: list[str]) -> list[str]:
                             call=lambda config=config, out=out, fast=fast: fp8_grouped_gemm.launch(
                                 aq, a_s, module.weight, module.weight_scale, offsets, rows_in, rows_out, out,
                                 config=config, fast_accum=fast))
-                    best = getattr(fp8_grouped_gemm._tuned_kernel, "best_config", None)
-                    print(f"{name} {spread} {product} {scaling}: autotuned {best}", flush=True)
+                    best = [getattr(getattr(fp8_grouped_gemm, tuned, None), "best_config", None)
+                            for tuned in ("_tuned_kernel", "_tuned_persistent")]
+                    print(f"{name} {spread} {product} {scaling}: autotuned plain {best[0]}, persistent {best[1]}",
+                          flush=True)
     return lines
 
 

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 FP8 = fp8.FP8
 BLOCK = fp8.BLOCK
-GATE_GROUP = 64  # gate rows interleaved with their up rows in groups of this many (FP8ExpertWeights.interleave_gate)
+GATE_GROUP = fp8_grouped_gemm.GATE_GROUP  # gate rows interleaved with their up rows by this many (interleave_gate)
 # The experts' 3-D weights that are quantized, by transformers' names.
 WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj")
 _SCALED_GROUPED_MM = getattr(torch, "_scaled_grouped_mm", None)

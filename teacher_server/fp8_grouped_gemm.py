@@ -68,6 +68,7 @@ except ImportError:  # a CPU-only install: fp8_experts.py's dequantize-and-multi
 
 BLOCK = 128  # the scale blocks of the block layout (1 x 128 activation, 128 x 128 weight)
 MAX_EXPERTS = 1024  # the experts one kernel schedules (its tile counts are held in registers)
+GATE_GROUP = 64  # the gated product's interleaving: every tile width (BLOCK_N) holds whole pairs of groups
 
 
 def problem(device: torch.device) -> str:
@@ -315,19 +316,15 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-_allocator_set = False
-
-
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     """The global memory Triton asks for the TMA descriptors a kernel makes on the device."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _ensure_tma_allocator() -> None:
-    global _allocator_set
-    if not _allocator_set:
-        triton.set_allocator(_tma_scratch)
-        _allocator_set = True
+def _set_tma_allocator() -> None:
+    """Before every persistent launch: Triton keeps its allocator per thread (a context variable),
+    and the teacher checks its kernels at load in one thread and runs its forwards in another."""
+    triton.set_allocator(_tma_scratch)
 
 
 def rows_bucket(rows: int, experts: int) -> int:
@@ -389,7 +386,7 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: tor
     persistent = (PERSISTENT_FAST and constants["FAST_ACCUM"] and tma_ok) if config is None else "PER_SM" in config
     if persistent:
         args = args[:13] + (sms,) + args[13:]
-        _ensure_tma_allocator()
+        _set_tma_allocator()
 
         def grid(meta):
             return (min(tiles(meta), sms * meta["PER_SM"]),)
@@ -397,7 +394,11 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: tor
         def grid(meta):
             return (tiles(meta),)
     if config is None:
-        (_tuned_persistent if persistent else _tuned_kernel)[grid](*args, **constants)
+        tuned = _tuned_persistent if persistent else _tuned_kernel
+        if gate_group and any(c.kwargs["BLOCK_N"] % (2 * gate_group) for c in tuned.configs):
+            raise ValueError(f"grouped FP8 kernel: gate groups of {gate_group} rows do not fit every autotuned "
+                             f"tile; interleave by {GATE_GROUP}")
+        tuned[grid](*args, **constants)
         return out
     meta = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=BLOCK)
     if persistent:

@@ -182,6 +182,50 @@ def test_every_tile_configuration_of_both_fp8_kernels_equals_the_reference(scali
                 assert relative < 1e-2, (config, fast, relative)
 
 
+def test_the_persistent_kernel_reads_weights_through_tma_from_any_thread():
+    """The teacher checks its FP8 experts at load in its main thread and runs forwards in its engine
+    thread; Triton keeps the allocator for TMA descriptors per thread, so a launch from a thread
+    that did not set it failed ("no allocator was set"). Each launch now sets it: the same product
+    from the main thread and from a new one, autotuned and with a TMA configuration."""
+    import threading
+
+    from teacher_server import fp8_experts, fp8_grouped_gemm
+
+    _, module, tokens, held, offsets, gather, scatter = _ragged_case("row", 2)
+    aq, a_s = module.quantize_input(tokens)
+    tma = next(c for c in fp8_grouped_gemm.PERSISTENT_CONFIGS if c.kwargs["TMA_W"])
+    config = dict(BLOCK_M=tma.kwargs["BLOCK_M"], BLOCK_N=tma.kwargs["BLOCK_N"], num_warps=tma.num_warps,
+                  num_stages=tma.num_stages, PER_SM=tma.kwargs["PER_SM"], FLATTEN=tma.kwargs["FLATTEN"], TMA_W=True)
+    sorted_reference = fp8_experts.reference_product(module, tokens.index_select(0, gather), offsets).float()
+    expected = torch.zeros_like(sorted_reference).index_copy_(0, scatter[:held], sorted_reference[:held])
+
+    def products() -> list[torch.Tensor]:
+        outs = []
+        for chosen in (config, None):
+            out = torch.zeros(held + 5, 200, device="cuda", dtype=torch.bfloat16)
+            fp8_grouped_gemm.launch(aq, a_s, module.weight, module.weight_scale, offsets, gather, scatter, out,
+                                    config=chosen, fast_accum=True)
+            outs.append(out.float())
+        torch.cuda.synchronize()
+        return outs
+
+    results: dict[str, object] = {"main": products()}
+
+    def other() -> None:
+        try:
+            results["thread"] = products()
+        except Exception as e:  # noqa: BLE001 - the thread's failure is the test's
+            results["thread"] = e
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join(timeout=300)
+    assert not thread.is_alive(), "the launch from another thread did not return within 300 s"
+    assert not isinstance(results["thread"], Exception), results["thread"]
+    for got in results["main"] + results["thread"]:
+        assert ((got - expected).norm() / expected.norm()).item() < 1e-2
+
+
 # FP8 experts served on the GPU against the same FP8 weights computed on the CPU (the activations
 # quantized at the same points, per row or per 1 x 128 block; products dequantized and multiplied in
 # float32: the CPU path of fp8_experts.py and fp8.py), one decoder layer at a time: each reference
