@@ -135,6 +135,15 @@ def redraw_routers(model, std: float) -> int:
     return len(routers)
 
 
+def server_runner(config, quantize=None):
+    """The server's ModelRunner of a random model of `config` on cuda:0 in bf16 (`quantize`: an Fp8Plan)."""
+    from teacher_server.model_runner import ModelRunner
+
+    with tempfile.TemporaryDirectory() as directory:
+        config.save_pretrained(directory)
+        return ModelRunner(f"random:{directory}", "cuda:0", dtype="bfloat16", quantize=quantize)
+
+
 def time_forward(call, rows: int, seq: int, vocab: int, iters: int) -> tuple[float, float]:
     """(median ms, peak GiB) of `call(host_ids, mask)`."""
     ids = torch.randint(vocab, (rows, seq), generator=torch.Generator().manual_seed(rows * seq))
@@ -252,8 +261,7 @@ def experts_probe(iters: int, models: list[str]) -> list[str]:
                                 offs=offsets, out_dtype=torch.bfloat16))
                     rows_in = gather if product == "gate_up" else None
                     rows_out = scatter if product == "down" else None
-                    configs = [dict(BLOCK_M=c.kwargs["BLOCK_M"], BLOCK_N=c.kwargs["BLOCK_N"], num_warps=c.num_warps,
-                                    num_stages=c.num_stages) for c in fp8_grouped_gemm.CONFIGS]
+                    configs = [fp8_grouped_gemm.launch_config(c) for c in fp8_grouped_gemm.CONFIGS]
                     runs = [(c, False) for c in configs + [None]] + ([(None, True)] if scaling == "row" else [])
                     for config, fast in runs:
                         label = ("autotuned" if config is None else
@@ -288,7 +296,6 @@ def main() -> None:
     parser.add_argument("--profile-dir", default="")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    from teacher_server.model_runner import ModelRunner
 
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     baseline_shapes = [tuple(int(v) for v in s.split("x")) for s in args.baseline_shapes.split(",") if s]
@@ -315,9 +322,7 @@ def main() -> None:
                 if variant.startswith("server-fp8-"):
                     scaling = variant[len("server-fp8-"):]
                     quantize = Fp8Plan(scaling.split("+")[0], fast_accum=scaling.endswith("+fastacc"))
-                with tempfile.TemporaryDirectory() as directory:
-                    config.save_pretrained(directory)
-                    runner = ModelRunner(f"random:{directory}", "cuda:0", dtype="bfloat16", quantize=quantize)
+                runner = server_runner(config, quantize)
                 call = lambda ids, mask: runner.forward(ids, mask).logits  # noqa: E731
                 label = f"server ({runner.info.kernels or 'transformers kernels'})"
                 if quantize is not None:

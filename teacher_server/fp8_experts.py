@@ -143,16 +143,13 @@ class FP8ExpertWeights(nn.Module):
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[E, N, K] in `dtype` (the product in float32, then rounded)."""
-        experts, n, k = self.weight.shape
+        weight, weight_scale = self.canonical()  # [gate | up]
+        experts, n, k = weight.shape
         if self.scaling == "row":
-            scale = self.weight_scale.unsqueeze(-1)
+            scale = weight_scale.unsqueeze(-1)
         else:
-            scale = self.weight_scale.repeat_interleave(BLOCK, 1)[:, :n].repeat_interleave(BLOCK, 2)
-        weight = (self.weight.float() * scale).to(dtype)
-        if self.gate_group:  # back to [gate | up]
-            weight = fp8_grouped_gemm.deinterleave_gate(weight.transpose(1, 2), self.gate_group).transpose(1, 2)
-            weight = weight.contiguous()
-        return weight
+            scale = weight_scale.repeat_interleave(BLOCK, 1)[:, :n].repeat_interleave(BLOCK, 2)
+        return (weight.float() * scale).to(dtype)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return fp8.quantize_rows(x) if self.scaling == "row" else fp8.quantize_row_blocks(x)
@@ -237,7 +234,8 @@ def reference_product(weights: FP8ExpertWeights, x: torch.Tensor, offsets: torch
     """The straightforward product: for each expert, its rows quantized as the fast path does (the
     activation's scales computed row by row, or block by block), both operands dequantized to
     float32, multiplied."""
-    out = torch.zeros(x.shape[0], weights.weight.shape[1], dtype=torch.float32, device=x.device)
+    weight_q, weight_scale = weights.canonical()  # [gate | up]
+    out = torch.zeros(x.shape[0], weight_q.shape[1], dtype=torch.float32, device=x.device)
     start = 0
     for expert, end in enumerate(offsets.tolist()):
         for row in range(start, end):
@@ -245,16 +243,14 @@ def reference_product(weights: FP8ExpertWeights, x: torch.Tensor, offsets: torch
             blocks = values.reshape(-1, values.shape[0] if weights.scaling == "row" else BLOCK)
             scale = (blocks.abs().amax(dim=1, keepdim=True) / fp8.FP8_MAX).clamp(min=1e-12)
             activation = ((blocks / scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(FP8).float() * scale).reshape(-1)
-            q = weights.weight[expert].float()
-            scale_w = weights.weight_scale[expert]
+            q = weight_q[expert].float()
+            scale_w = weight_scale[expert]
             if weights.scaling == "row":
                 w = q * scale_w.unsqueeze(1)
             else:
                 w = q * scale_w.repeat_interleave(BLOCK, 0)[:q.shape[0]].repeat_interleave(BLOCK, 1)
             out[row] = w @ activation
         start = end
-    if weights.gate_group:
-        out = fp8_grouped_gemm.deinterleave_gate(out, weights.gate_group)
     return out.to(x.dtype)
 
 

@@ -308,9 +308,6 @@ if triton is not None:
 else:
     CONFIGS = PERSISTENT_CONFIGS = []
 
-# The autotuned launch runs the persistent kernel for row scales with fast accumulation, the plain
-# kernel otherwise (bench/investigations/fp8_grouped_tiles.py).
-PERSISTENT_FAST = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -327,6 +324,14 @@ def _set_tma_allocator() -> None:
     """Before every persistent launch: Triton keeps its allocator per thread (a context variable),
     and the teacher checks its kernels at load in one thread and runs its forwards in another."""
     triton.set_allocator(_tma_scratch)
+
+
+def launch_config(config) -> dict:
+    """One of `CONFIGS` or `PERSISTENT_CONFIGS` as `launch`'s fixed `config`."""
+    fixed = dict(BLOCK_M=config.kwargs["BLOCK_M"], BLOCK_N=config.kwargs["BLOCK_N"], num_warps=config.num_warps,
+                 num_stages=config.num_stages)
+    fixed.update({key: config.kwargs[key] for key in ("PER_SM", "FLATTEN", "TMA_W") if key in config.kwargs})
+    return fixed
 
 
 def rows_bucket(rows: int, experts: int) -> int:
@@ -381,11 +386,12 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: tor
     def tiles(meta):  # the upper bound of the output tiles
         return (triton.cdiv(m, meta["BLOCK_M"]) + experts) * triton.cdiv(n, meta["BLOCK_N"])
 
-    sms = _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device()) \
-        if a.is_cuda else 4
-    tma_ok = w.is_contiguous() and k % 16 == 0 and w.data_ptr() % 16 == 0
-    persistent = PERSISTENT_FAST and constants["FAST_ACCUM"] if config is None else "PER_SM" in config
+    # Autotuned: the persistent kernel for row scales with fast accumulation, the plain one otherwise
+    # (bench/investigations/fp8_grouped_tiles.py).
+    persistent = constants["FAST_ACCUM"] if config is None else "PER_SM" in config
     if persistent:
+        sms = _sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device()) \
+            if a.is_cuda else 4
         args = args[:13] + (sms,) + args[13:]
         _set_tma_allocator()
 
@@ -404,7 +410,7 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: tor
     meta = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=BLOCK)
     if persistent:
         meta.update(PER_SM=config["PER_SM"], FLATTEN=config.get("FLATTEN", False), TMA_W=config.get("TMA_W", False))
-        if meta["TMA_W"] and not tma_ok:
+        if meta["TMA_W"] and not (w.is_contiguous() and k % 16 == 0 and w.data_ptr() % 16 == 0):
             raise ValueError("grouped FP8 kernel: TMA reads contiguous weights with K a multiple of 16")
     kernel = _grouped_fp8_mm_persistent_kernel if persistent else _grouped_fp8_mm_kernel
     kernel[grid(meta)](*args, **constants, **meta, num_warps=config.get("num_warps", 4),

@@ -11,12 +11,11 @@ another, gave the FP8 forward 120-142 ms timed while its kernels add up to 91-95
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 
 import torch
 
-from bench.moe_teacher import config_of, time_forward
+from bench.moe_teacher import config_of, server_runner, time_forward
 from bench.table import emit
 
 
@@ -32,16 +31,13 @@ def main() -> None:
 
     from teacher_server import fp8_grouped_gemm
     from teacher_server.fp8 import Fp8Plan
-    from teacher_server.model_runner import ModelRunner
 
     config = config_of("qwen3-30b-a3b")
     runners = {}
-    with tempfile.TemporaryDirectory() as directory:
-        config.save_pretrained(directory)
-        for name, plan in (("bf16", None), ("FP8, fast accumulation", Fp8Plan("row", fast_accum=True))):
-            started = time.perf_counter()
-            runners[name] = ModelRunner(f"random:{directory}", "cuda:0", dtype="bfloat16", quantize=plan)
-            print(f"{name}: built in {time.perf_counter() - started:.0f} s", flush=True)
+    for name, plan in (("bf16", None), ("FP8, fast accumulation", Fp8Plan("row", fast_accum=True))):
+        started = time.perf_counter()
+        runners[name] = server_runner(config, plan)
+        print(f"{name}: built in {time.perf_counter() - started:.0f} s", flush=True)
     ids = torch.randint(config.vocab_size, (args.rows, args.seq), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     lines = ["| turn | forward | timed ms (median) | wall ms of one synced call | kernels ms (profile) | "

@@ -146,9 +146,7 @@ def test_every_tile_configuration_of_both_fp8_kernels_equals_the_reference(scali
     expected = torch.zeros_like(sorted_reference)
     expected.index_copy_(0, scatter[:held], sorted_reference[:held])
     aq, a_s = module.quantize_input(tokens)
-    configs = [dict(BLOCK_M=c.kwargs["BLOCK_M"], BLOCK_N=c.kwargs["BLOCK_N"], num_warps=c.num_warps,
-                    num_stages=c.num_stages, **{key: c.kwargs[key] for key in ("PER_SM", "FLATTEN", "TMA_W")
-                                                if key in c.kwargs})
+    configs = [fp8_grouped_gemm.launch_config(c)
                for c in fp8_grouped_gemm.CONFIGS + fp8_grouped_gemm.PERSISTENT_CONFIGS]
     assert any("PER_SM" in c for c in configs) and any("PER_SM" not in c for c in configs)
     for config in configs:
