@@ -89,12 +89,18 @@ class TeacherServer:
                      config.max_inflight * config.output_bytes_limit(self.service.facts) / 2**30,
                      round(100 * HELD_MEMORY_SHARE), available_bytes / 2**30, config.device)
         # vLLM's OpenAI API (teacher_server/openai/): its requests are batches of in-process sessions.
+        answer_limit_bytes = config.api_answer_limit(available_memory_bytes("cpu"))
+        if not config.api_max_answer_bytes:
+            log.info("--api-max-answer-bytes %d (%.1f GiB): %d%% of the host's available memory; set it to choose",
+                     answer_limit_bytes, answer_limit_bytes / 2**30, round(100 * HELD_MEMORY_SHARE))
         self.api_jobs = ApiJobs(self.engine, max_inflight=config.max_inflight, timeout_s=config.transfer_timeout_s)
         self.completions = Completions(self.api_jobs, self.service.facts, getattr(runner, "tokenizer", None),
                                        model_id=config.model, max_seq_len=config.max_seq_len,
                                        max_batch_tokens=config.max_batch_tokens, max_logprobs=config.max_logprobs,
+                                       answer_limit_bytes=answer_limit_bytes,
                                        chunk_tokens=config.api_chunk_tokens,
                                        chunked_prompts=getattr(runner, "world", None) is None)
+        self.metrics.watch_answers(self.completions.budget)
         self.health = health.aio.HealthServicer()
         self._shutting_down = False
         self.grpc_port = 0

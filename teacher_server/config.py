@@ -16,7 +16,7 @@ from typing import Literal
 
 from distill_common.channel import read_pem
 from distill_common.settings import LOG_LEVELS, ByteCount, ConfigError, check_choices, flag
-from teacher_server.limits import DEFAULT_MAX_SEQ_LEN, ServerLimits
+from teacher_server.limits import DEFAULT_MAX_SEQ_LEN, HELD_MEMORY_SHARE, ServerLimits
 
 
 def _help(text: str) -> dict:
@@ -183,6 +183,12 @@ class ServerConfig(ServerLimits):
         "prompts grouped up to it, a longer prompt a chunk at a time on the model's KV cache (on one process; under "
         "tensor parallelism it runs whole). Another job's batch then waits for one such forward at most, not a whole "
         "request (0: up to --max-batch-tokens, a prompt whole)"))
+    # teacher_server/openai/budget.py: each request is charged an upper bound of its answer's bytes.
+    api_max_answer_bytes: ByteCount = field(default=0, metadata={"metavar": "BYTES", "help": (
+        "host memory POST /v1/completions requests in flight may hold for their answers (the distributions kept "
+        "to sample from, the JSON of their logprobs), each charged an upper bound from its parameters before its "
+        "first forward: a request that does not fit beside others waits (503 after 300 s), one larger than this "
+        "alone is refused (400) (0: a quarter of the host's available memory at start-up)")})
     # Part of every request's size bound (--max-request-bytes), which a caller can fill before its token is checked.
     max_score_ids: int = field(default=8, metadata=_help(
         "most ids per position a session may have scored (OutputSpec.score_ids): each request carries up to "
@@ -281,7 +287,7 @@ class ServerConfig(ServerLimits):
                               f"use at least "
                               f"{self.full_batch_bytes} (or 0 for that)")
         for name in ("max_request_bytes", "max_streams", "max_rpcs", "max_job_rpcs", "grpc_max_connections",
-                     "max_held_bytes"):
+                     "max_held_bytes", "api_max_answer_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{flag(name)} {getattr(self, name)} must be >= 0 (0: derived from the other limits)")
         if self.http_max_connections < 1:
@@ -349,6 +355,10 @@ class ServerConfig(ServerLimits):
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert)
+
+    def api_answer_limit(self, host_available_bytes: int) -> int:
+        """--api-max-answer-bytes, or HELD_MEMORY_SHARE of the host's available memory."""
+        return self.api_max_answer_bytes or int(HELD_MEMORY_SHARE * host_available_bytes)
 
     @property
     def http_body_limit(self) -> int:

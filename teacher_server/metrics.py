@@ -155,6 +155,17 @@ class Metrics:
         layer's imbalance in the last forward (teacher_expert_imbalance)."""
         self.registry.register(_ExpertLoadCollector(load))
 
+    def watch_answers(self, budget) -> None:
+        """Exports the OpenAI API's answer memory (teacher_server/openai/budget.py): bytes held, the
+        limit, and requests waiting for room."""
+        r = self.registry
+        Gauge("teacher_api_answer_bytes", "Bytes POST /v1/completions requests in flight are charged for their "
+              "answers", registry=r).set_function(lambda: budget.held_bytes)
+        Gauge("teacher_api_answer_limit_bytes", "--api-max-answer-bytes (or its derived default)",
+              registry=r).set_function(lambda: budget.limit_bytes)
+        Gauge("teacher_api_requests_waiting", "POST /v1/completions requests waiting for answer memory",
+              registry=r).set_function(lambda: budget.waiting)
+
     def forward_started(self, start: float) -> None:
         self.busy_clock.begin(start)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import requests
@@ -17,6 +18,7 @@ VOCAB = 384
 OPERATOR = "operator-token-0123456789abcdef"
 JOB_TOKEN = "job-token-of-trl-0123456789abcdef"
 CHUNK_TOKENS = 8
+ANSWER_LIMIT = 64 << 20  # --api-max-answer-bytes: room for every test's requests, not for the one too large
 TEXTS = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog.\n"] * 20
 
 
@@ -43,7 +45,8 @@ def server(model_dir, tmp_path_factory):
     tokens.write_text(json.dumps({"trl-job": {"token": JOB_TOKEN}}))
     # Forwards of at most 8 tokens: of SEQUENCES, the longest runs in two chunks on the model's KV cache.
     server = ServerProcess("--model", str(model_dir), "--auth-token", OPERATOR, "--job-tokens", str(tokens),
-                           "--max-logprobs", "300", "--api-chunk-tokens", str(CHUNK_TOKENS))
+                           "--max-logprobs", "300", "--api-chunk-tokens", str(CHUNK_TOKENS),
+                           "--api-max-answer-bytes", str(ANSWER_LIMIT))
     yield server
     server.stop()
 
@@ -392,6 +395,58 @@ def test_requests_need_a_token_and_run_as_the_tokens_job(server):
     assert jobs["trl-job"]["backend"] == "local" and jobs["trl-job"]["tokens_served"] > 0
     assert _post(server, {"prompt": [1, 2, 3], "prompt_logprobs": 1}, token=OPERATOR).status_code == 200
     assert "openai-api" in {s["job_id"] for s in _status(server)}
+
+
+def _gauges(server) -> dict[str, float]:
+    text = requests.get(f"{_http(server)}/metrics", headers={"Authorization": f"Bearer {OPERATOR}"}, timeout=30).text
+    return {line.split()[0]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("teacher_api_")}
+
+
+def test_an_answer_too_large_for_the_teachers_memory_is_refused_and_the_bytes_come_back(server, model_dir):
+    """Each request is charged an upper bound of its answer before its first forward: one that
+    alone needs more than --api-max-answer-bytes is refused saying what to change; a served one's
+    body is within its charge; and the bytes come back once answers are sent, also to a peer
+    that left without reading its answer."""
+    import socket
+
+    from transformers import AutoTokenizer
+
+    from teacher_server.openai.budget import JSON_COPIES, answer_bytes, entry_bytes
+    from teacher_server.openai.protocol import TokenText, parse_completion
+
+    long_prompts = [[(7 * i + j) % VOCAB for i in range(200)] for j in range(30)]
+    refused = _post(server, {"prompt": long_prompts, "max_tokens": 1, "prompt_logprobs": 300})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "prompt" and "--api-max-answer-bytes" in error["message"]
+    assert "64.0 MiB" in error["message"]
+    # A large answer that fits: its body (one copy) within the charge, computed here from the same bound.
+    body = {"prompt": SEQUENCES, "max_tokens": 3, "prompt_logprobs": 300, "echo": True, "logprobs": 5}
+    served = _post(server, body)
+    assert served.status_code == 200, served.text
+    text = TokenText(AutoTokenizer.from_pretrained(model_dir), VOCAB)
+    charged = answer_bytes(parse_completion(body, vocab_size=VOCAB, max_logprobs=300, max_prompts=16384),
+                           vocab_size=VOCAB, entry_size=entry_bytes(text))
+    assert JSON_COPIES * len(served.content) <= charged
+    # A peer that sends a request and reads nothing: its answer (~20 MB, more than the sockets'
+    # buffers take) holds its bytes while it waits to be sent, and gives them back when the peer leaves.
+    in_transit = {"prompt": long_prompts[:5], "max_tokens": 1, "prompt_logprobs": 300}
+    charged = answer_bytes(parse_completion(in_transit, vocab_size=VOCAB, max_logprobs=300, max_prompts=16384),
+                           vocab_size=VOCAB, entry_size=entry_bytes(text))
+    assert charged <= ANSWER_LIMIT
+    payload = json.dumps(in_transit).encode()
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as peer:
+        peer.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"authorization: Bearer " + JOB_TOKEN.encode() + b"\r\ncontent-length: %d\r\n\r\n" % len(payload)
+                     + payload)
+        wait_until(lambda: _gauges(server)["teacher_api_answer_bytes"] == charged, 30, "the request's charge held")
+        time.sleep(0.5)
+        assert _gauges(server)["teacher_api_answer_bytes"] == charged  # its answer not yet taken
+    wait_until(lambda: _gauges(server)["teacher_api_answer_bytes"] == 0, 30, "the charge given back")
+    gauges = _gauges(server)
+    assert gauges["teacher_api_answer_limit_bytes"] == ANSWER_LIMIT and gauges["teacher_api_requests_waiting"] == 0
+    assert _post(server, {"prompt": [1, 2, 3], "prompt_logprobs": 1}).status_code == 200
 
 
 def _status(server) -> list[dict]:

@@ -63,6 +63,7 @@ class CompletionParams:
     return_token_ids: bool = False
     model: str | None = None
     extra: dict = field(default_factory=dict)
+    answer_bytes: int = 0  # the route's upper bound of what its answer holds (budget.answer_bytes)
 
 
 # Fields accepted only at their default: (default values accepted, why not otherwise).

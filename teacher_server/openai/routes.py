@@ -17,6 +17,7 @@ from distill_common.outputs import OutputRequest, TeacherFacts
 from teacher_server.edge import Callers
 from teacher_server.errors import ServiceError
 from teacher_server.model_runner import Chunk, Prefix
+from teacher_server.openai.budget import AnswerBudget, AnswerBudgetBusy, AnswerTooLarge, answer_bytes, entry_bytes
 from teacher_server.openai.jobs import ApiJobs, BatchFailed
 from teacher_server.openai.outputs import NEXT_IDS, SCORE_IDS, CompletionLogprobs
 from teacher_server.openai.protocol import ApiError, CompletionParams, TokenText, parse_completion
@@ -33,6 +34,8 @@ _STATUS_CODES = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED"
                  "FAILED_PRECONDITION": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403}
 
 
+# How long a request waits for its turn at the answer memory (budget.py) and at the JSON writer.
+QUEUE_TIMEOUT_S = 300.0
 # Prompts of one job run a chunk at a time on the model's KV cache at once, at most (each prompt's
 # cache lives until its last chunk): the KV memory a job's requests hold is this many prompts of
 # up to --max-seq-len, however many long prompts it sends. Two keep the device busy between one
@@ -56,7 +59,8 @@ class Completions:
     """
 
     def __init__(self, jobs: ApiJobs, facts: TeacherFacts, tokenizer, *, model_id: str, max_seq_len: int,
-                 max_batch_tokens: int, max_logprobs: int, chunk_tokens: int = 0, chunked_prompts: bool = True):
+                 max_batch_tokens: int, max_logprobs: int, answer_limit_bytes: int, chunk_tokens: int = 0,
+                 chunked_prompts: bool = True, queue_timeout_s: float = QUEUE_TIMEOUT_S):
         self.jobs = jobs
         self.facts = facts
         self.tokenizer = tokenizer
@@ -70,7 +74,9 @@ class Completions:
         self.chunked_prompts = chunked_prompts and self.batch_tokens < max_batch_tokens
         self.max_prompt_tokens = max_seq_len if self.chunked_prompts else min(max_seq_len, max_batch_tokens)
         self.text = TokenText(tokenizer, facts.vocab_size)
-        self.writer = JsonWriter(self.text)  # prompt_logprobs, in a process of its own
+        self.writer = JsonWriter(self.text, queue_timeout_s=queue_timeout_s)  # prompt_logprobs, in a process of its own
+        self.budget = AnswerBudget(answer_limit_bytes, timeout_s=queue_timeout_s)  # what answers hold, all requests
+        self._entry_bytes = 0  # the longest prompt_logprobs entry of the vocabulary (found at the first request)
         self.eos = getattr(tokenizer, "eos_token_id", None)
         self._prefix_slots: dict[str, asyncio.Semaphore] = {}  # by job: LIVE_PREFIXES_PER_JOB each
 
@@ -101,6 +107,9 @@ class Completions:
                     raise ApiError(f"prompt_logprob_token_ids[{index}] has {len(rows)} rows from "
                                    f"prompt_logprob_start {params.prompt_logprob_start}, but prompt {index} has "
                                    f"{len(prompt) - 1} scored rows (its length - 1)", param="prompt_logprob_token_ids")
+        if not self._entry_bytes:
+            self._entry_bytes = entry_bytes(self.text)
+        params.answer_bytes = answer_bytes(params, vocab_size=self.facts.vocab_size, entry_size=self._entry_bytes)
         return params
 
     def _batches(self, lengths: list[int], last: bool) -> list[list[int]]:
@@ -286,6 +295,22 @@ class Completions:
         return json.dumps({"text_offset": offsets, "token_logprobs": values, "tokens": tokens, "top_logprobs": tops})
 
 
+class _AnswerResponse(Response):
+    """A completion's JSON, whose answer memory (`lease`) goes back once it has been sent, or
+    its sending failed (the peer gone)."""
+
+    def __init__(self, body: bytes, lease):
+        super().__init__(body, media_type="application/json")
+        self._lease = lease
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.body = b""
+            self._lease.release()
+
+
 def add_routes(app: FastAPI, completions: Completions, callers: Callers, ready) -> None:
     """The OpenAI-compatible routes, behind the teacher's tokens (`Authorization: Bearer`): a job
     token's requests run as its job, the operator's as the job "openai-api"."""
@@ -310,6 +335,7 @@ def add_routes(app: FastAPI, completions: Completions, callers: Callers, ready) 
         if caller is None:
             return _error(ApiError("missing or wrong token (Authorization: Bearer <token>)", code=401,
                                    kind="AuthenticationError"))
+        lease = None
         try:
             try:
                 body = json.loads(await request.body())
@@ -317,9 +343,16 @@ def add_routes(app: FastAPI, completions: Completions, callers: Callers, ready) 
                 raise ApiError(f"the request body is not JSON: {e}") from None
             params = await asyncio.to_thread(completions.parse, body)
             job = (caller.job_id or OPERATOR_JOB, caller.max_sessions, caller.limit("max_sessions"))
+            lease = await completions.budget.reserve(job[0], params.answer_bytes)
             text = await completions.complete(params, job)
+            answer, lease = _AnswerResponse(text, lease), None  # the answer gives the bytes back once sent
+            return answer
         except ApiError as e:
             return _error(e)
+        except AnswerTooLarge as e:
+            return _error(ApiError(str(e), param="prompt"))
+        except AnswerBudgetBusy as e:
+            return _error(ApiError(str(e), code=503, kind="ServiceUnavailableError"))
         except ServiceError as e:
             code = _STATUS_CODES.get(e.code.name, 500)
             return _error(ApiError(str(e), code=code, kind="ServiceUnavailableError" if code == 503 else
@@ -329,7 +362,9 @@ def add_routes(app: FastAPI, completions: Completions, callers: Callers, ready) 
         except (BatchFailed, WriterFailed) as e:
             return _error(ApiError(f"the teacher could not serve this request: {e}", code=500,
                                    kind="InternalServerError"))
-        return Response(text, media_type="application/json")
+        finally:
+            if lease is not None:  # failed (or cancelled) before its answer was made
+                lease.release()
 
 
 __all__ = ["Completions", "add_routes"]
