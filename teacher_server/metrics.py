@@ -160,9 +160,9 @@ class Metrics:
         limit, and requests waiting for room."""
         r = self.registry
         Gauge("teacher_api_answer_bytes", "Bytes POST /v1/completions requests in flight are charged for their "
-              "answers", registry=r).set_function(lambda: budget.held_bytes)
+              "answers", registry=r).set_function(lambda: budget.held)
         Gauge("teacher_api_answer_limit_bytes", "--api-max-answer-bytes (or its derived default)",
-              registry=r).set_function(lambda: budget.limit_bytes)
+              registry=r).set_function(lambda: budget.limit)
         Gauge("teacher_api_requests_waiting", "POST /v1/completions requests waiting for answer memory",
               registry=r).set_function(lambda: budget.waiting)
 

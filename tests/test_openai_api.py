@@ -226,14 +226,13 @@ def test_a_request_waits_for_the_writer_a_bounded_time_then_hears_it_is_busy():
     async def scenario() -> bytes:
         writer = JsonWriter(text, queue_timeout_s=0.3)
         try:
-            writer._lock = asyncio.Lock()
-            await writer._lock.acquire()  # another request's turn, for longer than the queue waits
+            turn = await writer.turns.acquire("other", 1)  # another request's turn, for longer than the queue waits
             started = asyncio.get_running_loop().time()
             with pytest.raises(WriterBusy, match="retry later"):
-                await writer.prompt_logprobs(*arrays)
+                await writer.prompt_logprobs(*arrays, job="this")
             assert 0.25 < asyncio.get_running_loop().time() - started < 5
-            writer._lock.release()
-            return await writer.prompt_logprobs(*arrays)
+            turn.release()
+            return await writer.prompt_logprobs(*arrays, job="this")
         finally:
             await writer.close()
 
@@ -429,20 +428,20 @@ def test_an_answer_too_large_for_the_teachers_memory_is_refused_and_the_bytes_co
     charged = answer_bytes(parse_completion(body, vocab_size=VOCAB, max_logprobs=300, max_prompts=16384),
                            vocab_size=VOCAB, entry_size=entry_bytes(text))
     assert JSON_COPIES * len(served.content) <= charged
-    # A peer that sends a request and reads nothing: its answer (~20 MB, more than the sockets'
-    # buffers take) holds its bytes while it waits to be sent, and gives them back when the peer leaves.
+    # A peer that reads the start of its answer (~20 MB) and then nothing: the answer's bytes stay
+    # charged while it waits to be taken, and come back when the peer leaves.
     in_transit = {"prompt": long_prompts[:5], "max_tokens": 1, "prompt_logprobs": 300}
     charged = answer_bytes(parse_completion(in_transit, vocab_size=VOCAB, max_logprobs=300, max_prompts=16384),
                            vocab_size=VOCAB, entry_size=entry_bytes(text))
     assert charged <= ANSWER_LIMIT
     payload = json.dumps(in_transit).encode()
-    with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as peer:
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as peer:
         peer.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                      b"authorization: Bearer " + JOB_TOKEN.encode() + b"\r\ncontent-length: %d\r\n\r\n" % len(payload)
                      + payload)
-        wait_until(lambda: _gauges(server)["teacher_api_answer_bytes"] == charged, 30, "the request's charge held")
-        time.sleep(0.5)
-        assert _gauges(server)["teacher_api_answer_bytes"] == charged  # its answer not yet taken
+        assert peer.recv(12) == b"HTTP/1.1 200"  # the answer is being sent
+        time.sleep(1)
+        assert _gauges(server)["teacher_api_answer_bytes"] == charged  # and not taken
     wait_until(lambda: _gauges(server)["teacher_api_answer_bytes"] == 0, 30, "the charge given back")
     gauges = _gauges(server)
     assert gauges["teacher_api_answer_limit_bytes"] == ANSWER_LIMIT and gauges["teacher_api_requests_waiting"] == 0

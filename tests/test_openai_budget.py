@@ -11,8 +11,8 @@ import json
 import numpy as np
 import pytest
 
-from teacher_server.openai.budget import (JSON_COPIES, AnswerBudget, AnswerBudgetBusy, AnswerTooLarge, answer_bytes,
-                                          entry_bytes)
+from teacher_server.openai.budget import (JSON_COPIES, AnswerBudget, AnswerBudgetBusy, AnswerTooLarge, FairPool,
+                                          answer_bytes, entry_bytes)
 from teacher_server.openai.protocol import TokenText, parse_completion, write_prompt_logprobs
 
 
@@ -108,22 +108,22 @@ def test_requests_wait_for_room_in_order_within_a_job_and_max_min_between_jobs()
         await settle()
         tasks.append(asyncio.create_task(ask("b", 50)))
         await settle()
-        assert order == [] and budget.waiting == 4 and budget.held_bytes == 100
+        assert order == [] and budget.waiting == 4 and budget.held == 100
         first.release()
         first.release()  # a second release gives nothing back twice
         await settle()
         # b holds nothing and a 20: b goes first, though it came last; a's 50 does not fit beside it.
-        assert order == [("b", 50)] and budget.held_bytes == 70
+        assert order == [("b", 50)] and budget.held == 70
         keep.release()
         await settle()
-        assert order == [("b", 50), ("a", 50)] and budget.held_bytes == 100
+        assert order == [("b", 50), ("a", 50)] and budget.held == 100
         leases["b", 50].release()
         leases["a", 50].release()
         await asyncio.gather(*tasks)
         assert order == [("b", 50), ("a", 50), ("a", 40), ("a", 30)]  # a's own in the order they came
         leases["a", 40].release()
         leases["a", 30].release()
-        assert budget.held_bytes == 0 and budget.waiting == 0 and not budget._held
+        assert budget.held == 0 and budget.waiting == 0 and not budget._held
 
     _run(scenario)
 
@@ -136,7 +136,7 @@ def test_a_wait_ends_after_its_timeout_and_a_cancelled_wait_keeps_nothing():
         with pytest.raises(AnswerBudgetBusy, match="retry later"):
             await budget.reserve("b", 50)
         assert 0.15 < asyncio.get_running_loop().time() - started < 5
-        assert budget.waiting == 0 and budget.held_bytes == 90
+        assert budget.waiting == 0 and budget.held == 90
         # A large request gives up at the head: the small one behind it, which fits, goes then.
         budget.timeout_s = 5
         large = asyncio.create_task(budget.reserve("b", 50))
@@ -146,7 +146,7 @@ def test_a_wait_ends_after_its_timeout_and_a_cancelled_wait_keeps_nothing():
         assert not small.done()  # behind the large one, though it would fit
         large.cancel()
         lease = await small
-        assert budget.held_bytes == 100
+        assert budget.held == 100
         # A wait cancelled in the same turn as its bytes came gives them back.
         waiting = asyncio.create_task(budget.reserve("d", 100))
         await asyncio.sleep(0.01)
@@ -155,8 +155,32 @@ def test_a_wait_ends_after_its_timeout_and_a_cancelled_wait_keeps_nothing():
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        assert budget.held_bytes == 0 and budget.waiting == 0
+        assert budget.held == 0 and budget.waiting == 0
         final = await budget.reserve("e", 100)
         final.release()
+
+    _run(scenario)
+
+
+def test_a_pool_of_one_passes_its_turn_round_the_waiting_jobs():
+    """The JSON writer's turns: job a's queue of answers delays job b's by one answer."""
+    async def scenario():
+        turns = FairPool(1, timeout_s=5)
+        first = await turns.acquire("x", 1)
+        order = []
+
+        async def turn(job, name):
+            lease = await turns.acquire(job, 1)
+            order.append(name)
+            await asyncio.sleep(0)
+            lease.release()
+
+        tasks = [asyncio.create_task(turn("a", f"a{i}")) for i in range(3)]
+        await asyncio.sleep(0)
+        tasks += [asyncio.create_task(turn("b", f"b{i}")) for i in range(2)]
+        await asyncio.sleep(0)
+        first.release()
+        await asyncio.gather(*tasks)
+        assert order == ["a0", "b0", "a1", "b1", "a2"]
 
     _run(scenario)

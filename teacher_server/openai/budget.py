@@ -86,57 +86,53 @@ class _Waiter:
 
 
 class Lease:
-    """Bytes held by one request: `release()` gives them back (once; later calls do nothing)."""
+    """Units held by one request: `release()` gives them back (once; later calls do nothing)."""
 
-    def __init__(self, budget: "AnswerBudget", job: str, size: int):
-        self._budget, self.job, self.size = budget, job, size
+    def __init__(self, pool: "FairPool", job: str, size: int):
+        self._pool, self.job, self.size = pool, job, size
         self._held = True
 
     def release(self) -> None:
         if self._held:
             self._held = False
-            self._budget._give_back(self.job, self.size)
+            self._pool._give_back(self.job, self.size)
 
 
-class AnswerBudget:
-    """`limit_bytes` of answers in flight, shared max-min between jobs (module docstring). Used
-    on one event loop."""
+class FairPool:
+    """`limit` units shared between jobs, max-min: when room frees, the next to go is the oldest
+    request of the waiting job that holds the fewest units, of those the one served longest ago
+    (so jobs take turns where they hold alike: a pool of 1 is a lock passed round-robin). A
+    job's own requests go in the order they came; a request that does not fit waits, and those
+    behind it wait with it (a large one is not overtaken for ever). Used on one event loop."""
 
-    def __init__(self, limit_bytes: int, *, timeout_s: float = 300.0):
-        self.limit_bytes = limit_bytes
+    def __init__(self, limit: int, *, timeout_s: float):
+        self.limit = limit
         self.timeout_s = timeout_s
-        self.held_bytes = 0
+        self.held = 0
         self._held: dict[str, int] = {}  # by job
         self._waiting: dict[str, deque[_Waiter]] = {}  # by job, oldest first
+        self._served: dict[str, int] = {}  # by job: the order of its last grant
         self._order = itertools.count()
 
     @property
     def waiting(self) -> int:
         return sum(len(queue) for queue in self._waiting.values())
 
-    async def reserve(self, job: str, size: int) -> Lease:
-        """Holds `size` bytes for `job`'s request once they fit (AnswerTooLarge when they never
-        can, AnswerBudgetBusy after `timeout_s`)."""
-        if size > self.limit_bytes:
-            raise AnswerTooLarge(
-                f"this request's answer needs up to {size / 2**20:.1f} MiB of the teacher's memory, more than all "
-                f"requests in flight may hold ({self.limit_bytes / 2**20:.1f} MiB, the teacher's "
-                "--api-max-answer-bytes): send fewer or shorter prompts per request, or ask for fewer prompt_logprobs "
-                "or logprobs")
+    async def acquire(self, job: str, size: int) -> Lease:
+        """Holds `size` units for `job` once they fit (TimeoutError after `timeout_s`; a size over
+        the limit waits for ever: the caller refuses those)."""
         waiter = _Waiter(job, size, next(self._order), asyncio.get_running_loop().create_future())
         self._waiting.setdefault(job, deque()).append(waiter)
         self._grant()
         try:
             if not waiter.granted.done():
                 await asyncio.wait({waiter.granted}, timeout=self.timeout_s)
-        except BaseException:  # cancelled while waiting: the bytes, if they came meanwhile, go back
+        except BaseException:  # cancelled while waiting: the units, if they came meanwhile, go back
             self._abandon(waiter)
             raise
         if not waiter.granted.done():
             self._abandon(waiter)
-            raise AnswerBudgetBusy(
-                f"the teacher's memory for answers (--api-max-answer-bytes, {self.limit_bytes / 2**20:.1f} MiB) was "
-                f"held by other requests for {self.timeout_s:g} s: retry later, or send smaller requests")
+            raise TimeoutError(f"no room for {size} of {self.limit} within {self.timeout_s:g} s")
         return Lease(self, job, size)
 
     def _abandon(self, waiter: _Waiter) -> None:
@@ -151,22 +147,46 @@ class AnswerBudget:
         self._grant()  # the head gone, those behind it may fit
 
     def _give_back(self, job: str, size: int) -> None:
-        self.held_bytes -= size
+        self.held -= size
         left = self._held.pop(job, 0) - size
         if left > 0:
             self._held[job] = left
         self._grant()
 
     def _grant(self) -> None:
-        """Grants waiting requests while the next one fits: the oldest of the job holding least."""
         while self._waiting:
-            job = min(self._waiting, key=lambda j: (self._held.get(j, 0), self._waiting[j][0].order))
+            job = min(self._waiting, key=lambda j: (self._held.get(j, 0), self._served.get(j, -1),
+                                                    self._waiting[j][0].order))
             waiter = self._waiting[job][0]
-            if self.held_bytes + waiter.size > self.limit_bytes:
+            if self.held + waiter.size > self.limit:
                 return
             self._waiting[job].popleft()
             if not self._waiting[job]:
                 del self._waiting[job]
-            self.held_bytes += waiter.size
+            self.held += waiter.size
             self._held[job] = self._held.get(job, 0) + waiter.size  # popped when it is all given back
+            self._served[job] = next(self._order)
             waiter.granted.set_result(None)
+
+
+class AnswerBudget(FairPool):
+    """`limit_bytes` of answers in flight (module docstring)."""
+
+    def __init__(self, limit_bytes: int, *, timeout_s: float = 300.0):
+        super().__init__(limit_bytes, timeout_s=timeout_s)
+
+    async def reserve(self, job: str, size: int) -> Lease:
+        """Holds `size` bytes for `job`'s request once they fit (AnswerTooLarge when they never
+        can, AnswerBudgetBusy after `timeout_s`)."""
+        if size > self.limit:
+            raise AnswerTooLarge(
+                f"this request's answer needs up to {size / 2**20:.1f} MiB of the teacher's memory, more than all "
+                f"requests in flight may hold ({self.limit / 2**20:.1f} MiB, the teacher's "
+                "--api-max-answer-bytes): send fewer or shorter prompts per request, or ask for fewer prompt_logprobs "
+                "or logprobs")
+        try:
+            return await self.acquire(job, size)
+        except TimeoutError:
+            raise AnswerBudgetBusy(
+                f"the teacher's memory for answers (--api-max-answer-bytes, {self.limit / 2**20:.1f} MiB) was "
+                f"held by other requests for {self.timeout_s:g} s: retry later, or send smaller requests") from None

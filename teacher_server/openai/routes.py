@@ -233,7 +233,7 @@ class Completions:
                     start = params.prompt_logprob_start
                     scored_ids[start:start + rows.shape[0], :rows.shape[1]] = rows
                 prompt_json[index] = await self.writer.prompt_logprobs(prompt, top, top_ids, own, rank, scored_values,
-                                                                       scored_ids)
+                                                                       scored_ids, job=job[0])
         return await asyncio.to_thread(self._response, params, results, generated, gen_logprobs, finish, prompt_json)
 
     def _response(self, params: CompletionParams, results, generated, gen_logprobs, finish,
@@ -295,19 +295,29 @@ class Completions:
         return json.dumps({"text_offset": offsets, "token_logprobs": values, "tokens": tokens, "top_logprobs": tops})
 
 
+# A completion's JSON is sent in pieces of this size: uvicorn writes each piece whole into the
+# transport and waits for the peer to take it (edge.GuardedH11Protocol's small buffers) only
+# before the next one, so an answer sent whole would leave its bytes in the transport, no longer
+# charged, for as long as a slow peer takes to read them.
+ANSWER_PIECE_BYTES = 256 << 10
+
+
 class _AnswerResponse(Response):
-    """A completion's JSON, whose answer memory (`lease`) goes back once it has been sent, or
-    its sending failed (the peer gone)."""
+    """A completion's JSON, sent a piece at a time; its answer memory (`lease`) goes back once
+    the last piece is in the transport (the peer has taken the rest), or the peer has gone."""
 
     def __init__(self, body: bytes, lease):
         super().__init__(body, media_type="application/json")
         self._lease = lease
 
     async def __call__(self, scope, receive, send) -> None:
+        body, self.body = self.body, b""
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            for begin in range(0, max(1, len(body)), ANSWER_PIECE_BYTES):
+                end = begin + ANSWER_PIECE_BYTES
+                await send({"type": "http.response.body", "body": body[begin:end], "more_body": end < len(body)})
         finally:
-            self.body = b""
             self._lease.release()
 
 

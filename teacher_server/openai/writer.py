@@ -12,8 +12,9 @@ the cores first.
 The child is started at the first request and again if it dies (the request that found it dead
 is written by the new one). Arrays go down its stdin raw (a JSON header line, then their bytes)
 and the text comes back length-prefixed after a JSON header line: nothing is pickled. One request
-at a time (a request waits at most `queue_timeout_s` for its turn: `WriterBusy`, a 503); the child
-exits when the teacher closes its stdin (or dies).
+at a time (a request waits at most `queue_timeout_s` for its turn: `WriterBusy`, a 503), the
+turns going round the jobs whose requests wait (budget.FairPool): one job's queue of answers
+delays another job's by one answer. The child exits when the teacher closes its stdin (or dies).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 
 import numpy as np
 
+from teacher_server.openai.budget import FairPool
 from teacher_server.openai.protocol import TokenText, write_prompt_logprobs
 
 log = logging.getLogger(__name__)
@@ -53,23 +55,20 @@ class JsonWriter:
         self._text = text
         self._nice = nice
         self._timeout_s = timeout_s  # for one answer: a stuck child fails the request, not the teacher
-        self._queue_timeout_s = queue_timeout_s  # for the turn: a request behind many others gives up
         self._proc: asyncio.subprocess.Process | None = None
-        self._lock: asyncio.Lock | None = None  # made on the event loop that uses it
+        self.turns = FairPool(1, timeout_s=queue_timeout_s)  # one answer at a time, round the jobs
 
     async def prompt_logprobs(self, ids: list[int], top: np.ndarray, top_ids: np.ndarray, own: np.ndarray,
                               rank: np.ndarray, scored: np.ndarray | None = None,
-                              scored_ids: np.ndarray | None = None) -> bytes:
+                              scored_ids: np.ndarray | None = None, *, job: str = "") -> bytes:
         """`write_prompt_logprobs`'s text, encoded: [S, k] `top`/`top_ids`, [S] `own`/`rank`, and
-        [S, m] `scored`/`scored_ids` (-1: none) or None."""
+        [S, m] `scored`/`scored_ids` (-1: none) or None; written in `job`'s turn."""
         arrays = {"ids": np.asarray(ids, dtype=np.int64), "top": top, "top_ids": top_ids, "own": own, "rank": rank,
                   "scored": scored, "scored_ids": scored_ids}
-        if self._lock is None:
-            self._lock = asyncio.Lock()
         try:
-            await asyncio.wait_for(self._lock.acquire(), self._queue_timeout_s)
-        except asyncio.TimeoutError:
-            raise WriterBusy(f"the JSON writer was busy with other requests' answers for {self._queue_timeout_s:g} s: "
+            turn = await self.turns.acquire(job, 1)
+        except TimeoutError:
+            raise WriterBusy(f"the JSON writer was busy with other requests' answers for {self.turns.timeout_s:g} s: "
                              "retry later, or ask for fewer prompt_logprobs or shorter prompts per request") from None
         try:
             for attempt in (1, 2):
@@ -89,7 +88,7 @@ class JsonWriter:
                     self._discard()
                     raise
         finally:
-            self._lock.release()
+            turn.release()
         raise AssertionError("unreachable")
 
     async def _ask(self, arrays: dict[str, np.ndarray | None]) -> bytes:
