@@ -606,16 +606,21 @@ class GuardedH11Protocol(H11Protocol):
             waiting_for = _REQUEST
         else:
             waiting_for = None
+        # Between two pieces of one answer the wait goes on: its clock, rate and send buffer.
+        mid_answer = self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
         if waiting_for is not self._waiting_for:
             self._cancel_deadline()
-            if self._waiting_for is _TAKEN:
+            if self._waiting_for is _TAKEN and not mid_answer:
                 self._end_taking()
             self._waiting_for = waiting_for
             if waiting_for is _TAKEN:
-                self._taking = _Taking(self.loop.time(), bytes_acked(self._socket()))
+                if self._taking is None:
+                    self._taking = _Taking(self.loop.time(), bytes_acked(self._socket()))
                 self._deadline = self.loop.call_later(SEND_GROW_CHECK_S, self._check_taken)
             elif waiting_for is _REQUEST:
                 self._deadline = self.loop.call_later(self.guard.header_timeout_s, self._header_timeout)
+        elif waiting_for is None and self._taking is not None and not mid_answer:
+            self._end_taking()
         if waiting_for is not None or self._pipelined:
             self.guard.displaceable.setdefault(self, None)
         else:

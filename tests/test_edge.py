@@ -29,6 +29,7 @@ from student_trainer import TeacherClient
 from student_trainer.errors import InvalidRequest
 from teacher_server.launcher import ServerProcess, child_env
 from tests.attacks import _TCP_ESTABLISHED, PipelinedUnread, _tcp_state
+from teacher_server.openai.routes import ANSWER_PIECE_BYTES
 from tests.helpers import build_tiny_model, wait_until
 
 TOKEN = "edge-token"
@@ -348,14 +349,20 @@ def _read_answer(port: int, request: bytes, bytes_per_s: float, result: dict, st
 def test_a_steady_reader_takes_a_long_answer_and_a_trickling_one_is_cut(server):
     start = len(server.log_lines)
     request = _completion_request(600, 16)  # ~0.7 MB of answer
-    steady, trickle, stopped = {}, {}, {}
+    steady, trickle, stopped, under = {}, {}, {}, {}
     # Longer than --http-send-timeout-s for the whole answer, but never without progress.
     steady_rate = 200_000
     # Progress every read, but below --http-min-send-bytes-per-s: cut once the timeout's grace is over.
     trickle_rate = MIN_SEND_BYTES_PER_S / 8
     # Fast (its send buffer grown), then nothing: cut once it has taken nothing for the timeout.
+    # Just under the rate, through an answer of many pieces (routes.ANSWER_PIECE_BYTES): the wait is
+    # one across them, so it is cut once its deficit outgrows the grace, at T * R / (R - r) = 8 s
+    # (each piece a wait of its own would give it a new grace a piece, and never cut it).
+    under_rate = 0.75 * MIN_SEND_BYTES_PER_S
     threads = [threading.Thread(target=_read_answer, args=(server.http_port, request, rate, out, stop))
                for rate, out, stop in ((steady_rate, steady, 0), (trickle_rate, trickle, 0), (1e9, stopped, 300_000))]
+    threads.append(threading.Thread(target=_read_answer, args=(server.http_port, _completion_request(1200, 16),
+                                                               under_rate, under)))
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -366,6 +373,9 @@ def test_a_steady_reader_takes_a_long_answer_and_a_trickling_one_is_cut(server):
     # Cut when it had taken less than the rate past the grace: at about the grace itself.
     assert trickle["seconds"] < SEND_TIMEOUT_S + 3, trickle
     assert not stopped["whole"] and SEND_TIMEOUT_S - 0.5 < stopped["seconds"] < SEND_TIMEOUT_S + 3, stopped
+    cut_s = SEND_TIMEOUT_S * MIN_SEND_BYTES_PER_S / (MIN_SEND_BYTES_PER_S - under_rate)
+    assert under["length"] > 4 * ANSWER_PIECE_BYTES and not under["whole"], under
+    assert cut_s - 1 < under["seconds"] < cut_s + 3, under
     # (Which bound cut each is in its timing: the trickle took something every read, the stopped
     # one had taken 300 kB, far above the rate, when it was cut; the log says one line in 10 s.)
     assert _logged(server, start, "(--http-min-send-bytes-per-s, --http-send-timeout-s)"), server.log_lines[start:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import time
 
 import pytest
@@ -402,13 +403,21 @@ def _gauges(server) -> dict[str, float]:
             if line.startswith("teacher_api_")}
 
 
+def _raw_post(server, body: dict) -> socket.socket:
+    """A connection that has sent a completions request and read nothing of its answer."""
+    payload = json.dumps(body).encode()
+    peer = socket.create_connection(("127.0.0.1", server.http_port), timeout=30)
+    peer.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"authorization: Bearer " + JOB_TOKEN.encode() + b"\r\ncontent-length: %d\r\n\r\n" % len(payload)
+                 + payload)
+    return peer
+
+
 def test_an_answer_too_large_for_the_teachers_memory_is_refused_and_the_bytes_come_back(server, model_dir):
     """Each request is charged an upper bound of its answer before its first forward: one that
     alone needs more than --api-max-answer-bytes is refused saying what to change; a served one's
     body is within its charge; and the bytes come back once answers are sent, also to a peer
     that left without reading its answer."""
-    import socket
-
     from transformers import AutoTokenizer
 
     from teacher_server.openai.budget import JSON_COPIES, answer_bytes, entry_bytes
@@ -434,15 +443,21 @@ def test_an_answer_too_large_for_the_teachers_memory_is_refused_and_the_bytes_co
     charged = answer_bytes(parse_completion(in_transit, vocab_size=VOCAB, max_logprobs=300, max_prompts=16384),
                            vocab_size=VOCAB, entry_size=entry_bytes(text))
     assert charged <= ANSWER_LIMIT
-    payload = json.dumps(in_transit).encode()
-    with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as peer:
-        peer.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"authorization: Bearer " + JOB_TOKEN.encode() + b"\r\ncontent-length: %d\r\n\r\n" % len(payload)
-                     + payload)
-        assert peer.recv(12) == b"HTTP/1.1 200"  # the answer is being sent
+    with _raw_post(server, in_transit) as peer:
+        status = b""
+        while len(status) < 12:
+            status += peer.recv(12 - len(status))
+        assert status == b"HTTP/1.1 200"  # the answer is being sent
         time.sleep(1)
         assert _gauges(server)["teacher_api_answer_bytes"] == charged  # and not taken
+        # A request that does not fit beside it waits; its client leaves: it waits no more.
+        with _raw_post(server, {"prompt": long_prompts[:2], "max_tokens": 1, "prompt_logprobs": 300}):
+            wait_until(lambda: _gauges(server)["teacher_api_requests_waiting"] == 1, 30, "the second one waiting")
+        wait_until(lambda: _gauges(server)["teacher_api_requests_waiting"] == 0, 30, "the wait dropped")
+        assert _gauges(server)["teacher_api_answer_bytes"] == charged
     wait_until(lambda: _gauges(server)["teacher_api_answer_bytes"] == 0, 30, "the charge given back")
+    time.sleep(0.5)
+    assert _gauges(server)["teacher_api_answer_bytes"] == 0  # the dropped request was never served
     gauges = _gauges(server)
     assert gauges["teacher_api_answer_limit_bytes"] == ANSWER_LIMIT and gauges["teacher_api_requests_waiting"] == 0
     assert _post(server, {"prompt": [1, 2, 3], "prompt_logprobs": 1}).status_code == 200

@@ -184,3 +184,36 @@ def test_a_pool_of_one_passes_its_turn_round_the_waiting_jobs():
         assert order == ["a0", "b0", "a1", "b1", "a2"]
 
     _run(scenario)
+
+
+def test_a_job_holding_something_is_not_starved_by_one_that_drops_to_nothing():
+    """Max-min alone would always pick job y (holding 0 at each release) over job x (holding 10):
+    x's request goes once it has let MAX_PASSES of y's go, as soon as there is room."""
+    from teacher_server.openai.budget import MAX_PASSES
+
+    async def scenario():
+        pool = FairPool(100, timeout_s=5)
+        held = await pool.acquire("x", 10)
+        y_served = []
+        x_done = asyncio.Event()
+
+        async def y_client():
+            while not x_done.is_set():
+                lease = await pool.acquire("y", 50)
+                y_served.append(len(y_served))
+                await asyncio.sleep(0.001)
+                lease.release()
+
+        clients = [asyncio.create_task(y_client()) for _ in range(2)]
+        await asyncio.sleep(0.005)
+        before = len(y_served)
+        lease = await pool.acquire("x", 80)  # without the passes: TimeoutError after 5 s
+        x_done.set()
+        served_while_x_waited = len(y_served) - before
+        lease.release()
+        held.release()
+        await asyncio.gather(*clients)
+        assert served_while_x_waited == MAX_PASSES
+        assert pool.held == 0 and pool.waiting == 0
+
+    _run(scenario)

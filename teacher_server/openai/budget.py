@@ -11,10 +11,11 @@ So each request is charged `answer_bytes` (an upper bound of what it will hold, 
 parameters alone) against `--api-max-answer-bytes` before its first forward, and gives it back
 when its response has been sent (or it failed). One whose charge exceeds the budget on its own
 is refused (400, `AnswerTooLarge`); one that does not fit beside the requests in flight waits,
-at most `timeout_s` (then `AnswerBudgetBusy`, a 503). Between jobs the budget is shared max-min:
-the next request to go is the oldest of the waiting job that holds the fewest bytes, so one
-job's flood of large requests delays another job's request by one request's worth, not by the
-flood. A job's own requests go in the order they came.
+at most `timeout_s` (then `AnswerBudgetBusy`, a 503). Between jobs the budget is shared max-min
+(FairPool): the next request to go is the oldest of the waiting job that holds the fewest bytes,
+or one that has let MAX_PASSES others go before it, so one job's flood of requests delays
+another job's request by a few requests, not by the flood. A job's own requests go in the order
+they came.
 """
 
 from __future__ import annotations
@@ -30,11 +31,18 @@ from dataclasses import dataclass, field
 ENTRY_FIXED_BYTES = 1 + 24 + len(',"rank":')
 # An entry's bytes held beside its JSON: the float32 value and int64 id the forward returned.
 ENTRY_TENSOR_BYTES = 12
-# The legacy `logprobs` object of an echoed prompt is built as Python lists and dicts (a float,
-# an int and a str object per entry, ~200 bytes) before its JSON: charged as this many entries.
-ECHO_ENTRY_FACTOR = 4
+# Entries of the legacy `logprobs` object (an echoed prompt's, the generated tokens') are Python
+# lists, tuples and dicts (a float, an int and a str or tuple object each, ~120-200 bytes) before
+# their JSON: charged as this many JSON entries each.
+OBJECT_ENTRY_FACTOR = 4
 # Copies of a response's JSON the teacher holds at once: the writer's answer and the joined body.
 JSON_COPIES = 2
+# Bytes of one prompt token besides its entries: a Python int in the parsed request (8 for the
+# list's slot, 28 for the int), its int64 id and mask in the batch, its text in `prompt_token_ids`.
+TOKEN_BYTES = 36 + 16 + 8
+# Bytes of one prompt besides its tokens and entries: its tensors' objects (up to 6, a few
+# hundred bytes each outside their data), its lists and strings.
+PROMPT_BYTES = 2048
 
 
 class AnswerTooLarge(ValueError):
@@ -54,27 +62,36 @@ def entry_bytes(text) -> int:
 
 def answer_bytes(params, *, vocab_size: int, entry_size: int) -> int:
     """An upper bound of the bytes request `params` (a parsed CompletionParams, prompts as ids)
-    holds for its answer: the last row's distribution per generating prompt (two while a step's
-    new rows replace the old), and per scored position its k + 1 entries and the ids asked,
-    written (JSON_COPIES) and as the forward's tensors."""
+    holds for its answer (routes.Completions.complete): its prompts' tokens; the last row's
+    distribution per generating prompt (two while a step's new rows replace the old); per
+    position its k + 1 entries and the ids asked as the forward's tensors (as wide as the
+    request's widest: 8 bytes an id sent, 4 a value back) and, but for a prompt's first
+    position, as JSON (JSON_COPIES, the prompt's own ids asked); the legacy `logprobs` entries
+    as Python objects and JSON; the text."""
     prompts = params.prompts
-    total = 0
+    positions = sum(len(p) for p in prompts)
+    scored = params.prompt_logprob_token_ids
+    width = max((len(row) for rows in scored for row in rows), default=0) if scored else 0
+    total = len(prompts) * PROMPT_BYTES + positions * (TOKEN_BYTES + 12 * width)
     if params.max_tokens > 0:
         total += len(prompts) * vocab_size * 4 * (2 if params.max_tokens > 1 else 1)
-    per_entry = JSON_COPIES * entry_size + ENTRY_TENSOR_BYTES
     if params.prompt_logprobs is not None:
-        scored = params.prompt_logprob_token_ids
-        for index, prompt in enumerate(prompts):
+        total += positions * (params.prompt_logprobs + 1 + width) * ENTRY_TENSOR_BYTES
+        for index, prompt in enumerate(prompts):  # its JSON lists the ids it asked, not the widest's
             asked = max((len(row) for row in scored[index]), default=0) if scored else 0
-            total += (len(prompt) - 1) * (params.prompt_logprobs + 1 + asked) * per_entry
+            total += (len(prompt) - 1) * (params.prompt_logprobs + 1 + asked) * JSON_COPIES * entry_size
     if params.logprobs is not None:  # the legacy object: generated tokens, and the prompt's when echoing
-        positions = sum(len(p) for p in prompts) * ECHO_ENTRY_FACTOR if params.echo else 0
-        positions += len(prompts) * params.max_tokens
-        total += positions * (params.logprobs + 1) * per_entry
+        listed = (positions if params.echo else 0) + len(prompts) * params.max_tokens
+        total += listed * (params.logprobs + 1) * (OBJECT_ENTRY_FACTOR + JSON_COPIES) * entry_size
     # The text of the generated tokens (and of the prompt when echoing): at most an entry's worth a token.
-    total += (sum(len(p) for p in prompts) if params.echo else 0) * entry_size
-    total += len(prompts) * params.max_tokens * entry_size
+    total += ((positions if params.echo else 0) + len(prompts) * params.max_tokens) * JSON_COPIES * entry_size
     return total
+
+
+# Grants to other requests a request at the head of its job's queue lets pass before it goes
+# next (waiting for room if it does not fit): max-min alone would let a job that drops to
+# nothing between its requests overtake a job that holds something for ever.
+MAX_PASSES = 4
 
 
 @dataclass
@@ -83,6 +100,7 @@ class _Waiter:
     size: int
     order: int
     granted: asyncio.Future = field(repr=False)
+    passed: int = 0  # grants to others while it headed its job's queue
 
 
 class Lease:
@@ -101,9 +119,11 @@ class Lease:
 class FairPool:
     """`limit` units shared between jobs, max-min: when room frees, the next to go is the oldest
     request of the waiting job that holds the fewest units, of those the one served longest ago
-    (so jobs take turns where they hold alike: a pool of 1 is a lock passed round-robin). A
-    job's own requests go in the order they came; a request that does not fit waits, and those
-    behind it wait with it (a large one is not overtaken for ever). Used on one event loop."""
+    (so jobs take turns where they hold alike: a pool of 1 is a lock passed round-robin), unless
+    a request has let MAX_PASSES others go while heading its job's queue: then the oldest such
+    goes next. A job's own requests go in the order they came; a request that does not fit
+    waits, and those behind it wait with it (a large one is not overtaken for ever). Used on one
+    event loop."""
 
     def __init__(self, limit: int, *, timeout_s: float):
         self.limit = limit
@@ -155,11 +175,18 @@ class FairPool:
 
     def _grant(self) -> None:
         while self._waiting:
-            job = min(self._waiting, key=lambda j: (self._held.get(j, 0), self._served.get(j, -1),
-                                                    self._waiting[j][0].order))
-            waiter = self._waiting[job][0]
+            heads = [queue[0] for queue in self._waiting.values()]
+            overdue = [w for w in heads if w.passed >= MAX_PASSES]
+            if overdue:
+                waiter = min(overdue, key=lambda w: w.order)
+            else:
+                waiter = min(heads, key=lambda w: (self._held.get(w.job, 0), self._served.get(w.job, -1), w.order))
             if self.held + waiter.size > self.limit:
                 return
+            job = waiter.job
+            for other in heads:
+                if other is not waiter:
+                    other.passed += 1
             self._waiting[job].popleft()
             if not self._waiting[job]:
                 del self._waiting[job]

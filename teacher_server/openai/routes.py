@@ -154,8 +154,11 @@ class Completions:
                     tensors = await self.jobs.submit(job[0], request, ids, torch.ones_like(ids), data,
                                                      max_job_sessions=job[1], job_limit=job[2],
                                                      chunk=Chunk(prefix, begin))
-                    parts.append([t[0] for t in tensors])
-            by_position = len(parts[0]) - (1 if kind.last else 0)  # `last` is the final chunk's alone
+                    # `last` (a whole distribution) is the final chunk's alone: the others' go at once.
+                    final = end == len(sequence)
+                    parts.append([t[0] for t in (tensors if final or not kind.last else tensors[:-1])])
+                    del tensors
+            by_position = len(parts[-1]) - (1 if kind.last else 0)
             results[i] = ([torch.cat([part[j] for part in parts]) for j in range(by_position)]
                           + ([parts[-1][-1]] if kind.last else []))
 
@@ -176,8 +179,12 @@ class Completions:
                     data[SCORE_IDS][row, start:start + len(rows), :rows.shape[1]] = rows
             tensors = await self.jobs.submit(job[0], request, ids, mask, data, max_job_sessions=job[1],
                                              job_limit=job[2])
+            # Each prompt's own positions, copied: a view would keep the whole padded batch alive.
+            by_position = len(tensors) - (1 if kind.last else 0)
             for row, i in enumerate(indices):
-                results[i] = [t[row] for t in tensors]
+                length = len(sequences[i])
+                results[i] = ([t[row, :length].clone() for t in tensors[:by_position]]
+                              + ([tensors[-1][row].clone()] if kind.last else []))
 
         await asyncio.gather(*(one(indices) for indices in self._batches([len(s) for s in sequences], kind.last)))
         return results
@@ -196,7 +203,7 @@ class Completions:
         generated: list[list[int]] = [[] for _ in prompts]
         gen_logprobs: list[list[tuple[float, list[tuple[int, float]]]]] = [[] for _ in prompts]
         finish = ["length"] * len(prompts)
-        lasts = [r[-1] for r in results] if params.max_tokens else []
+        lasts = [r.pop() for r in results] if params.max_tokens else []  # held once: here, not in results too
         generators = [None if params.seed is None else torch.Generator().manual_seed(params.seed)
                       for _ in prompts]
         following = CompletionLogprobs(prompt_k=-1, last=True)
@@ -345,36 +352,60 @@ def add_routes(app: FastAPI, completions: Completions, callers: Callers, ready) 
         if caller is None:
             return _error(ApiError("missing or wrong token (Authorization: Bearer <token>)", code=401,
                                    kind="AuthenticationError"))
-        lease = None
         try:
-            try:
-                body = json.loads(await request.body())
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ApiError(f"the request body is not JSON: {e}") from None
-            params = await asyncio.to_thread(completions.parse, body)
-            job = (caller.job_id or OPERATOR_JOB, caller.max_sessions, caller.limit("max_sessions"))
-            lease = await completions.budget.reserve(job[0], params.answer_bytes)
-            text = await completions.complete(params, job)
-            answer, lease = _AnswerResponse(text, lease), None  # the answer gives the bytes back once sent
-            return answer
-        except ApiError as e:
-            return _error(e)
-        except AnswerTooLarge as e:
-            return _error(ApiError(str(e), param="prompt"))
-        except AnswerBudgetBusy as e:
-            return _error(ApiError(str(e), code=503, kind="ServiceUnavailableError"))
-        except ServiceError as e:
-            code = _STATUS_CODES.get(e.code.name, 500)
-            return _error(ApiError(str(e), code=code, kind="ServiceUnavailableError" if code == 503 else
-                                   "BadRequestError" if code < 500 else "InternalServerError"))
-        except WriterBusy as e:
-            return _error(ApiError(str(e), code=503, kind="ServiceUnavailableError"))
-        except (BatchFailed, WriterFailed) as e:
-            return _error(ApiError(f"the teacher could not serve this request: {e}", code=500,
-                                   kind="InternalServerError"))
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            return _error(ApiError(f"the request body is not JSON: {e}"))
+        # uvicorn goes on with a handler whose client has gone: its wait for the budget and the
+        # writer, and its forwards, would hold their places for an answer nobody reads.
+        serving = asyncio.ensure_future(_serve(completions, caller, body))
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({serving, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if lease is not None:  # failed (or cancelled) before its answer was made
-                lease.release()
+            gone.cancel()
+            if not serving.done():
+                serving.cancel()  # its lease, if it has one, goes back as it ends
+        if not serving.done():
+            log.info("a client left before its completion was answered: its request was dropped")
+            return Response(status_code=499)  # sent nowhere: the client is gone
+        return serving.result()
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client has disconnected (its body read, the next message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _serve(completions: Completions, caller, body) -> Response:
+    """One completion: its answer, or its error in vLLM's shape."""
+    lease = None
+    try:
+        params = await asyncio.to_thread(completions.parse, body)
+        job = (caller.job_id or OPERATOR_JOB, caller.max_sessions, caller.limit("max_sessions"))
+        lease = await completions.budget.reserve(job[0], params.answer_bytes)
+        text = await completions.complete(params, job)
+        answer, lease = _AnswerResponse(text, lease), None  # the answer gives the bytes back once sent
+        return answer
+    except ApiError as e:
+        return _error(e)
+    except AnswerTooLarge as e:
+        return _error(ApiError(str(e), param="prompt"))
+    except AnswerBudgetBusy as e:
+        return _error(ApiError(str(e), code=503, kind="ServiceUnavailableError"))
+    except ServiceError as e:
+        code = _STATUS_CODES.get(e.code.name, 500)
+        return _error(ApiError(str(e), code=code, kind="ServiceUnavailableError" if code == 503 else
+                               "BadRequestError" if code < 500 else "InternalServerError"))
+    except WriterBusy as e:
+        return _error(ApiError(str(e), code=503, kind="ServiceUnavailableError"))
+    except (BatchFailed, WriterFailed) as e:
+        return _error(ApiError(f"the teacher could not serve this request: {e}", code=500,
+                               kind="InternalServerError"))
+    finally:
+        if lease is not None:  # failed (or cancelled) before its answer was made
+            lease.release()
 
 
 __all__ = ["Completions", "add_routes"]
