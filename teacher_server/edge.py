@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import grpc
 import h11
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from distill_common.settings import flag
@@ -474,6 +475,24 @@ _BYTES_ACKED_AT = 120
 _TCP_INFO_BYTES = 136
 
 
+class _GuardedFlow(FlowControl):
+    """uvicorn's flow control, but reading does not resume while h11 holds bytes the peer sent
+    behind a whole request not yet answered (a pipelined request): uvicorn's `receive()`
+    resumes reading at every call, after a request's body too (the completions route waits
+    on it for the peer leaving), so a peer that pipelines requests while reading its answers
+    would have the teacher read a buffer's worth ahead per answer, without a bound."""
+
+    def __init__(self, transport, protocol: "GuardedH11Protocol"):
+        super().__init__(transport)
+        self._protocol = protocol
+
+    def resume_reading(self) -> None:
+        conn = self._protocol.conn
+        if conn.their_state is h11.DONE and conn.trailing_data[0]:
+            return  # uvicorn's on_response_complete, then GuardedH11Protocol's, go on with them
+        super().resume_reading()
+
+
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with the bounds uvicorn lacks.
 
@@ -497,8 +516,10 @@ class GuardedH11Protocol(H11Protocol):
       unsent is aborted: asyncio's close would wait for the peer to take them first.
     - Pipelined input is bounded: h11 parses one request at a time and uvicorn stops reading
       while one is answered with the next already buffered; here reading also stops while
-      the peer has not taken an answer. What a connection can make the teacher buffer is
-      one read (asyncio's, 256 KiB) of requests not yet answered.
+      the peer has not taken an answer, and (`_GuardedFlow`) while h11 holds a request
+      pipelined behind the one being answered, whatever uvicorn's `receive()` asks. What a
+      connection can make the teacher buffer is one read (asyncio's, 256 KiB) of requests
+      not yet answered.
     - A cap on open connections, --http-max-connections: a new connection past it closes
       the oldest displaceable one (itself if no other is): one waiting on its peer (for a
       whole request, or to take an answer) or one that has pipelined (sent a request
@@ -525,6 +546,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self.flow = _GuardedFlow(transport, self)
         transport.set_write_buffer_limits(high=HTTP_WRITE_BUFFER_BYTES)
         sock = transport.get_extra_info("socket")
         if sock is not None:
@@ -553,9 +575,11 @@ class GuardedH11Protocol(H11Protocol):
         self._track()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()  # resumes reading
+        super().on_response_complete()  # resumes reading, and handles a request pipelined behind
         if self.flow.write_paused:
             self.flow.pause_reading()
+        elif self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # the pipelined bytes were not a whole request
+            self.flow.resume_reading()
         self._track()
 
     def pause_writing(self) -> None:

@@ -381,6 +381,48 @@ def test_a_steady_reader_takes_a_long_answer_and_a_trickling_one_is_cut(server):
     assert _logged(server, start, "(--http-min-send-bytes-per-s, --http-send-timeout-s)"), server.log_lines[start:]
 
 
+def test_a_peer_pipelining_requests_while_reading_answers_is_read_no_further_ahead(server):
+    """uvicorn resumes reading at every receive() of a request, also behind a whole pipelined
+    request h11 holds: a peer that pipelines small completions while reading every answer had
+    the teacher read ~60 MB/s ahead of its answers into h11's buffer. The teacher now reads no
+    further while it holds a pipelined request: what the peer can send ahead is what the
+    sockets' buffers take."""
+    payload = json.dumps({"prompt": [[5, 6]], "max_tokens": 1}).encode()
+    one = (b"POST /v1/completions HTTP/1.1\r\nHost: teacher\r\nContent-Type: application/json\r\n"
+           b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (TOKEN.encode(), len(payload), payload))
+    block, sent, answered = one * 200, [0], [0]
+    peer = socket.create_connection(("127.0.0.1", server.http_port), timeout=10)
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+    stop = time.monotonic() + 4
+
+    def send():
+        while time.monotonic() < stop:
+            try:
+                peer.sendall(block)
+            except OSError:
+                return
+            sent[0] += 200
+
+    def read():
+        while True:
+            try:
+                data = peer.recv(1 << 20)
+            except OSError:
+                return
+            if not data:
+                return
+            answered[0] += data.count(b"HTTP/1.1 200")
+
+    threads = [threading.Thread(target=send, daemon=True), threading.Thread(target=read, daemon=True)]
+    for thread in threads:
+        thread.start()
+    threads[0].join(30)
+    ahead_bytes = (sent[0] - answered[0]) * len(one)
+    peer.close()
+    assert answered[0] > 100, answered  # it was served all along
+    assert ahead_bytes < 16 << 20, (sent[0], answered[0])  # ~60 MB a second ahead without the bound
+
+
 def test_pipelined_requests_never_read_starve_no_probes(server):
     pid = server.proc.pid
     start = len(server.log_lines)

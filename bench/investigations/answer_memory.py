@@ -23,7 +23,8 @@ import torch
 from distill_common.outputs import TeacherFacts
 from teacher_server.openai.routes import Completions
 
-# name: the request body (its prompts are ids: no tokenizer here).
+# name: the request body (its prompts are ids: no tokenizer here; `_chunk_tokens`: the teacher's
+# --api-chunk-tokens, 256 where not given).
 SHAPES = {
     "scored ids, one prompt 256 wide": lambda: {
         "prompt": [[1] * 256 for _ in range(250)], "max_tokens": 0, "echo": True,
@@ -36,6 +37,9 @@ SHAPES = {
     "16 prompts of 1,000 ids, token ids": lambda: {
         "prompt": [list(range(10000, 11000))] * 16, "max_tokens": 1, "return_token_ids": True},
     "2 prompts of 16,383 in chunks": lambda: {"prompt": [[1] * 16383, [2] * 16383], "max_tokens": 1},
+    "1 long and 63 short prompts, unchunked": lambda: {  # one padded batch (--api-chunk-tokens 0)
+        "prompt": [[1] * 256] + [[1, 1]] * 63, "max_tokens": 0, "echo": True,
+        "prompt_logprob_token_ids": [[[2] * 256]] + [[[2]] for _ in range(63)], "_chunk_tokens": 0},
     "8 prompts of 2,048, k 100, echo": lambda: {
         "prompt": [[(7 * i + j) % 1000 for i in range(2048)] for j in range(8)], "max_tokens": 2, "echo": True,
         "logprobs": 5, "prompt_logprobs": 100},
@@ -91,7 +95,7 @@ def measure(body: dict, vocab: int) -> tuple[int, int, int]:
     facts = TeacherFacts(vocab_size=vocab, hidden_size=8, num_layers=1, dtype=torch.float32)
     completions = Completions(_Engine(sampler, vocab), facts, None, model_id="m", max_seq_len=16384,
                               max_batch_tokens=16384, max_logprobs=256, answer_limit_bytes=1 << 50,
-                              chunk_tokens=256)
+                              chunk_tokens=body.pop("_chunk_tokens", 256))
     write, respond = completions.writer.prompt_logprobs, completions._response
 
     async def writing(*args, **kwargs):

@@ -38,8 +38,10 @@ OBJECT_ENTRY_FACTOR = 4
 # Copies of a response's JSON the teacher holds at once: the writer's answer and the joined body.
 JSON_COPIES = 2
 # Bytes of one prompt token besides its entries: a Python int in the parsed request (8 for the
-# list's slot, 28 for the int), its int64 id and mask in the batch, its text in `prompt_token_ids`.
-TOKEN_BYTES = 36 + 16 + 8
+# list's slot, 28 for the int) and its text in `prompt_token_ids`; and of one position of a
+# batch (padding included): its int64 id and mask.
+TOKEN_BYTES = 36 + 8
+POSITION_BYTES = 16
 # Bytes of one prompt besides its tokens and entries: its tensors' objects (up to 6, a few
 # hundred bytes each outside their data), its lists and strings.
 PROMPT_BYTES = 2048
@@ -60,23 +62,25 @@ def entry_bytes(text) -> int:
     return longest + ENTRY_FIXED_BYTES + max(len(str(text.vocab_size)), len("null"))
 
 
-def answer_bytes(params, *, vocab_size: int, entry_size: int) -> int:
+def answer_bytes(params, *, vocab_size: int, entry_size: int, padded_positions: int = 0) -> int:
     """An upper bound of the bytes request `params` (a parsed CompletionParams, prompts as ids)
     holds for its answer (routes.Completions.complete): its prompts' tokens; the last row's
     distribution per generating prompt (two while a step's new rows replace the old); per
     position its k + 1 entries and the ids asked as the forward's tensors (as wide as the
     request's widest: 8 bytes an id sent, 4 a value back) and, but for a prompt's first
     position, as JSON (JSON_COPIES, the prompt's own ids asked); the legacy `logprobs` entries
-    as Python objects and JSON; the text."""
+    as Python objects and JSON; the text. `padded_positions`: the positions of the batches the
+    prompts run in, padding included (0: the prompts' own), which the batches' tensors have."""
     prompts = params.prompts
     positions = sum(len(p) for p in prompts)
     scored = params.prompt_logprob_token_ids
     width = max((len(row) for rows in scored for row in rows), default=0) if scored else 0
-    total = len(prompts) * PROMPT_BYTES + positions * (TOKEN_BYTES + 12 * width)
+    padded = max(padded_positions, positions)
+    total = len(prompts) * PROMPT_BYTES + positions * TOKEN_BYTES + padded * (POSITION_BYTES + 12 * width)
     if params.max_tokens > 0:
         total += len(prompts) * vocab_size * 4 * (2 if params.max_tokens > 1 else 1)
     if params.prompt_logprobs is not None:
-        total += positions * (params.prompt_logprobs + 1 + width) * ENTRY_TENSOR_BYTES
+        total += padded * (params.prompt_logprobs + 1 + width) * ENTRY_TENSOR_BYTES
         for index, prompt in enumerate(prompts):  # its JSON lists the ids it asked, not the widest's
             asked = max((len(row) for row in scored[index]), default=0) if scored else 0
             total += (len(prompt) - 1) * (params.prompt_logprobs + 1 + asked) * JSON_COPIES * entry_size
@@ -90,7 +94,8 @@ def answer_bytes(params, *, vocab_size: int, entry_size: int) -> int:
 
 # Grants to other requests a request at the head of its job's queue lets pass before it goes
 # next (waiting for room if it does not fit): max-min alone would let a job that drops to
-# nothing between its requests overtake a job that holds something for ever.
+# nothing between its requests overtake a job that holds something for ever. Where several
+# are due at once the oldest goes first, so one may let up to MAX_PASSES + jobs - 1 pass.
 MAX_PASSES = 4
 
 

@@ -120,6 +120,14 @@ class LocalGroup:
         self._pending.close("the API session ended")
 
 
+def _call_soon(loop: asyncio.AbstractEventLoop, callback) -> None:
+    """`callback` on `loop` from any thread; nothing once the loop has closed (the server gone)."""
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:
+        pass
+
+
 class ApiJobs:
     """The sessions of the HTTP API, by (job, what its requests ask), made on first use.
 
@@ -169,7 +177,9 @@ class ApiJobs:
                      attention_mask: torch.Tensor, data: dict[str, torch.Tensor] | None = None, *, weight: float = 1.0,
                      max_job_sessions: int = 0, job_limit: str = "", chunk: Chunk | None = None) -> list[torch.Tensor]:
         session, pending, slots = self._session(job_id, outputs, weight, max_job_sessions, job_limit)
-        async with slots:
+        await slots.acquire()
+        loop = asyncio.get_running_loop()
+        try:
             batch_id = session.next_batch_id
             session.next_batch_id += 1
             batch = Batch(batch_id=batch_id, input_ids=input_ids, attention_mask=attention_mask, data=data or {},
@@ -177,14 +187,23 @@ class ApiJobs:
             batch.output_bytes = sum(int(torch.Size(spec.shape).numel()) * spec.dtype.itemsize
                                      for spec in outputs.layout(batch.rows, batch.seq_len))
             future = pending.add(batch_id)
-            self.engine.submit(session, batch)
-            self.engine.heartbeat(session)
-            try:
-                return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
-            except asyncio.TimeoutError:
-                pending.settle(batch_id, reason="timed out")
-                raise Unavailable(f"the teacher did not serve this request's batch within {self.timeout_s:g} s "
-                                  "(--transfer-timeout-s): it is overloaded; retry later") from None
+        except BaseException:
+            slots.release()
+            raise
+        # The slot is the batch's until the engine has settled it, also when its request is
+        # cancelled (its client gone): the batch stays queued and runs, so a client that leaves
+        # and comes back cannot queue more than --max-inflight batches per session.
+        future.add_done_callback(lambda _: _call_soon(loop, slots.release))
+        self.engine.submit(session, batch)
+        self.engine.heartbeat(session)
+        settled = asyncio.wrap_future(future)
+        settled.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, if nobody waits for it
+        try:
+            return await asyncio.wait_for(asyncio.shield(settled), self.timeout_s)
+        except asyncio.TimeoutError:
+            pending.settle(batch_id, reason="timed out")
+            raise Unavailable(f"the teacher did not serve this request's batch within {self.timeout_s:g} s "
+                              "(--transfer-timeout-s): it is overloaded; retry later") from None
 
     def close(self) -> None:
         with self._lock:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from fastapi import FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
 from distill_common.outputs import OutputRequest, TeacherFacts
 from teacher_server.edge import Callers
@@ -109,8 +110,21 @@ class Completions:
                                    f"{len(prompt) - 1} scored rows (its length - 1)", param="prompt_logprob_token_ids")
         if not self._entry_bytes:
             self._entry_bytes = entry_bytes(self.text)
-        params.answer_bytes = answer_bytes(params, vocab_size=self.facts.vocab_size, entry_size=self._entry_bytes)
+        params.answer_bytes = answer_bytes(params, vocab_size=self.facts.vocab_size, entry_size=self._entry_bytes,
+                                           padded_positions=self._padded_positions(params))
         return params
+
+    def _padded_positions(self, params: CompletionParams) -> int:
+        """The positions of the batches `_run` makes of the request's prompts, padding included
+        (a prompt run in chunks has none)."""
+        lengths = [len(p) for p in params.prompts]
+        padded = 0
+        for batch in self._batches(lengths, params.max_tokens > 0):
+            if len(batch) == 1 and self.chunked_prompts and lengths[batch[0]] > self.batch_tokens:
+                padded += lengths[batch[0]]
+            else:
+                padded += len(batch) * lengths[batch[0]]
+        return padded
 
     def _batches(self, lengths: list[int], last: bool) -> list[list[int]]:
         """Prompt indices grouped into batches of at most `batch_tokens` padded tokens, longest
@@ -120,7 +134,7 @@ class Completions:
         max_rows = max(1, LAST_ROWS_BYTES // (4 * self.facts.vocab_size)) if last else len(lengths)
         batches, current = [], []
         for index in order:
-            width = max([lengths[i] for i in current] + [lengths[index]])
+            width = lengths[current[0]] if current else lengths[index]  # longest first: the batch's first
             if current and (width * (len(current) + 1) > self.batch_tokens or len(current) == max_rows):
                 batches.append(current)
                 current = []
@@ -241,7 +255,13 @@ class Completions:
                     scored_ids[start:start + rows.shape[0], :rows.shape[1]] = rows
                 prompt_json[index] = await self.writer.prompt_logprobs(prompt, top, top_ids, own, rank, scored_values,
                                                                        scored_ids, job=job[0])
-        return await asyncio.to_thread(self._response, params, results, generated, gen_logprobs, finish, prompt_json)
+        joining = asyncio.ensure_future(asyncio.to_thread(self._response, params, results, generated, gen_logprobs,
+                                                          finish, prompt_json))
+        try:
+            return await asyncio.shield(joining)
+        except asyncio.CancelledError:  # the thread holds the answer until it ends, and so does the charge
+            await asyncio.wait({joining})
+            raise
 
     def _response(self, params: CompletionParams, results, generated, gen_logprobs, finish,
                   prompt_json: list[bytes]) -> bytes:
@@ -356,6 +376,8 @@ def add_routes(app: FastAPI, completions: Completions, callers: Callers, ready) 
             body = json.loads(await request.body())
         except (ValueError, UnicodeDecodeError) as e:
             return _error(ApiError(f"the request body is not JSON: {e}"))
+        except ClientDisconnect:  # gone before its body came whole
+            return Response(status_code=499)
         # uvicorn goes on with a handler whose client has gone: its wait for the budget and the
         # writer, and its forwards, would hold their places for an answer nobody reads.
         serving = asyncio.ensure_future(_serve(completions, caller, body))
