@@ -1,0 +1,115 @@
+"""The OpenAI API's requests cancelled mid-way (their client gone), on a real engine and model:
+a request's batches left queued keep their --max-inflight slots until the engine has settled
+them (teacher_server/openai/jobs.py), so a client that leaves and comes back cannot queue more
+than --max-inflight batches per session; a request cancelled while a thread joins its answer
+ends only when the thread has let go of it (routes.Completions.complete), so its charge is not
+given back early. Gates hold the model's own forward and the join for as long as a test needs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from distill_common.outputs import OutputRequest, TeacherFacts
+from teacher_server.engine import Engine
+from teacher_server.metrics import Metrics
+from teacher_server.model_runner import ModelRunner
+from teacher_server.openai.jobs import ApiJobs
+from teacher_server.openai.outputs import NEXT_IDS, CompletionLogprobs
+from teacher_server.openai.protocol import parse_completion
+from teacher_server.openai.routes import Completions
+
+MAX_INFLIGHT = 2
+
+
+@pytest.fixture
+def served():
+    """(runner, engine, jobs, facts, gate): the engine's forwards wait for `gate`."""
+    runner = ModelRunner("builtin:tiny", "cpu")
+    gate = threading.Event()
+    forward = runner.forward
+
+    def gated(*args, **kwargs):
+        assert gate.wait(30), "the test never opened the gate"
+        return forward(*args, **kwargs)
+
+    runner.forward = gated
+    engine = Engine(runner, Metrics(runner.device), advertise_host="127.0.0.1", max_batch_tokens=1024,
+                    max_sessions=4, lease_s=60, join_timeout_s=10, transfer_timeout_s=60, isolate_sessions=False)
+    engine.start()
+    jobs = ApiJobs(engine, max_inflight=MAX_INFLIGHT, timeout_s=60)
+    config = runner.model.config
+    facts = TeacherFacts(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                         num_layers=config.num_hidden_layers, dtype=torch.float32)
+    try:
+        yield runner, engine, jobs, facts, gate
+    finally:
+        gate.set()
+        jobs.close()
+        engine.stop()
+
+
+def test_a_cancelled_requests_batches_keep_their_slots_until_the_engine_settles_them(served):
+    runner, engine, jobs, facts, gate = served
+    request = OutputRequest((CompletionLogprobs(prompt_k=2, last=False),), torch.float32, facts)
+    ids = torch.tensor([[5, 17, 99, 3]])
+
+    def submit():
+        return jobs.submit("job", request, ids, torch.ones_like(ids), {NEXT_IDS: torch.tensor([[17, 99, 3, 0]])})
+
+    async def scenario():
+        gone = [asyncio.ensure_future(submit()) for _ in range(5)]  # 2 submitted, 3 waiting for a slot
+        await asyncio.sleep(0.2)
+        session = next(s for s in engine.sessions() if s.job_id == "job")
+        assert session.batches_submitted == MAX_INFLIGHT
+        for task in gone:
+            task.cancel()
+        await asyncio.gather(*gone, return_exceptions=True)
+        back = [asyncio.ensure_future(submit()) for _ in range(3)]  # the client, back
+        await asyncio.sleep(0.2)
+        # The cancelled requests' two batches still wait for a forward, holding the two slots.
+        assert session.batches_submitted == MAX_INFLIGHT and not any(task.done() for task in back)
+        gate.set()
+        results = await asyncio.wait_for(asyncio.gather(*back), 60)
+        assert session.batches_submitted == MAX_INFLIGHT + 3
+        with torch.no_grad():
+            want = torch.log_softmax(runner.model(ids).logits[0].float(), -1)
+        for top, top_ids, own, rank in results:
+            torch.testing.assert_close(top[0], want.topk(2).values, atol=1e-5, rtol=0)
+            assert top_ids[0].tolist() == want.topk(2).indices.tolist()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_cancelled_while_its_answer_is_joined_ends_when_the_join_does(served):
+    runner, engine, jobs, facts, gate = served
+    gate.set()
+    completions = Completions(jobs, facts, None, model_id="m", max_seq_len=64, max_batch_tokens=1024,
+                              max_logprobs=8, answer_limit_bytes=1 << 30, chunk_tokens=0)
+    joining, joined = threading.Event(), threading.Event()
+    respond = completions._response
+
+    def held(*args):
+        joining.set()
+        assert joined.wait(30), "the test never let the join end"
+        return respond(*args)
+
+    completions._response = held
+    params = parse_completion({"prompt": [[5, 17, 99, 3]], "max_tokens": 1}, vocab_size=facts.vocab_size,
+                              max_logprobs=8, max_prompts=8)
+
+    async def scenario():
+        task = asyncio.ensure_future(completions.complete(params, ("job", 0, "")))
+        assert await asyncio.to_thread(joining.wait, 30)
+        task.cancel()
+        await asyncio.sleep(0.3)
+        assert not task.done()  # the thread still holds the answer: the request is not over
+        joined.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 30)
+        await completions.close()
+
+    asyncio.run(scenario())
