@@ -475,12 +475,20 @@ _BYTES_ACKED_AT = 120
 _TCP_INFO_BYTES = 136
 
 
+# A whole request not yet answered: h11's states while the peer may only pipeline behind it
+# (MIGHT_SWITCH_PROTOCOL: one with an Upgrade header, or CONNECT, answered as any other here).
+_REQUEST_WHOLE = (h11.DONE, h11.MIGHT_SWITCH_PROTOCOL)
+# What h11 may hold of a peer's bytes behind such a request before reading stops: a little, so
+# that a peer gone behind a stray byte (a CRLF some clients send) is still seen going.
+READ_AHEAD_BYTES = 16 << 10
+
+
 class _GuardedFlow(FlowControl):
-    """uvicorn's flow control, but reading does not resume while h11 holds bytes the peer sent
-    behind a whole request not yet answered (a pipelined request): uvicorn's `receive()`
-    resumes reading at every call, after a request's body too (the completions route waits
-    on it for the peer leaving), so a peer that pipelines requests while reading its answers
-    would have the teacher read a buffer's worth ahead per answer, without a bound."""
+    """uvicorn's flow control, but reading does not resume while h11 holds READ_AHEAD_BYTES or
+    more sent behind a whole request not yet answered (pipelined requests): uvicorn's
+    `receive()` resumes reading at every call, after a request's body too (the completions
+    route waits on it for the peer leaving), so a peer that pipelines requests while reading
+    its answers would have the teacher read a buffer's worth ahead per answer, without a bound."""
 
     def __init__(self, transport, protocol: "GuardedH11Protocol"):
         super().__init__(transport)
@@ -488,7 +496,7 @@ class _GuardedFlow(FlowControl):
 
     def resume_reading(self) -> None:
         conn = self._protocol.conn
-        if conn.their_state is h11.DONE and conn.trailing_data[0]:
+        if conn.their_state in _REQUEST_WHOLE and len(conn.trailing_data[0]) >= READ_AHEAD_BYTES:
             return  # uvicorn's on_response_complete, then GuardedH11Protocol's, go on with them
         super().resume_reading()
 
@@ -516,10 +524,10 @@ class GuardedH11Protocol(H11Protocol):
       unsent is aborted: asyncio's close would wait for the peer to take them first.
     - Pipelined input is bounded: h11 parses one request at a time and uvicorn stops reading
       while one is answered with the next already buffered; here reading also stops while
-      the peer has not taken an answer, and (`_GuardedFlow`) while h11 holds a request
+      the peer has not taken an answer, and (`_GuardedFlow`) while h11 holds 16 KiB or more
       pipelined behind the one being answered, whatever uvicorn's `receive()` asks. What a
       connection can make the teacher buffer is one read (asyncio's, 256 KiB) of requests
-      not yet answered.
+      not yet answered, past those 16 KiB.
     - A cap on open connections, --http-max-connections: a new connection past it closes
       the oldest displaceable one (itself if no other is): one waiting on its peer (for a
       whole request, or to take an answer) or one that has pipelined (sent a request
@@ -562,10 +570,10 @@ class GuardedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         in_body = self.conn.their_state is h11.SEND_BODY
         # A request complete and not yet answered, and more comes: the peer pipelines.
-        ahead = self.conn.their_state is h11.DONE
+        ahead = self.conn.their_state in _REQUEST_WHOLE
         super().data_received(data)
         # uvicorn pauses reading when h11 holds a request behind the one being answered.
-        if ahead or (self.conn.their_state is h11.DONE and self.flow.read_paused):
+        if ahead or (self.conn.their_state in _REQUEST_WHOLE and self.flow.read_paused):
             self._pipelined = True
         if self.conn.their_state is h11.SEND_BODY:
             self._body_bytes = self._body_bytes + len(data) if in_body else 0

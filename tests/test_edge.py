@@ -381,19 +381,21 @@ def test_a_steady_reader_takes_a_long_answer_and_a_trickling_one_is_cut(server):
     assert _logged(server, start, "(--http-min-send-bytes-per-s, --http-send-timeout-s)"), server.log_lines[start:]
 
 
-def test_a_peer_pipelining_requests_while_reading_answers_is_read_no_further_ahead(server):
+@pytest.mark.parametrize("upgrade", [b"", b"Upgrade: h2c\r\n"])
+def test_a_peer_pipelining_requests_while_reading_answers_is_read_no_further_ahead(server, upgrade):
     """uvicorn resumes reading at every receive() of a request, also behind a whole pipelined
     request h11 holds: a peer that pipelines small completions while reading every answer had
-    the teacher read ~60 MB/s ahead of its answers into h11's buffer. The teacher now reads no
-    further while it holds a pipelined request: what the peer can send ahead is what the
-    sockets' buffers take."""
+    the teacher read ~60 MB/s ahead of its answers into h11's buffer (with an Upgrade header,
+    which h11 holds in a state of its own, too). The teacher now reads no further while it holds
+    16 KiB of pipelined requests: what the peer can send ahead is what the sockets' buffers take."""
     payload = json.dumps({"prompt": [[5, 6]], "max_tokens": 1}).encode()
-    one = (b"POST /v1/completions HTTP/1.1\r\nHost: teacher\r\nContent-Type: application/json\r\n"
-           b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (TOKEN.encode(), len(payload), payload))
+    one = (b"POST /v1/completions HTTP/1.1\r\nHost: teacher\r\nContent-Type: application/json\r\n%s"
+           b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s" % (upgrade, TOKEN.encode(), len(payload),
+                                                                            payload))
     block, sent, answered = one * 200, [0], [0]
     peer = socket.create_connection(("127.0.0.1", server.http_port), timeout=10)
     peer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
-    stop = time.monotonic() + 4
+    stop = time.monotonic() + 3
 
     def send():
         while time.monotonic() < stop:

@@ -403,13 +403,13 @@ def _gauges(server) -> dict[str, float]:
             if line.startswith("teacher_api_")}
 
 
-def _raw_post(server, body: dict) -> socket.socket:
-    """A connection that has sent a completions request and read nothing of its answer."""
+def _raw_post(server, body: dict, after: bytes = b"") -> socket.socket:
+    """A connection that has sent a completions request (then `after`) and read nothing of its answer."""
     payload = json.dumps(body).encode()
     peer = socket.create_connection(("127.0.0.1", server.http_port), timeout=30)
     peer.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                  b"authorization: Bearer " + JOB_TOKEN.encode() + b"\r\ncontent-length: %d\r\n\r\n" % len(payload)
-                 + payload)
+                 + payload + after)
     return peer
 
 
@@ -450,8 +450,9 @@ def test_an_answer_too_large_for_the_teachers_memory_is_refused_and_the_bytes_co
         assert status == b"HTTP/1.1 200"  # the answer is being sent
         time.sleep(1)
         assert _gauges(server)["teacher_api_answer_bytes"] == charged  # and not taken
-        # A request that does not fit beside it waits; its client leaves: it waits no more.
-        with _raw_post(server, {"prompt": long_prompts[:2], "max_tokens": 1, "prompt_logprobs": 300}):
+        # A request that does not fit beside it waits; its client leaves (after a stray CRLF, which
+        # the teacher must read past to see it go): it waits no more.
+        with _raw_post(server, {"prompt": long_prompts[:2], "max_tokens": 1, "prompt_logprobs": 300}, b"\r\n"):
             wait_until(lambda: _gauges(server)["teacher_api_requests_waiting"] == 1, 30, "the second one waiting")
         wait_until(lambda: _gauges(server)["teacher_api_requests_waiting"] == 0, 30, "the wait dropped")
         assert _gauges(server)["teacher_api_answer_bytes"] == charged

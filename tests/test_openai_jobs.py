@@ -1,7 +1,7 @@
 """The OpenAI API's requests cancelled mid-way (their client gone), on a real engine and model:
 a request's batches left queued keep their --max-inflight slots until the engine has settled
-them (teacher_server/openai/jobs.py), so a client that leaves and comes back cannot queue more
-than --max-inflight batches per session; a request cancelled while a thread joins its answer
+them (teacher_server/openai/jobs.py), so a client that leaves and comes back, or whose requests
+time out, cannot queue more than --max-inflight batches per session; a request cancelled while a thread joins its answer
 ends only when the thread has let go of it (routes.Completions.complete), so its charge is not
 given back early. Gates hold the model's own forward and the join for as long as a test needs."""
 
@@ -113,3 +113,30 @@ def test_a_request_cancelled_while_its_answer_is_joined_ends_when_the_join_does(
         await completions.close()
 
     asyncio.run(scenario())
+
+
+def test_a_timed_out_requests_batches_keep_their_slots_too(served):
+    runner, engine, _, facts, gate = served
+    jobs = ApiJobs(engine, max_inflight=MAX_INFLIGHT, timeout_s=0.3)
+    request = OutputRequest((CompletionLogprobs(prompt_k=2, last=False),), torch.float32, facts)
+    ids = torch.tensor([[5, 17, 99, 3]])
+
+    def submit():
+        return jobs.submit("late", request, ids, torch.ones_like(ids), {NEXT_IDS: torch.tensor([[17, 99, 3, 0]])})
+
+    async def scenario():
+        from teacher_server.errors import ServiceError
+
+        for _ in range(3):  # a client whose requests time out, asking again
+            outcomes = await asyncio.gather(*(submit() for _ in range(4)), return_exceptions=True)
+            assert all(isinstance(e, ServiceError) and "within 0.3 s" in str(e) for e in outcomes), outcomes
+        session = next(s for s in engine.sessions() if s.job_id == "late")
+        assert session.batches_submitted == MAX_INFLIGHT  # not 12: the first two still hold the slots
+        gate.set()
+        jobs.timeout_s = 30
+        await asyncio.wait_for(submit(), 30)  # once they are settled, a slot is free again
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        jobs.close()

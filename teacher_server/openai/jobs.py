@@ -120,6 +120,21 @@ class LocalGroup:
         self._pending.close("the API session ended")
 
 
+async def _acquire_within(slots: asyncio.Semaphore, timeout_s: float) -> None:
+    """One of a session's --max-inflight slots, within `timeout_s` (Unavailable after). Not
+    wait_for: on Python 3.11 it can time out an acquire that has just succeeded, losing the slot."""
+    acquiring = asyncio.ensure_future(slots.acquire())
+    try:
+        done, _ = await asyncio.wait({acquiring}, timeout=timeout_s)
+    except BaseException:  # cancelled while waiting
+        if not acquiring.cancel():  # it had the slot already: back it goes
+            slots.release()
+        raise
+    if not done and acquiring.cancel():
+        raise Unavailable(f"no slot of this request's session (--max-inflight batches) came free within {timeout_s:g} "
+                          "s (--transfer-timeout-s): the teacher is overloaded; retry later")
+
+
 def _call_soon(loop: asyncio.AbstractEventLoop, callback) -> None:
     """`callback` on `loop` from any thread; nothing once the loop has closed (the server gone)."""
     try:
@@ -177,7 +192,7 @@ class ApiJobs:
                      attention_mask: torch.Tensor, data: dict[str, torch.Tensor] | None = None, *, weight: float = 1.0,
                      max_job_sessions: int = 0, job_limit: str = "", chunk: Chunk | None = None) -> list[torch.Tensor]:
         session, pending, slots = self._session(job_id, outputs, weight, max_job_sessions, job_limit)
-        await slots.acquire()
+        await _acquire_within(slots, self.timeout_s)
         loop = asyncio.get_running_loop()
         try:
             batch_id = session.next_batch_id
@@ -200,8 +215,7 @@ class ApiJobs:
         settled.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, if nobody waits for it
         try:
             return await asyncio.wait_for(asyncio.shield(settled), self.timeout_s)
-        except asyncio.TimeoutError:
-            pending.settle(batch_id, reason="timed out")
+        except asyncio.TimeoutError:  # the batch keeps its slot until the engine has settled it
             raise Unavailable(f"the teacher did not serve this request's batch within {self.timeout_s:g} s "
                               "(--transfer-timeout-s): it is overloaded; retry later") from None
 

@@ -422,7 +422,13 @@ async def _serve(completions: Completions, caller, body) -> Response:
                                "BadRequestError" if code < 500 else "InternalServerError"))
     except WriterBusy as e:
         return _error(ApiError(str(e), code=503, kind="ServiceUnavailableError"))
-    except (BatchFailed, WriterFailed) as e:
+    except BatchFailed as e:
+        if not completions.jobs.engine.accepting:  # its session ended with the teacher shutting down
+            return _error(ApiError(f"the teacher is shutting down: {e}; retry on another", code=503,
+                                   kind="ServiceUnavailableError"))
+        return _error(ApiError(f"the teacher could not serve this request: {e}", code=500,
+                               kind="InternalServerError"))
+    except WriterFailed as e:
         return _error(ApiError(f"the teacher could not serve this request: {e}", code=500,
                                kind="InternalServerError"))
     finally:
