@@ -62,9 +62,13 @@ def test_a_cancelled_requests_batches_keep_their_slots_until_the_engine_settles_
 
     async def scenario():
         gone = [asyncio.ensure_future(submit()) for _ in range(5)]  # 2 submitted, 3 waiting for a slot
+        for _ in range(200):
+            session = next((s for s in engine.sessions() if s.job_id == "job"), None)
+            if session is not None and session.batches_submitted == MAX_INFLIGHT:
+                break
+            await asyncio.sleep(0.05)
         await asyncio.sleep(0.2)
-        session = next(s for s in engine.sessions() if s.job_id == "job")
-        assert session.batches_submitted == MAX_INFLIGHT
+        assert session is not None and session.batches_submitted == MAX_INFLIGHT
         for task in gone:
             task.cancel()
         await asyncio.gather(*gone, return_exceptions=True)
