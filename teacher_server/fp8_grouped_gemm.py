@@ -309,7 +309,6 @@ else:
     CONFIGS = PERSISTENT_CONFIGS = []
 
 
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

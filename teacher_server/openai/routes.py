@@ -120,11 +120,15 @@ class Completions:
         lengths = [len(p) for p in params.prompts]
         padded = 0
         for batch in self._batches(lengths, params.max_tokens > 0):
-            if len(batch) == 1 and self.chunked_prompts and lengths[batch[0]] > self.batch_tokens:
+            if self._in_chunks(batch, lengths):
                 padded += lengths[batch[0]]
             else:
                 padded += len(batch) * lengths[batch[0]]
         return padded
+
+    def _in_chunks(self, batch: list[int], lengths: list[int]) -> bool:
+        """Whether `_run` runs this batch (of prompt indices) a chunk at a time on the KV cache."""
+        return len(batch) == 1 and self.chunked_prompts and lengths[batch[0]] > self.batch_tokens
 
     def _batches(self, lengths: list[int], last: bool) -> list[list[int]]:
         """Prompt indices grouped into batches of at most `batch_tokens` padded tokens, longest
@@ -177,7 +181,7 @@ class Completions:
                           + ([parts[-1][-1]] if kind.last else []))
 
         async def one(indices: list[int]) -> None:
-            if len(indices) == 1 and self.chunked_prompts and len(sequences[indices[0]]) > self.batch_tokens:
+            if self._in_chunks(indices, lengths):
                 return await chunked(indices[0])
             width = max(len(sequences[i]) for i in indices)
             ids = torch.zeros(len(indices), width, dtype=torch.int64)
@@ -200,7 +204,8 @@ class Completions:
                 results[i] = ([t[row, :length].clone() for t in tensors[:by_position]]
                               + ([tensors[-1][row].clone()] if kind.last else []))
 
-        await asyncio.gather(*(one(indices) for indices in self._batches([len(s) for s in sequences], kind.last)))
+        lengths = [len(s) for s in sequences]
+        await asyncio.gather(*(one(indices) for indices in self._batches(lengths, kind.last)))
         return results
 
     async def close(self) -> None:
