@@ -420,6 +420,22 @@ class HttpConnections:
         self.send_slow_log = RateLimitedLog()
         self.body_log = RateLimitedLog()
 
+    def to_displace(self, newcomer: "GuardedH11Protocol") -> "GuardedH11Protocol":
+        """The connection a newcomer past the cap closes: the oldest displaceable one that has
+        sent something and stalled (part of a request, requests pipelined, answers not taken),
+        else the oldest that has sent nothing yet, else the newcomer itself. A probe connects
+        and sends its request at once, but the loop may accept many connections between the
+        two; ranked among those that have sent nothing, it is not the first to go when the
+        stalled ones it displaced end together and their peers connect again."""
+        silent = None
+        for connection in self.displaceable:
+            if connection is newcomer:
+                continue
+            if connection.stalled_with_something():
+                return connection
+            silent = silent or connection
+        return silent or newcomer
+
 
 # The kernel's send buffer of a HTTP connection (SO_SNDBUF, which also stops the kernel from
 # sizing it itself: it would give a peer that never reads megabytes at once). A connection
@@ -531,7 +547,9 @@ class GuardedH11Protocol(H11Protocol):
     - A cap on open connections, --http-max-connections: a new connection past it closes
       the oldest displaceable one (itself if no other is): one waiting on its peer (for a
       whole request, or to take an answer) or one that has pipelined (sent a request
-      before taking the answer to the one before). A probe sends its request as soon as it
+      before taking the answer to the one before); those that have sent something (part of
+      a request, pipelined requests) or not taken an answer go before those that have sent
+      nothing yet (`HttpConnections.to_displace`). A probe sends its request as soon as it
       connects and reads the answer, so sockets held open by others cannot lock it out, as
       a plain refusal past the cap would; the cap also keeps descriptors for the gRPC port
       and the data plane.
@@ -550,6 +568,7 @@ class GuardedH11Protocol(H11Protocol):
         self._taking: _Taking | None = None  # while _TAKEN
         self._send_buffer_bytes = HTTP_SEND_BUFFER_BYTES
         self._pipelined = False
+        self._heard = False  # bytes came since the connection opened or its last answer
         self._body_bytes = 0  # of the request whose body is coming
 
     def connection_made(self, transport) -> None:
@@ -562,7 +581,7 @@ class GuardedH11Protocol(H11Protocol):
         self.guard.open.add(self)
         self._track()
         if len(self.guard.open) > self.guard.max_connections:
-            oldest = next((c for c in self.guard.displaceable if c is not self), self)
+            oldest = self.guard.to_displace(self)
             self.guard.displaced_log.warning("closed the oldest HTTP connection waiting on its peer or pipelining: "
                                              "%d open, the --http-max-connections limit", len(self.guard.open) - 1)
             oldest._close()
@@ -571,6 +590,7 @@ class GuardedH11Protocol(H11Protocol):
         in_body = self.conn.their_state is h11.SEND_BODY
         # A request complete and not yet answered, and more comes: the peer pipelines.
         ahead = self.conn.their_state in _REQUEST_WHOLE
+        self._heard = True
         super().data_received(data)
         # uvicorn pauses reading when h11 holds a request behind the one being answered.
         if ahead or (self.conn.their_state in _REQUEST_WHOLE and self.flow.read_paused):
@@ -584,6 +604,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # resumes reading, and handles a request pipelined behind
+        self._heard = self.conn.their_state is not h11.IDLE or bool(self.conn.trailing_data[0])
         if self.flow.write_paused:
             self.flow.pause_reading()
         elif self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # the pipelined bytes were not a whole request
@@ -657,6 +678,11 @@ class GuardedH11Protocol(H11Protocol):
             self.guard.displaceable.setdefault(self, None)
         else:
             self.guard.displaceable.pop(self, None)
+
+    def stalled_with_something(self) -> bool:
+        """Whether, waiting on its peer, this connection has something of it: bytes of a
+        request, requests pipelined, or answers the peer has not taken."""
+        return self._heard or self._pipelined or self._waiting_for is _TAKEN
 
     def _cancel_deadline(self) -> None:
         if self._deadline is not None:

@@ -280,6 +280,33 @@ def test_half_sent_headers_and_idle_connections_time_out(server):
         sock.close()
 
 
+def test_a_probe_connected_before_its_request_outlasts_stalled_connections(server):
+    """The loop may accept many connections between a probe's connect and its request: twice
+    the cap of connections that sent half their headers, opened after a probe that has sent
+    nothing yet, displace each other, not the probe (the oldest of them all)."""
+    address = ("127.0.0.1", server.http_port)
+    probe = socket.create_connection(address)
+    time.sleep(0.1)
+    stalled = []
+    try:
+        for _ in range(2 * HTTP_MAX_CONNECTIONS):
+            sock = socket.create_connection(address)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: teacher\r\n")
+            stalled.append(sock)
+            time.sleep(0.01)  # read by the teacher before the next one connects
+        time.sleep(0.2)
+        probe.sendall(b"GET /healthz HTTP/1.1\r\nHost: teacher\r\nConnection: close\r\n\r\n")
+        probe.settimeout(10)
+        try:
+            answer = probe.recv(4096)
+        except ConnectionResetError:
+            answer = b"reset"
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:100]
+    finally:
+        for sock in [probe, *stalled]:
+            sock.close()
+
+
 def test_answers_never_read_close_their_connection_at_the_send_deadline(server):
     start = len(server.log_lines)
     # Fewer than the cap, so that nothing displaces them: only the deadline closes them.
@@ -445,7 +472,7 @@ def test_pipelined_requests_never_read_starve_no_probes(server):
     assert sum(answered) >= 0.95 * len(answered), f"/healthz answered {sum(answered)} of {len(answered)}"
     # Each probe displaced the oldest pipelining connection; none stayed long once stalled.
     assert attack.counts["closed by the teacher"] > 0, attack.counts
-    assert "--http-max-connections limit" in "".join(server.log_lines[start:])
+    assert _logged(server, start, "--http-max-connections limit")
     assert max(attack.stalled_s) < SEND_TIMEOUT_S + 3, sorted(attack.stalled_s)[-5:]
     # Reading waits while an answer does: each connection buffers at most one read of requests.
     assert peak_mib - before_mib < 50, f"teacher RSS {before_mib:.0f} -> {peak_mib:.0f} MiB"
