@@ -110,6 +110,7 @@ class Delivery:
         self._released = released  # (session, batch): the session ended; its outputs are no longer held here
         self._end = end  # (session, reason, failure)
         self._links: dict[str, _Link] = {}
+        self._forming: dict[str, IsolatedGroup] = {}  # by session id: groups whose transport process forms them
         self._lock = threading.Lock()
         self._join_tensors = SharedTensors()
         self._launched: queue.Queue = queue.Queue()
@@ -119,9 +120,15 @@ class Delivery:
         self._announcer.start()
 
     def stop(self) -> None:
-        """Announces what was launched, then stops the announcer."""
+        """Announces what was launched, then stops the announcer; ends the groups still forming."""
         self._launched.put(None)
         self._announcer.join(timeout=10)
+        with self._lock:
+            forming = list(self._forming.values())
+        for group in forming:
+            group.abort()
+        for group in forming:  # their threads out of the store's C++ before the interpreter exits
+            group.join(timeout_s=1.0)
 
     # ---- session groups ----------------------------------------------------------
 
@@ -144,7 +151,15 @@ class Delivery:
                                       backend=session.backend, device=self.device, timeout_s=self.join_timeout_s,
                                       transfer_timeout_s=self.transfer_timeout_s, gloo_host=self.advertise_host,
                                       secret=session.secret.encode())
-                group.wait_formed(2 * self.join_timeout_s)  # the store wait, then the handshake
+                with self._lock:  # a session ended while its group forms aborts it (close)
+                    self._forming[session.session_id] = group
+                if not session.alive:  # ended before it was registered
+                    group.abort()
+                try:
+                    group.wait_formed(2 * self.join_timeout_s)  # the store wait, then the handshake
+                finally:
+                    with self._lock:
+                        self._forming.pop(session.session_id, None)
             else:
                 group = build_group(session.rendezvous.store, backend=session.backend, rank=TEACHER_RANK,
                                     device=self.device, timeout_s=self.join_timeout_s, gloo_host=self.advertise_host)
@@ -197,9 +212,12 @@ class Delivery:
         log.info("session %s: sent %.1f MiB of join-time outputs", session.session_id, nbytes / 2**20)
 
     def close(self, session: Session) -> None:
-        """Stops the session's sender and aborts its group."""
+        """Stops the session's sender and aborts its group, also one still forming."""
         with self._lock:
             link = self._links.pop(session.session_id, None)
+            forming = self._forming.get(session.session_id)  # _form_group forgets it, stop joins it
+        if forming is not None:
+            forming.abort()
         if link is None:
             return
         link.sends.put(None)

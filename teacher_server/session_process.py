@@ -51,6 +51,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,11 @@ _MAX_KEY_BYTES = 512
 _MAX_VALUE_BYTES = 64 << 10  # rendezvous.MAX_BYTES: a whole session's keys fit in it
 _MAX_KEYS_PER_OP = 8
 _STORE_METHODS = {"set", "get", "wait", "check", "add", "compare_set", "delete_key", "num_keys"}
+# A transport process's store wait runs on the session's store in slices of this, so that a
+# session ended while its group forms frees the thread at once: a thread still blocked in the
+# store's C++ when the interpreter exits aborts the teacher (it retakes the interpreter lock
+# in a noexcept destructor: "terminate called without an active exception").
+_STORE_WAIT_SLICE_S = 0.1
 # die_with_parent first: armed before the seconds torch takes to import.
 _PRELOAD = ["teacher_server.die_with_parent", "torch", "torch.distributed", __name__]
 
@@ -200,6 +206,12 @@ class IsolatedGroup:
         threading.Thread(target=self._process.join, args=(10,), name=f"transport-reap-{self.session_id}",
                          daemon=True).start()
 
+    def join(self, timeout_s: float) -> None:
+        """Waits, `timeout_s` at most in all, for the threads of an aborted group to end."""
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
     @property
     def pid(self) -> int | None:
         return self._process.pid
@@ -316,7 +328,8 @@ class IsolatedGroup:
                 request = json.loads(self._store_conn.recv_bytes(_MAX_REPORT_BYTES))
                 values = [self._store_conn.recv_bytes(_MAX_VALUE_BYTES) for _ in range(_value_count(request))]
                 try:
-                    reply, value = _run_store_op(self._store, request, values, self.timeout_s)
+                    reply, value = _run_store_op(self._store, request, values, self.timeout_s,
+                                                 ended=lambda: self._closed)
                 except (ValueError, RuntimeError) as e:  # DistStoreError is a RuntimeError
                     reply, value = {"ok": False, "error": str(e)[:1000]}, None
                 self._store_conn.send_bytes(json.dumps(reply).encode())
@@ -336,7 +349,8 @@ def _value_count(request) -> int:
     return {"set": 1, "compare_set": 2}.get(request["m"], 0)
 
 
-def _run_store_op(store: dist.Store, request: dict, values: list[bytes], max_timeout_s: float):
+def _run_store_op(store: dist.Store, request: dict, values: list[bytes], max_timeout_s: float,
+                  ended=lambda: False):
     keys = request.get("k")
     if (not isinstance(keys, list) or len(keys) > _MAX_KEYS_PER_OP
             or not all(isinstance(k, str) and 0 < len(k.encode()) <= _MAX_KEY_BYTES for k in keys)):
@@ -347,15 +361,15 @@ def _run_store_op(store: dist.Store, request: dict, values: list[bytes], max_tim
     timeout_s = request.get("t", max_timeout_s)
     if not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s:
         raise ValueError("a store timeout must be a number of seconds")
-    timeout = datetime.timedelta(seconds=min(float(timeout_s), max_timeout_s))
+    timeout_s = min(float(timeout_s), max_timeout_s)
     if method == "set":
         store.set(keys[0], values[0])
         return {"ok": True}, None
     if method == "get":
-        store.wait([keys[0]], timeout)
+        _wait_keys(store, keys[:1], timeout_s, ended)
         return {"ok": True}, store.get(keys[0])
     if method == "wait":
-        store.wait(keys, timeout)
+        _wait_keys(store, keys, timeout_s, ended)
         return {"ok": True}, None
     if method == "check":
         return {"ok": True, "found": store.check(keys)}, None
@@ -369,6 +383,22 @@ def _run_store_op(store: dist.Store, request: dict, values: list[bytes], max_tim
     if method == "delete_key":
         return {"ok": True, "found": store.delete_key(keys[0])}, None
     return {"ok": True, "n": store.num_keys()}, None
+
+
+def _wait_keys(store: dist.Store, keys: list[str], timeout_s: float, ended) -> None:
+    """Waits until `keys` are set, `timeout_s` at most, in slices of _STORE_WAIT_SLICE_S
+    between which `ended()` is asked."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise dist.DistStoreError(f"not set within {timeout_s:.0f}s")
+        if ended():
+            raise dist.DistStoreError("the session was ended")
+        try:
+            store.wait(keys, datetime.timedelta(seconds=min(remaining, _STORE_WAIT_SLICE_S)))
+        except dist.DistStoreError:  # this slice's timeout
+            pass
 
 
 # ---- the transport process ---------------------------------------------------------------

@@ -276,6 +276,25 @@ def test_the_cli_trainer_fed_a_batch_the_teacher_cannot_run_exits_with_the_reaso
     healthy(server)
 
 
+def test_a_session_that_leaves_while_its_group_forms_ends_its_transport_process(server):
+    """Not when the formation times out (2 x --join-timeout-s): the process and its store wait
+    end with the session (a teacher stopping meanwhile aborted with the store's C++ waiting)."""
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.TeacherServiceStub(channel)
+        joined = stub.Join(pb.JoinRequest(job_id="leaves-unformed", outputs=pb.OutputSpec(logits=True),
+                                          peer=pb.PeerInfo(device_type="cpu", torch_version=torch.__version__)),
+                           timeout=30)
+        time.sleep(0.5)  # its transport process waits on the session's store for the student's keys
+        stub.Leave(pb.LeaveRequest(session_id=joined.session_id), timeout=10,
+                   metadata=((SESSION_SECRET_KEY, joined.session_secret),))
+    left = time.monotonic()
+    line = wait_until(lambda: next((line for line in server.log_lines if joined.session_id in line
+                                    and "did not connect" in line), None), 2 * JOIN_TIMEOUT_S + 10,
+                      "the teacher to end the forming group")
+    assert time.monotonic() - left < 3, line
+    assert "the session was ended" in line, line
+
+
 def test_an_ended_session_says_why_to_its_own_student_only(server):
     """NOT_FOUND for a session the teacher ended names its reason (here: its group never formed)
     to a call with the session's secret; any other call gets the NOT_FOUND of an unknown session."""

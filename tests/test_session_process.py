@@ -65,12 +65,18 @@ def store_oversized(ctl, store_conn, spec):
     time.sleep(30)
 
 
-def start(monkeypatch, worker) -> session_process.IsolatedGroup:
+def store_waits_long(ctl, store_conn, spec):
+    """A rendezvous key that never comes, waited for as long as the store allows."""
+    store_conn.send_bytes(json.dumps({"m": "wait", "k": ["never"], "t": 60}).encode())
+    time.sleep(60)
+
+
+def start(monkeypatch, worker, timeout_s: float = 5) -> session_process.IsolatedGroup:
     monkeypatch.setattr(session_process, "_worker", worker)
     store = dist.HashStore()
-    store.set_timeout(datetime.timedelta(seconds=5))
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
     return session_process.IsolatedGroup(store, session_id="test", backend="gloo", device=torch.device("cpu"),
-                                         timeout_s=5, transfer_timeout_s=5, gloo_host="127.0.0.1",
+                                         timeout_s=timeout_s, transfer_timeout_s=5, gloo_host="127.0.0.1",
                                          secret=b"s" * 32)
 
 
@@ -124,6 +130,22 @@ def test_store_requests_are_bounded(monkeypatch):
     group.abort()
     group = start(monkeypatch, store_oversized)
     assert "malformed store request" in ended(group)
+    assert gone(group)
+
+
+def test_an_aborted_group_leaves_no_thread_in_a_store_wait(monkeypatch):
+    """A session ended while its group forms: its store thread, waiting on the session's store
+    for the peer's keys, ends at once, not at the wait's timeout (a thread still in the store's
+    C++ when the teacher exits aborts it: "terminate called without an active exception")."""
+    group = start(monkeypatch, store_waits_long, timeout_s=60)
+    store_thread = next(t for t in group._threads if t.name.startswith("transport-store"))
+    time.sleep(1.0)  # the request is in, the wait begun
+    assert store_thread.is_alive()
+    started = time.monotonic()
+    group.abort()
+    group.join(timeout_s=5)
+    assert not any(t.is_alive() for t in group._threads), [t.name for t in group._threads if t.is_alive()]
+    assert time.monotonic() - started < 2
     assert gone(group)
 
 
