@@ -44,11 +44,11 @@ def builtin_config(name: str):
     return LlamaConfig(max_position_embeddings=8192, **BUILTIN_SHAPES[name])
 
 
-def builtin_model(name: str, dtype: torch.dtype = torch.float32):
+def builtin_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0):
     from transformers import LlamaForCausalLM
 
     config = builtin_config(name)
-    return _seeded_init(lambda: LlamaForCausalLM(config)).to(dtype)
+    return _seeded_init(lambda: LlamaForCausalLM(config), seed).to(dtype)
 
 
 def model_config(spec: str, trust_remote_code: bool = False):
@@ -67,14 +67,15 @@ def model_config(spec: str, trust_remote_code: bool = False):
 def load_causal_lm(spec: str, *, device: torch.device, dtype: torch.dtype | None = None,
                    trust_remote_code: bool = False, random_seed: int = 0):
     """The model named by `spec` on `device` (dtype None: the model's own, float32 for random ones).
-    `random_seed` draws a `random:` model's weights: the same seed, the same weights in every
-    process (a teacher's ranks, a student's DDP ranks); the trainer passes its `--seed`."""
+    `random_seed` draws a `random:` or `builtin:` model's weights: the same seed, the same weights
+    in every process (a teacher's ranks, a student's DDP ranks); the trainer passes its `--seed`,
+    the teacher 0."""
     from transformers import AutoModelForCausalLM
 
     if spec.startswith(BUILTIN_PREFIX):
         # Built on the CPU and moved: the same weights on every device (a CUDA generator would
         # draw others), so a built-in teacher on a GPU matches the same model built anywhere.
-        return builtin_model(spec[len(BUILTIN_PREFIX):], dtype or torch.float32).to(device)
+        return builtin_model(spec[len(BUILTIN_PREFIX):], dtype or torch.float32, random_seed).to(device)
     if spec.startswith(RANDOM_PREFIX):
         config = model_config(spec, trust_remote_code)
         # Built directly on the device, in the target dtype: an 8B model never touches host memory.

@@ -142,7 +142,8 @@ class TrainConfig:
         "checkpoint and stop after N steps of this run (continue later with --resume), e.g. to fit a scheduler's "
         "time limit"))
     seed: int = field(default=0, metadata=_help(
-        "seed of the data order, the student's RNG and a random: student's initial weights"))
+        "seed of the data order, the student's RNG and a random: or builtin: student's initial weights "
+        "(a builtin: one at seed 0 is the built-in teacher of that name)"))
     device: str = field(default="", metadata=_help("default: cuda:LOCAL_RANK if CUDA is available, else cpu"))
     skip_bad_lines: bool = field(default=False, metadata=_help("skip and count malformed JSONL lines"))
     teacher_timeout_s: float = field(default=600.0, metadata=_help(

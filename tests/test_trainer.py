@@ -584,9 +584,12 @@ def test_a_store_dumped_from_the_served_teacher_trains_as_the_teacher_does(serve
     assert_same_run(runs[0]["history"], runs[1]["history"])
 
 
-def test_the_seed_draws_a_random_students_weights(tmp_path):
-    """`random:CONFIG` students built the way the trainer builds them: --seed decides the weights,
-    the same seed gives the same weights."""
+@pytest.mark.parametrize("kind", ["random", "builtin"])
+def test_the_seed_draws_a_random_students_weights(tmp_path, kind):
+    """`random:CONFIG` and `builtin:NAME` students built the way the trainer builds them: --seed
+    decides the weights, the same seed gives the same weights; a built-in model at seed 0 is the
+    teacher's (built with seed 0 wherever it runs)."""
+    from distill_common.models import builtin_model
     from transformers import LlamaConfig
 
     from student_trainer.config import TrainConfig
@@ -595,13 +598,18 @@ def test_the_seed_draws_a_random_students_weights(tmp_path):
     LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=2, num_key_value_heads=2).save_pretrained(tmp_path)
 
-    def weights(seed: int) -> torch.Tensor:
-        cfg = TrainConfig(model=f"random:{tmp_path}", data="data", teacher="host:1", seed=seed)
-        model = build_student(cfg, torch.device("cpu"), None)
+    def flat(model) -> torch.Tensor:
         return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    def weights(seed: int) -> torch.Tensor:
+        spec = f"random:{tmp_path}" if kind == "random" else "builtin:tiny"
+        return flat(build_student(TrainConfig(model=spec, data="data", teacher="host:1", seed=seed),
+                                  torch.device("cpu"), None))
 
     assert not torch.equal(weights(0), weights(1))
     assert torch.equal(weights(1), weights(1))
+    if kind == "builtin":
+        assert torch.equal(weights(0), flat(builtin_model("tiny")))
 
 
 def test_a_student_vocabulary_too_large_for_the_join_is_told_to_raise_max_student_vocab(server):
