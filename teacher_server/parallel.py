@@ -213,6 +213,13 @@ class ExpertShard(ParallelStyle):
         from teacher_server.moe import ExpertRange
 
         self.group, rank, size = device_mesh.get_group(), device_mesh.get_local_rank(), device_mesh.size()
+        module.register_forward_hook(self._all_reduce)
+        loaded = getattr(module, "expert_range", None)
+        if loaded is not None:  # read a rank at a time from the checkpoint (teacher_server/expert_loading.py)
+            if (loaded.first, loaded.count) != (rank * loaded.total // size, loaded.total // size):
+                raise ValueError(f"expert parallelism: {type(module).__name__} holds experts {loaded.first} to "
+                                 f"{loaded.first + loaded.count - 1} of {loaded.total}, not rank {rank}'s of {size}")
+            return module
         total = int(module.num_experts)
         if total % size:
             sizes = [n for n in range(1, size) if total % n == 0]
@@ -230,7 +237,6 @@ class ExpertShard(ParallelStyle):
                 module._buffers[name] = piece
         module.num_experts = count
         module.expert_range = ExpertRange(rank * count, count, total)
-        module.register_forward_hook(self._all_reduce)
         return module
 
     def _all_reduce(self, module, args, output: torch.Tensor) -> torch.Tensor:
@@ -341,7 +347,9 @@ def load_model(spec: str, world: "World", *, dtype: torch.dtype | None, trust_re
     (`distributed_config=DistributedConfig(tp_plan="auto")`: each rank reads only its
     shard); models built from a config, or without a declared plan, or with `own_plan` (the
     FP8 quantization at load replaces plain-tensor Linears, not transformers' DTensors), are
-    built whole on each rank and sharded with `apply_plan`.
+    built whole on each rank and sharded with `apply_plan`, except a saved MoE model's experts:
+    each rank reads only its own where the checkpoint stores them one tensor per expert
+    (teacher_server/expert_loading.py).
     """
     from distill_common.models import BUILTIN_PREFIX, RANDOM_PREFIX, load_causal_lm, model_config
 
@@ -364,12 +372,45 @@ def load_model(spec: str, world: "World", *, dtype: torch.dtype | None, trust_re
                                                     distributed_config=DistributedConfig(tp_plan="auto"))
     from torch.distributed.device_mesh import init_device_mesh
 
-    model = load_causal_lm(spec, device=world.device, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = None
+    if not built_from_config and _declares_experts(config):
+        model = _load_local_experts(spec, config, world, dtype=dtype, trust_remote_code=trust_remote_code)
+    if model is None:
+        model = load_causal_lm(spec, device=world.device, dtype=dtype, trust_remote_code=trust_remote_code)
     moe = is_moe(model)
     log.info("tensor parallel over %d ranks with torch's parallelize_module (q/k/v/gate/up colwise, o/down rowwise, "
              "lm_head colwise gathered; plain-tensor shards%s)", world.size,
              "; experts expert parallel, one all-reduce per MoE layer" if moe else "")
     apply_plan(model, init_device_mesh(world.device.type, (world.size,)))
+    return model
+
+
+def _load_local_experts(spec: str, config, world: "World", *, dtype: torch.dtype | None, trust_remote_code: bool):
+    """A saved MoE model whose ranks each read only their experts (teacher_server/expert_loading.py),
+    or None (said why) where its checkpoint's layout asks for the whole model on every rank."""
+    from transformers.utils import logging as transformers_logging
+
+    from distill_common.models import load_causal_lm
+    from teacher_server import expert_loading
+
+    total = _declares_experts(config)
+    expert_plan, why = expert_loading.plan(spec, config, world.rank, world.size, total, trust_remote_code)
+    if expert_plan is None:
+        log.warning("expert parallelism: each rank builds the whole model before keeping its %d of %d experts per "
+                    "layer, as %s; a model larger than one device cannot load so", total // world.size, total, why)
+        return None
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()  # its report of the expert keys left to read here, as unexpected
+    try:
+        with expert_loading.local_experts(expert_plan) as key_mapping:
+            model = load_causal_lm(spec, device=world.device, dtype=dtype, trust_remote_code=trust_remote_code,
+                                   key_mapping=key_mapping)
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    expert_loading.read_experts(model, expert_plan)
+    log.info("expert parallelism: rank %d read its experts %d to %d of %d per layer from the checkpoint "
+             "(%.2f GiB), nothing of the others", world.rank, expert_plan.first,
+             expert_plan.first + expert_plan.count - 1, total, expert_plan.nbytes(model) / 2**30)
     return model
 
 

@@ -11,6 +11,7 @@ expert load with a ModelRunner of the same seeded weights on one process.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 
 import pytest
@@ -26,13 +27,17 @@ RTOL = 2e-5
 INIT_STD = 0.3
 
 
-def _model_dir(root, model_type: str, size: int) -> str:
+def _config(model_type: str, size: int):
     from transformers import AutoConfig
 
-    directory = root / model_type
     # Key/value heads enough for every rank to hold one.
     shape = {**TINY[model_type], "num_key_value_heads": max(size, TINY[model_type]["num_key_value_heads"])}
-    AutoConfig.for_model(model_type, initializer_range=INIT_STD, **shape).save_pretrained(directory)
+    return AutoConfig.for_model(model_type, initializer_range=INIT_STD, **shape)
+
+
+def _model_dir(root, model_type: str, size: int) -> str:
+    directory = root / model_type
+    _config(model_type, size).save_pretrained(directory)
     return str(directory)
 
 
@@ -70,7 +75,19 @@ def _compare(runner, reference, model_type: str) -> None:
     assert runner.expert_load.snapshot().total == reference.expert_load.snapshot().total, model_type
 
 
-def _rank(rank: int, size: int, port: int, directories: dict[str, str]) -> None:
+def _saved_dir(root, model_type: str, size: int) -> str:
+    """A checkpoint saved by transformers (experts one tensor each, as published), which each rank
+    reads only its experts of (teacher_server/expert_loading.py)."""
+    from transformers import AutoModelForCausalLM
+
+    config = _config(model_type, size)
+    torch.manual_seed(0)
+    directory = root / f"saved-{model_type}"
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return str(directory)
+
+
+def _rank(rank: int, size: int, port: int, specs: dict[str, str]) -> None:
     import torch.distributed as dist
 
     from teacher_server import moe
@@ -82,19 +99,25 @@ def _rank(rank: int, size: int, port: int, directories: dict[str, str]) -> None:
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=120)
     dist.init_process_group("gloo", timeout=timeout)
+    said: list[str] = []
+    logging.getLogger("teacher_server.parallel").addHandler(_Said(said))
+    logging.getLogger("teacher_server.parallel").setLevel(logging.INFO)
     try:
-        for model_type, directory in directories.items():
+        for model_type, spec in specs.items():
             # A world per model (its own control group), as a served teacher has one per start.
             world = World(rank=rank, size=size, device=torch.device("cpu"), timeout_s=120,
                           control=dist.new_group(backend="gloo", timeout=timeout))
-            runner = ModelRunner(f"random:{directory}", "cpu", dtype="float32", world=world)
+            saved = not spec.startswith("random:")  # random: the same seeded weights on every rank
+            said.clear()
+            runner = ModelRunner(spec, "cpu", dtype="float32", world=world)
+            assert any(("read its experts" in line) == saved for line in said), said
             experts = moe.experts_modules(runner.model)
             total = experts[0].expert_range.total
             assert [m.down_proj.shape[0] for m in experts] == [total // size] * len(experts)
             assert [m.expert_range.first for m in experts] == [rank * total // size] * len(experts)
             if rank == 0:
                 try:
-                    _compare(runner, ModelRunner(f"random:{directory}", "cpu", dtype="float32"), model_type)
+                    _compare(runner, ModelRunner(spec, "cpu", dtype="float32"), model_type)
                 finally:
                     world.broadcast_stop()
             else:
@@ -103,11 +126,21 @@ def _rank(rank: int, size: int, port: int, directories: dict[str, str]) -> None:
         dist.destroy_process_group()
 
 
-def _run(tmp_path, size: int, model_types: list[str]) -> None:
+class _Said(logging.Handler):
+    def __init__(self, lines: list[str]):
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _run(tmp_path, size: int, model_types: list[str], saved: bool = False) -> None:
     import torch.multiprocessing as mp
 
-    directories = {model_type: _model_dir(tmp_path, model_type, size) for model_type in model_types}
-    mp.start_processes(_rank, args=(size, free_port(), directories), nprocs=size, start_method="spawn", join=True)
+    specs = {model_type: _saved_dir(tmp_path, model_type, size) if saved
+             else f"random:{_model_dir(tmp_path, model_type, size)}" for model_type in model_types}
+    mp.start_processes(_rank, args=(size, free_port(), specs), nprocs=size, start_method="spawn", join=True)
 
 
 @pytest.mark.slow
@@ -123,6 +156,13 @@ def test_tp_ep_with_sinks_and_latent_attention_over_2_ranks_equals_one_process(t
     (8 routed experts in groups, a shared one split like a dense MLP, latent attention split by
     head, a dense first layer) over 2 gloo ranks."""
     _run(tmp_path, 2, ["gpt_oss", "deepseek_v3"])
+
+
+@pytest.mark.slow
+def test_tp_ep_from_saved_checkpoints_each_rank_reading_its_experts_equals_one_process(tmp_path):
+    """qwen3_moe, mixtral and deepseek_v3 saved as published (one tensor per expert) over 2 gloo
+    ranks: each rank reads its experts only, and the outputs equal one process's whole load."""
+    _run(tmp_path, 2, ["qwen3_moe", "mixtral", "deepseek_v3"], saved=True)
 
 
 @pytest.mark.slow

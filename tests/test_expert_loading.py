@@ -1,0 +1,130 @@
+"""Expert parallelism reads each rank's experts only (teacher_server/expert_loading.py): for the
+per-expert layouts saved by transformers (Qwen3-MoE's, Mixtral's, DeepSeek-V3's), each rank's model equals transformers' own load of the whole
+checkpoint in every parameter (its experts the rank's slice of the whole one's), and a rank's
+memory grows by its experts, not all of them. Outputs over real gloo ranks: test_moe_parallel.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from teacher_server import expert_loading
+from tests.helpers import ROOT
+from tests.test_moe import TINY
+
+INIT_STD = 0.3
+
+
+def _saved(root, model_type: str, **shape):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, initializer_range=INIT_STD, **{**TINY[model_type], **shape})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    directory = root / model_type
+    model.save_pretrained(directory)
+    return directory, config
+
+
+def _rank_model(directory, config, rank: int, size: int):
+    from distill_common.models import load_causal_lm
+    from teacher_server.parallel import _declares_experts
+
+    total = _declares_experts(config)
+    expert_plan, why = expert_loading.plan(str(directory), config, rank, size, total, False)
+    assert expert_plan is not None, why
+    with expert_loading.local_experts(expert_plan) as key_mapping:
+        model = load_causal_lm(str(directory), device=torch.device("cpu"), key_mapping=key_mapping)
+    expert_loading.read_experts(model, expert_plan)
+    return model, expert_plan
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "deepseek_v3"])
+def test_each_rank_holds_its_slice_of_what_transformers_loads(tmp_path, model_type):
+    from transformers import AutoModelForCausalLM
+
+    from teacher_server.moe import experts_modules
+
+    directory, config = _saved(tmp_path, model_type)
+    whole = dict(AutoModelForCausalLM.from_pretrained(directory).named_parameters())
+    for size in (2, 4):
+        for rank in range(size):
+            model, expert_plan = _rank_model(directory, config, rank, size)
+            count = expert_plan.count
+            experts = {name for name, module in model.named_modules() if module in experts_modules(model)}
+            assert len(experts) == len(expert_plan.sources) > 0
+            checked = 0
+            for name, param in model.named_parameters():
+                reference = whole[name]
+                if name.rpartition(".")[0] in experts:
+                    reference = reference[rank * count:(rank + 1) * count]
+                    checked += 1
+                assert param.shape == reference.shape and torch.equal(param, reference), (model_type, size, rank, name)
+            assert checked >= 2 * len(experts)
+            for name in experts:
+                span = model.get_submodule(name).expert_range
+                assert (span.first, span.count, span.total) == (rank * count, count, count * size)
+
+
+def test_layouts_it_cannot_read_a_rank_at_a_time_say_why(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    directory, config = _saved(tmp_path, "qwen3_moe")
+    state = load_file(directory / "model.safetensors")
+    # A published FP8 checkpoint's experts: block scales beside each weight.
+    state["model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    expert_plan, why = expert_loading.plan(str(directory), config, 0, 2, 8, False)
+    assert expert_plan is None and "stored quantized" in why
+    assert expert_loading.plan(str(tmp_path / "absent"), config, 0, 2, 8, False)[1].startswith("the model is not")
+    index = directory / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "../elsewhere.safetensors"}}))
+    with pytest.raises(ValueError, match="not a safetensors file of the directory"):
+        expert_loading.plan(str(directory), config, 0, 2, 8, False)
+    directory, config = _saved(tmp_path, "gpt_oss")  # 3-D experts, which transformers would read whole
+    expert_plan, why = expert_loading.plan(str(directory), config, 0, 2, 4, False)
+    assert expert_plan is None and "stored 3-D" in why
+
+
+_MEMORY = """
+import os, sys, torch
+from transformers import AutoConfig
+from tests.test_expert_loading import _rank_model
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+directory, size = sys.argv[1], int(sys.argv[2])
+config = AutoConfig.from_pretrained(directory)
+before = rss()
+if size:
+    model = _rank_model(directory, config, 0, size)
+else:
+    from distill_common.models import load_causal_lm
+    model = load_causal_lm(directory, device=torch.device("cpu"))
+print(rss() - before)
+"""
+
+
+def test_a_rank_reads_a_quarter_of_the_experts_at_4_ranks(tmp_path):
+    """What a load leaves resident, in a process of its own, qwen3_moe with 96 MiB of experts
+    (float32): whole, against rank 0 of 4."""
+    directory, _ = _saved(tmp_path, "qwen3_moe", hidden_size=256, moe_intermediate_size=512, num_experts=16,
+                          num_hidden_layers=4)
+    experts_bytes = 4 * 16 * 3 * 256 * 512 * 4
+
+    def grown(size: int) -> int:
+        done = subprocess.run([sys.executable, "-c", _MEMORY, str(directory), str(size)], cwd=ROOT, timeout=300,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return int(done.stdout.split()[-1])
+
+    whole, rank = grown(0), grown(4)
+    print(f"resident after the load: whole {whole / 2**20:.0f} MiB, rank 0 of 4 {rank / 2**20:.0f} MiB "
+          f"(experts {experts_bytes / 2**20:.0f} MiB)")
+    assert whole > experts_bytes
+    assert rank < whole - experts_bytes / 2
