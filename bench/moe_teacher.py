@@ -135,13 +135,15 @@ def redraw_routers(model, std: float) -> int:
     return len(routers)
 
 
-def server_runner(config, quantize=None):
-    """The server's ModelRunner of a random model of `config` on cuda:0 in bf16 (`quantize`: an Fp8Plan)."""
+def server_runner(config, quantize=None, cuda_graphs: int = 0):
+    """The server's ModelRunner of a random model of `config` on cuda:0 in bf16 (`quantize`: an Fp8Plan;
+    `cuda_graphs`: --cuda-graphs)."""
     from teacher_server.model_runner import ModelRunner
 
     with tempfile.TemporaryDirectory() as directory:
         config.save_pretrained(directory)
-        return ModelRunner(f"random:{directory}", "cuda:0", dtype="bfloat16", quantize=quantize)
+        return ModelRunner(f"random:{directory}", "cuda:0", dtype="bfloat16", quantize=quantize,
+                           cuda_graphs=cuda_graphs)
 
 
 def time_forward(call, rows: int, seq: int, vocab: int, iters: int) -> tuple[float, float]:

@@ -6,6 +6,10 @@ another, gave the FP8 forward 120-142 ms timed while its kernels add up to 91-95
 2026-12-04), and what the ratio is when nothing else differs.
 
     python3 -m bench.investigations.fp8_forward_gap --out /tmp/gap.md   (one Hopper GPU, minutes)
+
+With `--cuda-graphs N` both forwards run as the server runs them under --cuda-graphs N (the decoder
+captured once per shape, then replayed: no host gaps between its kernels); the table says whether
+each was captured or why not.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--cuda-graphs", type=int, default=0, help="the server's --cuda-graphs (0: eager)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     from torch.profiler import ProfilerActivity, profile
@@ -36,7 +41,7 @@ def main() -> None:
     runners = {}
     for name, plan in (("bf16", None), ("FP8, fast accumulation", Fp8Plan("row", fast_accum=True))):
         started = time.perf_counter()
-        runners[name] = server_runner(config, plan)
+        runners[name] = server_runner(config, plan, args.cuda_graphs)
         print(f"{name}: built in {time.perf_counter() - started:.0f} s", flush=True)
     ids = torch.randint(config.vocab_size, (args.rows, args.seq), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
@@ -68,7 +73,11 @@ def main() -> None:
     for turn in range(args.turns):
         lines.append(f"| turn {turn + 1} | {timed[bf16][turn] / timed[fp8][turn]:.3f} | "
                      f"{device[bf16][turn] / device[fp8][turn]:.3f} |")
-    print("\n".join(lines[-args.turns - 3:]), flush=True)
+    if args.cuda_graphs:
+        lines += ["", f"--cuda-graphs {args.cuda_graphs}: " + "; ".join(
+            f"{name}: {runner.graphs.shapes} shape(s) captured" + (f", off: {runner.graphs.off}" if runner.graphs.off
+                                                                    else "") for name, runner in runners.items())]
+    print("\n".join(lines[-args.turns - 5:]), flush=True)
     emit(lines, args.out)
 
 
