@@ -75,6 +75,7 @@ _STORE_METHODS = {"set", "get", "wait", "check", "add", "compare_set", "delete_k
 # store's C++ when the interpreter exits aborts the teacher (it retakes the interpreter lock
 # in a noexcept destructor: "terminate called without an active exception").
 _STORE_WAIT_SLICE_S = 0.1
+_STORE_WAIT_MIN_S = 0.002  # what is left of a wait below this ends it: no slice under a millisecond
 # die_with_parent first: armed before the seconds torch takes to import.
 _PRELOAD = ["teacher_server.die_with_parent", "torch", "torch.distributed", __name__]
 
@@ -329,7 +330,7 @@ class IsolatedGroup:
                 values = [self._store_conn.recv_bytes(_MAX_VALUE_BYTES) for _ in range(_value_count(request))]
                 try:
                     reply, value = _run_store_op(self._store, request, values, self.timeout_s,
-                                                 ended=lambda: self._closed)
+                                                 ended=lambda: self._closed or self._failure is not None)
                 except (ValueError, RuntimeError) as e:  # DistStoreError is a RuntimeError
                     reply, value = {"ok": False, "error": str(e)[:1000]}, None
                 self._store_conn.send_bytes(json.dumps(reply).encode())
@@ -387,11 +388,12 @@ def _run_store_op(store: dist.Store, request: dict, values: list[bytes], max_tim
 
 def _wait_keys(store: dist.Store, keys: list[str], timeout_s: float, ended) -> None:
     """Waits until `keys` are set, `timeout_s` at most, in slices of _STORE_WAIT_SLICE_S
-    between which `ended()` is asked."""
+    between which `ended()` is asked. No slice is under a millisecond: c10d counts a wait's
+    timeout in whole milliseconds, and 0 is no timeout at all."""
     deadline = time.monotonic() + timeout_s
     while not store.check(keys):
         remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        if remaining < _STORE_WAIT_MIN_S:
             raise dist.DistStoreError(f"not set within {timeout_s:.0f}s")
         if ended():
             raise dist.DistStoreError("the session was ended")

@@ -149,6 +149,27 @@ def test_an_aborted_group_leaves_no_thread_in_a_store_wait(monkeypatch):
     assert gone(group)
 
 
+@pytest.mark.parametrize("timeout_s", [0.0, 0.0005, 0.1004, 0.2009, 0.3])
+def test_a_store_wait_ends_at_its_timeout_whatever_its_last_slice(timeout_s):
+    """c10d counts a wait's timeout in whole milliseconds and takes 0 for none: a last slice under
+    a millisecond must not become a wait without end."""
+    import threading
+
+    failures = []
+
+    def wait() -> None:
+        try:
+            session_process._wait_keys(dist.HashStore(), ["never"], timeout_s, lambda: False)
+        except dist.DistStoreError as e:
+            failures.append(str(e))
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    thread.join(timeout_s + 2)
+    assert not thread.is_alive(), f"a wait of {timeout_s} s did not end"
+    assert failures and "not set within" in failures[0]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_the_teacher_that_imports_the_transport_does_not_die_with_its_parent():
     """teacher_server.die_with_parent arms SIGKILL on parent death where it is imported (the
