@@ -27,6 +27,7 @@ import fcntl
 import hashlib
 import hmac
 import inspect
+import itertools
 import logging
 import resource
 import socket
@@ -421,20 +422,37 @@ class HttpConnections:
         self.body_log = RateLimitedLog()
 
     def to_displace(self, newcomer: "GuardedH11Protocol") -> "GuardedH11Protocol":
-        """The connection a newcomer past the cap closes: the oldest displaceable one that has
-        sent something and stalled (part of a request, requests pipelined, answers not taken),
-        else the oldest that has sent nothing yet, else the newcomer itself. A probe connects
-        and sends its request at once, but the loop may accept many connections between the
-        two; ranked among those that have sent nothing, it is not the first to go when the
-        stalled ones it displaced end together and their peers connect again."""
-        silent = None
-        for connection in self.displaceable:
+        """The connection a newcomer past the cap closes: among the DISPLACE_SCAN oldest
+        displaceable ones, the first of the lowest `displace_rank` (stalled, then sending or
+        pipelining not yet judged, then silent, then moving data at the minimum rate or more),
+        else the newcomer itself. A probe connects and sends its request at once, but the loop
+        may accept many connections between the two: silent meanwhile, it goes after every
+        connection that trickles or pipelines; a peer taking an answer or sending a body at
+        speed goes after the idle ones."""
+        now = newcomer.loop.time()
+        best, best_rank = newcomer, _MOVING + 1
+        for connection in itertools.islice(self.displaceable, DISPLACE_SCAN):
             if connection is newcomer:
                 continue
-            if connection.stalled_with_something():
-                return connection
-            silent = silent or connection
-        return silent or newcomer
+            rank = connection.displace_rank(now, self.min_send_bytes_per_s)
+            if rank < best_rank:
+                best, best_rank = connection, rank
+                if rank == _STALLED:
+                    break
+        return best
+
+
+# The order in which a newcomer past --http-max-connections displaces connections (lowest first):
+# those that sent something or have answers pending and moved less than the minimum rate
+# (--http-min-send-bytes-per-s) over the JUDGED_S since, those that did so more recently (not yet
+# judged: part of a request, an answer of which nothing was taken yet) or pipeline, those that
+# sent nothing of a request (idle, or a probe whose request has not been read yet), and those
+# moving data at the minimum rate or more (or, in their first JUDGED_S, taking an answer at all).
+_STALLED, _UNJUDGED, _SILENT, _MOVING = range(4)
+JUDGED_S = 1.0
+# How many of the oldest displaceable connections a newcomer looks through (a bounded cost per
+# accept, whatever the cap).
+DISPLACE_SCAN = 64
 
 
 # The kernel's send buffer of a HTTP connection (SO_SNDBUF, which also stops the kernel from
@@ -547,9 +565,9 @@ class GuardedH11Protocol(H11Protocol):
     - A cap on open connections, --http-max-connections: a new connection past it closes
       the oldest displaceable one (itself if no other is): one waiting on its peer (for a
       whole request, or to take an answer) or one that has pipelined (sent a request
-      before taking the answer to the one before); those that have sent something (part of
-      a request, pipelined requests) or not taken an answer go before those that have sent
-      nothing yet (`HttpConnections.to_displace`). A probe sends its request as soon as it
+      before taking the answer to the one before); those that stalled with something sent
+      or unsent go first, those moving data at speed last (`HttpConnections.to_displace`).
+      A probe sends its request as soon as it
       connects and reads the answer, so sockets held open by others cannot lock it out, as
       a plain refusal past the cap would; the cap also keeps descriptors for the gRPC port
       and the data plane.
@@ -568,7 +586,8 @@ class GuardedH11Protocol(H11Protocol):
         self._taking: _Taking | None = None  # while _TAKEN
         self._send_buffer_bytes = HTTP_SEND_BUFFER_BYTES
         self._pipelined = False
-        self._heard = False  # bytes came since the connection opened or its last answer
+        self._heard_at: float | None = None  # when the first byte since the opening or the last answer came
+        self._heard_bytes = 0  # what came since
         self._body_bytes = 0  # of the request whose body is coming
 
     def connection_made(self, transport) -> None:
@@ -590,7 +609,9 @@ class GuardedH11Protocol(H11Protocol):
         in_body = self.conn.their_state is h11.SEND_BODY
         # A request complete and not yet answered, and more comes: the peer pipelines.
         ahead = self.conn.their_state in _REQUEST_WHOLE
-        self._heard = True
+        if self._heard_at is None:
+            self._heard_at = self.loop.time()
+        self._heard_bytes += len(data)
         super().data_received(data)
         # uvicorn pauses reading when h11 holds a request behind the one being answered.
         if ahead or (self.conn.their_state in _REQUEST_WHOLE and self.flow.read_paused):
@@ -604,7 +625,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # resumes reading, and handles a request pipelined behind
-        self._heard = self.conn.their_state is not h11.IDLE or bool(self.conn.trailing_data[0])
+        if self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]:
+            self._heard_at, self._heard_bytes = None, 0  # the next request starts from nothing
         if self.flow.write_paused:
             self.flow.pause_reading()
         elif self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # the pipelined bytes were not a whole request
@@ -679,10 +701,24 @@ class GuardedH11Protocol(H11Protocol):
         else:
             self.guard.displaceable.pop(self, None)
 
-    def stalled_with_something(self) -> bool:
-        """Whether, waiting on its peer, this connection has something of it: bytes of a
-        request, requests pipelined, or answers the peer has not taken."""
-        return self._heard or self._pipelined or self._waiting_for is _TAKEN
+    def displace_rank(self, now: float, min_bytes_per_s: float) -> int:
+        """Where this displaceable connection comes in HttpConnections.to_displace's order."""
+        taking = self._taking
+        if self._waiting_for is _TAKEN and taking is not None:
+            waited = now - taking.start
+            taken = taking.acked_bytes - taking.acked_at_start
+            if waited < JUDGED_S:
+                return _MOVING if taken else _UNJUDGED
+            stalled = now - taking.last_taken >= JUDGED_S or taken < min_bytes_per_s * waited
+            return _STALLED if stalled else _MOVING
+        if self._waiting_for is _REQUEST and self._heard_at is not None:
+            waited = now - self._heard_at
+            if waited < JUDGED_S:
+                return _UNJUDGED
+            return _STALLED if self._heard_bytes < min_bytes_per_s * waited else _MOVING
+        if self._waiting_for is _REQUEST:
+            return _SILENT
+        return _UNJUDGED  # pipelined, its requests being answered
 
     def _cancel_deadline(self) -> None:
         if self._deadline is not None:

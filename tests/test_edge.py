@@ -408,6 +408,28 @@ def test_a_steady_reader_takes_a_long_answer_and_a_trickling_one_is_cut(server):
     assert _logged(server, start, "(--http-min-send-bytes-per-s, --http-send-timeout-s)"), server.log_lines[start:]
 
 
+def test_a_peer_taking_an_answer_at_speed_goes_after_idle_connections(server):
+    """Twice the cap of idle connections, opened while a peer reads a long answer at 1.5x the
+    minimum rate (its answers wait on it, so it is displaceable, and the oldest): they displace
+    each other, not the reader, whose answer comes whole."""
+    address = ("127.0.0.1", server.http_port)
+    reading: dict = {}
+    reader = threading.Thread(target=_read_answer, args=(server.http_port, _completion_request(600, 16),
+                                                         1.5 * MIN_SEND_BYTES_PER_S, reading))
+    reader.start()
+    wait_until(lambda: "status" in reading, 60, "the answer's first bytes")
+    idle = []
+    for _ in range(2 * HTTP_MAX_CONNECTIONS):
+        idle.append(socket.create_connection(address))
+        time.sleep(0.02)
+    closed = sum(_closed_within(sock, 0.05) for sock in idle[:HTTP_MAX_CONNECTIONS // 2])
+    reader.join(60)
+    for sock in idle:
+        sock.close()
+    assert reading["whole"], reading
+    assert closed == HTTP_MAX_CONNECTIONS // 2, f"{closed} of the oldest idle connections closed"
+
+
 @pytest.mark.parametrize("upgrade", [b"", b"Upgrade: h2c\r\n"])
 def test_a_peer_pipelining_requests_while_reading_answers_is_read_no_further_ahead(server, upgrade):
     """uvicorn resumes reading at every receive() of a request, also behind a whole pipelined
