@@ -65,11 +65,13 @@ def model_config(spec: str, trust_remote_code: bool = False):
 
 
 def load_causal_lm(spec: str, *, device: torch.device, dtype: torch.dtype | None = None,
-                   trust_remote_code: bool = False, random_seed: int = 0, key_mapping: dict[str, str] | None = None):
+                   trust_remote_code: bool = False, random_seed: int = 0, key_mapping: dict[str, str] | None = None,
+                   loading_info: dict | None = None):
     """The model named by `spec` on `device` (dtype None: the model's own, float32 for random ones).
     `random_seed` draws a `random:` or `builtin:` model's weights: the same seed, the same weights
     in every process (a teacher's ranks, a student's DDP ranks); the trainer passes its `--seed`,
-    the teacher 0. `key_mapping` renames a saved model's checkpoint keys (transformers' argument)."""
+    the teacher 0. `key_mapping` renames a saved model's checkpoint keys (transformers' argument);
+    `loading_info`, a dict, receives transformers' report of the keys it did not load."""
     from transformers import AutoModelForCausalLM
 
     if spec.startswith(BUILTIN_PREFIX):
@@ -92,7 +94,11 @@ def load_causal_lm(spec: str, *, device: torch.device, dtype: torch.dtype | None
         model = AutoModelForCausalLM.from_pretrained(
             spec, dtype=dtype or "auto", trust_remote_code=trust_remote_code,
             device_map=str(device) if device.type == "cuda" else None,
-            **({"key_mapping": key_mapping} if key_mapping else {}))
+            **({"key_mapping": key_mapping} if key_mapping else {}),
+            **({"output_loading_info": True} if loading_info is not None else {}))
+        if loading_info is not None:
+            model, info = model
+            loading_info.update(info)
     except OSError as e:
         raise ValueError(f"model {spec!r} could not be loaded: {e}. Give a local model directory, a hub id this "
                          f"machine can download, or {BUILTIN_PREFIX}NAME / {RANDOM_PREFIX}CONFIG_DIR") from e

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -38,7 +37,7 @@ import torch
 log = logging.getLogger(__name__)
 
 # What the checkpoint's expert keys are renamed to, so that transformers reads none of them.
-_HIDDEN = ".routed_read_by_each_rank."  # nothing a conversion of transformers matches
+HIDDEN = ".routed_read_by_each_rank."  # nothing a conversion of transformers matches
 # One tensor per expert: (gate, up, down) names, and where Mixtral keeps its experts.
 _PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 _CONTAINERS = ((".mlp.experts", ".mlp.experts"), (".mlp.experts", ".block_sparse_moe.experts"))
@@ -77,11 +76,15 @@ def plan(spec: str, config, rank: int, size: int, total: int, trust_remote_code:
     directory = Path(spec)
     if not directory.is_dir():
         return None, "the model is not a local directory (download it and give its path)"
-    files = checkpoint_files(directory)
+    if trust_remote_code:
+        return None, "its code is the model's own (--trust-remote-code), whose experts' layout is its own"
+    if getattr(config, "quantization_config", None):
+        return None, "its config declares a quantization"
+    files, why = checkpoint_files(directory, config)
     if files is None:
-        return None, "the directory has no safetensors checkpoint"
+        return None, why
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        skeleton = AutoModelForCausalLM.from_config(config)
     names = {id(module): name for name, module in skeleton.named_modules()}
     modules = experts_modules(skeleton)
     if not modules:
@@ -96,27 +99,35 @@ def plan(spec: str, config, rank: int, size: int, total: int, trust_remote_code:
     return ExpertPlan(rank * count, count, total, tuple({type(m) for m in modules}), sources, files), ""
 
 
-def checkpoint_files(directory: Path) -> dict[str, Path] | None:
-    """Each tensor's safetensors file in a model directory (its index, or the one file); None when
-    there is none. An index that names a file outside the directory is refused."""
+def checkpoint_files(directory: Path, config) -> tuple[dict[str, Path] | None, str]:
+    """Each tensor's safetensors file in a model directory, found as transformers finds the
+    weights (`model.safetensors` before an index: a stale index left beside it names files
+    transformers does not read); or (None, why not)."""
     from safetensors import safe_open
 
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index}: no weight_map")
-        files = {}
-        for key, name in weight_map.items():
-            if not isinstance(name, str) or os.path.basename(name) != name or not name.endswith(".safetensors"):
-                raise ValueError(f"{index}: {key!r} is in {name!r}, not a safetensors file of the directory")
-            files[key] = directory / name
-        return files
+    if getattr(config, "transformers_weights", None):
+        return None, "its config names its weights file (transformers_weights)"
     single = directory / "model.safetensors"
-    if not single.is_file():
-        return None
-    with safe_open(str(single), "pt") as f:
-        return {key: single for key in f.keys()}
+    if single.is_file():
+        with safe_open(str(single), "pt") as f:
+            return {key: single for key in f.keys()}, ""
+    index = directory / "model.safetensors.index.json"
+    if not index.is_file():
+        return None, "the directory has no safetensors checkpoint"
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, ValueError, AttributeError) as e:
+        return None, f"{index.name} cannot be read ({e})"
+    if not isinstance(weight_map, dict):
+        return None, f"{index.name} has no weight_map"
+    inside = directory.resolve()
+    files = {}
+    for key, name in weight_map.items():
+        path = (directory / name).resolve() if isinstance(name, str) else None
+        if path is None or not path.name.endswith(".safetensors") or not path.is_relative_to(inside):
+            return None, f"{index.name} puts {key!r} in {name!r}, not a safetensors file inside the directory"
+        files[key] = path
+    return files, ""
 
 
 def _find(name: str, module, files: dict[str, Path], total: int) -> _Source | str:
@@ -157,9 +168,26 @@ def local_experts(expert_plan: ExpertPlan):
 
     handle = register_module_parameter_registration_hook(narrow)
     try:
-        yield {r"\.experts\.": _HIDDEN}
+        yield {r"\.experts\.": HIDDEN}
     finally:
         handle.remove()
+
+
+def loaded_as_planned(expert_plan: ExpertPlan, loading_info: dict) -> str:
+    """"" when transformers' load under `local_experts` left exactly the planned experts to read
+    here (missing: their parameters; unexpected: their renamed keys; nothing mismatched), else
+    what it left otherwise (the renaming must not have kept any other weight from loading)."""
+    missing = set(loading_info.get("missing_keys", ()))
+    planned = {f"{name}.{param}" for name in expert_plan.sources for param in ("gate_up_proj", "down_proj")}
+    others = sorted(key for key in loading_info.get("unexpected_keys", ()) if HIDDEN not in key)
+    mismatched = loading_info.get("mismatched_keys") or ()
+    if missing != planned:
+        return f"weights left unloaded beside the experts: {sorted(missing ^ planned)[:4]}"
+    if others:
+        return f"checkpoint keys left unread: {others[:4]}"
+    if mismatched:
+        return f"weights whose shape differs from the checkpoint's: {sorted(map(str, mismatched))[:4]}"
+    return ""
 
 
 def read_experts(model: torch.nn.Module, expert_plan: ExpertPlan, progress: Callable[[str], None] | None = None) -> None:

@@ -401,12 +401,18 @@ def _load_local_experts(spec: str, config, world: "World", *, dtype: torch.dtype
         return None
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # its report of the expert keys left to read here, as unexpected
+    loading_info: dict = {}
     try:
         with expert_loading.local_experts(expert_plan) as key_mapping:
             model = load_causal_lm(spec, device=world.device, dtype=dtype, trust_remote_code=trust_remote_code,
-                                   key_mapping=key_mapping)
+                                   key_mapping=key_mapping, loading_info=loading_info)
     finally:
         transformers_logging.set_verbosity(verbosity)
+    unplanned = expert_loading.loaded_as_planned(expert_plan, loading_info)
+    if unplanned:
+        log.warning("expert parallelism: each rank builds the whole model before keeping its experts: loaded with "
+                    "the experts left to read a rank at a time, transformers left %s", unplanned)
+        return None
     expert_loading.read_experts(model, expert_plan)
     log.info("expert parallelism: rank %d read its experts %d to %d of %d per layer from the checkpoint "
              "(%.2f GiB), nothing of the others", world.rank, expert_plan.first,

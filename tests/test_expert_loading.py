@@ -38,8 +38,11 @@ def _rank_model(directory, config, rank: int, size: int):
     total = _declares_experts(config)
     expert_plan, why = expert_loading.plan(str(directory), config, rank, size, total, False)
     assert expert_plan is not None, why
+    loading_info: dict = {}
     with expert_loading.local_experts(expert_plan) as key_mapping:
-        model = load_causal_lm(str(directory), device=torch.device("cpu"), key_mapping=key_mapping)
+        model = load_causal_lm(str(directory), device=torch.device("cpu"), key_mapping=key_mapping,
+                               loading_info=loading_info)
+    assert expert_loading.loaded_as_planned(expert_plan, loading_info) == ""
     expert_loading.read_experts(model, expert_plan)
     return model, expert_plan
 
@@ -82,13 +85,47 @@ def test_layouts_it_cannot_read_a_rank_at_a_time_say_why(tmp_path):
     expert_plan, why = expert_loading.plan(str(directory), config, 0, 2, 8, False)
     assert expert_plan is None and "stored quantized" in why
     assert expert_loading.plan(str(tmp_path / "absent"), config, 0, 2, 8, False)[1].startswith("the model is not")
+    assert "its own" in expert_loading.plan(str(directory), config, 0, 2, 8, True)[1]  # --trust-remote-code
+    (directory / "model.safetensors").unlink()
     index = directory / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"lm_head.weight": "../elsewhere.safetensors"}}))
-    with pytest.raises(ValueError, match="not a safetensors file of the directory"):
-        expert_loading.plan(str(directory), config, 0, 2, 8, False)
+    expert_plan, why = expert_loading.plan(str(directory), config, 0, 2, 8, False)
+    assert expert_plan is None and "not a safetensors file inside the directory" in why
     directory, config = _saved(tmp_path, "gpt_oss")  # 3-D experts, which transformers would read whole
     expert_plan, why = expert_loading.plan(str(directory), config, 0, 2, 4, False)
     assert expert_plan is None and "stored 3-D" in why
+
+
+def test_the_weights_are_found_where_transformers_finds_them(tmp_path):
+    """A stale index beside model.safetensors (a model saved sharded, then whole, into one
+    directory: transformers reads the whole file), and shards in a folder of the directory."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    directory, config = _saved(tmp_path, "qwen3_moe")
+    whole = dict(AutoModelForCausalLM.from_pretrained(directory).named_parameters())
+    state = load_file(directory / "model.safetensors")
+    stale = {key: torch.zeros_like(value) for key, value in state.items()}  # another model's weights
+    save_file(stale, directory / "old-00001-of-00001.safetensors", metadata={"format": "pt"})
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {key: "old-00001-of-00001.safetensors" for key in stale}}))
+    model, expert_plan = _rank_model(directory, config, 1, 2)
+    experts = model.get_submodule("model.layers.0.mlp.experts")
+    assert torch.equal(experts.down_proj, whole["model.layers.0.mlp.experts.down_proj"][4:])
+    # What transformers must have left unloaded: the experts, nothing else.
+    planned = [f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in ("gate_up_proj", "down_proj")]
+    assert "unloaded" in expert_loading.loaded_as_planned(expert_plan, {"missing_keys": planned + ["lm_head.weight"]})
+    assert "unread" in expert_loading.loaded_as_planned(expert_plan, {"missing_keys": planned,
+                                                                      "unexpected_keys": ["model.norm.weight"]})
+
+    (directory / "model.safetensors").unlink()
+    (directory / "shards").mkdir()
+    save_file(state, directory / "shards" / "all.safetensors", metadata={"format": "pt"})
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {key: "shards/all.safetensors" for key in state}}))
+    model, expert_plan = _rank_model(directory, config, 1, 2)
+    experts = model.get_submodule("model.layers.0.mlp.experts")
+    assert torch.equal(experts.down_proj, whole["model.layers.0.mlp.experts.down_proj"][4:])
 
 
 _MEMORY = """
