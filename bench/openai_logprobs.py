@@ -24,6 +24,11 @@ One tiny Llama with a realistic vocabulary (32,000 entries, a BPE tokenizer trai
    without `prompt_logprobs` (the forwards only), then with `prompt_logprobs` k (the forwards,
    the derive and the JSON of k entries per position). Phases are cycled --rounds times and
    pooled. Goal: p99 with the API job <= 1.5x alone.
+   And the other way round: an API request's latency (`POST /v1/completions` of --api-shape with
+   `prompt_logprobs` k, one at a time) alone, then while the gRPC job (in a process of its own)
+   keeps --grpc-inflight batches submitted back to back, a job that would take the whole teacher.
+   Goal: p99 <= 3x alone (its turn comes within the gRPC job's forward in progress and its
+   share).
 3. The JSON writers alone, in this process: the straightforward one against the server's.
 4. The derive of the API's log-probabilities alone, in this process: a CPU's row chunks against
    a GPU's.
@@ -41,7 +46,6 @@ import statistics
 import string
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -333,6 +337,75 @@ def latency(server: ServerProcess, model: str, vocab: int, grpc_shape: tuple[int
     return lines, {"latency": {name: values for name, values in results.items()}}
 
 
+def _saturate(address: str, rows: int, length: int, vocab: int, inflight: int, stop, done) -> None:
+    """In its own process: a gRPC job (top-64) that keeps `inflight` batches submitted until `stop`."""
+    from collections import deque
+
+    from distill_common.outputs import TopK
+    from student_trainer import TeacherClient
+
+    generator = torch.Generator().manual_seed(20_000)
+    with TeacherClient(address, "cpu", outputs=(TopK(64),), job_id="grpc-saturating", join_timeout_s=120) as teacher:
+        pending: deque = deque()
+        while not stop.is_set():
+            while len(pending) < inflight:
+                pending.append(teacher.submit(torch.randint(0, vocab, (rows, length), generator=generator)))
+            pending.popleft().result(timeout=HTTP_TIMEOUT_S)
+            with done.get_lock():
+                done.value += 1
+        for future in pending:
+            future.result(timeout=HTTP_TIMEOUT_S)
+
+
+def api_latency(server: ServerProcess, model: str, vocab: int, grpc_shape: tuple[int, int],
+                http_shape: tuple[int, int], k: int, count: int, rounds: int, inflight: int) -> tuple[list[str], dict]:
+    """An API request's seconds, one at a time, alone and while a gRPC job saturates the teacher."""
+    url = f"http://127.0.0.1:{server.http_port}"
+    phases = {"alone": 0, f"gRPC job, {inflight} batches in flight back to back": inflight}
+    results: dict[str, list[float]] = {name: [] for name in phases}
+    grpc_done: dict[str, int] = {name: 0 for name in phases}
+    spent: dict[str, float] = {name: 0.0 for name in phases}
+    context = multiprocessing.get_context("spawn")
+    seed = 30_000
+    with requests.Session() as session:
+        _complete(session, url, _body(model, _prompts(seed, *http_shape, vocab), k))  # warm-up
+        for _ in range(rounds):
+            for name, depth in phases.items():
+                stop, done, job = context.Event(), context.Value("i", 0), None
+                if depth:
+                    job = context.Process(target=_saturate, daemon=True,
+                                          args=(server.address, *grpc_shape, vocab, depth, stop, done))
+                    job.start()
+                    deadline = time.monotonic() + HTTP_TIMEOUT_S
+                    while done.value < 2:  # its session formed and batches flowing
+                        if not job.is_alive() or time.monotonic() > deadline:
+                            raise RuntimeError(f"the gRPC job served no batch within {HTTP_TIMEOUT_S:g} s "
+                                               "(or its process died)")
+                        time.sleep(0.05)
+                start_done, start = done.value, time.perf_counter()
+                for _ in range(count):
+                    seed += 1
+                    results[name].append(_complete(session, url, _body(model, _prompts(seed, *http_shape, vocab),
+                                                                        k))[0])
+                spent[name] += time.perf_counter() - start
+                if job is not None:
+                    grpc_done[name] += done.value - start_done
+                    stop.set()
+                    job.join(timeout=HTTP_TIMEOUT_S)
+                    if job.is_alive():
+                        job.kill()
+                        raise RuntimeError("the gRPC job did not stop within its batch timeout")
+    alone = results["alone"]
+    lines = ["| API requests | requests | p50 s | p99 s | p50 / alone | p99 / alone | gRPC batches/s |",
+             "|---|---|---|---|---|---|---|"]
+    for name, values in results.items():
+        rate = f"{grpc_done[name] / spent[name]:.2f}" if phases[name] else "-"
+        lines.append(f"| {name} | {len(values)} | {statistics.median(values):.3f} | {_percentile(values, 0.99):.3f} | "
+                     f"{statistics.median(values) / statistics.median(alone):.2f}x | "
+                     f"{_percentile(values, 0.99) / _percentile(alone, 0.99):.2f}x | {rate} |")
+    return lines, {"api_latency": results}
+
+
 # ---- 3. the JSON writer, alone -----------------------------------------------------------------------
 
 def writers(model_dir: Path, vocab: int, length: int, ks: list[int], repeats: int) -> list[str]:
@@ -450,6 +523,15 @@ def served(args, model_dir: Path, vocab: int, ks: list[int], shapes: list[tuple[
                       f"a time, {args.grpc_think_s:g} s between batches, weight {args.grpc_weight:g}) while another "
                       f"job (weight 1) sends `POST /v1/completions` of {args.api_shape} tokens back to back from "
                       f"another process, {args.rounds} rounds x {args.batches} batches per phase:", "", *table, ""]
+        if not args.skip_api_latency:
+            table, figures_3 = api_latency(teacher, _model_id(teacher_url), vocab, _shape(args.grpc_shape),
+                                           _shape(args.api_shape), args.api_k, args.api_requests, args.rounds,
+                                           args.grpc_inflight)
+            figures.update(figures_3)
+            lines += [f"An API job's latency (`POST /v1/completions` of {args.api_shape} tokens, `prompt_logprobs` "
+                      f"{args.api_k}, one request at a time, weight 1) while a gRPC job (weight 1, {args.grpc_shape} "
+                      f"tokens, top-64) keeps {args.grpc_inflight} batches in flight from another process, "
+                      f"{args.rounds} rounds x {args.api_requests} requests per phase:", "", *table, ""]
     return lines, figures
 
 
@@ -480,6 +562,10 @@ def main() -> None:
                         help="the gRPC job's pause between batches (its student's step; 0: back to back)")
     parser.add_argument("--grpc-weight", type=float, default=1.0, help="the gRPC job's weight")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--skip-api-latency", action="store_true")
+    parser.add_argument("--api-requests", type=int, default=10, help="API requests per phase per round")
+    parser.add_argument("--grpc-inflight", type=int, default=4,
+                        help="batches the saturating gRPC job keeps in flight")
     parser.add_argument("--vllm-startup-timeout-s", type=float, default=900.0)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -492,7 +578,7 @@ def main() -> None:
     max_len = 2 * max([rows * length for rows, length in shapes + [_shape(args.api_shape)]] + [args.check_tokens])
     lines, figures = [], {}
     load = os.getloadavg()
-    if not (args.skip_throughput and args.skip_latency):
+    if not (args.skip_throughput and args.skip_latency and args.skip_api_latency):
         lines, figures = served(args, model_dir, vocab, ks, shapes, max_len)
     if not args.skip_writers:
         lines += [f"The JSON writer alone, in this process, median of {args.repeats}:", "",

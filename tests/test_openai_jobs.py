@@ -144,3 +144,37 @@ def test_a_timed_out_requests_batches_keep_their_slots_too(served):
         asyncio.run(scenario())
     finally:
         jobs.close()
+
+
+def test_a_long_prompts_next_chunk_waits_in_the_queue_while_the_one_before_runs(served):
+    """So that fair share weighs the job against the others' batches between two of its chunks
+    (one at a time, a job that never pauses ran a whole batch between any two). The chunks still
+    run in order, each on the cache of the ones before: the greedy token is the whole prompt's."""
+    runner, engine, jobs, facts, gate = served
+    completions = Completions(jobs, facts, None, model_id="m", max_seq_len=64, max_batch_tokens=1024,
+                              max_logprobs=8, answer_limit_bytes=1 << 30, chunk_tokens=4)
+    prompt = [(7 * i + 5) % 500 for i in range(11)]  # 3 chunks, the last one short
+    params = parse_completion({"prompt": [prompt], "max_tokens": 1, "temperature": 0,
+                               "return_token_ids": True}, vocab_size=facts.vocab_size, max_logprobs=8, max_prompts=8)
+
+    async def scenario():
+        task = asyncio.ensure_future(completions.complete(params, ("chunked", 0, "")))
+        session = None
+        for _ in range(200):
+            session = next((s for s in engine.sessions() if s.job_id == "chunked"), None)
+            if session is not None and session.batches_submitted == 2:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        assert session is not None and session.batches_submitted == 2  # the first chunk held by the gate
+        gate.set()
+        body = await asyncio.wait_for(task, 60)
+        await completions.close()
+        return body
+
+    import json
+
+    answer = json.loads(asyncio.run(scenario()))
+    with torch.no_grad():
+        want = int(runner.model(torch.tensor([prompt])).logits[0, -1].argmax())
+    assert answer["choices"][0]["token_ids"] == [want]

@@ -191,6 +191,18 @@ class ApiJobs:
     async def submit(self, job_id: str, outputs: OutputRequest, input_ids: torch.Tensor,
                      attention_mask: torch.Tensor, data: dict[str, torch.Tensor] | None = None, *, weight: float = 1.0,
                      max_job_sessions: int = 0, job_limit: str = "", chunk: Chunk | None = None) -> list[torch.Tensor]:
+        return await self.served(await self.enqueue(job_id, outputs, input_ids, attention_mask, data, weight=weight,
+                                                    max_job_sessions=max_job_sessions, job_limit=job_limit,
+                                                    chunk=chunk))
+
+    async def enqueue(self, job_id: str, outputs: OutputRequest, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor, data: dict[str, torch.Tensor] | None = None, *,
+                      weight: float = 1.0, max_job_sessions: int = 0, job_limit: str = "",
+                      chunk: Chunk | None = None) -> asyncio.Future:
+        """`submit` in two steps: returns once the batch is queued (after a slot) the future of its
+        tensors, for `served`. Batches a caller queues one after another run in that order (a
+        session's batches are planned first in, first out), so a long prompt's next chunk can
+        wait in the queue while the one before it runs."""
         session, pending, slots = self._session(job_id, outputs, weight, max_job_sessions, job_limit)
         await _acquire_within(slots, self.timeout_s)
         loop = asyncio.get_running_loop()
@@ -213,6 +225,10 @@ class ApiJobs:
         self.engine.heartbeat(session)
         settled = asyncio.wrap_future(future)
         settled.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, if nobody waits for it
+        return settled
+
+    async def served(self, settled: asyncio.Future) -> list[torch.Tensor]:
+        """The tensors of a batch `enqueue` queued, within --transfer-timeout-s."""
         try:
             return await asyncio.wait_for(asyncio.shield(settled), self.timeout_s)
         except asyncio.TimeoutError:  # the batch keeps its slot until the engine has settled it

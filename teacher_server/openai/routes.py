@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -42,6 +43,12 @@ QUEUE_TIMEOUT_S = 300.0
 # up to --max-seq-len, however many long prompts it sends. Two keep the device busy between one
 # prompt's chunk returning and its next being submitted.
 LIVE_PREFIXES_PER_JOB = 2
+# A prompt's chunks queued at once: the next waits in the queue while the one before runs, so that
+# fair share weighs this job against the others' batches between two of its chunks (one at a time,
+# a job that never pauses ran a whole batch between any two, and the chunked request took a forward
+# of it per chunk: 22x its time alone at 1,024 tokens, bench/openai_logprobs.py). Its slot keeps a
+# session's --max-inflight for the two (a chunk runs only right after the one before it: Prefix).
+CHUNKS_QUEUED = 2
 
 
 def _error(error: ApiError) -> JSONResponse:
@@ -160,6 +167,15 @@ class Completions:
                 given = torch.tensor(score_rows[i], dtype=torch.int64)
                 rows[0, start:start + len(given), :given.shape[1]] = given
             slots = self._prefix_slots.setdefault(job[0], asyncio.Semaphore(LIVE_PREFIXES_PER_JOB))
+            queued: collections.deque = collections.deque()  # chunks queued, in order, not yet taken
+
+            async def take() -> None:
+                tensors = await self.jobs.served(queued.popleft())
+                # `last` (a whole distribution) is the final chunk's alone: the others' go at once.
+                final = len(parts) + 1 == chunks
+                parts.append([t[0] for t in (tensors if final or not kind.last else tensors[:-1])])
+
+            chunks = -(-len(sequence) // self.batch_tokens)
             async with slots:  # its KV cache lives from its first chunk to its last
                 for begin in range(0, len(sequence), self.batch_tokens):
                     end = min(len(sequence), begin + self.batch_tokens)
@@ -169,13 +185,15 @@ class Completions:
                                                    dtype=torch.int64)}
                     if rows is not None:
                         data[SCORE_IDS] = rows[:, begin:end]
-                    tensors = await self.jobs.submit(job[0], request, ids, torch.ones_like(ids), data,
-                                                     max_job_sessions=job[1], job_limit=job[2],
-                                                     chunk=Chunk(prefix, begin))
-                    # `last` (a whole distribution) is the final chunk's alone: the others' go at once.
-                    final = end == len(sequence)
-                    parts.append([t[0] for t in (tensors if final or not kind.last else tensors[:-1])])
-                    del tensors
+                    # The next chunk waits in the queue while this one runs (CHUNKS_QUEUED), so that the
+                    # job's share is weighed against the others' batches between two of its chunks.
+                    queued.append(await self.jobs.enqueue(job[0], request, ids, torch.ones_like(ids), data,
+                                                          max_job_sessions=job[1], job_limit=job[2],
+                                                          chunk=Chunk(prefix, begin)))
+                    if len(queued) == CHUNKS_QUEUED:
+                        await take()
+                while queued:
+                    await take()
             by_position = len(parts[-1]) - (1 if kind.last else 0)
             results[i] = ([torch.cat([part[j] for part in parts]) for j in range(by_position)]
                           + ([parts[-1][-1]] if kind.last else []))
