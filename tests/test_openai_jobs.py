@@ -178,3 +178,49 @@ def test_a_long_prompts_next_chunk_waits_in_the_queue_while_the_one_before_runs(
     with torch.no_grad():
         want = int(runner.model(torch.tensor([prompt])).logits[0, -1].argmax())
     assert answer["choices"][0]["token_ids"] == [want]
+
+
+def test_a_chunk_whose_session_was_replaced_waits_for_the_one_before(served):
+    """A long prompt's chunks queued in order stay in order when the job's session for their
+    outputs is replaced between two of them (here a newer request shape of the job takes its place,
+    MAX_SHAPES_PER_JOB): the next chunk, in a new session's queue, waits for the one before rather
+    than be planned first and fail on a cache without it."""
+    runner, engine, jobs, facts, gate = served
+    jobs.MAX_SHAPES_PER_JOB = 2
+    engine.scheduler.max_sessions = 8
+    shape = lambda k: OutputRequest((CompletionLogprobs(prompt_k=k, last=False),), torch.float32, facts)  # noqa: E731
+    chunked, other, newer = shape(2), shape(3), shape(4)
+    sequence = torch.tensor([[(7 * i + 5) % 500 for i in range(8)]])
+    short = sequence[:, :4]
+
+    def enqueue(job, outputs, ids, chunk=None, after=None):
+        return jobs.enqueue(job, outputs, ids, torch.ones_like(ids), {NEXT_IDS: torch.zeros_like(ids)}, chunk=chunk,
+                            after=after)
+
+    async def scenario():
+        from teacher_server.model_runner import Chunk, Prefix
+
+        gate.set()
+        await jobs.served(await enqueue("j", newer, short))
+        for _ in range(2):  # the chunked shape's session ahead in fair share: a new one would be planned first
+            await jobs.served(await enqueue("j", chunked, short))
+        gate.clear()
+        held = await enqueue("elsewhere", chunked, short)  # the engine waits in this forward
+        await asyncio.sleep(0.3)
+        prefix = Prefix()
+        first = await enqueue("j", chunked, sequence[:, :4], Chunk(prefix, 0))
+        others = [await enqueue("j", newer, short), await enqueue("j", other, short)]  # the chunked session goes
+        second = asyncio.ensure_future(enqueue("j", chunked, sequence[:, 4:], Chunk(prefix, 4), after=first))
+        await asyncio.sleep(0.3)
+        assert not second.done()  # waits for the first chunk, in the replaced session
+        gate.set()
+        second = await asyncio.wait_for(second, 60)
+        assert second.session is not first.session
+        for queued in [held, first, *others]:
+            await jobs.served(queued)
+        return await jobs.served(first), await jobs.served(second)
+
+    (top_first, *_), (top_second, *_) = asyncio.run(scenario())
+    with torch.no_grad():
+        want = torch.log_softmax(runner.model(sequence).logits[0].float(), -1).topk(2).values
+    torch.testing.assert_close(torch.cat([top_first[0], top_second[0]]), want, atol=1e-5, rtol=0)

@@ -143,6 +143,14 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback) -> None:
         pass
 
 
+@dataclass
+class Queued:
+    """A batch ApiJobs.enqueue queued: its outputs to come, and the session it is queued in."""
+
+    settled: asyncio.Future
+    session: Session
+
+
 class ApiJobs:
     """The sessions of the HTTP API, by (job, what its requests ask), made on first use.
 
@@ -198,12 +206,15 @@ class ApiJobs:
     async def enqueue(self, job_id: str, outputs: OutputRequest, input_ids: torch.Tensor,
                       attention_mask: torch.Tensor, data: dict[str, torch.Tensor] | None = None, *,
                       weight: float = 1.0, max_job_sessions: int = 0, job_limit: str = "",
-                      chunk: Chunk | None = None) -> asyncio.Future:
-        """`submit` in two steps: returns once the batch is queued (after a slot) the future of its
-        tensors, for `served`. Batches a caller queues one after another run in that order (a
-        session's batches are planned first in, first out), so a long prompt's next chunk can
-        wait in the queue while the one before it runs."""
+                      chunk: Chunk | None = None, after: "Queued | None" = None) -> "Queued":
+        """`submit` in two steps: returns once the batch is queued (after a slot), for `served`.
+        A batch queued `after` another runs after it: one session's batches are planned first in,
+        first out, so a long prompt's next chunk can wait in the queue while the one before it
+        runs; where the job's session for these outputs is another one by now (the one before
+        ended, or a newer request shape of the job took its place), it waits for that one first."""
         session, pending, slots = self._session(job_id, outputs, weight, max_job_sessions, job_limit)
+        if after is not None and after.session is not session and not after.settled.done():
+            await asyncio.wait({after.settled}, timeout=self.timeout_s)
         await _acquire_within(slots, self.timeout_s)
         loop = asyncio.get_running_loop()
         try:
@@ -225,12 +236,12 @@ class ApiJobs:
         self.engine.heartbeat(session)
         settled = asyncio.wrap_future(future)
         settled.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, if nobody waits for it
-        return settled
+        return Queued(settled, session)
 
-    async def served(self, settled: asyncio.Future) -> list[torch.Tensor]:
+    async def served(self, queued: "Queued") -> list[torch.Tensor]:
         """The tensors of a batch `enqueue` queued, within --transfer-timeout-s."""
         try:
-            return await asyncio.wait_for(asyncio.shield(settled), self.timeout_s)
+            return await asyncio.wait_for(asyncio.shield(queued.settled), self.timeout_s)
         except asyncio.TimeoutError:  # the batch keeps its slot until the engine has settled it
             raise Unavailable(f"the teacher did not serve this request's batch within {self.timeout_s:g} s "
                               "(--transfer-timeout-s): it is overloaded; retry later") from None
@@ -242,4 +253,4 @@ class ApiJobs:
             self.engine.leave(session, drain=False)
 
 
-__all__ = ["ApiJobs", "BatchFailed", "LOCAL_BACKEND", "LocalGroup", "LocalOutbox", "ResourceExhausted"]
+__all__ = ["ApiJobs", "BatchFailed", "Queued", "LOCAL_BACKEND", "LocalGroup", "LocalOutbox", "ResourceExhausted"]

@@ -189,7 +189,8 @@ class Completions:
                     # job's share is weighed against the others' batches between two of its chunks.
                     queued.append(await self.jobs.enqueue(job[0], request, ids, torch.ones_like(ids), data,
                                                           max_job_sessions=job[1], job_limit=job[2],
-                                                          chunk=Chunk(prefix, begin)))
+                                                          chunk=Chunk(prefix, begin),
+                                                          after=queued[-1] if queued else None))
                     if len(queued) == CHUNKS_QUEUED:
                         await take()
                 while queued:
