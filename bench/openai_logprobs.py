@@ -321,20 +321,32 @@ def latency(server: ServerProcess, model: str, vocab: int, grpc_shape: tuple[int
                 seed += 1
                 if hammer is not None:
                     requests_done[name] += done.value - start_done
-                    stop.set()
-                    hammer.join(timeout=HTTP_TIMEOUT_S)
-                    if hammer.is_alive():
-                        hammer.kill()
-                        raise RuntimeError("the API job did not stop within its request timeout")
+                    _stop(hammer, stop, "the API job did not stop within its request timeout")
+    rates = {name: requests_done[name] / spent[name] for name in phases if phases[name] is not None}
+    lines = _latency_table(("gRPC job's batches", "batches", "API requests/s"), results, rates)
+    return lines, {"latency": {name: values for name, values in results.items()}}
+
+
+def _stop(process, stop, what: str) -> None:
+    """Tells a load process to stop and waits for it (killed, and `what` raised, past the timeout)."""
+    stop.set()
+    process.join(timeout=HTTP_TIMEOUT_S)
+    if process.is_alive():
+        process.kill()
+        raise RuntimeError(what)
+
+
+def _latency_table(heads: tuple[str, str, str], results: dict[str, list[float]], rates: dict[str, float]) -> list[str]:
+    """Each phase's latencies (the first phase is "alone"), against alone, and the other job's rate."""
     alone = results["alone"]
-    lines = ["| gRPC job's batches | batches | p50 s | p99 s | p50 / alone | p99 / alone | API requests/s |",
+    lines = [f"| {heads[0]} | {heads[1]} | p50 s | p99 s | p50 / alone | p99 / alone | {heads[2]} |",
              "|---|---|---|---|---|---|---|"]
     for name, values in results.items():
-        rate = f"{requests_done[name] / spent[name]:.2f}" if phases[name] is not None else "-"
+        rate = f"{rates[name]:.2f}" if name in rates else "-"
         lines.append(f"| {name} | {len(values)} | {statistics.median(values):.3f} | {_percentile(values, 0.99):.3f} | "
                      f"{statistics.median(values) / statistics.median(alone):.2f}x | "
                      f"{_percentile(values, 0.99) / _percentile(alone, 0.99):.2f}x | {rate} |")
-    return lines, {"latency": {name: values for name, values in results.items()}}
+    return lines
 
 
 def _saturate(address: str, rows: int, length: int, vocab: int, inflight: int, stop, done) -> None:
@@ -390,20 +402,9 @@ def api_latency(server: ServerProcess, model: str, vocab: int, grpc_shape: tuple
                 spent[name] += time.perf_counter() - start
                 if job is not None:
                     grpc_done[name] += done.value - start_done
-                    stop.set()
-                    job.join(timeout=HTTP_TIMEOUT_S)
-                    if job.is_alive():
-                        job.kill()
-                        raise RuntimeError("the gRPC job did not stop within its batch timeout")
-    alone = results["alone"]
-    lines = ["| API requests | requests | p50 s | p99 s | p50 / alone | p99 / alone | gRPC batches/s |",
-             "|---|---|---|---|---|---|---|"]
-    for name, values in results.items():
-        rate = f"{grpc_done[name] / spent[name]:.2f}" if phases[name] else "-"
-        lines.append(f"| {name} | {len(values)} | {statistics.median(values):.3f} | {_percentile(values, 0.99):.3f} | "
-                     f"{statistics.median(values) / statistics.median(alone):.2f}x | "
-                     f"{_percentile(values, 0.99) / _percentile(alone, 0.99):.2f}x | {rate} |")
-    return lines, {"api_latency": results}
+                    _stop(job, stop, "the gRPC job did not stop within its batch timeout")
+    rates = {name: grpc_done[name] / spent[name] for name in phases if phases[name]}
+    return _latency_table(("API requests", "requests", "gRPC batches/s"), results, rates), {"api_latency": results}
 
 
 # ---- 3. the JSON writer, alone -----------------------------------------------------------------------
