@@ -423,14 +423,12 @@ class HttpConnections:
 
     def to_displace(self, newcomer: "GuardedH11Protocol") -> "GuardedH11Protocol":
         """The connection a newcomer past the cap closes: among the DISPLACE_SCAN oldest
-        displaceable ones, the first of the lowest `displace_rank` (stalled, then sending or
-        pipelining not yet judged, then silent, then moving data at the minimum rate or more),
-        else the newcomer itself. A probe connects and sends its request at once, but the loop
-        may accept many connections between the two: silent meanwhile, it goes after every
-        connection that trickles or pipelines; a peer taking an answer or sending a body at
-        speed goes after the idle ones."""
+        displaceable ones, the first of the lowest `displace_rank`, else the newcomer itself.
+        A probe connects and sends its request at once, but the loop may accept many
+        connections between the two: new and silent meanwhile, it goes after every other kind;
+        a peer taking a long answer at speed goes after the idle ones."""
         now = newcomer.loop.time()
-        best, best_rank = newcomer, _MOVING + 1
+        best, best_rank = newcomer, _NEW + 1
         for connection in itertools.islice(self.displaceable, DISPLACE_SCAN):
             if connection is newcomer:
                 continue
@@ -443,12 +441,16 @@ class HttpConnections:
 
 
 # The order in which a newcomer past --http-max-connections displaces connections (lowest first):
-# those that sent something or have answers pending and moved less than the minimum rate
-# (--http-min-send-bytes-per-s) over the JUDGED_S since, those that did so more recently (not yet
-# judged: part of a request, an answer of which nothing was taken yet) or pipeline, those that
-# sent nothing of a request (idle, or a probe whose request has not been read yet), and those
-# moving data at the minimum rate or more (or, in their first JUDGED_S, taking an answer at all).
-_STALLED, _UNJUDGED, _SILENT, _MOVING = range(4)
+# - stalled: sent part of a request or have an answer pending, and moved less than the minimum rate
+#   (--http-min-send-bytes-per-s) over the JUDGED_S since;
+# - not yet judged (part of a request, an answer of which nothing was taken yet, less than JUDGED_S
+#   ago), and every connection that pipelines (sends requests before taking the answers: no probe
+#   and no ordinary client does; without a token it is the one way to have answers to take);
+# - idle: nothing of a request for JUDGED_S or more since it opened or its last answer;
+# - moving: taking one answer (or sending one request) at the minimum rate or more;
+# - new: nothing of a request yet, less than JUDGED_S since it opened or its last answer (a probe
+#   whose request the loop has not read yet).
+_STALLED, _UNJUDGED, _IDLE, _MOVING, _NEW = range(5)
 JUDGED_S = 1.0
 # How many of the oldest displaceable connections a newcomer looks through (a bounded cost per
 # accept, whatever the cap).
@@ -586,6 +588,7 @@ class GuardedH11Protocol(H11Protocol):
         self._taking: _Taking | None = None  # while _TAKEN
         self._send_buffer_bytes = HTTP_SEND_BUFFER_BYTES
         self._pipelined = False
+        self._idle_since = self.loop.time()  # when it opened, or its last answer was complete
         self._heard_at: float | None = None  # when the first byte since the opening or the last answer came
         self._heard_bytes = 0  # what came since
         self._body_bytes = 0  # of the request whose body is coming
@@ -625,8 +628,11 @@ class GuardedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # resumes reading, and handles a request pipelined behind
+        self._idle_since = self.loop.time()
         if self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]:
             self._heard_at, self._heard_bytes = None, 0  # the next request starts from nothing
+        else:  # judged from now on, by what is there of the next request
+            self._heard_at, self._heard_bytes = self._idle_since, len(self.conn.trailing_data[0])
         if self.flow.write_paused:
             self.flow.pause_reading()
         elif self.conn.their_state in (h11.IDLE, h11.SEND_BODY):  # the pipelined bytes were not a whole request
@@ -704,6 +710,8 @@ class GuardedH11Protocol(H11Protocol):
     def displace_rank(self, now: float, min_bytes_per_s: float) -> int:
         """Where this displaceable connection comes in HttpConnections.to_displace's order."""
         taking = self._taking
+        if self._pipelined:
+            return _UNJUDGED
         if self._waiting_for is _TAKEN and taking is not None:
             waited = now - taking.start
             taken = taking.acked_bytes - taking.acked_at_start
@@ -716,9 +724,7 @@ class GuardedH11Protocol(H11Protocol):
             if waited < JUDGED_S:
                 return _UNJUDGED
             return _STALLED if self._heard_bytes < min_bytes_per_s * waited else _MOVING
-        if self._waiting_for is _REQUEST:
-            return _SILENT
-        return _UNJUDGED  # pipelined, its requests being answered
+        return _IDLE if now - self._idle_since >= JUDGED_S else _NEW
 
     def _cancel_deadline(self) -> None:
         if self._deadline is not None:

@@ -408,26 +408,50 @@ def test_a_steady_reader_takes_a_long_answer_and_a_trickling_one_is_cut(server):
     assert _logged(server, start, "(--http-min-send-bytes-per-s, --http-send-timeout-s)"), server.log_lines[start:]
 
 
-def test_a_peer_taking_an_answer_at_speed_goes_after_idle_connections(server):
-    """Twice the cap of idle connections, opened while a peer reads a long answer at 1.5x the
-    minimum rate (its answers wait on it, so it is displaceable, and the oldest): they displace
-    each other, not the reader, whose answer comes whole."""
-    address = ("127.0.0.1", server.http_port)
-    reading: dict = {}
-    reader = threading.Thread(target=_read_answer, args=(server.http_port, _completion_request(600, 16),
-                                                         1.5 * MIN_SEND_BYTES_PER_S, reading))
-    reader.start()
-    wait_until(lambda: "status" in reading, 60, "the answer's first bytes")
-    idle = []
-    for _ in range(2 * HTTP_MAX_CONNECTIONS):
-        idle.append(socket.create_connection(address))
-        time.sleep(0.02)
-    closed = sum(_closed_within(sock, 0.05) for sock in idle[:HTTP_MAX_CONNECTIONS // 2])
-    reader.join(60)
-    for sock in idle:
-        sock.close()
-    assert reading["whole"], reading
-    assert closed == HTTP_MAX_CONNECTIONS // 2, f"{closed} of the oldest idle connections closed"
+def test_the_displacement_order_past_the_cap():
+    """HttpConnections.to_displace over GuardedH11Protocol.displace_rank, on connections in the
+    states that order them (the served tests above are timing-bound; this is the order itself):
+    stalled, then pipelining, then idle for JUDGED_S, then taking an answer at speed, then new
+    and silent (a probe whose request is not read yet); the oldest first within each."""
+    from types import SimpleNamespace
+
+    from teacher_server import edge
+
+    now, rate = 100.0, float(MIN_SEND_BYTES_PER_S)
+
+    class Connection(SimpleNamespace):
+        __hash__ = object.__hash__  # keys of the displaceable dict, by identity
+
+    def connection(name, waiting_for=None, taking=None, heard_at=None, heard=0, idle_since=now, pipelined=False):
+        state = Connection(name=name, _waiting_for=waiting_for, _taking=taking, _heard_at=heard_at,
+                                _heard_bytes=heard, _idle_since=idle_since, _pipelined=pipelined)
+        state.displace_rank = lambda at, min_rate: edge.GuardedH11Protocol.displace_rank(state, at, min_rate)
+        return state
+
+    def taking(waited_s, taken, last_taken_ago_s):
+        started = edge._Taking(now - waited_s, 0)
+        started.acked_bytes, started.last_taken = taken, now - last_taken_ago_s
+        return started
+
+    reader = connection("reader", edge._TAKEN, taking(3.0, int(3 * rate * 1.5), 0.1))
+    stalled_reader = connection("stalled reader", edge._TAKEN, taking(3.0, int(rate), 2.0))
+    trickler = connection("trickler", edge._REQUEST, heard_at=now - 2.0, heard=100, idle_since=now - 2.0)
+    pipeliner = connection("pipeliner", edge._TAKEN, taking(3.0, int(3 * rate * 1.5), 0.1), pipelined=True)
+    idle = connection("idle", edge._REQUEST, idle_since=now - 1.5)
+    probe = connection("probe", edge._REQUEST, idle_since=now - 0.001)
+    newcomer = connection("newcomer", edge._REQUEST, idle_since=now)
+    newcomer.loop = SimpleNamespace(time=lambda: now)
+    guard = edge.HttpConnections(32, 2.0, 2.0, min_send_bytes_per_s=rate)
+    order = [probe, reader, idle, pipeliner, stalled_reader, trickler]  # oldest first
+    chosen = []
+    while order:
+        guard.displaceable = dict.fromkeys([*order, newcomer])
+        victim = guard.to_displace(newcomer)
+        chosen.append(victim.name)
+        order.remove(victim)
+    assert chosen == ["stalled reader", "trickler", "pipeliner", "idle", "reader", "probe"], chosen
+    guard.displaceable = {newcomer: None}
+    assert guard.to_displace(newcomer) is newcomer  # nothing else: itself
 
 
 @pytest.mark.parametrize("upgrade", [b"", b"Upgrade: h2c\r\n"])
