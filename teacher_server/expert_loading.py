@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -120,13 +121,15 @@ def checkpoint_files(directory: Path, config) -> tuple[dict[str, Path] | None, s
         return None, f"{index.name} cannot be read ({e})"
     if not isinstance(weight_map, dict):
         return None, f"{index.name} has no weight_map"
-    inside = directory.resolve()
+    # Inside the directory as transformers checks it (its path, not where a link leads: a hub
+    # cache's snapshot links each file to a blob elsewhere).
+    inside = os.path.abspath(directory)
     files = {}
     for key, name in weight_map.items():
-        path = (directory / name).resolve() if isinstance(name, str) else None
-        if path is None or not path.name.endswith(".safetensors") or not path.is_relative_to(inside):
+        path = os.path.abspath(os.path.join(directory, name)) if isinstance(name, str) else ""
+        if not path.endswith(".safetensors") or os.path.commonpath([inside, path]) != inside:
             return None, f"{index.name} puts {key!r} in {name!r}, not a safetensors file inside the directory"
-        files[key] = path
+        files[key] = Path(path)
     return files, ""
 
 

@@ -118,7 +118,17 @@ def test_the_weights_are_found_where_transformers_finds_them(tmp_path):
     assert "unread" in expert_loading.loaded_as_planned(expert_plan, {"missing_keys": planned,
                                                                       "unexpected_keys": ["model.norm.weight"]})
 
+    # A hub cache's snapshot: each file a link to a blob outside the directory.
     (directory / "model.safetensors").unlink()
+    (tmp_path / "blobs").mkdir()
+    save_file(state, tmp_path / "blobs" / "3f9ab1c0", metadata={"format": "pt"})
+    (directory / "model-00001-of-00001.safetensors").symlink_to(tmp_path / "blobs" / "3f9ab1c0")
+    (directory / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {key: "model-00001-of-00001.safetensors" for key in state}}))
+    model, expert_plan = _rank_model(directory, config, 1, 2)
+    experts = model.get_submodule("model.layers.0.mlp.experts")
+    assert torch.equal(experts.down_proj, whole["model.layers.0.mlp.experts.down_proj"][4:])
+
     (directory / "shards").mkdir()
     save_file(state, directory / "shards" / "all.safetensors", metadata={"format": "pt"})
     (directory / "model.safetensors.index.json").write_text(json.dumps(
