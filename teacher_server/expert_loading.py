@@ -31,7 +31,6 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -146,9 +145,9 @@ def _find(name: str, module, files: dict[str, Path], total: int) -> _Source | st
             if not name.endswith(model_part):
                 continue
             container = name[:-len(model_part)] + stored_part
+            present = {key for key in files if key.startswith(container + ".")}  # one scan of the keys a container
             for gate, up, down in _PER_EXPERT_NAMES:
                 expected = {f"{container}.{e}.{p}.weight" for e in range(total) for p in (gate, up, down)}
-                present = {key for key in files if key.startswith(container + ".")}
                 if present == expected:
                     return _Source(name, (container, gate, up, down))
     if any(".weight_scale" in key or key.endswith(("_blocks", "_scales", ".scale")) for key in stored):
@@ -193,7 +192,7 @@ def loaded_as_planned(expert_plan: ExpertPlan, loading_info: dict) -> str:
     return ""
 
 
-def read_experts(model: torch.nn.Module, expert_plan: ExpertPlan, progress: Callable[[str], None] | None = None) -> None:
+def read_experts(model: torch.nn.Module, expert_plan: ExpertPlan) -> None:
     """Reads this rank's experts from the checkpoint into the model built under `local_experts`,
     and marks each experts module with its range (parallel.ExpertShard keeps it as it is)."""
     from safetensors import safe_open
@@ -222,8 +221,6 @@ def read_experts(model: torch.nn.Module, expert_plan: ExpertPlan, progress: Call
                     _copy(module.down_proj[j], tensor(prefix + down + ".weight"), prefix + down)
             module.num_experts = count
             module.expert_range = ExpertRange(first, count, expert_plan.total)
-            if progress is not None:
-                progress(name)
 
 
 def _copy(param: torch.Tensor, value: torch.Tensor, key: str) -> None:
