@@ -16,7 +16,7 @@
 # the Qwen3-30B-A3B-shaped forward in bf16 and FP8);
 # two GPUs: recipeserved (the seed recipe with its teacher served, and colocated), eagle3served and
 # eagle3servedlong (EAGLE-3 from a served target, with the colocated baseline).
-# Investigations (bench/investigations/): tpsend, disk, fp8tiles, fp8gap, fp8gapgraphs.
+# Investigations (bench/investigations/): tpsend, disk, fp8tiles, fp8gap, fp8gapgraphs, quantize.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
 # shellcheck source=bench/gpu_env.sh
@@ -123,10 +123,14 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     # The grouped FP8 kernels' variants on Qwen3-30B-A3B's layer (plain, persistent; tiles, TMA, flattening).
     fp8tiles) timeout 400 python3 -m bench.investigations.fp8_grouped_tiles --out "$out/tiles.md" 2>&1 | quiet | tail -60 ;;
     # bf16 and FP8 (fast accumulation) Qwen3-30B-A3B-shaped forwards built in one process, timed in turns.
-    fp8gap) timeout 400 python3 -m bench.investigations.fp8_forward_gap --out "$out/gap.md" 2>&1 | quiet | tail -20 ;;
+    fp8gap) timeout 400 python3 -m bench.investigations.fp8_forward_gap --variants bf16,fp8,fp8-inductor \
+              --out "$out/gap.md" 2>&1 | quiet | tail -20 ;;
     # The same under --cuda-graphs (the decoder replayed as one graph: the timed forward without host gaps).
     fp8gapgraphs) timeout 400 python3 -m bench.investigations.fp8_forward_gap --cuda-graphs 2 --out "$out/gap_graphs.md" \
               2>&1 | quiet | tail -24 ;;
+    # The FP8 forward's activation quantizations: inductor's against a Triton kernel written for them.
+    quantize) timeout 200 python3 -m bench.investigations.quantize_rows_speed --out "$out/quantize.md" 2>&1 | quiet \
+                | tail -12 ;;
     # The stores are written under /tmp (local disk) and removed after.
     store) timeout 400 python3 -m bench.store_throughput --profile --out "$out/store.md" 2>&1 | quiet | tail -40 ;;
     # EAGLE-3 draft training from a served Llama-3-8B-shaped target (GPU 0) on GPU 1 at 2k .. 32k tokens: target

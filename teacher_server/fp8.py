@@ -28,7 +28,10 @@ Speed: the matmul alone runs 1.7-1.9x bf16 on an H200, but each activation's qua
 a read of the bf16 activation, a row reduction and a write of FP8; as separate kernels they
 cost more than the matmul saves. `compile_layers` compiles each decoder layer, so that the
 quantization fuses into the kernel that produces its input (the RMSNorm before q/k/v and
-gate/up, the SwiGLU product before down). bench/fp8_teacher.py measures each variant.
+gate/up, the SwiGLU product before down). The o projection's input comes out of attention,
+which nothing fuses into: with row scales it is quantized by a Triton kernel of its own
+(fp8_grouped_gemm.quantize_rows, near the copy bandwidth, where inductor's kernel ran at a
+quarter to a half of it). bench/fp8_teacher.py measures each variant.
 
 What a quantization costs the distribution depends on the teacher (a toy Llama 7.7e-4 nats
 per token, SmolLM2-135M 3.1e-2): teacher_server/fp8_calibration.py measures it at load on a
@@ -56,6 +59,7 @@ import torch
 from torch import nn
 
 from distill_common.quantization import FP8_E4M3, Quantization  # noqa: F401  (what the runner reports)
+from teacher_server import fp8_grouped_gemm
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -382,7 +386,11 @@ def quantize_model(model, plan: Fp8Plan, input_means: dict[str, torch.Tensor] | 
         if index in keep or full_name in plan.keep_linears or not isinstance(child, nn.Linear):
             continue
         mean = None if input_means is None else input_means.get(full_name)
-        setattr(parent, name, FP8Linear.from_linear(child, plan.scaling, plan.fast_accum, mean))
+        layer = FP8Linear.from_linear(child, plan.scaling, plan.fast_accum, mean)
+        if name == "o_proj" and plan.scaling == "row":
+            # Its input is attention's output, which a compiled layer cannot fuse a quantization into.
+            layer.quantize = fp8_grouped_gemm.quantize_rows
+        setattr(parent, name, layer)
         replaced += 1
     if not replaced:
         raise ValueError(f"{type(model).__name__}: no decoder linear ({', '.join(LINEAR_NAMES)}) to quantize")

@@ -17,8 +17,9 @@ product, each sorted pair's token row (`rows`: the permutation) and, for the sec
 row's place in token order (`out_rows`: the combine's order). The activation is quantized before
 the permutation (one scale per token row, or per 1 x 128 block of it: the same values as after it,
 once per token instead of once per pair; in a compiled layer the quantization fuses into what
-produces the activation: the norm before the experts, the gate before the down product). The
-product is
+produces the activation: the norm before the experts, the gate before the down product; the
+output of the gated first product below, which nothing fuses into, is quantized by
+fp8_grouped_gemm.quantize_rows). The product is
 
     GPU      teacher_server/fp8_grouped_gemm.py: one Triton kernel over every expert, FP8 tensor
              cores, float32 accumulation (with --fp8-fast-accum and row scales, the tensor cores'
@@ -101,6 +102,9 @@ class FP8ExpertWeights(nn.Module):
         # Triton kernel computes silu(gate) x up in its epilogue (`gated`). Products and `dequantized`
         # still give [gate | up].
         self.gate_group = 0
+        # How a row-scaled input is quantized: fp8.quantize_rows (which a compiled layer fuses into what
+        # makes the input), or fp8_grouped_gemm.quantize_rows for an input made by a kernel of its own.
+        self.quantize_rows = fp8.quantize_rows
 
     def interleave_gate(self, group: int = GATE_GROUP) -> bool:
         """A plain SwiGLU expert's first weight ([gate | up], row scales, on the Triton kernel) stored
@@ -152,7 +156,7 @@ class FP8ExpertWeights(nn.Module):
         return (weight.float() * scale).to(dtype)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return fp8.quantize_rows(x) if self.scaling == "row" else fp8.quantize_row_blocks(x)
+        return self.quantize_rows(x) if self.scaling == "row" else fp8.quantize_row_blocks(x)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, rows: torch.Tensor | None = None,
                 out_rows: torch.Tensor | None = None, zero_unwritten: bool = False,
@@ -277,6 +281,9 @@ def quantize_experts(model: nn.Module, scaling: str, keep_layers: tuple[int, ...
                 quantized = FP8ExpertWeights.quantize(canonical, scaling, fast_accum)
                 if name == "gate_up_proj" and getattr(module, "plain_swiglu", False):
                     quantized.interleave_gate()  # the gate in the first product's epilogue (moe.experts_forward)
+                if name == "down_proj" and getattr(getattr(module, "gate_up_proj", None), "gate_group", 0):
+                    # Its input comes out of the gated product's kernel, which nothing fuses into.
+                    quantized.quantize_rows = fp8_grouped_gemm.quantize_rows
                 setattr(module, name, quantized)
                 replaced += 1
     return replaced

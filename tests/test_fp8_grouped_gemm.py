@@ -86,6 +86,15 @@ def _checks() -> None:
         # rest are the same e4m3 values.
         same = q.view(torch.uint8) == q_ref.view(torch.uint8)
         assert same.float().mean() > 0.95, same.float().mean()
+    for rows, k, width, per_program in ((37, 768, 1024, 4), (5, 4096, 4096, 1), (9, 200, 256, 8)):
+        x = (torch.randn(rows, k, generator=generator) * 3).to(torch.bfloat16)
+        q = torch.empty(rows, k, dtype=torch.float8_e4m3fn)
+        scale = torch.empty(rows, 1)
+        fp8_grouped_gemm._quantize_rows_kernel[(-(-rows // per_program),)](
+            x, q, scale, rows, k, x.stride(0), BLOCK_K=width, ROWS=per_program)
+        q_ref, scale_ref = fp8.quantize_rows(x)
+        torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
+        assert (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean() > 0.95  # (the carry, below)
     print("interpreted kernels match")
 
 

@@ -10,6 +10,11 @@ another, gave the FP8 forward 120-142 ms timed while its kernels add up to 91-95
 With `--cuda-graphs N` both forwards run as the server runs them under --cuda-graphs N (the decoder
 captured once per shape, then replayed: no host gaps between its kernels); the table says whether
 each was captured or why not.
+
+`--variants` picks the forwards from: bf16; fp8 (`--quantize fp8 --fp8-fast-accum` as served);
+fp8-inductor (the same with the o projection's input and the down product's input quantized by
+fp8.quantize_rows as compiled into the layer, not by the Triton kernel written for them). Eager,
+the two FP8 variants are one model, switched before each turn (the compiled layers guard on it).
 """
 
 from __future__ import annotations
@@ -30,19 +35,40 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--cuda-graphs", type=int, default=0, help="the server's --cuda-graphs (0: eager)")
+    parser.add_argument("--variants", default="bf16,fp8", help="bf16, fp8, fp8-inductor (the first is the baseline)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
-    from teacher_server import fp8_grouped_gemm
+    from teacher_server import fp8, fp8_grouped_gemm
     from teacher_server.fp8 import Fp8Plan
+    from teacher_server.fp8_experts import FP8ExpertWeights
 
+    names = {"bf16": "bf16", "fp8": "FP8, fast accumulation",
+             "fp8-inductor": "FP8, fast accumulation, o's and down's inputs quantized by inductor"}
+    chosen = args.variants.split(",")
+    if len(chosen) < 2 or any(v not in names for v in chosen):
+        parser.error(f"--variants: a baseline and at least one more, comma-separated, of {', '.join(names)}")
     config = config_of("qwen3-30b-a3b")
-    runners = {}
-    for name, plan in (("bf16", None), ("FP8, fast accumulation", Fp8Plan("row", fast_accum=True))):
+    runners, kernel = {}, {}
+    for variant in chosen:
+        kernel[names[variant]] = variant == "fp8"
+        shared = {"fp8": "fp8-inductor", "fp8-inductor": "fp8"}.get(variant)
+        if shared in chosen[:chosen.index(variant)] and not args.cuda_graphs:
+            runners[names[variant]] = runners[names[shared]]  # (a third model would not fit beside the others)
+            continue
         started = time.perf_counter()
-        runners[name] = server_runner(config, plan, args.cuda_graphs)
-        print(f"{name}: built in {time.perf_counter() - started:.0f} s", flush=True)
+        runners[names[variant]] = server_runner(
+            config, None if variant == "bf16" else Fp8Plan("row", fast_accum=True), args.cuda_graphs)
+        print(f"{names[variant]}: built in {time.perf_counter() - started:.0f} s", flush=True)
+
+    def choose(name: str) -> None:  # before a forward of `name` (its first: before it is compiled, captured)
+        quantizer = fp8_grouped_gemm.quantize_rows if kernel[name] else fp8.quantize_rows
+        for module_name, module in runners[name].model.named_modules():
+            if isinstance(module, FP8ExpertWeights) and module_name.endswith("down_proj"):
+                module.quantize_rows = quantizer
+            elif isinstance(module, fp8.FP8Linear) and module_name.endswith("o_proj"):
+                module.quantize = quantizer
     ids = torch.randint(config.vocab_size, (args.rows, args.seq), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     lines = ["| turn | forward | timed ms (median) | wall ms of one synced call | kernels ms (profile) | "
@@ -51,6 +77,7 @@ def main() -> None:
     device: dict[str, list[float]] = {name: [] for name in runners}
     for turn in range(args.turns):
         for name, runner in runners.items():
+            choose(name)
             call = lambda ids, mask, runner=runner: runner.forward(ids, mask).logits  # noqa: E731
             before = fp8_grouped_gemm.autotune_timings
             ms, _ = time_forward(call, args.rows, args.seq, config.vocab_size, args.iters)
@@ -68,11 +95,13 @@ def main() -> None:
             device[name].append(kernels)
             lines.append(f"| {turn + 1} | {name} | {ms:.1f} | {wall:.1f} | {kernels:.1f} | {tuned} |")
             print(lines[-1], flush=True)
-    (bf16, fp8) = runners
-    lines += ["", "| | bf16 / FP8, timed | bf16 / FP8, kernels |", "|---|---|---|"]
+    base, *others = runners
+    lines += ["", "| | " + " | ".join(f"{base} / {o}, timed | kernels" for o in others) + " |",
+              "|---|" + "---|---|" * len(others)]
     for turn in range(args.turns):
-        lines.append(f"| turn {turn + 1} | {timed[bf16][turn] / timed[fp8][turn]:.3f} | "
-                     f"{device[bf16][turn] / device[fp8][turn]:.3f} |")
+        lines.append(f"| turn {turn + 1} | " + " | ".join(
+            f"{timed[base][turn] / timed[o][turn]:.3f} | {device[base][turn] / device[o][turn]:.3f}" for o in others)
+            + " |")
     if args.cuda_graphs:
         lines += ["", f"--cuda-graphs {args.cuda_graphs}: " + "; ".join(
             f"{name}: {runner.graphs.shapes} shape(s) captured" + (f", off: {runner.graphs.off}" if runner.graphs.off

@@ -180,6 +180,26 @@ def test_every_tile_configuration_of_both_fp8_kernels_equals_the_reference(scali
                 assert relative < 1e-2, (config, fast, relative)
 
 
+def test_the_row_quantization_kernel_gives_quantize_rows_values():
+    """fp8_grouped_gemm.quantize_rows (the o projection's and the down product's inputs) against
+    fp8.quantize_rows: the same scales, the same e4m3 values but where a quotient rounds across an
+    e4m3 step boundary differently (at most one step, rare); widths of the Qwen3-30B-A3B forward and
+    a ragged one, a non-contiguous input."""
+    from teacher_server import fp8, fp8_grouped_gemm
+
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    for rows, k in ((65536, 768), (8192, 4096), (8192, 2048), (37, 200)):
+        x = (torch.randn(rows, k, device="cuda", generator=generator) ** 3).to(torch.bfloat16)
+        for given in (x, x.t().contiguous().t()):
+            q, scale = fp8_grouped_gemm.quantize_rows(given)
+            q_ref, scale_ref = fp8.quantize_rows(x)
+            assert torch.equal(scale, scale_ref), (rows, k)
+            differ = q.view(torch.uint8) != q_ref.view(torch.uint8)
+            assert differ.float().mean() < 1e-3, (rows, k, differ.float().mean())
+            step = torch.maximum(q_ref.float().abs() / 8, torch.full_like(scale, 2.0 ** -9))  # e4m3's spacing
+            assert ((q.float() - q_ref.float()).abs() <= step).all(), (rows, k)
+
+
 def test_the_persistent_kernel_reads_weights_through_tma_from_any_thread():
     """The teacher checks its FP8 experts at load in its main thread and runs forwards in its engine
     thread; Triton keeps the allocator for TMA descriptors per thread, so a launch from a thread
