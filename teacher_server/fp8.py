@@ -29,9 +29,9 @@ a read of the bf16 activation, a row reduction and a write of FP8; as separate k
 cost more than the matmul saves. `compile_layers` compiles each decoder layer, so that the
 quantization fuses into the kernel that produces its input (the RMSNorm before q/k/v and
 gate/up, the SwiGLU product before down). The o projection's input comes out of attention,
-which nothing fuses into: with row scales it is quantized by a Triton kernel of its own
-(fp8_grouped_gemm.quantize_rows, near the copy bandwidth, where inductor's kernel ran at a
-quarter to a half of it). bench/fp8_teacher.py measures each variant.
+which nothing fuses into: with row scales on a GPU it is quantized by a Triton kernel of its
+own (teacher_server/fp8_rows.py; inductor's ran at a fifth to a third of the copy bandwidth).
+bench/fp8_teacher.py measures each variant.
 
 What a quantization costs the distribution depends on the teacher (a toy Llama 7.7e-4 nats
 per token, SmolLM2-135M 3.1e-2): teacher_server/fp8_calibration.py measures it at load on a
@@ -59,14 +59,12 @@ import torch
 from torch import nn
 
 from distill_common.quantization import FP8_E4M3, Quantization  # noqa: F401  (what the runner reports)
-from teacher_server import fp8_grouped_gemm
+from teacher_server import fp8_rows
+from teacher_server.fp8_rows import FP8, FP8_MAX, quantize_rows  # noqa: F401  (this module's arithmetic)
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)  # 448
 BLOCK = 128
 SCALINGS = ("row", "block")
-# The smallest scale: an all-zero row quantizes to zeros instead of dividing by zero.
-_MIN_SCALE = 1e-12
+_MIN_SCALE = fp8_rows.MIN_SCALE
 # The linear layers of a Llama-family decoder layer that are quantized.
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -109,11 +107,7 @@ def rowwise_scaled_mm_on_cpu() -> bool:
 
 # ---- quantization: the arithmetic ---------------------------------------------------------
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[M, K] -> (e4m3 [M, K], float32 scale [M, 1]): one scale per row."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float()
-    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+# quantize_rows (one scale per row) is teacher_server/fp8_rows.py's, beside its GPU kernel.
 
 
 def quantize_row_blocks(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,15 +284,15 @@ class FP8Linear(nn.Module):
 
 
 def verify(model, dtype: torch.dtype, rows: int = 64) -> int:
-    """Checks one FP8Linear of each shape against `FP8Linear.reference` on random heavy-tailed
-    inputs, on the layers' own device, before the teacher serves anything: a torch whose
-    `_scaled_mm` reads a scale layout otherwise than it is written here would give wrong
-    outputs without an error. Returns how many shapes were checked; raises FP8Unsupported."""
+    """Checks one FP8Linear of each shape and input quantization against `FP8Linear.reference` on
+    random heavy-tailed inputs, on the layers' own device, before the teacher serves anything: a
+    torch whose `_scaled_mm` reads a scale layout otherwise than it is written here would give wrong
+    outputs without an error. Returns how many were checked; raises FP8Unsupported."""
     checked: set[tuple] = set()
     for name, module in model.named_modules():
         if not isinstance(module, FP8Linear):
             continue
-        key = (module.scaling, module.in_features, module.out_features)
+        key = (module.scaling, module.in_features, module.out_features, module.quantize)
         if key in checked:
             continue
         checked.add(key)
@@ -387,9 +381,10 @@ def quantize_model(model, plan: Fp8Plan, input_means: dict[str, torch.Tensor] | 
             continue
         mean = None if input_means is None else input_means.get(full_name)
         layer = FP8Linear.from_linear(child, plan.scaling, plan.fast_accum, mean)
-        if name == "o_proj" and plan.scaling == "row":
+        if name == "o_proj" and plan.scaling == "row" and fp8_rows.kernel_serves(layer.in_features,
+                                                                                  layer.weight.device):
             # Its input is attention's output, which a compiled layer cannot fuse a quantization into.
-            layer.quantize = fp8_grouped_gemm.quantize_rows
+            layer.quantize = fp8_rows.quantize_rows_kernel
         setattr(parent, name, layer)
         replaced += 1
     if not replaced:
@@ -436,7 +431,7 @@ def compile_quantization(model) -> None:
     compiled = {"row": torch.compile(quantize_rows, dynamic=True),
                 "block": torch.compile(quantize_row_blocks, dynamic=True)}
     for module in model.modules():
-        if isinstance(module, FP8Linear):
+        if isinstance(module, FP8Linear) and module.quantize is not fp8_rows.quantize_rows_kernel:
             module.quantize = compiled[module.scaling]
 
 

@@ -19,7 +19,7 @@ the permutation (one scale per token row, or per 1 x 128 block of it: the same v
 once per token instead of once per pair; in a compiled layer the quantization fuses into what
 produces the activation: the norm before the experts, the gate before the down product; the
 output of the gated first product below, which nothing fuses into, is quantized by
-fp8_grouped_gemm.quantize_rows). The product is
+teacher_server/fp8_rows.py's kernel). The product is
 
     GPU      teacher_server/fp8_grouped_gemm.py: one Triton kernel over every expert, FP8 tensor
              cores, float32 accumulation (with --fp8-fast-accum and row scales, the tensor cores'
@@ -48,7 +48,7 @@ import logging
 import torch
 from torch import nn
 
-from teacher_server import fp8, fp8_grouped_gemm, moe
+from teacher_server import fp8, fp8_grouped_gemm, fp8_rows, moe
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class FP8ExpertWeights(nn.Module):
         # still give [gate | up].
         self.gate_group = 0
         # How a row-scaled input is quantized: fp8.quantize_rows (which a compiled layer fuses into what
-        # makes the input), or fp8_grouped_gemm.quantize_rows for an input made by a kernel of its own.
+        # makes the input), or fp8_rows.quantize_rows_kernel for an input a kernel of ours makes.
         self.quantize_rows = fp8.quantize_rows
 
     def interleave_gate(self, group: int = GATE_GROUP) -> bool:
@@ -281,9 +281,10 @@ def quantize_experts(model: nn.Module, scaling: str, keep_layers: tuple[int, ...
                 quantized = FP8ExpertWeights.quantize(canonical, scaling, fast_accum)
                 if name == "gate_up_proj" and getattr(module, "plain_swiglu", False):
                     quantized.interleave_gate()  # the gate in the first product's epilogue (moe.experts_forward)
-                if name == "down_proj" and getattr(getattr(module, "gate_up_proj", None), "gate_group", 0):
+                if name == "down_proj" and getattr(getattr(module, "gate_up_proj", None), "gate_group", 0) \
+                        and fp8_rows.kernel_serves(quantized.shape[2], quantized.device):
                     # Its input comes out of the gated product's kernel, which nothing fuses into.
-                    quantized.quantize_rows = fp8_grouped_gemm.quantize_rows
+                    quantized.quantize_rows = fp8_rows.quantize_rows_kernel
                 setattr(module, name, quantized)
                 replaced += 1
     return replaced

@@ -40,8 +40,8 @@ The gated first product (`grouped_fp8_gated_mm`): a plain SwiGLU expert's weight
 gate and up rows alternating in groups of 64 (`interleave_gate`, at load), so a tile holds gates
 and their ups; the epilogue writes silu(gate) x up x the routing weight, [M, I] instead of the
 [M, 2I] product (per Qwen3-30B-A3B layer at 8,192 tokens: 100 MB less written, and 100 MB less
-read by the quantization that follows, `quantize_rows` below). Row scales only (block scales keep
-transformers' layout).
+read by the quantization that follows, teacher_server/fp8_rows.py's kernel). Row scales only
+(block scales keep transformers' layout).
 
 `swiglu_quantize` is the step between the two products for a plain SwiGLU gate whose rows are not
 interleaved (block scales): silu(gate) x up x the routing weight of each row, quantized per row or
@@ -66,6 +66,8 @@ try:
     import triton.language as tl
 except ImportError:  # a CPU-only install: fp8_experts.py's dequantize-and-multiply path serves
     triton = None
+else:
+    from teacher_server.fp8_rows import _max_nan
 
 BLOCK = 128  # the scale blocks of the block layout (1 x 128 activation, 128 x 128 weight)
 MAX_EXPERTS = 1024  # the experts one kernel schedules (its tile counts are held in registers)
@@ -283,28 +285,20 @@ if triton is not None:
         h = gate * tl.sigmoid(gate) * up * weight[:, None]
         if BLOCK_SCALED:
             blocks = tl.reshape(h, (ROWS, BLOCK_I // 128, 128))
-            scale = tl.maximum(tl.max(tl.abs(blocks), axis=2) / 448.0, 1e-12)  # [ROWS, BLOCK_I / 128]
-            q = tl.reshape(tl.clamp(blocks / scale[:, :, None], -448.0, 448.0), (ROWS, BLOCK_I))
+            # (NaN kept, as torch's reductions keep it: a row with a NaN quantizes to NaNs)
+            scale = tl.maximum(tl.reduce(tl.abs(blocks), 2, _max_nan) / 448.0, 1e-12,
+                               propagate_nan=tl.PropagateNan.ALL)  # [ROWS, BLOCK_I / 128]
+            q = tl.reshape(tl.clamp(blocks / scale[:, :, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL),
+                           (ROWS, BLOCK_I))
             nblocks = tl.arange(0, BLOCK_I // 128)
             tl.store(scale_ptr + rows64[:, None] * stride_s + nblocks[None, :], scale,
                      mask=row_ok[:, None] & (nblocks * 128 < I)[None, :])
         else:
-            scale = tl.maximum(tl.max(tl.abs(h), axis=1) / 448.0, 1e-12)  # [ROWS]
-            q = tl.clamp(h / scale[:, None], -448.0, 448.0)
+            scale = tl.maximum(tl.reduce(tl.abs(h), 1, _max_nan) / 448.0, 1e-12,
+                               propagate_nan=tl.PropagateNan.ALL)  # [ROWS]
+            q = tl.clamp(h / scale[:, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
             tl.store(scale_ptr + rows64 * stride_s, scale, mask=row_ok)
         tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_x, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK_K)
-        mask = (rows < M)[:, None] & (cols < K)[None, :]
-        rows64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1e-12)
-        q = tl.clamp(x / scale[:, None], -448.0, 448.0)
-        tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(scale_ptr + rows64, scale, mask=rows < M)
 
     _KEY = ["N", "K", "ROWS_BUCKET", "BLOCK_SCALED", "HAS_GATHER", "FAST_ACCUM", "GATE_GROUP"]
     CONFIGS = _configs()
@@ -532,37 +526,6 @@ def _(x, weight, block_scaled):
     i = width // 2
     return (x.new_empty((m, i), dtype=torch.float8_e4m3fn),
             x.new_empty((m, i // BLOCK if block_scaled else 1), dtype=torch.float32))
-
-
-# One e4m3 scale per row, as fp8.quantize_rows, in one pass that reads each bf16 row once: for an
-# activation made by a kernel that a compiled layer cannot fuse its quantization into (the gated
-# first product's output, attention's). bench/investigations/quantize_rows_speed.py measures it.
-@torch.library.custom_op("distill_fp8::quantize_rows", mutates_args=())
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]): fp8.quantize_rows's values."""
-    from teacher_server import fp8
-
-    if x.device.type != "cuda" or triton is None or x.shape[1] > 16384:
-        return fp8.quantize_rows(x)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    width = max(triton.next_power_of_2(k), 16)
-    # 4,096 elements a program, and the warps that were fastest on an H200 at widths 1,024 (rows of
-    # 768), 2,048 and 4,096 (bench/investigations/quantize_rows_speed.py; 3.8 TB/s at 1,024).
-    rows = max(1, min(16, 4096 // width))
-    warps = {1024: 2, 2048: 4, 4096: 16}.get(width, 4 if width < 4096 else 16)
-    if m:
-        _quantize_rows_kernel[(triton.cdiv(m, rows),)](x, q, scale, m, k, x.stride(0), BLOCK_K=width, ROWS=rows,
-                                                       num_warps=warps)
-    return q, scale
-
-
-@quantize_rows.register_fake
-def _(x):
-    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((x.shape[0], 1), dtype=torch.float32)
 
 
 @functools.lru_cache(maxsize=None)

@@ -85,6 +85,20 @@ def _emulated_scaled_mm(xq, x_scale, wq, w_scale) -> torch.Tensor:
     return (xq.double() * x_scale.double()) @ (wq.double() * w_scale.double()).t()
 
 
+def test_the_row_kernel_operator_is_quantize_rows_where_no_kernel_runs():
+    """fp8_rows.quantize_rows_kernel, the operator a layer's o projection and down product call on a
+    GPU: on a CPU it is fp8.quantize_rows, also for a column-major input (contiguous output, as its
+    fake kernel says), and torch's operator checks (schema, fake kernel, compiled) pass."""
+    from teacher_server import fp8_rows
+
+    x = (torch.randn(40, 6) * 5).to(torch.bfloat16).t()  # [6, 40], column-major
+    q, scale = fp8_rows.quantize_rows_kernel(x)
+    q_ref, scale_ref = fp8.quantize_rows(x)
+    assert q.is_contiguous() and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(scale, scale_ref)
+    torch.library.opcheck(fp8_rows.quantize_rows_kernel, (x,))
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp8_linear_equals_dequantize_then_matmul(bias):
     torch.manual_seed(3)

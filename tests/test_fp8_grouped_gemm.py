@@ -2,7 +2,8 @@
 Triton is installed; the GPU image has it, this project's CPU install does not): the grouped FP8
 product with gather, scatter, ragged and empty groups, unheld rows and a partial K step, row and
 block scales, against the one-expert-at-a-time dequantize-then-multiply product written here; the
-SwiGLU-and-quantize kernel against its torch reference. The interpreter must be chosen before the
+SwiGLU-and-quantize kernel against its torch reference; teacher_server/fp8_rows.py's row kernel
+against its arithmetic. The interpreter must be chosen before the
 kernels are decorated, so the checks run in a child process (`python -m tests.test_fp8_grouped_gemm`).
 """
 
@@ -86,16 +87,29 @@ def _checks() -> None:
         # rest are the same e4m3 values.
         same = q.view(torch.uint8) == q_ref.view(torch.uint8)
         assert same.float().mean() > 0.95, same.float().mean()
-    for rows, k, width, per_program in ((37, 768, 1024, 4), (5, 4096, 4096, 1), (9, 200, 256, 8)):
-        x = (torch.randn(rows, k, generator=generator) * 3).to(torch.bfloat16)
-        q = torch.empty(rows, k, dtype=torch.float8_e4m3fn)
-        scale = torch.empty(rows, 1)
-        fp8_grouped_gemm._quantize_rows_kernel[(-(-rows // per_program),)](
-            x, q, scale, rows, k, x.stride(0), BLOCK_K=width, ROWS=per_program)
-        q_ref, scale_ref = fp8.quantize_rows(x)
-        torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
-        assert (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean() > 0.95  # (the carry, below)
+    _row_quantization_kernel(generator)
     print("interpreted kernels match")
+
+
+def _row_quantization_kernel(generator) -> None:
+    """teacher_server/fp8_rows.py's kernel writing its quotients unrounded (float32, where the
+    interpreter's own e4m3 rounding would differ) and its scales: equal to fp8_rows.quantize_rows's
+    arithmetic, a NaN row all NaN, through a row stride past the width."""
+    from teacher_server import fp8_rows
+
+    for rows, k, width, per_program in ((37, 768, 1024, 4), (5, 4096, 4096, 1), (9, 200, 256, 8)):
+        wide = (torch.randn(rows, k + 8, generator=generator) * 3).to(torch.bfloat16)
+        wide[1, 3], wide[2, 5] = float("nan"), float("inf")
+        x = wide[:, :k]
+        quotients = torch.empty(rows, k)
+        scale = torch.empty(rows, 1)
+        fp8_rows._quantize_rows_kernel[(-(-rows // per_program),)](
+            x, quotients, scale, rows, k, x.stride(0), BLOCK_K=width, ROWS=per_program)
+        scale_ref = (x.abs().amax(dim=-1, keepdim=True).float() / fp8_rows.FP8_MAX).clamp(min=fp8_rows.MIN_SCALE)
+        quotients_ref = (x.float() / scale_ref).clamp(-fp8_rows.FP8_MAX, fp8_rows.FP8_MAX)
+        assert torch.equal(scale.nan_to_num(-1.0), scale_ref.nan_to_num(-1.0)), (rows, k)
+        assert torch.equal(quotients.nan_to_num(-1.0), quotients_ref.nan_to_num(-1.0)), (rows, k)
+        assert scale[1].isnan() and quotients[1].isnan().all()
 
 
 def test_the_kernels_under_tritons_interpreter_equal_their_references():

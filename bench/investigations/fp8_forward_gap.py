@@ -40,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
-    from teacher_server import fp8, fp8_grouped_gemm
+    from teacher_server import fp8, fp8_grouped_gemm, fp8_rows
     from teacher_server.fp8 import Fp8Plan
     from teacher_server.fp8_experts import FP8ExpertWeights
 
@@ -49,6 +49,9 @@ def main() -> None:
     chosen = args.variants.split(",")
     if len(chosen) < 2 or any(v not in names for v in chosen):
         parser.error(f"--variants: a baseline and at least one more, comma-separated, of {', '.join(names)}")
+    if args.cuda_graphs and {"bf16", "fp8", "fp8-inductor"} <= set(chosen):
+        parser.error("--cuda-graphs with bf16, fp8 and fp8-inductor builds three models, which do not fit one "
+                     "141 GB GPU (captured graphs replay one quantizer: the FP8 variants cannot share a model)")
     config = config_of("qwen3-30b-a3b")
     runners, kernel = {}, {}
     for variant in chosen:
@@ -63,7 +66,7 @@ def main() -> None:
         print(f"{names[variant]}: built in {time.perf_counter() - started:.0f} s", flush=True)
 
     def choose(name: str) -> None:  # before a forward of `name` (its first: before it is compiled, captured)
-        quantizer = fp8_grouped_gemm.quantize_rows if kernel[name] else fp8.quantize_rows
+        quantizer = fp8_rows.quantize_rows_kernel if kernel[name] else fp8.quantize_rows
         for module_name, module in runners[name].model.named_modules():
             if isinstance(module, FP8ExpertWeights) and module_name.endswith("down_proj"):
                 module.quantize_rows = quantizer

@@ -1,7 +1,7 @@
 """How fast the FP8 forward's activation quantizations can run: fp8.quantize_rows (one e4m3 scale
 per row) compiled by inductor, as a compiled decoder layer runs it, against a Triton kernel written
-for it (fp8_grouped_gemm.quantize_rows: a few rows a program, one read of the bf16 row, one write
-of e4m3; swept here over rows a program and warps, and as the op chooses them),
+for it (teacher_server/fp8_rows.py: a few rows a program, one read of the bf16 row, one write of
+e4m3; swept here over rows a program and warps, and as its operator chooses them),
 on the Qwen3-30B-A3B-shaped forward's activations at 2 x 4096 tokens: the [65,536 x 768] rows
 between the experts' products, the [8,192 x 4096] input of the o projection (contiguous, and as
 attention leaves it: [B, H, T, D] read through a transpose), the [8,192 x 2048] input of q/k/v.
@@ -24,13 +24,13 @@ from bench.table import emit
 
 
 def quantize_triton(x: torch.Tensor, rows: int, warps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8_grouped_gemm's kernel with `rows` rows a program and `warps` warps."""
-    from teacher_server import fp8_grouped_gemm
+    """fp8_rows's kernel with `rows` rows a program and `warps` warps."""
+    from teacher_server import fp8_rows
 
     m, k = x.shape
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    fp8_grouped_gemm._quantize_rows_kernel[(triton.cdiv(m, rows),)](
+    fp8_rows._quantize_rows_kernel[(triton.cdiv(m, rows),)](
         x, q, s, m, k, x.stride(0), BLOCK_K=triton.next_power_of_2(k), ROWS=rows, num_warps=warps)
     return q, s
 
@@ -51,7 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="")
     args = parser.parse_args()
-    from teacher_server import fp8, fp8_grouped_gemm
+    from teacher_server import fp8, fp8_rows
 
     compiled = torch.compile(fp8.quantize_rows, dynamic=True)
     cases = {
@@ -74,7 +74,7 @@ def main() -> None:
                 ms = median_ms(lambda: quantize_triton(x, rows, warps))
                 if best is None or ms < best[0]:
                     best = (ms, rows, warps)
-        chosen = median_ms(lambda: fp8_grouped_gemm.quantize_rows(x))
+        chosen = median_ms(lambda: fp8_rows.quantize_rows_kernel(x))
         q_ref, s_ref = compiled(x)
         q, s = quantize_triton(x, best[1], best[2])
         same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()

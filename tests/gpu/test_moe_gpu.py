@@ -181,23 +181,25 @@ def test_every_tile_configuration_of_both_fp8_kernels_equals_the_reference(scali
 
 
 def test_the_row_quantization_kernel_gives_quantize_rows_values():
-    """fp8_grouped_gemm.quantize_rows (the o projection's and the down product's inputs) against
-    fp8.quantize_rows: the same scales, the same e4m3 values but where a quotient rounds across an
-    e4m3 step boundary differently (at most one step, rare); widths of the Qwen3-30B-A3B forward and
-    a ragged one, a non-contiguous input."""
-    from teacher_server import fp8, fp8_grouped_gemm
+    """fp8_rows.quantize_rows_kernel (the o projection's and the down product's inputs) against
+    fp8_rows.quantize_rows, byte for byte: widths of the Qwen3-30B-A3B forward and a ragged one; a
+    transposed input and a slice of a wider one (row stride past the width); a row with a NaN (all
+    NaN) and one with an inf."""
+    from teacher_server import fp8_rows
 
     generator = torch.Generator(device="cuda").manual_seed(5)
     for rows, k in ((65536, 768), (8192, 4096), (8192, 2048), (37, 200)):
-        x = (torch.randn(rows, k, device="cuda", generator=generator) ** 3).to(torch.bfloat16)
-        for given in (x, x.t().contiguous().t()):
-            q, scale = fp8_grouped_gemm.quantize_rows(given)
-            q_ref, scale_ref = fp8.quantize_rows(x)
-            assert torch.equal(scale, scale_ref), (rows, k)
-            differ = q.view(torch.uint8) != q_ref.view(torch.uint8)
-            assert differ.float().mean() < 1e-3, (rows, k, differ.float().mean())
-            step = torch.maximum(q_ref.float().abs() / 8, torch.full_like(scale, 2.0 ** -9))  # e4m3's spacing
-            assert ((q.float() - q_ref.float()).abs() <= step).all(), (rows, k)
+        wide = (torch.randn(rows, k + 64, device="cuda", generator=generator) ** 3).to(torch.bfloat16)
+        x = wide[:, :k].contiguous()
+        x[1, 3], x[2, 5] = float("nan"), float("inf")
+        wide[:, :k] = x
+        for given in (x, x.t().contiguous().t(), wide[:, :k]):
+            q, scale = fp8_rows.quantize_rows_kernel(given)
+            q_ref, scale_ref = fp8_rows.quantize_rows(x)
+            assert q.is_contiguous() and scale.shape == (rows, 1)
+            assert torch.equal(scale.nan_to_num(-1.0), scale_ref.nan_to_num(-1.0)), (rows, k)
+            assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (rows, k)
+            assert scale[1].isnan() and q[1].float().isnan().all(), (rows, k)
 
 
 def test_the_persistent_kernel_reads_weights_through_tma_from_any_thread():
@@ -292,9 +294,9 @@ def test_fp8_experts_on_hopper_match_their_reference_layer_by_layer(tmp_path, sc
     0.079 -> 0.145 from bf16 on them, 0.082 -> 0.057 on its own batch)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from teacher_server import fp8_experts
+    from teacher_server import fp8, fp8_experts, fp8_rows
     from teacher_server.fp8 import Fp8Plan
-    
+
     config = AutoConfig.for_model("qwen3_moe", **SMALL["qwen3_moe"])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -306,6 +308,15 @@ def test_fp8_experts_on_hopper_match_their_reference_layer_by_layer(tmp_path, sc
     experts = moe.experts_modules(runner.model)
     assert experts and all(isinstance(m.down_proj, fp8_experts.FP8ExpertWeights) for m in experts)
     assert {m.down_proj.kernel for m in experts} == {"triton"}
+    # The Triton row kernel quantizes what nothing fuses into (row scales): the o projections' inputs
+    # and the down products' after the gated first product; the rest stays with fp8.quantize_rows.
+    for name, module in runner.model.named_modules():
+        if isinstance(module, fp8.FP8Linear):
+            on_kernel = module.quantize is fp8_rows.quantize_rows_kernel
+            assert on_kernel == (scaling == "row" and name.endswith("o_proj")), name
+        elif isinstance(module, fp8_experts.FP8ExpertWeights):
+            on_kernel = module.quantize_rows is fp8_rows.quantize_rows_kernel
+            assert on_kernel == (scaling == "row" and name.endswith("down_proj")), name
     # The same e4m3 weights on both devices, up to rounding: CUDA divides by a Python number as a
     # multiplication by its reciprocal (ATen's div_true_kernel_cuda), so a scale amax / 448 can be an
     # ulp off the CPU's, and an element at a rounding boundary one e4m3 step off (simulated on the CPU

@@ -1,0 +1,104 @@
+"""One e4m3 scale per row: the arithmetic (`quantize_rows`) and a Triton kernel that computes it in
+one pass on a GPU (`quantize_rows_kernel`, a custom op).
+
+    scale = max(amax(|x_row|) / 448, 1e-12)        q = clamp(x / scale, -448, 448) as e4m3
+
+A compiled decoder layer fuses `quantize_rows` into the kernel that produces its input (the norm
+before q/k/v, before the experts). What a kernel of our own or attention produces cannot be fused
+into: there inductor compiled the quantization into a reduction kernel of its own that ran at a
+fifth to a third of the copy bandwidth on an H200, and this kernel at most of it (0.040 against
+0.186 ms on Qwen3-30B-A3B's [65,536 x 768] rows between the experts' products;
+bench/investigations/quantize_rows_speed.py, docs/performance.md). teacher_server/fp8.py uses it
+for the o projection's input, fp8_experts.py for the down product's after the gated first product.
+
+The kernel gives `quantize_rows`'s values: the same float32 quotients (divisions rounded to
+nearest, as torch's), the same e4m3 rounding; a NaN in a row makes its scale and every element NaN,
+as torch's reductions do (tests/gpu/test_moe_gpu.py holds it to `quantize_rows` byte for byte).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install: `quantize_rows_kernel` computes `quantize_rows`
+    triton = None
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+# The smallest scale: an all-zero row quantizes to zeros instead of dividing by zero.
+MIN_SCALE = 1e-12
+# The widest row the kernel holds in registers (a program's row); wider ones are quantized by torch.
+KERNEL_MAX_WIDTH = 16384
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (e4m3 [M, K], float32 scale [M, 1]): one scale per row."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def kernel_serves(width: int, device: torch.device) -> bool:
+    """Whether `quantize_rows_kernel` runs the Triton kernel for rows of `width` on `device`."""
+    return triton is not None and device.type == "cuda" and width <= KERNEL_MAX_WIDTH
+
+
+if triton is not None:
+    @triton.jit
+    def _max_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_x, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_K)
+        mask = (rows < M)[:, None] & (cols < K)[None, :]
+        rows64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.reduce(tl.abs(x), 1, _max_nan)
+        scale = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1e-12,
+                           propagate_nan=tl.PropagateNan.ALL)
+        q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + rows64, scale, mask=rows < M)
+
+
+def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """The kernel on x [M, K] (unit column stride, any row stride) into q [M, K] (contiguous; e4m3,
+    or float32 for the unrounded quotients) and scale [M, 1]."""
+    m, k = x.shape
+    width = max(triton.next_power_of_2(k), 16)
+    # 4,096 elements a program, and the warps that were fastest on an H200 at widths 1,024 (rows of
+    # 768), 2,048 and 4,096 (bench/investigations/quantize_rows_speed.py).
+    rows = max(1, min(16, 4096 // width))
+    warps = {1024: 2, 2048: 4, 4096: 16}.get(width, 4 if width < 4096 else 16)
+    if m:
+        _quantize_rows_kernel[(triton.cdiv(m, rows),)](x, q, scale, m, k, x.stride(0), BLOCK_K=width, ROWS=rows,
+                                                       num_warps=warps)
+
+
+@torch.library.custom_op("distill_fp8::quantize_rows", mutates_args=())
+def _quantize_rows_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if not kernel_serves(x.shape[1], x.device):
+        q, scale = quantize_rows(x.contiguous())  # (the layout the fake promises)
+        return q, scale
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scale = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    launch(x, q, scale)
+    return q, scale
+
+
+@_quantize_rows_op.register_fake
+def _(x):
+    return x.new_empty(x.shape, dtype=FP8), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+# The operator itself (an OpOverload: a module attribute holding it deep-copies, a CustomOpDef does
+# not): x [M, K] -> (e4m3 [M, K], float32 [M, 1]), `quantize_rows`'s values; on a CPU, or rows wider
+# than KERNEL_MAX_WIDTH, `quantize_rows` itself.
+quantize_rows_kernel = torch.ops.distill_fp8.quantize_rows.default
