@@ -16,7 +16,8 @@
 # the Qwen3-30B-A3B-shaped forward in bf16 and FP8);
 # two GPUs: recipeserved (the seed recipe with its teacher served, and colocated), eagle3served and
 # eagle3servedlong (EAGLE-3 from a served target, with the colocated baseline).
-# Investigations (bench/investigations/): tpsend, disk, fp8tiles, fp8gap, fp8gapgraphs, quantize.
+# Investigations (bench/investigations/): tpsend, disk, fp8tiles, fp8gap, fp8gapgraphs, fp8gapgraphsinductor,
+# quantize.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
 # shellcheck source=bench/gpu_env.sh
@@ -128,6 +129,9 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     # The same under --cuda-graphs (the decoder replayed as one graph: the timed forward without host gaps).
     fp8gapgraphs) timeout 400 python3 -m bench.investigations.fp8_forward_gap --cuda-graphs 2 --out "$out/gap_graphs.md" \
               2>&1 | quiet | tail -24 ;;
+    # The same with o's and down's inputs quantized by inductor (the kernel's share under graphs: against fp8gapgraphs).
+    fp8gapgraphsinductor) timeout 400 python3 -m bench.investigations.fp8_forward_gap --cuda-graphs 2 \
+              --variants bf16,fp8-inductor --out "$out/gap_graphs_inductor.md" 2>&1 | quiet | tail -24 ;;
     # The FP8 forward's activation quantizations: inductor's against a Triton kernel written for them.
     quantize) timeout 200 python3 -m bench.investigations.quantize_rows_speed --out "$out/quantize.md" 2>&1 | quiet \
                 | tail -12 ;;
