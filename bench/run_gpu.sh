@@ -17,7 +17,7 @@
 # two GPUs: recipeserved (the seed recipe with its teacher served, and colocated), eagle3served and
 # eagle3servedlong (EAGLE-3 from a served target, with the colocated baseline).
 # Investigations (bench/investigations/): tpsend, disk, fp8tiles, fp8gap, fp8gapgraphs, fp8gapgraphsinductor,
-# quantize.
+# quantize, qkv.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
 # shellcheck source=bench/gpu_env.sh
@@ -127,14 +127,16 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     fp8gap) timeout 400 python3 -m bench.investigations.fp8_forward_gap --variants bf16,fp8,fp8-inductor \
               --out "$out/gap.md" 2>&1 | quiet | tail -20 ;;
     # The same under --cuda-graphs (the decoder replayed as one graph: the timed forward without host gaps).
-    fp8gapgraphs) timeout 400 python3 -m bench.investigations.fp8_forward_gap --cuda-graphs 2 --out "$out/gap_graphs.md" \
-              2>&1 | quiet | tail -24 ;;
+    fp8gapgraphs) timeout 400 python3 -m bench.investigations.fp8_forward_gap --cuda-graphs 2 --kernels 40 \
+              --out "$out/gap_graphs.md" 2>&1 | quiet | tail -110 ;;
     # The same with o's and down's inputs quantized by inductor (the kernel's share under graphs: against fp8gapgraphs).
     fp8gapgraphsinductor) timeout 400 python3 -m bench.investigations.fp8_forward_gap --cuda-graphs 2 \
               --variants bf16,fp8-inductor --out "$out/gap_graphs_inductor.md" 2>&1 | quiet | tail -24 ;;
     # The FP8 forward's activation quantizations: inductor's against a Triton kernel written for them.
     quantize) timeout 200 python3 -m bench.investigations.quantize_rows_speed --out "$out/quantize.md" 2>&1 | quiet \
                 | tail -12 ;;
+    # One FP8 product for q, k and v against three (Qwen3-30B-A3B's and Llama-3-8B's attention shapes).
+    qkv) timeout 120 python3 -m bench.investigations.qkv_fusion --out "$out/qkv.md" 2>&1 | quiet | tail -8 ;;
     # The stores are written under /tmp (local disk) and removed after.
     store) timeout 400 python3 -m bench.store_throughput --profile --out "$out/store.md" 2>&1 | quiet | tail -40 ;;
     # EAGLE-3 draft training from a served Llama-3-8B-shaped target (GPU 0) on GPU 1 at 2k .. 32k tokens: target

@@ -94,22 +94,27 @@ def _checks() -> None:
 def _row_quantization_kernel(generator) -> None:
     """teacher_server/fp8_rows.py's kernel writing its quotients unrounded (float32, where the
     interpreter's own e4m3 rounding would differ) and its scales: equal to fp8_rows.quantize_rows's
-    arithmetic, a NaN row all NaN, through a row stride past the width."""
+    arithmetic as CUDA torch computes it (amax times the float32 reciprocal of 448; quotients by an
+    IEEE division, which the kernel computes without one), a NaN row all NaN, a row with an inf
+    zeros of the elements' signs and NaN for the inf, through a row stride past the width."""
     from teacher_server import fp8_rows
 
     for rows, k, width, per_program in ((37, 768, 1024, 4), (5, 4096, 4096, 1), (9, 200, 256, 8)):
-        wide = (torch.randn(rows, k + 8, generator=generator) * 3).to(torch.bfloat16)
+        wide = (torch.randn(rows, k + 8, generator=generator) ** 3 * 3).to(torch.bfloat16)
         wide[1, 3], wide[2, 5] = float("nan"), float("inf")
         x = wide[:, :k]
         quotients = torch.empty(rows, k)
         scale = torch.empty(rows, 1)
         fp8_rows._quantize_rows_kernel[(-(-rows // per_program),)](
-            x, quotients, scale, rows, k, x.stride(0), BLOCK_K=width, ROWS=per_program)
-        scale_ref = (x.abs().amax(dim=-1, keepdim=True).float() / fp8_rows.FP8_MAX).clamp(min=fp8_rows.MIN_SCALE)
+            x, quotients, scale, rows, k, x.stride(0), INV_MAX=fp8_rows.INV_FP8_MAX, BLOCK_K=width, ROWS=per_program)
+        scale_ref = (x.abs().amax(dim=-1, keepdim=True).float() * fp8_rows.INV_FP8_MAX).clamp(min=fp8_rows.MIN_SCALE)
         quotients_ref = (x.float() / scale_ref).clamp(-fp8_rows.FP8_MAX, fp8_rows.FP8_MAX)
         assert torch.equal(scale.nan_to_num(-1.0), scale_ref.nan_to_num(-1.0)), (rows, k)
         assert torch.equal(quotients.nan_to_num(-1.0), quotients_ref.nan_to_num(-1.0)), (rows, k)
         assert scale[1].isnan() and quotients[1].isnan().all()
+        finite = x[2].isfinite()
+        assert torch.equal(quotients[2][finite].signbit(), x[2][finite].signbit()), (rows, k)
+        assert quotients[2][finite].eq(0).all() and quotients[2][~finite].isnan().all(), (rows, k)
 
 
 def test_the_kernels_under_tritons_interpreter_equal_their_references():

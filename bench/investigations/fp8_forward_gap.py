@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--cuda-graphs", type=int, default=0, help="the server's --cuda-graphs (0: eager)")
     parser.add_argument("--variants", default="bf16,fp8", help="bf16, fp8, fp8-inductor (the first is the baseline)")
+    parser.add_argument("--kernels", type=int, default=0,
+                        help="also list each forward's N longest kernels (device ms, calls) from the last turn's profile")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     from torch.profiler import ProfilerActivity, profile
@@ -78,6 +80,7 @@ def main() -> None:
              "autotuner timings in the timed calls |", "|---|---|---|---|---|---|"]
     timed: dict[str, list[float]] = {name: [] for name in runners}
     device: dict[str, list[float]] = {name: [] for name in runners}
+    longest: dict[str, list] = {}
     for turn in range(args.turns):
         for name, runner in runners.items():
             choose(name)
@@ -94,6 +97,7 @@ def main() -> None:
                 call(ids, mask)
                 torch.cuda.synchronize()
             kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+            longest[name] = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:args.kernels]
             timed[name].append(ms)
             device[name].append(kernels)
             lines.append(f"| {turn + 1} | {name} | {ms:.1f} | {wall:.1f} | {kernels:.1f} | {tuned} |")
@@ -109,7 +113,11 @@ def main() -> None:
         lines += ["", f"--cuda-graphs {args.cuda_graphs}: " + "; ".join(
             f"{name}: {runner.graphs.shapes} shape(s) captured" + (f", off: {runner.graphs.off}" if runner.graphs.off
                                                                     else "") for name, runner in runners.items())]
-    print("\n".join(lines[-args.turns - 5:]), flush=True)
+    for name, events in longest.items():
+        if events:
+            lines += ["", f"{name}, the last turn's longest kernels:", "", "| kernel | ms | calls |", "|---|---|---|"]
+            lines += [f"| `{e.key[:110]}` | {e.self_device_time_total / 1e3:.2f} | {e.count} |" for e in events]
+    print("\n".join(lines), flush=True)
     emit(lines, args.out)
 
 

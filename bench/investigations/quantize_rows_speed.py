@@ -1,7 +1,8 @@
 """How fast the FP8 forward's activation quantizations can run: fp8.quantize_rows (one e4m3 scale
 per row) compiled by inductor, as a compiled decoder layer runs it, against a Triton kernel written
 for it (teacher_server/fp8_rows.py: a few rows a program, one read of the bf16 row, one write of
-e4m3; swept here over rows a program and warps, and as its operator chooses them),
+e4m3; swept here over rows a program and warps, and as its operator chooses them; beside it the
+same kernel with an IEEE division an element, as it was at c69342a),
 on the Qwen3-30B-A3B-shaped forward's activations at 2 x 4096 tokens: the [65,536 x 768] rows
 between the experts' products, the [8,192 x 4096] input of the o projection (contiguous, and as
 attention leaves it: [B, H, T, D] read through a transpose), the [8,192 x 2048] input of q/k/v.
@@ -31,8 +32,35 @@ def quantize_triton(x: torch.Tensor, rows: int, warps: int) -> tuple[torch.Tenso
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     fp8_rows._quantize_rows_kernel[(triton.cdiv(m, rows),)](
-        x, q, s, m, k, x.stride(0), BLOCK_K=triton.next_power_of_2(k), ROWS=rows, num_warps=warps)
+        x, q, s, m, k, x.stride(0), INV_MAX=fp8_rows.INV_FP8_MAX, BLOCK_K=triton.next_power_of_2(k), ROWS=rows,
+        num_warps=warps)
     return q, s
+
+
+@triton.jit
+def _divide_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_x, BLOCK_K: triton.language.constexpr,
+                   ROWS: triton.language.constexpr):
+    """The kernel as it was at c69342a: an IEEE division an element (tl.math.div_rn)."""
+    tl = triton.language
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / 448.0, 1e-12)
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -448.0, 448.0)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + rows, scale, mask=rows < M)
+
+
+def quantize_dividing(x: torch.Tensor) -> None:
+    """_divide_kernel with the served kernel's rows a program and warps."""
+    m, k = x.shape
+    width = triton.next_power_of_2(k)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    rows = max(1, min(16, 4096 // width))
+    warps = {1024: 2, 2048: 4, 4096: 16}[width]
+    _divide_kernel[(triton.cdiv(m, rows),)](x, q, s, m, k, x.stride(0), BLOCK_K=width, ROWS=rows, num_warps=warps)
 
 
 def median_ms(call, iters: int = 50) -> float:
@@ -61,7 +89,8 @@ def main() -> None:
     }
     attention = torch.randn(2, 32, 4096, 128, device="cuda").to(torch.bfloat16)  # [B, H, T, D]
     lines = ["| activation | inductor ms | inductor TB/s | Triton best ms (rows a program, warps) | Triton TB/s | "
-             "the op's choice ms | same e4m3 bytes |", "|---|---|---|---|---|---|---|"]
+             "the op's choice ms | an IEEE division an element, same rows and warps, ms | e4m3 bytes and scales equal to "
+             "quantize_rows's |", "|---|---|---|---|---|---|---|---|"]
     for name, x in cases.items():
         m, k = x.shape
         moved = m * k * 3 + m * 4
@@ -75,11 +104,12 @@ def main() -> None:
                 if best is None or ms < best[0]:
                     best = (ms, rows, warps)
         chosen = median_ms(lambda: fp8_rows.quantize_rows_kernel(x))
-        q_ref, s_ref = compiled(x)
-        q, s = quantize_triton(x, best[1], best[2])
-        same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
+        dividing = median_ms(lambda: quantize_dividing(x))
+        q_ref, s_ref = fp8.quantize_rows(x)  # eager: torch's own kernels
+        q, s = fp8_rows.quantize_rows_kernel(x)
+        same = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
         lines.append(f"| {name} | {inductor:.4f} | {moved / inductor / 1e9:.2f} | {best[0]:.4f} ({best[1]}, {best[2]}) | "
-                     f"{moved / best[0] / 1e9:.2f} | {chosen:.4f} | {same:.6f} |")
+                     f"{moved / best[0] / 1e9:.2f} | {chosen:.4f} | {dividing:.4f} | {same} |")
         print(lines[-1], flush=True)
 
     # The layer's own order: attention's [B, H, T, D] output, transposed into rows of H x D, in one graph.
@@ -87,7 +117,7 @@ def main() -> None:
                                dynamic=True)
     ms = median_ms(lambda: transposed(attention))
     moved = 8192 * 4096 * 3 + 8192 * 4
-    lines.append(f"| [8192 x 4096] o's input through the transpose | {ms:.4f} | {moved / ms / 1e9:.2f} | | | | |")
+    lines.append(f"| [8192 x 4096] o's input through the transpose | {ms:.4f} | {moved / ms / 1e9:.2f} | | | | | |")
     print(lines[-1], flush=True)
     copy = median_ms(lambda: cases["[65536 x 768] between the experts' products"].clone())
     lines += ["", f"A bf16 copy of [65536 x 768]: {copy:.4f} ms, {65536 * 768 * 4 / copy / 1e9:.2f} TB/s."]

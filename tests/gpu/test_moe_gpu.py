@@ -200,6 +200,14 @@ def test_the_row_quantization_kernel_gives_quantize_rows_values():
             assert torch.equal(scale.nan_to_num(-1.0), scale_ref.nan_to_num(-1.0)), (rows, k)
             assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), (rows, k)
             assert scale[1].isnan() and q[1].float().isnan().all(), (rows, k)
+        # Before the e4m3 rounding: the kernel's quotients (computed without a division) are the
+        # IEEE quotients torch's division gives, on 50M of them (a one-ulp miss would show here long
+        # before it reached an e4m3 rounding boundary).
+        quotients = torch.empty(rows, k, device="cuda")
+        fp8_rows.launch(x, quotients, torch.empty(rows, 1, device="cuda"))
+        _, scale_ref = fp8_rows.quantize_rows(x)
+        want = (x.float() / scale_ref).clamp(-fp8_rows.FP8_MAX, fp8_rows.FP8_MAX)
+        assert torch.equal(quotients.nan_to_num(-1.0), want.nan_to_num(-1.0)), (rows, k)
 
 
 def test_the_persistent_kernel_reads_weights_through_tma_from_any_thread():
