@@ -17,7 +17,7 @@
 # two GPUs: recipeserved (the seed recipe with its teacher served, and colocated), eagle3served and
 # eagle3servedlong (EAGLE-3 from a served target, with the colocated baseline).
 # Investigations (bench/investigations/): tpsend, disk, fp8tiles, fp8gap, fp8gapgraphs, fp8gapgraphsinductor,
-# quantize, qkv.
+# quantize, qkv, topk.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
 # shellcheck source=bench/gpu_env.sh
@@ -137,6 +137,8 @@ print('stubs import under grpcio', grpc.__version__)" ;;
                 | tail -12 ;;
     # One FP8 product for q, k and v against three (Qwen3-30B-A3B's and Llama-3-8B's attention shapes).
     qkv) timeout 120 python3 -m bench.investigations.qkv_fusion --out "$out/qkv.md" 2>&1 | quiet | tail -8 ;;
+    # The MoE router's softmax and top-k: torch's top-k kernel against inductor's sort (Qwen3-30B-A3B's router).
+    topk) timeout 120 python3 -m bench.investigations.router_topk --out "$out/topk.md" 2>&1 | quiet | tail -8 ;;
     # The stores are written under /tmp (local disk) and removed after.
     store) timeout 400 python3 -m bench.store_throughput --profile --out "$out/store.md" 2>&1 | quiet | tail -40 ;;
     # EAGLE-3 draft training from a served Llama-3-8B-shaped target (GPU 0) on GPU 1 at 2k .. 32k tokens: target
