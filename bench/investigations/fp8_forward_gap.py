@@ -9,7 +9,8 @@ another, gave the FP8 forward 120-142 ms timed while its kernels add up to 91-95
 
 With `--cuda-graphs N` both forwards run as the server runs them under --cuda-graphs N (the decoder
 captured once per shape, then replayed: no host gaps between its kernels); the table says whether
-each was captured or why not.
+each was captured or why not. `--inductor KEY=VALUE` sets an inductor config for both forwards'
+compiled layers (e.g. `triton.decompose_sort_ops=1`: the routers' top-k through inductor's sort).
 
 `--variants` picks the forwards from: bf16; fp8 (`--quantize fp8 --fp8-fast-accum` as served);
 fp8-inductor (the same with the o projection's input and the down product's input quantized by
@@ -38,8 +39,22 @@ def main() -> None:
     parser.add_argument("--variants", default="bf16,fp8", help="bf16, fp8, fp8-inductor (the first is the baseline)")
     parser.add_argument("--kernels", type=int, default=0,
                         help="also list each forward's N longest kernels (device ms, calls) from the last turn's profile")
+    parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                        help="an inductor config for every compiled layer of both forwards (repeatable), e.g. "
+                             "triton.decompose_sort_ops=1: the routers' top-k through inductor's sort")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    import torch._inductor.config as inductor
+
+    for setting in args.inductor:
+        key, _, value = setting.partition("=")
+        section, _, leaf = key.rpartition(".")
+        where = inductor
+        for part in filter(None, section.split(".")):
+            where = getattr(where, part, None)
+        if not value or where is None or not hasattr(where, leaf):
+            parser.error(f"--inductor {setting}: this torch ({torch.__version__}) has no inductor config {key}")
+        setattr(where, leaf, type(getattr(where, leaf))(int(value)) if value.isdigit() else value)
     from torch.profiler import ProfilerActivity, profile
 
     from teacher_server import fp8, fp8_grouped_gemm, fp8_rows
@@ -109,6 +124,8 @@ def main() -> None:
         lines.append(f"| turn {turn + 1} | " + " | ".join(
             f"{timed[base][turn] / timed[o][turn]:.3f} | {device[base][turn] / device[o][turn]:.3f}" for o in others)
             + " |")
+    if args.inductor:
+        lines += ["", f"inductor: {', '.join(args.inductor)}"]
     if args.cuda_graphs:
         lines += ["", f"--cuda-graphs {args.cuda_graphs}: " + "; ".join(
             f"{name}: {runner.graphs.shapes} shape(s) captured" + (f", off: {runner.graphs.off}" if runner.graphs.off
