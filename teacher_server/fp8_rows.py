@@ -68,14 +68,15 @@ if triton is not None:
         scale = tl.maximum(amax * INV_MAX, 1e-12, propagate_nan=tl.PropagateNan.ALL)
         # x / scale rounded to nearest without a division an element (an IEEE division is a
         # subroutine that made this kernel 3x slower): the reciprocal rounded to nearest, the
-        # product, and one fused correction by its exact residual (Markstein's theorem: with a
-        # reciprocal within half an ulp and a product within one ulp, the corrected quotient is the
-        # one rounded to nearest). An inf scale (a row with an inf) leaves the residual NaN: there the
-        # product is the quotient (x * 0, a zero of x's sign; NaN for the inf).
+        # product, and corrections by the exact residual (one FMA each). A correction of a quotient
+        # within one ulp gives the quotient rounded to nearest (Markstein's theorem); the product is
+        # not always within one ulp, so the first correction brings it there and the second rounds it. An inf scale (a row with an inf) leaves the residual NaN: there the product is
+        # the quotient (x * 0, a zero of x's sign; NaN for the inf).
         inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
-        product = x * inv
-        residual = tl.math.fma(-product, scale[:, None], x)
-        quotient = tl.where(residual == residual, tl.math.fma(residual, inv, product), product)
+        quotient = x * inv
+        for _ in tl.static_range(2):
+            residual = tl.math.fma(-quotient, scale[:, None], x)
+            quotient = tl.where(residual == residual, tl.math.fma(residual, inv, quotient), quotient)
         q = tl.clamp(quotient, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + rows64, scale, mask=rows < M)
