@@ -131,7 +131,7 @@ print('stubs import under grpcio', grpc.__version__)" ;;
               --out "$out/gap_graphs.md" 2>&1 | quiet | tail -110 ;;
     # The same with the routers' top-k through inductor's sort (torch's top-k kernel otherwise), both forwards.
     fp8gapgraphssort) timeout 400 python3 -m bench.investigations.fp8_forward_gap --cuda-graphs 2 --kernels 16 \
-              --inductor triton.decompose_sort_ops=1 --out "$out/gap_graphs_sort.md" 2>&1 | quiet | tail -60 ;;
+              --inductor triton.decompose_sort_ops=True --out "$out/gap_graphs_sort.md" 2>&1 | quiet | tail -60 ;;
     # The same with o's and down's inputs quantized by inductor (the kernel's share under graphs: against fp8gapgraphs).
     fp8gapgraphsinductor) timeout 400 python3 -m bench.investigations.fp8_forward_gap --cuda-graphs 2 \
               --variants bf16,fp8-inductor --out "$out/gap_graphs_inductor.md" 2>&1 | quiet | tail -24 ;;

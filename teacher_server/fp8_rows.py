@@ -12,9 +12,11 @@ bench/investigations/quantize_rows_speed.py, docs/performance.md). teacher_serve
 for the o projection's input, fp8_experts.py for the down product's after the gated first product.
 
 The kernel gives `quantize_rows`'s values on a GPU: the same scales (amax times the float32
-reciprocal of 448, as CUDA torch divides by a number), the same float32 quotients (rounded to
-nearest, as torch's divisions), the same e4m3 rounding; a NaN in a row makes its scale and every element NaN,
-as torch's reductions do (tests/gpu/test_moe_gpu.py holds it to `quantize_rows` byte for byte).
+reciprocal of 448, as CUDA torch divides by a number), the same float32 quotients where x and the
+quotient are normal numbers (rounded to nearest, as torch's divisions; subnormal ones may differ
+in their last bits, far under e4m3's smallest step), the same e4m3 rounding, zeros' signs kept; a
+NaN in a row makes its scale and every element NaN, as torch's reductions do
+(tests/gpu/test_moe_gpu.py holds it to `quantize_rows` byte for byte).
 """
 
 from __future__ import annotations
@@ -70,13 +72,15 @@ if triton is not None:
         # subroutine that made this kernel 3x slower): the reciprocal rounded to nearest, the
         # product, and corrections by the exact residual (one FMA each). A correction of a quotient
         # within one ulp gives the quotient rounded to nearest (Markstein's theorem); the product is
-        # not always within one ulp, so the first correction brings it there and the second rounds it. An inf scale (a row with an inf) leaves the residual NaN: there the product is
-        # the quotient (x * 0, a zero of x's sign; NaN for the inf).
+        # not always within one ulp, so the first correction brings it there and the second rounds
+        # it (for bf16 rows one suffices; fp16 and float32 rows need both). A zero residual (the
+        # quotient exact, or x a zero whose sign a correction would lose) or a NaN one (an inf
+        # scale: a row with an inf) keeps the quotient: x * 0 there, a zero of x's sign, NaN for the inf.
         inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
         quotient = x * inv
         for _ in tl.static_range(2):
             residual = tl.math.fma(-quotient, scale[:, None], x)
-            quotient = tl.where(residual == residual, tl.math.fma(residual, inv, quotient), quotient)
+            quotient = tl.where(tl.abs(residual) > 0, tl.math.fma(residual, inv, quotient), quotient)
         q = tl.clamp(quotient, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + rows64, scale, mask=rows < M)

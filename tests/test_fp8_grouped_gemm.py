@@ -95,13 +95,14 @@ def _row_quantization_kernel(generator) -> None:
     """teacher_server/fp8_rows.py's kernel writing its quotients unrounded (float32, where the
     interpreter's own e4m3 rounding would differ) and its scales: equal to fp8_rows.quantize_rows's
     arithmetic as CUDA torch computes it (amax times the float32 reciprocal of 448; quotients by an
-    IEEE division, which the kernel computes without one), a NaN row all NaN, a row with an inf
-    zeros of the elements' signs and NaN for the inf, through a row stride past the width."""
+    IEEE division, which the kernel computes without one), zeros' signs kept, a NaN row all NaN, a
+    row with an inf zeros of the elements' signs and NaN for the inf, through a row stride past the
+    width."""
     from teacher_server import fp8_rows
 
     for rows, k, width, per_program in ((37, 768, 1024, 4), (5, 4096, 4096, 1), (9, 200, 256, 8)):
         wide = (torch.randn(rows, k + 8, generator=generator) ** 3 * 3).to(torch.bfloat16)
-        wide[1, 3], wide[2, 5] = float("nan"), float("inf")
+        wide[1, 3], wide[2, 5], wide[3, 7], wide[3, 8] = float("nan"), float("inf"), -0.0, 0.0
         x = wide[:, :k]
         quotients = torch.empty(rows, k)
         scale = torch.empty(rows, 1)
@@ -111,6 +112,8 @@ def _row_quantization_kernel(generator) -> None:
         quotients_ref = (x.float() / scale_ref).clamp(-fp8_rows.FP8_MAX, fp8_rows.FP8_MAX)
         assert torch.equal(scale.nan_to_num(-1.0), scale_ref.nan_to_num(-1.0)), (rows, k)
         assert torch.equal(quotients.nan_to_num(-1.0), quotients_ref.nan_to_num(-1.0)), (rows, k)
+        number = ~quotients_ref.isnan()  # (equal above as numbers; here the zeros' signs too)
+        assert torch.equal(quotients.signbit()[number], quotients_ref.signbit()[number]), (rows, k)
         assert scale[1].isnan() and quotients[1].isnan().all()
         finite = x[2].isfinite()
         assert torch.equal(quotients[2][finite].signbit(), x[2][finite].signbit()), (rows, k)

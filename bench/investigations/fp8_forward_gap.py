@@ -10,7 +10,7 @@ another, gave the FP8 forward 120-142 ms timed while its kernels add up to 91-95
 With `--cuda-graphs N` both forwards run as the server runs them under --cuda-graphs N (the decoder
 captured once per shape, then replayed: no host gaps between its kernels); the table says whether
 each was captured or why not. `--inductor KEY=VALUE` sets an inductor config for both forwards'
-compiled layers (e.g. `triton.decompose_sort_ops=1`: the routers' top-k through inductor's sort).
+compiled layers (e.g. `triton.decompose_sort_ops=True`: the routers' top-k through inductor's sort).
 
 `--variants` picks the forwards from: bf16; fp8 (`--quantize fp8 --fp8-fast-accum` as served);
 fp8-inductor (the same with the o projection's input and the down product's input quantized by
@@ -21,12 +21,23 @@ the two FP8 variants are one model, switched before each turn (the compiled laye
 from __future__ import annotations
 
 import argparse
+import ast
 import time
 
 import torch
 
 from bench.moe_teacher import config_of, server_runner, time_forward
 from bench.table import emit
+
+
+def _config_value(text: str):
+    """An --inductor value: true / false (any case), a Python literal, or else the string itself."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def main() -> None:
@@ -38,10 +49,11 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", type=int, default=0, help="the server's --cuda-graphs (0: eager)")
     parser.add_argument("--variants", default="bf16,fp8", help="bf16, fp8, fp8-inductor (the first is the baseline)")
     parser.add_argument("--kernels", type=int, default=0,
-                        help="also list each forward's N longest kernels (device ms, calls) from the last turn's profile")
+                        help="also list each forward's N longest kernels (device ms, calls) from the last "
+                             "turn's profile")
     parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
-                        help="an inductor config for every compiled layer of both forwards (repeatable), e.g. "
-                             "triton.decompose_sort_ops=1: the routers' top-k through inductor's sort")
+                        help="an inductor config for every compiled layer of both forwards (repeatable), "
+                             "e.g. triton.decompose_sort_ops=True: the routers' top-k through inductor's sort")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     import torch._inductor.config as inductor
@@ -54,7 +66,7 @@ def main() -> None:
             where = getattr(where, part, None)
         if not value or where is None or not hasattr(where, leaf):
             parser.error(f"--inductor {setting}: this torch ({torch.__version__}) has no inductor config {key}")
-        setattr(where, leaf, type(getattr(where, leaf))(int(value)) if value.isdigit() else value)
+        setattr(where, leaf, _config_value(value))
     from torch.profiler import ProfilerActivity, profile
 
     from teacher_server import fp8, fp8_grouped_gemm, fp8_rows

@@ -7,7 +7,7 @@ at 2 x 4096 tokens, on the Qwen3-30B-A3B and Llama-3-8B attention shapes; bf16 b
 
 The FP8 forward's profile (docs/performance.md) gives q/k/v/o 10.1 ms; k's and v's products are
 [8192 x 512] each on Qwen's shape, too few tiles to fill 132 SMs. Times are medians of 50 calls
-(CUDA events); the stacked product's output columns are checked equal to the three's.
+(CUDA events); the stacked product's columns are compared with the three's.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def main() -> None:
     from teacher_server import fp8
 
     lines = ["| shape | dtype | q, k, v apart ms | stacked ms | apart / stacked | TFLOP/s apart | TFLOP/s stacked | "
-             "stacked equals apart |", "|---|---|---|---|---|---|---|---|"]
+             "stacked against apart, largest relative difference |", "|---|---|---|---|---|---|---|---|"]
     generator = torch.Generator(device="cuda").manual_seed(0)
     for name, (hidden, nq, nkv) in SHAPES.items():
         x = torch.randn(args.tokens, hidden, device="cuda", generator=generator).to(torch.bfloat16)
@@ -54,11 +54,13 @@ def main() -> None:
         cases = {"FP8 row, fast accumulation": (fp8_apart, fp8_stacked),
                  "bf16": (lambda: [x @ w.t() for w in weights], lambda: x @ stacked_w.t())}
         for dtype, (apart, stacked) in cases.items():
-            same = torch.equal(torch.cat(apart(), dim=1), stacked())
+            # (cuBLAS may choose another algorithm for the wider product: the same sums, other orders)
+            reference = torch.cat(apart(), dim=1).float()
+            same = ((stacked().float() - reference).abs().max() / reference.abs().max()).item()
             ms_apart, ms_stacked = median_ms(apart), median_ms(stacked)
             lines.append(f"| {name} ({hidden} -> {nq} + 2 x {nkv}) | {dtype} | {ms_apart:.4f} | {ms_stacked:.4f} | "
                          f"{ms_apart / ms_stacked:.3f} | {flop / ms_apart / 1e9:.0f} | {flop / ms_stacked / 1e9:.0f} | "
-                         f"{same} |")
+                         f"{same:.1e} |")
             print(lines[-1], flush=True)
     emit(lines, args.out)
 

@@ -184,14 +184,14 @@ def test_the_row_quantization_kernel_gives_quantize_rows_values():
     """fp8_rows.quantize_rows_kernel (the o projection's and the down product's inputs) against
     fp8_rows.quantize_rows, byte for byte: widths of the Qwen3-30B-A3B forward and a ragged one; a
     transposed input and a slice of a wider one (row stride past the width); a row with a NaN (all
-    NaN) and one with an inf."""
+    NaN), one with an inf, a -0."""
     from teacher_server import fp8_rows
 
     generator = torch.Generator(device="cuda").manual_seed(5)
     for rows, k in ((65536, 768), (8192, 4096), (8192, 2048), (37, 200)):
         wide = (torch.randn(rows, k + 64, device="cuda", generator=generator) ** 3).to(torch.bfloat16)
         x = wide[:, :k].contiguous()
-        x[1, 3], x[2, 5] = float("nan"), float("inf")
+        x[1, 3], x[2, 5], x[3, 7] = float("nan"), float("inf"), -0.0  # (-0 quantizes to byte 0x80)
         wide[:, :k] = x
         for given in (x, x.t().contiguous().t(), wide[:, :k]):
             q, scale = fp8_rows.quantize_rows_kernel(given)
@@ -203,8 +203,8 @@ def test_the_row_quantization_kernel_gives_quantize_rows_values():
             assert torch.equal(q.view(torch.uint8)[~nan], q_ref.view(torch.uint8)[~nan]), (rows, k)
             assert scale[1].isnan() and nan[1].all() and nan[2].sum() == 1, (rows, k)
         # Before the e4m3 rounding: the kernel's quotients (computed without a division) are the
-        # IEEE quotients torch's division gives, on 50M of them (a one-ulp miss would show here long
-        # before it reached an e4m3 rounding boundary).
+        # IEEE quotients torch's division gives, on about 100M of them (a one-ulp miss would show here
+        # long before it reached an e4m3 rounding boundary; the inputs have no subnormals).
         quotients = torch.empty(rows, k, device="cuda")
         fp8_rows.launch(x, quotients, torch.empty(rows, 1, device="cuda"))
         _, scale_ref = fp8_rows.quantize_rows(x)
