@@ -68,8 +68,8 @@ if triton is not None:
         x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         amax = tl.reduce(tl.abs(x), 1, _max_nan)
         scale = tl.maximum(amax * INV_MAX, 1e-12, propagate_nan=tl.PropagateNan.ALL)
-        # x / scale rounded to nearest without a division an element (an IEEE division is a
-        # subroutine that made this kernel 3x slower): the reciprocal rounded to nearest, the
+        # x / scale rounded to nearest without a division an element (with an IEEE division an
+        # element this kernel ran about 3x slower in the forward): the reciprocal rounded to nearest, the
         # product, and corrections by the exact residual (one FMA each). A correction of a quotient
         # within one ulp gives the quotient rounded to nearest (Markstein's theorem); the product is
         # not always within one ulp, so the first correction brings it there and the second rounds
