@@ -16,7 +16,7 @@
 # the Qwen3-30B-A3B-shaped forward in bf16 and FP8);
 # two GPUs: recipeserved (the seed recipe with its teacher served, and colocated), eagle3served and
 # eagle3servedlong (EAGLE-3 from a served target, with the colocated baseline).
-# Investigations (bench/investigations/): tpsend, disk, fp8tiles, fp8gap, fp8gapgraphs, fp8gapgraphssort,
+# Investigations (bench/investigations/): tpsend, disk, fp8tiles, fp8tileswidek, fp8gap, fp8gapgraphs, fp8gapgraphssort,
 # fp8gapgraphsinductor, quantize, qkv, topk.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
@@ -123,6 +123,9 @@ print('stubs import under grpcio', grpc.__version__)" ;;
               --profile-dir "$out" --out "$out/moe_fp8.md" 2>&1 | quiet | tail -20 ;;
     # The grouped FP8 kernels' variants on Qwen3-30B-A3B's layer (plain, persistent; tiles, TMA, flattening).
     fp8tiles) timeout 400 python3 -m bench.investigations.fp8_grouped_tiles --out "$out/tiles.md" 2>&1 | quiet | tail -60 ;;
+    # Only the K steps of 256 and 64 (row scales), beside the autotuned set's fastest tile.
+    fp8tileswidek) timeout 300 python3 -m bench.investigations.fp8_grouped_tiles --out "$out/tiles_widek.md" \
+        --variants ' k256 , k64 ,128x256 w8 s4 x1 flat' 2>&1 | quiet | tail -60 ;;
     # bf16 and FP8 (fast accumulation) Qwen3-30B-A3B-shaped forwards built in one process, timed in turns.
     fp8gap) timeout 400 python3 -m bench.investigations.fp8_forward_gap --variants bf16,fp8,fp8-inductor \
               --out "$out/gap.md" 2>&1 | quiet | tail -20 ;;

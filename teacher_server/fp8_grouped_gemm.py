@@ -71,6 +71,7 @@ else:
 
 BLOCK = 128  # the scale blocks of the block layout (1 x 128 activation, 128 x 128 weight)
 MAX_EXPERTS = 1024  # the experts one kernel schedules (its tile counts are held in registers)
+MAX_BLOCK_K = 256  # the widest K step a configuration may take (row scales; block scales step by BLOCK)
 GATE_GROUP = 64  # the gated product's interleaving: every tile width (BLOCK_N) holds whole pairs of groups
 
 
@@ -86,7 +87,8 @@ def problem(device: torch.device) -> str:
 
 
 def _configs() -> list:
-    # BLOCK_K is the scale block (128): one K step per block-scale pair. Hopper's FP8 MMA wants
+    # BLOCK_K is the scale block (128): one K step per block-scale pair (row scales may step by 64
+    # or 256 in a fixed configuration: bench/investigations/fp8_grouped_tiles.py sweeps them). Hopper's FP8 MMA wants
     # K-major operands, which both are (a's rows, w's output rows). The tiles that won somewhere in
     # bench/moe_teacher.py --experts-probe on an H200 (Qwen3-30B-A3B's and gpt-oss-20b's layers,
     # docs/performance.md): 64 x 128 with promoted sums and block scales, 128 x 256 with fast
@@ -130,6 +132,10 @@ def _bench_warm(kernel_call, quantiles=None) -> list[float]:
 
 
 if triton is not None:
+    # Promoted sums: the tensor cores' partial sums added into float32 every 128 products of K, whatever
+    # BLOCK_K a tile steps by.
+    PROMOTE_K = tl.constexpr(BLOCK)
+
     @triton.jit
     def _expert_tiles(offsets_ptr, NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
         """Each expert's rows (starts, ends) and the cumulative count of its M-tiles, in registers."""
@@ -151,7 +157,7 @@ if triton is not None:
         """One BLOCK_M x BLOCK_N tile of the output: M-tile `tile_m` of all the experts' (it must be
         one), N-tile `tile_n`. With GATE_GROUP (> 0) the weight's rows alternate GATE_GROUP gate rows
         and the same GATE_GROUP up rows, and the tile writes silu(gate) x up x route[row]: BLOCK_N / 2
-        columns of the [M, N / 2] output."""
+        columns of the [M, N / 2] output. EVEN_K: K is a multiple of BLOCK_K (no K step is masked)."""
         # The tile's expert: the first whose cumulative M-tile count passes tile_m.
         expert = tl.sum((tiles_end <= tile_m).to(tl.int32), 0)
         mine = experts == expert
@@ -196,7 +202,8 @@ if triton is not None:
             elif FAST_ACCUM:
                 acc = tl.dot(a, w, acc)  # the tensor cores' partial sums over the whole K
             else:
-                acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)  # promoted to float32 each K step
+                # promoted to float32 every 128 products (every K step where a step is narrower)
+                acc = tl.dot(a, w, acc, max_num_imprecise_acc=PROMOTE_K if BLOCK_K > PROMOTE_K else BLOCK_K)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if not BLOCK_SCALED:
@@ -228,7 +235,7 @@ if triton is not None:
             M, N, K, ROWS_BUCKET,
             stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
             NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, HAS_GATHER: tl.constexpr,
-            HAS_SCATTER: tl.constexpr, BLOCK_SCALED: tl.constexpr, EVEN_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
+            HAS_SCATTER: tl.constexpr, BLOCK_SCALED: tl.constexpr, K_ALIGN: tl.constexpr, FAST_ACCUM: tl.constexpr,
             GATE_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """A program a tile: the grid is the upper bound of the tiles; programs past the last return."""
         pid = tl.program_id(0)
@@ -240,7 +247,7 @@ if triton is not None:
         _product_tile(tile_m, pid % tiles_n, experts, starts, ends, tiles, tiles_end,
                       a_ptr, a_scale_ptr, gather_ptr, w_ptr, w_ptr, w_scale_ptr, out_ptr, scatter_ptr, route_ptr,
                       N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
-                      HAS_GATHER, HAS_SCATTER, BLOCK_SCALED, EVEN_K, FAST_ACCUM, False, GATE_GROUP,
+                      HAS_GATHER, HAS_SCATTER, BLOCK_SCALED, K_ALIGN % BLOCK_K == 0, FAST_ACCUM, False, GATE_GROUP,
                       BLOCK_M, BLOCK_N, BLOCK_K)
 
     @triton.jit
@@ -249,7 +256,7 @@ if triton is not None:
             M, N, K, ROWS_BUCKET, NUM_SMS,
             stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
             NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, HAS_GATHER: tl.constexpr,
-            HAS_SCATTER: tl.constexpr, BLOCK_SCALED: tl.constexpr, EVEN_K: tl.constexpr, FAST_ACCUM: tl.constexpr,
+            HAS_SCATTER: tl.constexpr, BLOCK_SCALED: tl.constexpr, K_ALIGN: tl.constexpr, FAST_ACCUM: tl.constexpr,
             GATE_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             PER_SM: tl.constexpr, FLATTEN: tl.constexpr, TMA_W: tl.constexpr):
         """NUM_SMS x PER_SM programs walk the tiles: the experts' tile counts are read once,
@@ -268,7 +275,8 @@ if triton is not None:
             _product_tile(tile // tiles_n, tile % tiles_n, experts, starts, ends, tiles, tiles_end,
                           a_ptr, a_scale_ptr, gather_ptr, w_ptr, w_desc, w_scale_ptr, out_ptr, scatter_ptr,
                           route_ptr, N, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
-                          stride_om, HAS_GATHER, HAS_SCATTER, BLOCK_SCALED, EVEN_K, FAST_ACCUM, TMA_W, GATE_GROUP,
+                          stride_om, HAS_GATHER, HAS_SCATTER, BLOCK_SCALED, K_ALIGN % BLOCK_K == 0, FAST_ACCUM, TMA_W,
+                          GATE_GROUP,
                           BLOCK_M, BLOCK_N, BLOCK_K)
 
     @triton.jit
@@ -334,8 +342,8 @@ def _set_tma_allocator() -> None:
 
 def launch_config(config) -> dict:
     """One of `CONFIGS` or `PERSISTENT_CONFIGS` as `launch`'s fixed `config`."""
-    fixed = dict(BLOCK_M=config.kwargs["BLOCK_M"], BLOCK_N=config.kwargs["BLOCK_N"], num_warps=config.num_warps,
-                 num_stages=config.num_stages)
+    fixed = dict(BLOCK_M=config.kwargs["BLOCK_M"], BLOCK_N=config.kwargs["BLOCK_N"],
+                 BLOCK_K=config.kwargs.get("BLOCK_K", BLOCK), num_warps=config.num_warps, num_stages=config.num_stages)
     fixed.update({key: config.kwargs[key] for key in ("PER_SM", "FLATTEN", "TMA_W") if key in config.kwargs})
     return fixed
 
@@ -387,7 +395,8 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: tor
             w_scale.stride(1) if block_scaled else 0, out.stride(0))
     constants = dict(NUM_EXPERTS=experts, EXPERTS_POW2=max(triton.next_power_of_2(experts), 16),
                      HAS_GATHER=gather is not None, HAS_SCATTER=scatter is not None, BLOCK_SCALED=block_scaled,
-                     EVEN_K=k % BLOCK == 0, FAST_ACCUM=fast_accum and not block_scaled, GATE_GROUP=gate_group)
+                     K_ALIGN=k & -k if k & (MAX_BLOCK_K - 1) else MAX_BLOCK_K,
+                     FAST_ACCUM=fast_accum and not block_scaled, GATE_GROUP=gate_group)
 
     def tiles(meta):  # the upper bound of the output tiles
         return (triton.cdiv(m, meta["BLOCK_M"]) + experts) * triton.cdiv(n, meta["BLOCK_N"])
@@ -413,7 +422,10 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: tor
                              f"tile; interleave by {GATE_GROUP}")
         tuned[grid](*args, **constants)
         return out
-    meta = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=BLOCK)
+    meta = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config.get("BLOCK_K", BLOCK))
+    if meta["BLOCK_K"] != BLOCK and block_scaled or meta["BLOCK_K"] not in (64, BLOCK, 2 * BLOCK):
+        raise ValueError(f"grouped FP8 kernel: BLOCK_K {meta['BLOCK_K']}; block scales take {BLOCK}, row scales "
+                         f"64, {BLOCK} or {2 * BLOCK}")
     if persistent:
         meta.update(PER_SM=config["PER_SM"], FLATTEN=config.get("FLATTEN", False), TMA_W=config.get("TMA_W", False))
         if meta["TMA_W"] and not (w.is_contiguous() and k % 16 == 0 and w.data_ptr() % 16 == 0):

@@ -58,7 +58,7 @@ def _checks() -> None:
     held = sum(sizes)
     rows = held + 3  # three pairs no expert holds: left as they were (zeros here)
     offsets = torch.tensor(sizes).cumsum(0).int()
-    for block, k in ((False, 384), (False, 320), (True, 384)):
+    for block, k in ((False, 384), (False, 320), (False, 512), (True, 384)):
         weight = torch.randn(5, 200, k, generator=generator)
         parts = [fp8.quantize_tiles(e) if block else fp8.quantize_rows(e) for e in weight]
         w = torch.stack([p[0] for p in parts])
@@ -68,7 +68,9 @@ def _checks() -> None:
         scatter = torch.randperm(rows, generator=generator)
         for config in ({"BLOCK_M": 16, "BLOCK_N": 64}, {"BLOCK_M": 32, "BLOCK_N": 128},
                        {"BLOCK_M": 16, "BLOCK_N": 64, "PER_SM": 1}, {"BLOCK_M": 32, "BLOCK_N": 128, "PER_SM": 2,
-                                                                     "FLATTEN": True}):
+                                                                     "FLATTEN": True},
+                       *(() if block else ({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256},  # K steps of 256, 64
+                                           {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "PER_SM": 1}))):
             out = torch.zeros(rows, 200)
             fp8_grouped_gemm.launch(a, a_scale, w, w_scale, offsets, gather, scatter, out, config=config)
             expected = _reference(a, a_scale, w, w_scale, offsets, gather, scatter, rows)

@@ -2,7 +2,8 @@
 teacher_server/fp8_grouped_gemm.py's plain kernel (a program a tile, the grid an upper bound of the
 tiles) against its persistent kernel (a few programs an SM walking the tiles; with Triton's
 flattened pipelining, which loads the next tile's first K steps during a tile's epilogue; with the
-weights read through the tensor memory accelerator), each in several tile shapes.
+weights read through the tensor memory accelerator), each in several tile shapes, with K steps of
+128 (the scale block) and, for row scales, of 256 or 64 (the label's k256, k64).
 
 One layer, 8,192 tokens, top-8 of 128 experts: the first product (gate_up, N 1536, K 2048) reads
 each sorted pair's token row by index, the second (down, N 2048, K 768) writes each row to its
@@ -12,6 +13,8 @@ fastest. Each output is held to the float32 dequantize-then-multiply product (re
 variant off by more than 1e-2 is wrong, and the table says so). Beside: bf16 `torch._grouped_mm`.
 
     python3 -m bench.investigations.fp8_grouped_tiles --out /tmp/tiles.md   (one Hopper GPU, minutes)
+    python3 -m bench.investigations.fp8_grouped_tiles --variants ' k256 , k64 ,128x256 w8 s4 x1 flat'
+        (the K steps of 256 and 64 beside the autotuned set's fastest tile, run_gpu.sh fp8tileswidek)
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ PLAIN = [(64, 128, 4, 4), (128, 256, 8, 3), (128, 128, 8, 3), (64, 256, 8, 3), (
          (256, 128, 8, 3)]
 PERSISTENT = [(128, 256, 8, 3, 1), (128, 256, 8, 4, 1), (128, 128, 8, 3, 2), (128, 128, 8, 3, 1), (128, 128, 8, 4, 1),
               (64, 128, 4, 4, 2), (64, 128, 4, 4, 1), (256, 128, 8, 3, 1)]
+# K steps other than 128 (row scales only; never measured before 2026-12-05): (BLOCK_M, BLOCK_N, BLOCK_K,
+# warps, stages, programs an SM; 0: the plain kernel), flattened where persistent. Fewer, wider steps
+# for the down product's K of 768 (six steps of 128), or narrower ones in more stages.
+WIDE_K = [(128, 256, 256, 8, 2, 0), (128, 128, 256, 8, 3, 0), (64, 256, 256, 8, 3, 0),
+          (128, 256, 256, 8, 2, 1), (128, 128, 256, 8, 3, 1), (128, 128, 256, 8, 3, 2),
+          (128, 256, 64, 8, 6, 1), (128, 256, 64, 8, 8, 1)]
 
 
 def variants() -> list[tuple[str, dict]]:
@@ -41,6 +50,11 @@ def variants() -> list[tuple[str, dict]]:
                 label = f"persistent {m}x{n} w{w} s{s} x{p}" + (" flat" if flatten else "") + (" tma" if tma else "")
                 out.append((label, dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s, PER_SM=p, FLATTEN=flatten,
                                         TMA_W=tma)))
+    for m, n, bk, w, s, p in WIDE_K:
+        config = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=bk, num_warps=w, num_stages=s)
+        if p:
+            config.update(PER_SM=p, FLATTEN=True, TMA_W=False)
+        out.append((f"{'persistent' if p else 'plain'} {m}x{n} k{bk} w{w} s{s}" + (f" x{p} flat" if p else ""), config))
     return out
 
 
@@ -48,8 +62,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--precise-top", type=int, default=3, help="the fastest variants timed with promoted sums too")
+    parser.add_argument("--variants", default="",
+                        help="comma-separated parts of labels: only the variants whose label holds one (default all)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    chosen = [(label, config) for label, config in variants()
+              if not args.variants or any(part in label for part in args.variants.split(","))]
+    if not chosen:
+        parser.error(f"--variants {args.variants!r} matches none of: " + "; ".join(label for label, _ in variants()))
     from teacher_server import fp8, fp8_experts, fp8_grouped_gemm
 
     device = "cuda"
@@ -121,10 +141,10 @@ def main() -> None:
         lines.append(f"| {spread} | {product} | bf16 torch._grouped_mm | | {ms:.3f} | {flop / ms / 1e9:.0f} | 1 | |")
         print(lines[-1], flush=True)
         times[("bf16", False)] = times.get(("bf16", False), 0.0) + ms
-    for label, config in variants():
+    for label, config in chosen:
         run(label, config, fast=True)
     fast_order = sorted((ms, label) for (label, fast), ms in times.items() if fast and ms < float("inf"))
-    configs = dict(variants())
+    configs = dict(chosen)
     for _, label in fast_order[:args.precise_top]:
         run(label, configs[label], fast=False)
     run("autotuned", None, fast=True)
