@@ -7,7 +7,8 @@ transformers keeps an MoE layer's experts as 3-D parameters (`gate_up_proj` [E, 
 forward through its `ExpertsInterface` by `config._experts_implementation`. The router stays the
 model's own (softmax then top-k for Qwen3 and Mixtral, top-k then softmax for gpt-oss,
 DeepSeek-V3's grouped sigmoid routing with its correction bias): it decides the outputs, and it is a
-few small kernels. `install` registers this module's forward there, under `IMPLEMENTATION`. Per
+few small kernels (a softmax-then-top-k router's two of them in one on a GPU,
+teacher_server/routing.py). `install` registers this module's forward there, under `IMPLEMENTATION`. Per
 layer it runs, on T tokens routed to k experts each:
 
     one permutation   the T x k (token, expert) pairs sorted by expert (a stable sort of T x k
@@ -58,6 +59,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from teacher_server import routing
 
 log = logging.getLogger(__name__)
 
@@ -384,11 +387,15 @@ def install(model: nn.Module) -> ExpertLoad | None:
         log.warning("the experts are in %s on %s: torch's grouped GEMM runs bfloat16 there, so their products run "
                     "one expert at a time, with a host sync per layer; serve the model with --dtype bfloat16",
                     dtype, device)
-    log.info("%d MoE layers of %s experts: routed through one grouped GEMM per product (%s)", len(modules),
-             "/".join(sorted({str(e) for e in load.experts_per_layer})), IMPLEMENTATION)
+    routed = routing.install(model)
+    log.info("%d MoE layers of %s experts: routed through one grouped GEMM per product (%s)%s", len(modules),
+             "/".join(sorted({str(e) for e in load.experts_per_layer})), IMPLEMENTATION,
+             f"; {routed} routers' softmax and top-k in one op (teacher_server/routing.py)" if routed else "")
     return load
 
 
 def use_eager(model: nn.Module) -> None:
-    """transformers' one-expert-at-a-time forward (the tests' reference); the load is no longer counted."""
+    """transformers' one-expert-at-a-time forward and its routers' own (the tests' reference); the load
+    is no longer counted."""
     model.set_experts_implementation(EAGER)
+    routing.uninstall(model)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from distill_common.outputs import BatchOutputs, ForwardNeeds, TopK
-from teacher_server import moe, sink_attention
+from teacher_server import moe, routing, sink_attention
 from teacher_server.metrics import Metrics
 from teacher_server.model_runner import ModelRunner
 
@@ -78,6 +78,9 @@ def test_every_output_kind_equals_transformers_eager_forward(tmp_path, model_typ
     runner, reference = _runner_and_reference(tmp_path, model_type)
     assert moe.IMPLEMENTATION in runner.info.kernels
     assert (sink_attention.IMPLEMENTATION in runner.info.kernels) == (model_type == "gpt_oss")
+    # Softmax-then-top-k routers run through teacher_server/routing.py's op (torch's arithmetic on a CPU).
+    replaced = [r for r in routing.routers(runner.model) if "forward" in r.__dict__]
+    assert len(replaced) == (2 if model_type in ("qwen3_moe", "mixtral") else 0)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 96, (3, 21), generator=generator)
     # Without padding (the runner passes no mask), then the second row right-padded (the engine's

@@ -1,7 +1,9 @@
 """The MoE router's softmax and top-k as a compiled decoder layer runs them: torch's top-k kernel
 (inductor calls it as it is) against inductor's own lowering of top-k through a stable sort that it
 generates and fuses with the softmax (`torch._inductor.config.triton.decompose_sort_ops`, where the
-installed torch has it), on Qwen3-30B-A3B's router at 2 x 4096 tokens ([8192 x 128] logits, k = 8).
+installed torch has it), and against teacher_server/routing.py's kernel (softmax and top-k in one,
+what the teacher serves since 2026-12-05), on Qwen3-30B-A3B's router at 2 x 4096 tokens ([8192 x 128]
+logits, k = 8).
 
     python3 -m bench.investigations.router_topk --out /tmp/topk.md   (one GPU, a minute)
 
@@ -30,6 +32,15 @@ def route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values.to(logits.dtype), indices
 
 
+def route_kernel(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same router through teacher_server/routing.py's softmax-and-top-k kernel (as served)."""
+    from teacher_server import routing
+
+    values, indices = routing.softmax_topk(logits, k)
+    values = values / values.sum(dim=-1, keepdim=True)
+    return values.to(logits.dtype), indices
+
+
 def by_expert(weights: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's chosen experts in index order, and their weights in the same order."""
     order = indices.argsort(dim=-1)
@@ -50,6 +61,8 @@ def main() -> None:
     want_experts, want_weights = by_expert(*route(logits, args.k))
     variants = {"eager": lambda x: route(x, args.k),
                 "compiled, torch's top-k": torch.compile(lambda x: route(x, args.k), dynamic=True)}
+    variants["compiled, teacher_server/routing.py's kernel (served)"] = torch.compile(
+        lambda x: route_kernel(x, args.k), dynamic=True)
     has_option = hasattr(inductor.triton, "decompose_sort_ops")
     if has_option:
         variants["compiled, top-k through inductor's sort"] = torch.compile(

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from bench import moe_checks
-from teacher_server import moe, sink_attention
+from teacher_server import moe, routing, sink_attention
 from teacher_server.model_runner import ModelRunner
 from tests.test_fp8_experts import published_dir  # noqa: F401  (a fixture: the tiny published FP8 checkpoint)
 
@@ -59,6 +59,9 @@ def test_the_served_moe_forward_equals_transformers_eager_in_float32(tmp_path, m
     runner = ModelRunner(f"random:{tmp_path}", "cuda:0", dtype="bfloat16")
     assert moe.IMPLEMENTATION in runner.info.kernels and "compiled" in runner.info.kernels
     assert (sink_attention.IMPLEMENTATION in runner.info.kernels) == (model_type == "gpt_oss")
+    # Softmax-then-top-k routers through teacher_server/routing.py's kernel (its check at install passed).
+    replaced = [r for r in routing.routers(runner.model) if "forward" in r.__dict__]
+    assert len(replaced) == (3 if model_type in ("qwen3_moe", "mixtral") else 0)
     generator = torch.Generator(device="cuda").manual_seed(1)
     with torch.no_grad():
         for parameter in runner.model.parameters():
@@ -85,6 +88,22 @@ def test_the_served_moe_forward_equals_transformers_eager_in_float32(tmp_path, m
         assert off <= max(NO_WORSE * bf16_off, FLOOR), f"{model_type}: {off:.3g} from float32, eager bf16 {bf16_off:.3g}"
     snapshot = runner.expert_load.snapshot()
     assert all(sum(layer) == 3 * 300 * config.num_experts_per_tok for layer in snapshot.last)
+
+
+def test_the_router_kernel_chooses_the_stable_sort_of_the_logits():
+    """teacher_server/routing.py's kernel: the experts are the first k of a stable descending sort of
+    the logits (ties by index: bf16 logits tie often), the weights softmax's probabilities there
+    (torch's exp against Triton's: a few float32 ulps)."""
+    from tests.test_routing import expected
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for rows, experts, k, dtype in ((8192, 128, 8, torch.bfloat16), (1000, 60, 4, torch.float32),
+                                    (513, 256, 8, torch.bfloat16), (77, 512, 10, torch.bfloat16)):
+        logits = (torch.randn(rows, experts, device="cuda", generator=generator) * 2).to(dtype)
+        values, chosen = routing.softmax_topk(logits, k)
+        want_values, want_experts = expected(logits, k)
+        assert torch.equal(chosen, want_experts), (rows, experts, k, (chosen != want_experts).any(-1).sum())
+        torch.testing.assert_close(values, want_values, rtol=1e-5, atol=0)
 
 
 def _ragged_case(scaling: str, seed: int, device: str = "cuda"):
