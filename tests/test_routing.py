@@ -82,6 +82,26 @@ def test_the_check_tells_a_tie_broken_otherwise_from_a_wrong_choice():
     assert "the weights differ" in routing.check(router, unnormalised)
 
 
+def test_a_router_whose_kernel_fails_or_differs_keeps_its_own_forward(monkeypatch, caplog):
+    """As on a GPU where the kernel does not build, or chooses otherwise: the check at install keeps
+    the model's router (the kernel's predicate forced here, where no kernel runs)."""
+    monkeypatch.setattr(routing, "kernel_serves", lambda device, experts, k: True)
+    model = _model("qwen3_moe")
+    (router,) = routing.routers(model)
+    with caplog.at_level("WARNING", logger="teacher_server.routing"):
+        assert routing.install(model) == 0  # launch() without Triton: an error, caught
+    assert "forward" not in router.__dict__ and "keep their forward" in caplog.text
+
+    def smallest(logits, k):
+        return torch.topk(F.softmax(logits, dtype=torch.float, dim=-1), k, largest=False)
+
+    monkeypatch.setattr(routing, "softmax_topk", smallest)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="teacher_server.routing"):
+        assert routing.install(model) == 0
+    assert "forward" not in router.__dict__ and "other experts chosen" in caplog.text
+
+
 @pytest.mark.slow
 def test_the_kernel_under_tritons_interpreter_equals_the_stable_sort_of_the_logits():
     pytest.importorskip("triton")
