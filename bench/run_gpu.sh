@@ -16,8 +16,8 @@
 # the Qwen3-30B-A3B-shaped forward in bf16 and FP8);
 # two GPUs: recipeserved (the seed recipe with its teacher served, and colocated), eagle3served and
 # eagle3servedlong (EAGLE-3 from a served target, with the colocated baseline).
-# Investigations (bench/investigations/): tpsend, disk, fp8tiles, fp8tileswidek, fp8gap, fp8gapgraphs, fp8gapgraphssort,
-# fp8gapgraphsinductor, quantize, qkv, topk.
+# Investigations (bench/investigations/): tpsend, disk, fp8tiles, fp8tileswidek, fp8gap, fp8gapgraphs,
+# fp8gapgraphsrouter, fp8gapgraphssort, fp8gapgraphsinductor, quantize, qkv, topk.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
 # shellcheck source=bench/gpu_env.sh
@@ -132,9 +132,14 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     # The same under --cuda-graphs (the decoder replayed as one graph: the timed forward without host gaps).
     fp8gapgraphs) timeout 400 python3 -m bench.investigations.fp8_forward_gap --cuda-graphs 2 --kernels 40 \
               --out "$out/gap_graphs.md" 2>&1 | quiet | tail -110 ;;
-    # The same with the routers' top-k through inductor's sort (torch's top-k kernel otherwise), both forwards.
+    # The same with the routers as the model writes them (inductor's softmax, torch's top-k) instead of
+    # teacher_server/routing.py's kernel: the kernel's share of both forwards.
+    fp8gapgraphsrouter) timeout 400 python3 -m bench.investigations.fp8_forward_gap --cuda-graphs 2 --kernels 16 \
+              --router torch --out "$out/gap_graphs_router.md" 2>&1 | quiet | tail -60 ;;
+    # The routers as the model writes them, their top-k through inductor's sort, both forwards.
     fp8gapgraphssort) timeout 400 python3 -m bench.investigations.fp8_forward_gap --cuda-graphs 2 --kernels 16 \
-              --inductor triton.decompose_sort_ops=True --out "$out/gap_graphs_sort.md" 2>&1 | quiet | tail -60 ;;
+              --router torch --inductor triton.decompose_sort_ops=True --out "$out/gap_graphs_sort.md" 2>&1 \
+              | quiet | tail -60 ;;
     # The same with o's and down's inputs quantized by inductor (the kernel's share under graphs: against fp8gapgraphs).
     fp8gapgraphsinductor) timeout 400 python3 -m bench.investigations.fp8_forward_gap --cuda-graphs 2 \
               --variants bf16,fp8-inductor --out "$out/gap_graphs_inductor.md" 2>&1 | quiet | tail -24 ;;

@@ -158,6 +158,8 @@ if triton is not None:
         one), N-tile `tile_n`. With GATE_GROUP (> 0) the weight's rows alternate GATE_GROUP gate rows
         and the same GATE_GROUP up rows, and the tile writes silu(gate) x up x route[row]: BLOCK_N / 2
         columns of the [M, N / 2] output. EVEN_K: K is a multiple of BLOCK_K (no K step is masked)."""
+        # Block scales step one 128-wide scale block a K step (fixed and autotuned configurations alike).
+        tl.static_assert(not BLOCK_SCALED or BLOCK_K == 128, "block scales step K by 128")
         # The tile's expert: the first whose cumulative M-tile count passes tile_m.
         expert = tl.sum((tiles_end <= tile_m).to(tl.int32), 0)
         mine = experts == expert

@@ -101,7 +101,8 @@ def _own_kernels(model, device: torch.device, world: World | None, compile_layer
     products (norms, rotary embedding, routing, the experts' gather, gate and combine, the sinks'
     rescaling) fuses (FP8 compiles the layers its own way)."""
     try:
-        expert_load = moe.install(model)
+        # Under tensor parallelism every rank routes every token: they take the router kernel together.
+        expert_load = moe.install(model, group=None if world is None else torch.distributed.group.WORLD)
     except moe.MoeUnsupported as e:
         raise ValueError(f"--model: {e}") from e
     sinks = sink_attention.install(model)

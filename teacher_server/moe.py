@@ -337,10 +337,11 @@ def global_experts(module: nn.Module) -> int:
     return span.total if span is not None else int(module.num_experts)
 
 
-def install(model: nn.Module) -> ExpertLoad | None:
+def install(model: nn.Module, group=None) -> ExpertLoad | None:
     """Runs the experts of `model`'s MoE layers through `experts_forward` and counts their load;
     None for a model without such layers (a dense one, or an MoE model whose experts class
-    transformers' experts interface does not dispatch: it runs as transformers wrote it)."""
+    transformers' experts interface does not dispatch: it runs as transformers wrote it). `group`:
+    the ranks of an expert-parallel model, which must route alike (routing.install; collective)."""
     modules = experts_modules(model)
     if not modules:
         return None
@@ -387,7 +388,7 @@ def install(model: nn.Module) -> ExpertLoad | None:
         log.warning("the experts are in %s on %s: torch's grouped GEMM runs bfloat16 there, so their products run "
                     "one expert at a time, with a host sync per layer; serve the model with --dtype bfloat16",
                     dtype, device)
-    routed = routing.install(model)
+    routed = routing.install(model, group)
     log.info("%d MoE layers of %s experts: routed through one grouped GEMM per product (%s)%s", len(modules),
              "/".join(sorted({str(e) for e in load.experts_per_layer})), IMPLEMENTATION,
              f"; {routed} routers' softmax and top-k in one op (teacher_server/routing.py)" if routed else "")

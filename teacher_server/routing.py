@@ -15,15 +15,19 @@ It chooses by the logits, which softmax orders as the probabilities (it is monot
 ties by index; torch's top-k breaks ties among equal probabilities its own way (on a CPU not by
 index), and bf16 logits tie often (at the k-th place in 6% of the rows of random [*, 128] bf16
 logits): such a row gets experts of the same probabilities, possibly not the same ones. Distinct
-logits whose probabilities round to the same float32 (logits within about 1e-5 of each other and
-of 0) are ordered by the logits here. A row whose softmax is NaN (a NaN or an infinite logit)
-gets experts 0 .. k-1 with NaN weights, so its outputs are NaN as the model's would be.
+logits whose probabilities round to the same float32 (about 1e-8 apart and below) are ordered by
+the logits here. A row whose softmax is NaN (a NaN or +inf logit, or every logit -inf) gets
+experts 0 .. k-1 with NaN weights, so its outputs are NaN as the model's would be.
 
 On a CPU, or without Triton, the op is the model's own arithmetic (softmax, then torch.topk).
-`install` checks each replaced router against its own forward on its device (the chosen experts'
-probabilities as a multiset per row, and the weights) and keeps the model's forward where they
-differ, saying so; tests/test_routing.py holds the kernel to torch under Triton's interpreter,
-tests/gpu/test_moe_gpu.py on the GPU.
+`install` checks each kind of router on its device first: the op against `expected` on logits that
+random rows rarely give (ties, NaN and infinite logits), then the replaced forward against the
+router's own on random rows (the logits; no expert twice; the chosen experts' probabilities as a
+multiset per row; each weight its own expert's, normalised and cast as the router does) and keeps
+the model's forward where they differ or the kernel fails, saying so; the ranks of an
+expert-parallel model take it only together. tests/test_routing.py holds the kernel to a stable
+sort of the logits under Triton's interpreter, tests/gpu/test_moe_gpu.py on the GPU. (A model with
+the kernel installed does not pickle whole: its routers' forward is a bound method.)
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import logging
 import types
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 try:
@@ -42,8 +47,10 @@ except ImportError:  # a CPU-only install: `softmax_topk` is torch's arithmetic
 
 log = logging.getLogger(__name__)
 
-# The widest router the kernel holds in registers (a row of logits); wider ones run torch's.
+# The widest router the kernel holds in registers (a row of logits), and the most experts a token it
+# routes (its k rounds are unrolled: compiling k = 64 took 30 s); others run torch's.
 KERNEL_MAX_EXPERTS = 1024
+KERNEL_MAX_K = 32
 # Router classes whose forward is F.linear(x, weight) -> softmax (float32) -> top-k, then the top
 # weights divided by their sum ("always", or "flag": when `norm_topk_prob`) and cast back to the
 # logits' dtype (True) or left float32 (False).
@@ -62,7 +69,8 @@ def reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def kernel_serves(device: torch.device, experts: int, k: int) -> bool:
     """Whether `softmax_topk` runs the Triton kernel for `experts`-wide logits on `device`."""
-    return triton is not None and device.type == "cuda" and 0 < k <= experts <= KERNEL_MAX_EXPERTS
+    return (triton is not None and device.type == "cuda" and 0 < k <= min(experts, KERNEL_MAX_K)
+            and experts <= KERNEL_MAX_EXPERTS)
 
 
 if triton is not None:
@@ -78,12 +86,14 @@ if triton is not None:
         top = tl.max(x, 1)
         e = tl.exp(x - top[:, None])  # 0 for the columns past E
         total = tl.sum(e, 1)
-        bad = total != total  # a NaN sum: a NaN or an infinite logit (the softmax is NaN)
+        bad = total != total  # a NaN sum: a NaN or +inf logit, or all -inf (the softmax is NaN)
         taken = (cols >= E)[None, :] & (rows >= 0)[:, None]  # [ROWS, BLOCK_E]
         for i in tl.static_range(K):
             best = tl.max(tl.where(taken, float("-inf"), x), 1)
             expert = tl.min(tl.where((x == best[:, None]) & ~taken, cols[None, :], BLOCK_E), 1)
-            expert = tl.where(bad | (expert >= E), i, expert)
+            # (none equal to the maximum can only be a NaN row; else the lowest column not chosen)
+            expert = tl.where(expert >= BLOCK_E, tl.min(tl.where(taken, BLOCK_E, cols[None, :]), 1), expert)
+            expert = tl.where(bad, i, expert)
             chosen = cols[None, :] == expert[:, None]
             taken = taken | chosen
             value = tl.sum(tl.where(chosen, e, 0.0), 1) / total
@@ -141,65 +151,135 @@ def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
             and all(hasattr(m, a) for a in ("top_k", "hidden_dim")) and getattr(m, "bias", None) is None]
 
 
-def install(model: torch.nn.Module) -> int:
+def install(model: torch.nn.Module, group=None) -> int:
     """Runs the model's softmax-then-top-k routers through `softmax_topk`; returns how many. On a
     GPU each kind of router (class, width, k, dtype) is checked against its own forward first
-    (`check`); one that differs, or whose kernel fails, keeps its forward, with a warning."""
-    replaced, checked = 0, {}
-    for module in routers(model):
+    (`check`); one that differs, or whose kernel fails, keeps its forward, with a warning. With
+    `group` (the ranks of an expert-parallel model, which each route every token and must route
+    alike), a kind of router takes the kernel only where it passed on every rank (collective)."""
+    found = routers(model)
+    verdicts: dict[tuple, str] = {}
+    for module in found:
         normalizes, casts = ROUTERS[type(module).__name__]
         module.routing_normalizes = normalizes == "always" or bool(getattr(module, "norm_topk_prob", False))
         module.routing_casts = casts
-        fast = types.MethodType(_forward, module)
-        key = (type(module).__name__, tuple(module.weight.shape), module.top_k, module.routing_normalizes,
-               module.weight.dtype, module.weight.device)
-        if key not in checked:
-            served = kernel_serves(module.weight.device, module.weight.shape[0], module.top_k)
-            try:
-                checked[key] = check(module, fast) if served else ""
-            except Exception as e:  # a kernel that does not build or run here: the model's own router serves
-                checked[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            if checked[key]:
-                log.warning("%s (%d experts, top-%d): the router's softmax-and-top-k kernel differs from its own "
-                            "forward (%s); these routers keep their forward", key[0], key[1][0], module.top_k,
-                            checked[key])
-        if not checked[key]:
-            module.forward = fast
+        key = _kind(module)
+        if key in verdicts:
+            continue
+        if not kernel_serves(module.weight.device, module.weight.shape[0], module.top_k):
+            verdicts[key] = ""  # torch's arithmetic: the router's own
+            continue
+        weight = module.weight
+        try:
+            verdicts[key] = (check_kernel(weight.device, weight.shape[0], module.top_k, weight.dtype)
+                             or check(module, types.MethodType(_forward, module)))
+        except Exception as e:  # a kernel that does not build or run here: the model's own router serves
+            verdicts[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    if group is not None and verdicts:
+        passed = torch.tensor([not why for why in verdicts.values()], dtype=torch.int32,
+                              device=found[0].weight.device)
+        dist.all_reduce(passed, op=dist.ReduceOp.MIN, group=group)
+        for key, ok in zip(list(verdicts), passed.tolist()):
+            if not ok and not verdicts[key]:
+                verdicts[key] = "it failed on another rank"
+    for key, why in verdicts.items():
+        if why:
+            log.warning("%s (%d experts, top-%d): the router's softmax-and-top-k kernel differs from its own "
+                        "forward (%s); these routers keep their forward", key[0].__name__, key[1][0], key[2], why)
+    replaced = 0
+    for module in found:
+        if not verdicts[_kind(module)]:
+            module.forward = types.MethodType(_forward, module)
             replaced += 1
     return replaced
+
+
+def _kind(module: torch.nn.Module) -> tuple:
+    """What one check covers: routers alike in class, width, k, normalisation, dtype and device."""
+    return (type(module), tuple(module.weight.shape), module.top_k, module.routing_normalizes, module.weight.dtype,
+            module.weight.device)
 
 
 def uninstall(model: torch.nn.Module) -> None:
     """The routers' own forward again (the tests' eager reference)."""
     for module in routers(model):
-        module.__dict__.pop("forward", None)
+        if getattr(module.__dict__.get("forward"), "__func__", None) is _forward:
+            del module.forward
+
+
+def expected(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernel gives, written with torch's operators: the first k of a stable descending sort
+    of the logits (ties by index) and softmax's probabilities there; experts 0 .. k-1 and NaN for a
+    row whose softmax is NaN."""
+    probs = F.softmax(logits, dtype=torch.float, dim=-1)
+    experts = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :k]
+    bad = probs.isnan().any(dim=-1, keepdim=True)
+    experts = torch.where(bad, torch.arange(k, device=logits.device), experts)
+    return probs.gather(1, experts), experts
 
 
 @torch.no_grad()
-def check(module: torch.nn.Module, fast, rows: int = 1024) -> str:
+def check(module: torch.nn.Module, fast) -> str:
     """What differs between `fast` and the router's own forward on random rows on its device ("" when
-    nothing does): the logits, the chosen experts' probabilities (per row, as a multiset: a tie
-    broken otherwise chooses experts of equal probability), the weights."""
+    nothing does; 1, 1021 and 1024 rows: a partial last program, Triton's specialisations)."""
     generator = torch.Generator(device=module.weight.device).manual_seed(0)
-    x = torch.randn(rows, module.hidden_dim, device=module.weight.device, dtype=module.weight.dtype,
-                    generator=generator)
-    logits, values, experts = type(module).forward(module, x)
-    got_logits, got_values, got_experts = fast(x)
+    for rows in (1, 1021, 1024):
+        x = torch.randn(rows, module.hidden_dim, device=module.weight.device, dtype=module.weight.dtype,
+                        generator=generator)
+        why = _compare(module, type(module).forward(module, x), fast(x))
+        if why:
+            return f"{why} ({rows} rows)"
+    return ""
+
+
+@torch.no_grad()
+def check_kernel(device: torch.device, width: int, k: int, dtype: torch.dtype) -> str:
+    """What differs between `softmax_topk` and `expected` on logits that random rows rarely give
+    ("" when nothing does): ties in most rows, a NaN, a +inf and an all -inf row, -inf columns."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = (torch.randint(-3, 4, (37, width), device=device, generator=generator) / 4).to(dtype)
+    logits[1, 0], logits[2, -1], logits[3] = float("nan"), float("inf"), float("-inf")
+    logits[4, : width // 2] = float("-inf")
+    values, experts = softmax_topk(logits, k)
+    want_values, want_experts = expected(logits, k)
+    if not torch.equal(experts, want_experts):
+        return f"other experts than the stable sort of the logits in {_rows(experts != want_experts)} of 37 rows"
+    if not torch.allclose(values, want_values, rtol=1e-5, atol=1e-30, equal_nan=True):
+        return "weights other than softmax's probabilities"
+    return ""
+
+
+def _rows(mismatch: torch.Tensor) -> int:
+    return int(mismatch.any(dim=-1).sum())
+
+
+def _compare(module, own, got) -> str:
+    logits, values, experts = own
+    got_logits, got_values, got_experts = got
     if not torch.equal(got_logits, logits):
         return "the logits differ"
     if got_experts.shape != experts.shape or not bool(((got_experts >= 0) & (got_experts < logits.shape[1])).all()):
         return f"experts of shape {tuple(got_experts.shape)} or out of range"
+    ordered = got_experts.sort(dim=-1).values
+    if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+        return f"an expert chosen twice in {_rows(ordered[:, 1:] == ordered[:, :-1])} rows"
+    # The chosen experts' probabilities as a multiset per row: a tie broken otherwise chooses experts
+    # of equal probability.
     probs = F.softmax(logits, dtype=torch.float, dim=-1)
-    chosen = probs.gather(1, got_experts).sort(dim=-1, descending=True).values
-    wanted = probs.gather(1, experts).sort(dim=-1, descending=True).values
-    if not torch.equal(chosen, wanted):
-        return f"other experts chosen in {int((chosen != wanted).any(dim=-1).sum())} of {rows} rows"
-    # The weights, largest first in both (a tie broken otherwise puts an equal weight elsewhere).
+    chosen = probs.gather(1, got_experts)
+    wanted = probs.gather(1, experts)
+    if not torch.equal(chosen.sort(dim=-1).values, wanted.sort(dim=-1).values):
+        return f"other experts chosen in {_rows(chosen.sort(dim=-1).values != wanted.sort(dim=-1).values)} rows"
+    # Each weight that of its own expert: its probability, normalised and cast as the router does.
     if got_values.dtype != values.dtype:
         return f"weights in {got_values.dtype}, not {values.dtype}"
-    got_sorted = got_values.float().sort(dim=-1, descending=True).values
-    want_sorted = values.float().sort(dim=-1, descending=True).values
+    weights = chosen / chosen.sum(dim=-1, keepdim=True) if module.routing_normalizes else chosen
+    weights = weights.to(values.dtype)
     tolerance = 1e-5 if values.dtype == torch.float32 else 2 ** -7
-    if not torch.allclose(got_sorted, want_sorted, rtol=tolerance, atol=1e-7):
-        return f"the weights differ by up to {(got_sorted - want_sorted).abs().max().item():.3g}"
+    if not torch.allclose(got_values.float(), weights.float(), rtol=tolerance, atol=1e-7):
+        return f"the weights differ by up to {(got_values.float() - weights.float()).abs().max().item():.3g}"
+    # and, in the router's own order, its weights (a multiset again).
+    if not torch.allclose(got_values.float().sort(dim=-1).values, values.float().sort(dim=-1).values,
+                          rtol=tolerance, atol=1e-7):
+        return "the weights differ from the router's own"
     return ""

@@ -74,12 +74,33 @@ def test_the_check_tells_a_tie_broken_otherwise_from_a_wrong_choice():
         values, experts = torch.topk(F.softmax(logits, dtype=torch.float, dim=-1), router.top_k)
         return logits, values.to(logits.dtype), experts
 
+    def top_twice(x):  # in a tie the top expert twice: the same probabilities as a multiset
+        logits, values, experts = type(router).forward(router, x)
+        return logits, values, experts[:, :1].expand_as(experts)
+
+    untied = routing.routers(_model("qwen3_moe"))[0]  # random weights: no ties
+    untied.routing_normalizes, untied.routing_casts = True, True
+
+    def weights_by_index(x):  # the right experts, in index order, with the weights largest first
+        logits, values, experts = type(untied).forward(untied, x)
+        return logits, values, experts.sort(dim=-1).values
+
+    def wrong_past_1008(x):  # a program past the last full one of 16 rows writes garbage
+        logits, values, experts = type(router).forward(router, x)
+        experts = experts.clone()
+        experts[1008:] = experts[1008:].flip(-1).remainder(2)
+        return logits, values, experts
+
     x = torch.randn(1024, router.hidden_dim, generator=torch.Generator().manual_seed(0))  # check()'s rows
     own = type(router).forward(router, x)[2].sort(-1).values
     assert (tie_by_highest_index(x)[2].sort(-1).values != own).any(-1).sum() > 100  # other experts, by ties
     assert routing.check(router, tie_by_highest_index) == ""
     assert "other experts chosen" in routing.check(router, smallest)
     assert "the weights differ" in routing.check(router, unnormalised)
+    assert "an expert chosen twice" in routing.check(router, top_twice)
+    assert routing.check(untied, lambda x: type(untied).forward(untied, x)) == ""
+    assert "the weights differ" in routing.check(untied, weights_by_index)
+    assert "1021 rows" in routing.check(router, wrong_past_1008)
 
 
 def test_a_router_whose_kernel_fails_or_differs_keeps_its_own_forward(monkeypatch, caplog):
@@ -99,7 +120,7 @@ def test_a_router_whose_kernel_fails_or_differs_keeps_its_own_forward(monkeypatc
     caplog.clear()
     with caplog.at_level("WARNING", logger="teacher_server.routing"):
         assert routing.install(model) == 0
-    assert "forward" not in router.__dict__ and "other experts chosen" in caplog.text
+    assert "forward" not in router.__dict__ and "other experts" in caplog.text
 
 
 @pytest.mark.slow
@@ -146,6 +167,17 @@ def _interpreted() -> None:
     logits[0, 9], logits[0, 2] = 1.0, 3.0
     routing.launch(logits, 4, values := torch.empty(1, 4), chosen := torch.empty(1, 4, dtype=torch.int64))
     assert chosen.tolist() == [[2, 9, 0, 1]] and values[0, 2:].eq(0).all(), (chosen, values)
+    # check_kernel's own expectation, and install's whole check on tiny models (the interpreter runs
+    # the kernel on CPU tensors, so the kernel's predicate is forced): every router takes the kernel.
+    routing.kernel_serves = lambda device, experts, k: True
+    for experts, k, dtype in ((128, 8, torch.bfloat16), (60, 4, torch.float32)):
+        assert routing.check_kernel(torch.device("cpu"), experts, k, dtype) == "", (experts, k)
+    for model_type in sorted(TINY):
+        model = _model(model_type)
+        assert routing.install(model) == 1, model_type
+        x = torch.randn(5, 32)
+        assert torch.equal(model.model.layers[0].mlp.gate(x)[2], expected(F.linear(x, routing.routers(model)[0].weight),
+                                                                           2)[1])
     print("interpreted router kernel matches")
 
 

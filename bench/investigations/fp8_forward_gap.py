@@ -10,7 +10,8 @@ another, gave the FP8 forward 120-142 ms timed while its kernels add up to 91-95
 With `--cuda-graphs N` both forwards run as the server runs them under --cuda-graphs N (the decoder
 captured once per shape, then replayed: no host gaps between its kernels); the table says whether
 each was captured or why not. `--inductor KEY=VALUE` sets an inductor config for both forwards'
-compiled layers (e.g. `triton.decompose_sort_ops=True`: the routers' top-k through inductor's sort).
+compiled layers (e.g. `triton.decompose_sort_ops=True`: the routers' top-k through inductor's sort,
+with `--router torch`: the routers as the model writes them, not teacher_server/routing.py's kernel).
 
 `--variants` picks the forwards from: bf16; fp8 (`--quantize fp8 --fp8-fast-accum` as served);
 fp8-inductor (the same with the o projection's input and the down product's input quantized by
@@ -54,6 +55,9 @@ def main() -> None:
     parser.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                         help="an inductor config for every compiled layer of both forwards (repeatable), "
                              "e.g. triton.decompose_sort_ops=True: the routers' top-k through inductor's sort")
+    parser.add_argument("--router", choices=("kernel", "torch"), default="kernel",
+                        help="the routers' softmax and top-k: teacher_server/routing.py's kernel (as served) or the "
+                             "model's own (inductor's softmax, torch's top-k: as served before 2026-12-05)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     import torch._inductor.config as inductor
@@ -69,7 +73,7 @@ def main() -> None:
         setattr(where, leaf, _config_value(value))
     from torch.profiler import ProfilerActivity, profile
 
-    from teacher_server import fp8, fp8_grouped_gemm, fp8_rows
+    from teacher_server import fp8, fp8_grouped_gemm, fp8_rows, routing
     from teacher_server.fp8 import Fp8Plan
     from teacher_server.fp8_experts import FP8ExpertWeights
 
@@ -92,6 +96,10 @@ def main() -> None:
         started = time.perf_counter()
         runners[names[variant]] = server_runner(
             config, None if variant == "bf16" else Fp8Plan("row", fast_accum=True), args.cuda_graphs)
+        if args.router == "torch":  # (before the first forward of the timed shape: compiled and captured after)
+            routing.uninstall(runners[names[variant]].model)
+        kernels = sum("forward" in r.__dict__ for r in routing.routers(runners[names[variant]].model))
+        print(f"{names[variant]}: {kernels} routers through teacher_server/routing.py's kernel", flush=True)
         print(f"{names[variant]}: built in {time.perf_counter() - started:.0f} s", flush=True)
 
     def choose(name: str) -> None:  # before a forward of `name` (its first: before it is compiled, captured)

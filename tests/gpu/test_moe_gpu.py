@@ -168,6 +168,9 @@ def test_every_tile_configuration_of_both_fp8_kernels_equals_the_reference(scali
     configs = [fp8_grouped_gemm.launch_config(c)
                for c in fp8_grouped_gemm.CONFIGS + fp8_grouped_gemm.PERSISTENT_CONFIGS]
     assert any("PER_SM" in c for c in configs) and any("PER_SM" not in c for c in configs)
+    if scaling == "row":  # K steps of 256 and 64 (fixed configurations; K 320 is not a multiple of 256)
+        configs += [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=2),
+                    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=6, PER_SM=1, FLATTEN=True)]
     for config in configs:
         for fast in ((False, True) if scaling == "row" else (False,)):
             out = torch.zeros(held + 5, 200, device="cuda", dtype=torch.bfloat16)
