@@ -6,11 +6,14 @@ weights read through the tensor memory accelerator), each in several tile shapes
 128 (the scale block) and, for row scales, of 256 or 64 (the label's k256, k64).
 
 One layer, 8,192 tokens, top-8 of 128 experts: the first product (gate_up, N 1536, K 2048) reads
-each sorted pair's token row by index, the second (down, N 2048, K 768) writes each row to its
-pair's place, as served; rows spread evenly (512 an expert) and all on 8 experts (the random
-model's routing). Fast accumulation first (every variant), then promoted sums for the three
-fastest. Each output is held to the float32 dequantize-then-multiply product (relative norm: a
-variant off by more than 1e-2 is wrong, and the table says so). Beside: bf16 `torch._grouped_mm`.
+each sorted pair's token row by index, also as served ("gate_up gated": gate and up rows
+interleaved, silu(gate) x up x the routing weight in the epilogue, [M, 768] written), the second
+(down, N 2048, K 768) writes each row to its pair's place, as served; rows spread evenly (512 an
+expert) and all on 8 experts (the random model's routing). Fast accumulation first (every
+variant), then promoted sums for the three fastest. Each output is held to the float32
+dequantize-then-multiply product (relative norm: a variant off by more than 1e-2 is wrong, and the
+table says so). Beside: bf16 `torch._grouped_mm`.
+The summary adds the served products (gated first, down) of both spreads against bf16's two.
 
     python3 -m bench.investigations.fp8_grouped_tiles --out /tmp/tiles.md   (one Hopper GPU, minutes)
     python3 -m bench.investigations.fp8_grouped_tiles --variants ' k256 , k64 ,128x256 w8 s4 x1 flat'
@@ -39,6 +42,12 @@ PERSISTENT = [(128, 256, 8, 3, 1), (128, 256, 8, 4, 1), (128, 128, 8, 3, 2), (12
 WIDE_K = [(128, 256, 256, 8, 2, 0), (128, 128, 256, 8, 3, 0), (64, 256, 256, 8, 2, 0),
           (128, 256, 256, 8, 2, 1), (128, 128, 256, 8, 3, 1), (128, 128, 256, 8, 3, 2),
           (128, 256, 64, 8, 6, 1), (128, 256, 64, 8, 8, 1)]
+
+
+# What the summary adds up: the products as served (FP8: the gated first product and the down one;
+# bf16: its two grouped GEMMs, the gate a kernel of its own).
+SERVED = ("gate_up gated", "down")
+BF16_SERVED = ("gate_up", "down")
 
 
 def variants() -> list[tuple[str, dict]]:
@@ -83,6 +92,11 @@ def main() -> None:
     token_rows = torch.randn(tokens, hidden, device=device, generator=generator, dtype=torch.bfloat16)
     hidden_rows = torch.randn(m, width, device=device, generator=generator, dtype=torch.bfloat16)
     modules = {p: fp8_experts.FP8ExpertWeights.quantize(w, "row") for p, w in weights.items()}
+    # The first product as served: gate and up rows interleaved, silu(gate) x up x the routing weight
+    # in the epilogue ([M, I] written instead of [M, 2I]).
+    modules["gate_up gated"] = fp8_experts.FP8ExpertWeights.quantize(weights["gate_up"], "row")
+    assert modules["gate_up gated"].interleave_gate()
+    route = torch.rand(m, device=device, generator=generator)
     spreads = {"even": [m // experts] * experts, f"all on {k}": [tokens] * k + [0] * (experts - k)}
     cases = []  # (spread, product, call arguments, reference, out_map, flop)
     for spread, sizes in spreads.items():
@@ -91,15 +105,21 @@ def main() -> None:
         scatter = torch.randperm(m, device=device, generator=generator)
         for product, module in modules.items():
             n, kk = module.weight.shape[1:]
-            x_bf16 = token_rows.index_select(0, gather) if product == "gate_up" else hidden_rows
-            source = token_rows if product == "gate_up" else hidden_rows
+            first = product.startswith("gate_up")
+            x_bf16 = token_rows.index_select(0, gather) if first else hidden_rows
+            source = token_rows if first else hidden_rows
             aq, a_s = module.quantize_input(source)
             expected = _probe_reference(fp8.dequantize(*module.quantize_input(x_bf16)), module.dequantized(), sizes)
-            rows_in = gather if product == "gate_up" else None
+            gated = {}
+            if module.gate_group:  # (dequantized: [gate | up], transformers' order)
+                gate, up = expected.chunk(2, dim=-1)
+                expected = torch.nn.functional.silu(gate) * up * route[:, None]
+                gated = dict(route=route, gate_group=module.gate_group)
+            rows_in = gather if first else None
             rows_out = scatter if product == "down" else None
-            bf16 = (x_bf16, weights[product].transpose(1, 2), offsets)
+            bf16 = (x_bf16, weights[product.split()[0]].transpose(1, 2), offsets)
             cases.append((spread, product, (aq, a_s, module.weight, module.weight_scale, offsets, rows_in, rows_out),
-                          expected, rows_out, 2 * m * n * kk, bf16))
+                          expected, rows_out, 2 * m * n * kk, bf16, gated))
 
     lines = ["| spread | product | kernel | accumulation | ms | TFLOP/s | × bf16 | error |",
              "|---|---|---|---|---|---|---|---|"]
@@ -107,11 +127,11 @@ def main() -> None:
 
     def run(label: str, config: dict | None, fast: bool) -> None:
         total = 0.0
-        for spread, product, call_args, expected, rows_out, flop, bf16 in cases:
+        for spread, product, call_args, expected, rows_out, flop, bf16, gated in cases:
             out = torch.empty(expected.shape[0], expected.shape[1], device=device, dtype=torch.bfloat16)
 
-            def call(out=out, call_args=call_args):
-                return fp8_grouped_gemm.launch(*call_args, out, config=config, fast_accum=fast)
+            def call(out=out, call_args=call_args, gated=gated):
+                return fp8_grouped_gemm.launch(*call_args, out, config=config, fast_accum=fast, **gated)
             try:
                 start = time.perf_counter()
                 got = call().float()
@@ -130,17 +150,19 @@ def main() -> None:
                          f"{flop / ms / 1e9:.0f} | {bf16_ms[(spread, product)] / ms:.2f} | {error:.2e}"
                          f"{' WRONG' if error > 1e-2 else ''} | ")
             print(lines[-1], f"(first call {compile_s:.1f} s)", flush=True)
-            total += ms if error <= 1e-2 else float("inf")
+            if product in SERVED:
+                total += ms if error <= 1e-2 else float("inf")
         times[(label, fast)] = total
 
     bf16_ms = {}  # bf16 torch._grouped_mm per case
-    for spread, product, call_args, expected, rows_out, flop, bf16 in cases:
+    for spread, product, call_args, expected, rows_out, flop, bf16, gated in cases:
         ms = median_call_ms(lambda bf16=bf16: torch._grouped_mm(bf16[0], bf16[1], offs=bf16[2],
                                                                 out_dtype=torch.bfloat16), args.iters, 2)
         bf16_ms[(spread, product)] = ms
         lines.append(f"| {spread} | {product} | bf16 torch._grouped_mm | | {ms:.3f} | {flop / ms / 1e9:.0f} | 1 | |")
         print(lines[-1], flush=True)
-        times[("bf16", False)] = times.get(("bf16", False), 0.0) + ms
+        if product in BF16_SERVED:
+            times[("bf16", False)] = times.get(("bf16", False), 0.0) + ms
     for label, config in chosen:
         run(label, config, fast=True)
     fast_order = sorted((ms, label) for (label, fast), ms in times.items() if fast and ms < float("inf"))
@@ -151,7 +173,8 @@ def main() -> None:
     run("autotuned", None, fast=False)
 
     bf16_total = times[("bf16", False)]
-    summary = ["", "| kernel | accumulation | ms, the four cases summed | × bf16 |", "|---|---|---|---|"]
+    summary = ["", "| kernel | accumulation | ms, the served products of both spreads summed | × bf16 |",
+               "|---|---|---|---|"]
     for (label, fast), ms in sorted(times.items(), key=lambda item: item[1]):
         summary.append(f"| {label} | {'fast' if fast else ('promoted' if label != 'bf16' else '')} | {ms:.3f} | "
                        f"{bf16_total / ms:.2f} |")
