@@ -20,7 +20,7 @@ import torch
 
 from distill_common.models import load_causal_lm
 from distill_common.wire import parse_output_dtype
-from teacher_server import fp8, fp8_calibration, fp8_experts, moe, parallel, sink_attention
+from teacher_server import fp8, fp8_calibration, fp8_experts, moe, parallel, routing, sink_attention
 from teacher_server.parallel import World
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,9 @@ def _own_kernels(model, device: torch.device, world: World | None, compile_layer
     except moe.MoeUnsupported as e:
         raise ValueError(f"--model: {e}") from e
     sinks = sink_attention.install(model)
+    routed = routing.served(model)
     kernels = ", ".join(name for name, used in ((f"experts {moe.IMPLEMENTATION}", expert_load is not None),
+                                                (f"routers {routing.IMPLEMENTATION}", routed),
                                                 (f"attention {sink_attention.IMPLEMENTATION}", sinks)) if used)
     if kernels and compile_layers and device.type == "cuda" and world is None:
         for layer in fp8.decoder_layers(model):

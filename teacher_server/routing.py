@@ -47,6 +47,8 @@ except ImportError:  # a CPU-only install: `softmax_topk` is torch's arithmetic
 
 log = logging.getLogger(__name__)
 
+IMPLEMENTATION = "softmax_topk"  # what /v1/status's kernels name
+
 # The widest router the kernel holds in registers (a row of logits), and the most experts a token it
 # routes (its k rounds are unrolled: compiling k = 64 took 30 s); others run torch's.
 KERNEL_MAX_EXPERTS = 1024
@@ -198,6 +200,12 @@ def _kind(module: torch.nn.Module) -> tuple:
     """What one check covers: routers alike in class, width, k, normalisation, dtype and device."""
     return (type(module), tuple(module.weight.shape), module.top_k, module.routing_normalizes, module.weight.dtype,
             module.weight.device)
+
+
+def served(model: torch.nn.Module) -> int:
+    """How many of the model's routers run the kernel (replaced, on a device the kernel serves)."""
+    return sum(getattr(m.__dict__.get("forward"), "__func__", None) is _forward
+               and kernel_serves(m.weight.device, m.weight.shape[0], m.top_k) for m in routers(model))
 
 
 def uninstall(model: torch.nn.Module) -> None:

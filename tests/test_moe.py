@@ -81,6 +81,7 @@ def test_every_output_kind_equals_transformers_eager_forward(tmp_path, model_typ
     # Softmax-then-top-k routers run through teacher_server/routing.py's op (torch's arithmetic on a CPU).
     replaced = [r for r in routing.routers(runner.model) if "forward" in r.__dict__]
     assert len(replaced) == (2 if model_type in ("qwen3_moe", "mixtral") else 0)
+    assert routing.IMPLEMENTATION not in runner.info.kernels  # (torch's arithmetic on a CPU: no kernel)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 96, (3, 21), generator=generator)
     # Without padding (the runner passes no mask), then the second row right-padded (the engine's

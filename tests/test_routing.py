@@ -174,7 +174,7 @@ def _interpreted() -> None:
         assert routing.check_kernel(torch.device("cpu"), experts, k, dtype) == "", (experts, k)
     for model_type in sorted(TINY):
         model = _model(model_type)
-        assert routing.install(model) == 1, model_type
+        assert routing.install(model) == 1 and routing.served(model) == 1, model_type
         x = torch.randn(5, 32)
         assert torch.equal(model.model.layers[0].mlp.gate(x)[2], expected(F.linear(x, routing.routers(model)[0].weight),
                                                                            2)[1])

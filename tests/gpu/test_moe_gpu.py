@@ -62,6 +62,7 @@ def test_the_served_moe_forward_equals_transformers_eager_in_float32(tmp_path, m
     # Softmax-then-top-k routers through teacher_server/routing.py's kernel (its check at install passed).
     replaced = [r for r in routing.routers(runner.model) if "forward" in r.__dict__]
     assert len(replaced) == (3 if model_type in ("qwen3_moe", "mixtral") else 0)
+    assert (routing.IMPLEMENTATION in runner.info.kernels) == bool(replaced)
     generator = torch.Generator(device="cuda").manual_seed(1)
     with torch.no_grad():
         for parameter in runner.model.parameters():
