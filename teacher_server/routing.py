@@ -165,13 +165,12 @@ def install(model: torch.nn.Module, group=None) -> int:
         normalizes, casts = ROUTERS[type(module).__name__]
         module.routing_normalizes = normalizes == "always" or bool(getattr(module, "norm_topk_prob", False))
         module.routing_casts = casts
-        key = _kind(module)
+        key, weight = _kind(module), module.weight
         if key in verdicts:
             continue
-        if not kernel_serves(module.weight.device, module.weight.shape[0], module.top_k):
+        if not kernel_serves(weight.device, weight.shape[0], module.top_k):
             verdicts[key] = ""  # torch's arithmetic: the router's own
             continue
-        weight = module.weight
         try:
             verdicts[key] = (check_kernel(weight.device, weight.shape[0], module.top_k, weight.dtype)
                              or check(module, types.MethodType(_forward, module)))
@@ -275,9 +274,9 @@ def _compare(module, own, got) -> str:
     # of equal probability.
     probs = F.softmax(logits, dtype=torch.float, dim=-1)
     chosen = probs.gather(1, got_experts)
-    wanted = probs.gather(1, experts)
-    if not torch.equal(chosen.sort(dim=-1).values, wanted.sort(dim=-1).values):
-        return f"other experts chosen in {_rows(chosen.sort(dim=-1).values != wanted.sort(dim=-1).values)} rows"
+    chosen_set, wanted_set = chosen.sort(dim=-1).values, probs.gather(1, experts).sort(dim=-1).values
+    if not torch.equal(chosen_set, wanted_set):
+        return f"other experts chosen in {_rows(chosen_set != wanted_set)} rows"
     # Each weight that of its own expert: its probability, normalised and cast as the router does.
     if got_values.dtype != values.dtype:
         return f"weights in {got_values.dtype}, not {values.dtype}"
