@@ -381,8 +381,8 @@ def quantize_model(model, plan: Fp8Plan, input_means: dict[str, torch.Tensor] | 
             continue
         mean = None if input_means is None else input_means.get(full_name)
         layer = FP8Linear.from_linear(child, plan.scaling, plan.fast_accum, mean)
-        if name == "o_proj" and plan.scaling == "row" and fp8_rows.kernel_serves(layer.in_features,
-                                                                                  layer.weight.device):
+        if name == "o_proj" and plan.scaling == "row" and fp8_rows.serves(layer.in_features, layer.weight.device,
+                                                                           child.weight.dtype):
             # Its input is attention's output, which a compiled layer cannot fuse a quantization into.
             layer.quantize = fp8_rows.quantize_rows_kernel
         setattr(parent, name, layer)

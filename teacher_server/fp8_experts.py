@@ -282,7 +282,7 @@ def quantize_experts(model: nn.Module, scaling: str, keep_layers: tuple[int, ...
                 if name == "gate_up_proj" and getattr(module, "plain_swiglu", False):
                     quantized.interleave_gate()  # the gate in the first product's epilogue (moe.experts_forward)
                 if name == "down_proj" and getattr(getattr(module, "gate_up_proj", None), "gate_group", 0) \
-                        and fp8_rows.kernel_serves(quantized.shape[2], quantized.device):
+                        and fp8_rows.serves(quantized.shape[2], quantized.device, canonical.dtype):
                     # Its input comes out of the gated product's kernel, which nothing fuses into.
                     quantized.quantize_rows = fp8_rows.quantize_rows_kernel
                 setattr(module, name, quantized)

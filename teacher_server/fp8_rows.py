@@ -17,9 +17,17 @@ quotient are normal numbers (rounded to nearest, as torch's divisions; subnormal
 in their last bits, far under e4m3's smallest step), the same e4m3 rounding, zeros' signs kept; a
 NaN in a row makes its scale and every element NaN, as torch's reductions do
 (tests/gpu/test_moe_gpu.py holds it to `quantize_rows` byte for byte).
+
+Before a layer takes the kernel (`serves`), `check` holds it to `quantize_rows` on that device, for
+that width and dtype, on rows that random ones rarely give (magnitudes spread over 2^-60..2^60, a
+zero row, -0s, a NaN, an inf, a row stride past the width): a kernel that differs there (a GPU or
+Triton it was not tested on) leaves the layer on torch's quantization, with a warning, instead of
+serving other values.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -28,6 +36,8 @@ try:
     import triton.language as tl
 except ImportError:  # a CPU-only install: `quantize_rows_kernel` computes `quantize_rows`
     triton = None
+
+IMPLEMENTATION = "quantize_rows"  # what /v1/status's kernels name
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -48,6 +58,8 @@ def kernel_serves(width: int, device: torch.device) -> bool:
     """Whether `quantize_rows_kernel` runs the Triton kernel for rows of `width` on `device`."""
     return triton is not None and device.type == "cuda" and width <= KERNEL_MAX_WIDTH
 
+
+log = logging.getLogger(__name__)
 
 # What CUDA torch multiplies by for `amax / 448` (a tensor divided by a Python number is computed
 # as a product with the number's float32 reciprocal there): quantize_rows's scales on a GPU.
@@ -98,6 +110,80 @@ def launch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
     if m:
         _quantize_rows_kernel[(triton.cdiv(m, rows),)](x, q, scale, m, k, x.stride(0), INV_MAX=INV_FP8_MAX,
                                                        BLOCK_K=width, ROWS=rows, num_warps=warps)
+
+
+@torch.no_grad()
+def check(width: int, device: torch.device, dtype: torch.dtype, run=None) -> str:
+    """What differs between the kernel (`run(x, q, scale)`, by default `launch`) and `quantize_rows`
+    on `device` for rows of `width` in `dtype` ("" when nothing does): the scales, the float32
+    quotients before the e4m3 rounding (exact: a one-ulp error shows here long before it reaches a
+    rounding boundary), the e4m3 bytes, and NaNs where torch has them, on 67 rows (a partial last
+    program) read through a row stride past the width."""
+    run = launch if run is None else run
+    generator = torch.Generator(device=device).manual_seed(0)
+    rows = 67
+    wide = torch.randn(rows, width + 8, device=device, generator=generator) ** 3
+    # Each row's magnitude 2^e, e spread over the dtype's range (bf16: 2^-60..2^60; fp16: 2^-8..2^8).
+    reach = min(60, int(torch.finfo(dtype).max).bit_length() // 2)
+    exponents = torch.randint(-reach, reach + 1, (rows, 1), device=device, generator=generator)
+    wide = (wide * torch.exp2(exponents.float())).to(dtype)
+    wide[0] = 0.0
+    wide[1, :: 3] = -0.0
+    wide[2, width // 2] = float("nan")
+    wide[3, width - 1] = float("inf")
+    wide[4, 0] = float("-inf")
+    x = wide[:, :width]
+    q_ref, scale_ref = quantize_rows(x)
+    quotients_ref = (x.float() / scale_ref).clamp(-FP8_MAX, FP8_MAX)
+    q, scale = torch.empty(rows, width, dtype=FP8, device=device), torch.empty(rows, 1, device=device)
+    quotients = torch.empty(rows, width, device=device)
+    try:
+        run(x, q, scale)
+        run(x, quotients, torch.empty(rows, 1, device=device))
+    except Exception as e:  # noqa: BLE001 - any failure of the kernel (a compile error, a launch error) is the verdict
+        return f"the kernel failed: {type(e).__name__}: {e}"
+    if not torch.equal(scale.nan_to_num(-1.0), scale_ref.nan_to_num(-1.0)):
+        return f"other scales in {_rows(scale.nan_to_num(-1.0) != scale_ref.nan_to_num(-1.0))} of {rows} rows"
+    same = (quotients == quotients_ref) & (quotients.signbit() == quotients_ref.signbit())
+    same |= quotients.isnan() & quotients_ref.isnan()
+    if not bool(same.all()):
+        return f"other float32 quotients in {_rows(~same)} of {rows} rows"
+    nan = q_ref.float().isnan()  # (a NaN's sign bit is not asked of it)
+    if not torch.equal(q.float().isnan(), nan):
+        return f"NaNs elsewhere than torch's in {_rows(q.float().isnan() != nan)} of {rows} rows"
+    differs = (q.view(torch.uint8) != q_ref.view(torch.uint8)) & ~nan
+    if bool(differs.any()):
+        return f"other e4m3 bytes in {_rows(differs)} of {rows} rows"
+    return ""
+
+
+def _rows(mismatch: torch.Tensor) -> int:
+    return int(mismatch.any(dim=-1).sum())
+
+
+_verdicts: dict[tuple, bool] = {}
+
+
+def serves(width: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a layer whose input rows are `width` wide in `dtype` on `device` takes
+    `quantize_rows_kernel`: the kernel runs there (`kernel_serves`) and `check` passed (once per
+    width, device and dtype; where it did not, a warning says what differed)."""
+    if not kernel_serves(width, device):
+        return False
+    key = (width, str(device), dtype)
+    if key not in _verdicts:
+        why = check(width, device, dtype)
+        if why:
+            log.warning("FP8 row quantization kernel, rows of %d in %s on %s: %s; those layers quantize with "
+                        "torch instead (the same values, slower)", width, dtype, device, why)
+        _verdicts[key] = not why
+    return _verdicts[key]
+
+
+def served(model: torch.nn.Module) -> int:
+    """How many of the model's layers quantize their input rows with the kernel."""
+    return sum(1 for m in model.modules()
+               if quantize_rows_kernel in (getattr(m, "quantize", None), getattr(m, "quantize_rows", None)))
 
 
 @torch.library.custom_op("distill_fp8::quantize_rows", mutates_args=())

@@ -20,7 +20,7 @@ import torch
 
 from distill_common.models import load_causal_lm
 from distill_common.wire import parse_output_dtype
-from teacher_server import fp8, fp8_calibration, fp8_experts, moe, parallel, routing, sink_attention
+from teacher_server import fp8, fp8_calibration, fp8_experts, fp8_rows, moe, parallel, routing, sink_attention
 from teacher_server.parallel import World
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,8 @@ def load_model(model_name: str, device: torch.device, world: World | None, dtype
                                      "(transformers' FineGrainedFP8Config(dequantize=True), save_pretrained) and "
                                      "serve that directory") from e
         log.info("FP8 self-check: %d layer shapes match the dequantize-then-multiply reference", checked)
+    if fp8_rows.served(model):
+        kernels = ", ".join(filter(None, (kernels, f"FP8 activation rows {fp8_rows.IMPLEMENTATION}")))
     if quantization.format:
         _compile_fp8(model, quantize.compile if quantize is not None else "auto", device, world)
     return LoadedModel(model, quantization, expert_load, kernels)

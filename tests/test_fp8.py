@@ -99,6 +99,97 @@ def test_the_row_kernel_operator_is_quantize_rows_where_no_kernel_runs():
     torch.library.opcheck(fp8_rows.quantize_rows_kernel, (x,))
 
 
+def _torch_kernel(x, out, scale):
+    """What the row kernel computes (torch's arithmetic): e4m3 values, or float32 quotients for a
+    float32 `out`."""
+    from teacher_server import fp8_rows
+
+    q, s = fp8_rows.quantize_rows(x)
+    scale.copy_(s)
+    out.copy_(q if out.dtype == fp8_rows.FP8 else (x.float() / s).clamp(-fp8_rows.FP8_MAX, fp8_rows.FP8_MAX))
+
+
+def _one_ulp_off(x, out, scale):
+    _torch_kernel(x, out, scale)
+    if out.dtype == torch.float32:
+        out.view(torch.int32)[40, 3] += 1
+
+
+def _minus_zero_made_plus(x, out, scale):
+    _torch_kernel(x, out, scale)
+    out.copy_(torch.where(out.float() == 0, torch.zeros_like(out), out))
+
+
+def _nan_skipped(x, out, scale):
+    _torch_kernel(torch.where(x.isnan(), torch.zeros_like(x), x), out, scale)
+
+
+def _row_stride_ignored(x, out, scale):
+    _torch_kernel(x.as_strided(x.shape, (x.shape[1], 1)), out, scale)
+
+
+def _truncated_to_e4m3(x, out, scale):
+    """The quotients right, their e4m3 rounding toward zero instead of to nearest."""
+    from teacher_server import fp8_rows
+
+    _torch_kernel(x, out, scale)
+    if out.dtype == fp8_rows.FP8:
+        quotients = (x.float() / scale).clamp(-fp8_rows.FP8_MAX, fp8_rows.FP8_MAX)
+        over = out.float().abs() > quotients.abs()
+        out.view(torch.uint8)[over] -= 1  # one step toward zero (e4m3's magnitude bits are ordered)
+
+
+def _fails(x, out, scale):
+    raise RuntimeError("PTX compilation failed")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_row_kernels_check_passes_its_arithmetic_and_catches_each_difference(dtype):
+    """fp8_rows.check, run before a layer takes the row kernel on its device: a kernel computing
+    quantize_rows's values passes (widths of a partial block and of a whole one); one ulp off in one
+    float32 quotient, -0 made +0, a NaN that does not make its row NaN, the row stride ignored,
+    e4m3 rounding toward zero, and a kernel that throws are each found and named."""
+    from teacher_server import fp8_rows
+
+    cpu = torch.device("cpu")
+    for width in (200, 768):
+        assert fp8_rows.check(width, cpu, dtype, _torch_kernel) == ""
+    cases = ((_one_ulp_off, "other float32 quotients in 1 of 67 rows"), (_minus_zero_made_plus, "quotients"),
+             (_nan_skipped, "other scales in 1 of 67 rows"), (_row_stride_ignored, "other scales"),
+             (_truncated_to_e4m3, "other e4m3 bytes"), (_fails, "the kernel failed: RuntimeError: PTX"))
+    for run, said in cases:
+        assert said in fp8_rows.check(768, cpu, dtype, run), run.__name__
+
+
+def test_a_layer_takes_the_row_kernel_only_where_its_check_passed(monkeypatch, caplog):
+    """fp8.quantize_model's o projections (as on a GPU, the kernel's predicate forced here): with a
+    kernel that computes quantize_rows's values they take it; with one that differs they keep
+    torch's quantization and a warning says what differed, once per width (the verdict kept)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from teacher_server import fp8_rows
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    monkeypatch.setattr(fp8_rows, "kernel_serves", lambda width, device: True)
+    monkeypatch.setattr(fp8_rows, "_verdicts", {})
+    monkeypatch.setattr(fp8_rows, "launch", _torch_kernel)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    fp8.quantize_model(model, fp8.Fp8Plan("row"))
+    takes = [layer.self_attn.o_proj.quantize is fp8_rows.quantize_rows_kernel for layer in model.model.layers]
+    assert takes == [True, True] and fp8_rows.served(model) == 2
+    assert model.model.layers[0].mlp.down_proj.quantize is not fp8_rows.quantize_rows_kernel
+
+    calls = []
+    monkeypatch.setattr(fp8_rows, "_verdicts", {})
+    monkeypatch.setattr(fp8_rows, "launch", lambda x, out, scale: (calls.append(1), _one_ulp_off(x, out, scale)))
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with caplog.at_level("WARNING", logger="teacher_server.fp8_rows"):
+        fp8.quantize_model(model, fp8.Fp8Plan("row"))
+    assert fp8_rows.served(model) == 0 and len(calls) == 2  # one check (two launches) for both layers
+    assert "rows of 64 in torch.bfloat16" in caplog.text and "other float32 quotients" in caplog.text
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp8_linear_equals_dequantize_then_matmul(bias):
     torch.manual_seed(3)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from teacher_server import fp8_experts, moe
+from teacher_server import fp8_experts, fp8_rows, moe
 from teacher_server.fp8 import Fp8Plan
 from teacher_server.model_runner import ModelRunner
 from bench.moe_checks import checkable_moe
@@ -242,6 +242,7 @@ def test_a_published_fp8_moe_checkpoint_is_served_as_stored(published_dir):
     assert runner.quantization.source == "checkpoint" and runner.quantization.scaling == "block"
     experts = moe.experts_modules(runner.model)
     assert len(experts) == 2 and moe.IMPLEMENTATION in runner.info.kernels
+    assert fp8_rows.IMPLEMENTATION not in runner.info.kernels  # (no row kernel on a CPU)
     for layer, module in enumerate(experts):
         assert isinstance(module.down_proj, fp8_experts.FP8ExpertWeights) and module.down_proj.scaling == "block"
         for e in range(PUBLISHED["num_experts"]):

@@ -207,7 +207,7 @@ def test_the_row_quantization_kernel_gives_quantize_rows_values():
     """fp8_rows.quantize_rows_kernel (the o projection's and the down product's inputs) against
     fp8_rows.quantize_rows, byte for byte: widths of the Qwen3-30B-A3B forward and a ragged one; a
     transposed input and a slice of a wider one (row stride past the width); a row with a NaN (all
-    NaN), one with an inf, a -0."""
+    NaN), one with an inf, a -0; and fp8_rows.check, what a layer runs before it takes the kernel."""
     from teacher_server import fp8_rows
 
     generator = torch.Generator(device="cuda").manual_seed(5)
@@ -233,6 +233,11 @@ def test_the_row_quantization_kernel_gives_quantize_rows_values():
         _, scale_ref = fp8_rows.quantize_rows(x)
         want = (x.float() / scale_ref).clamp(-fp8_rows.FP8_MAX, fp8_rows.FP8_MAX)
         assert torch.equal(quotients.nan_to_num(-1.0), want.nan_to_num(-1.0)), (rows, k)
+    # and the check a layer runs before it takes the kernel passes (else the served forwards below
+    # quantize with torch, and their assertions that the kernel serves fail).
+    for k in (768, 2048, 4096, 200):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            assert fp8_rows.check(k, torch.device("cuda"), dtype) == "", (k, dtype)
 
 
 def test_the_persistent_kernel_reads_weights_through_tma_from_any_thread():
@@ -350,6 +355,7 @@ def test_fp8_experts_on_hopper_match_their_reference_layer_by_layer(tmp_path, sc
         elif isinstance(module, fp8_experts.FP8ExpertWeights):
             on_kernel = module.quantize_rows is fp8_rows.quantize_rows_kernel
             assert on_kernel == (scaling == "row" and name.endswith("down_proj")), name
+    assert (fp8_rows.IMPLEMENTATION in runner.info.kernels) == (scaling == "row")
     # The same e4m3 weights on both devices, up to rounding: CUDA divides by a Python number as a
     # multiplication by its reciprocal (ATen's div_true_kernel_cuda), so a scale amax / 448 can be an
     # ulp off the CPU's, and an element at a rounding boundary one e4m3 step off (simulated on the CPU
