@@ -45,7 +45,9 @@ read by the quantization that follows, teacher_server/fp8_rows.py's kernel). Row
 
 `swiglu_quantize` is the step between the two products for a plain SwiGLU gate whose rows are not
 interleaved (block scales): silu(gate) x up x the routing weight of each row, quantized per row or
-per 1 x 128 block, one read of the bf16 row.
+per 1 x 128 block, one read of the bf16 row; its scales and quotients computed as
+teacher_server/fp8_rows.py's kernel computes them (amax x RN(1/448), quotients rounded to nearest
+without a division an element), so they are torch's for the same h.
 
 The tile shapes are autotuned per (N, K, scaling, gated, rows per expert rounded to a power of 4)
 on first use among a few configurations (`CONFIGS`, `PERSISTENT_CONFIGS`), timed with the L2 cache
@@ -61,13 +63,15 @@ import functools
 
 import torch
 
+from teacher_server.fp8_rows import INV_FP8_MAX
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # a CPU-only install: fp8_experts.py's dequantize-and-multiply path serves
     triton = None
 else:
-    from teacher_server.fp8_rows import _max_nan
+    from teacher_server.fp8_rows import _max_nan, _quotient_rn
 
 BLOCK = 128  # the scale blocks of the block layout (1 x 128 activation, 128 x 128 weight)
 MAX_EXPERTS = 1024  # the experts one kernel schedules (its tile counts are held in registers)
@@ -283,7 +287,8 @@ if triton is not None:
 
     @triton.jit
     def _swiglu_quantize_kernel(x_ptr, weight_ptr, q_ptr, scale_ptr, M, I, stride_x, stride_q, stride_s,
-                                BLOCK_SCALED: tl.constexpr, BLOCK_I: tl.constexpr, ROWS: tl.constexpr):
+                                INV_MAX: tl.constexpr, BLOCK_SCALED: tl.constexpr, BLOCK_I: tl.constexpr,
+                                ROWS: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         row_ok = rows < M
         cols = tl.arange(0, BLOCK_I)
@@ -296,17 +301,17 @@ if triton is not None:
         if BLOCK_SCALED:
             blocks = tl.reshape(h, (ROWS, BLOCK_I // 128, 128))
             # (NaN kept, as torch's reductions keep it: a row with a NaN quantizes to NaNs)
-            scale = tl.maximum(tl.reduce(tl.abs(blocks), 2, _max_nan) / 448.0, 1e-12,
+            scale = tl.maximum(tl.reduce(tl.abs(blocks), 2, _max_nan) * INV_MAX, 1e-12,
                                propagate_nan=tl.PropagateNan.ALL)  # [ROWS, BLOCK_I / 128]
-            q = tl.reshape(tl.clamp(blocks / scale[:, :, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL),
-                           (ROWS, BLOCK_I))
+            q = tl.reshape(tl.clamp(_quotient_rn(blocks, scale[:, :, None]), -448.0, 448.0,
+                                    propagate_nan=tl.PropagateNan.ALL), (ROWS, BLOCK_I))
             nblocks = tl.arange(0, BLOCK_I // 128)
             tl.store(scale_ptr + rows64[:, None] * stride_s + nblocks[None, :], scale,
                      mask=row_ok[:, None] & (nblocks * 128 < I)[None, :])
         else:
-            scale = tl.maximum(tl.reduce(tl.abs(h), 1, _max_nan) / 448.0, 1e-12,
+            scale = tl.maximum(tl.reduce(tl.abs(h), 1, _max_nan) * INV_MAX, 1e-12,
                                propagate_nan=tl.PropagateNan.ALL)  # [ROWS]
-            q = tl.clamp(h / scale[:, None], -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+            q = tl.clamp(_quotient_rn(h, scale[:, None]), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
             tl.store(scale_ptr + rows64 * stride_s, scale, mask=row_ok)
         tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -530,7 +535,8 @@ def swiglu_quantize(x: torch.Tensor, weight: torch.Tensor, block_scaled: bool) -
     if m:
         _swiglu_quantize_kernel[(triton.cdiv(m, rows),)](
             x, weight.reshape(-1).contiguous(), q, scale, m, i, x.stride(0), q.stride(0), scale.stride(0),
-            BLOCK_SCALED=block_scaled, BLOCK_I=max(triton.next_power_of_2(i), BLOCK), ROWS=rows, num_warps=4)
+            INV_MAX=INV_FP8_MAX, BLOCK_SCALED=block_scaled, BLOCK_I=max(triton.next_power_of_2(i), BLOCK),
+            ROWS=rows, num_warps=4)
     return q, scale
 
 

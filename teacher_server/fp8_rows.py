@@ -71,6 +71,24 @@ if triton is not None:
         return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
+    def _quotient_rn(x, scale):
+        """x / scale rounded to nearest (as torch's division), float32, `scale` broadcast over x,
+        without a division an element (with an IEEE division an element the row kernel ran about 3x
+        slower in the forward): the reciprocal rounded to nearest, the product, and corrections by
+        the exact residual (one FMA each). A correction of a quotient within one ulp gives the
+        quotient rounded to nearest (Markstein's theorem); the product is not always within one ulp,
+        so the first correction brings it there and the second rounds it (for bf16 x one suffices;
+        fp16 and float32 x need both). A zero residual (the quotient exact, or x a zero whose sign a
+        correction would lose) or a NaN one (an inf scale: a row with an inf) keeps the quotient:
+        x * 0 there, a zero of x's sign, NaN for the inf. A NaN scale gives NaN."""
+        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+        quotient = x * inv
+        for _ in tl.static_range(2):
+            residual = tl.math.fma(-quotient, scale, x)
+            quotient = tl.where(tl.abs(residual) > 0, tl.math.fma(residual, inv, quotient), quotient)
+        return quotient
+
+    @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_x, INV_MAX: tl.constexpr, BLOCK_K: tl.constexpr,
                               ROWS: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -80,19 +98,7 @@ if triton is not None:
         x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         amax = tl.reduce(tl.abs(x), 1, _max_nan)
         scale = tl.maximum(amax * INV_MAX, 1e-12, propagate_nan=tl.PropagateNan.ALL)
-        # x / scale rounded to nearest without a division an element (with an IEEE division an
-        # element this kernel ran about 3x slower in the forward): the reciprocal rounded to nearest, the
-        # product, and corrections by the exact residual (one FMA each). A correction of a quotient
-        # within one ulp gives the quotient rounded to nearest (Markstein's theorem); the product is
-        # not always within one ulp, so the first correction brings it there and the second rounds
-        # it (for bf16 rows one suffices; fp16 and float32 rows need both). A zero residual (the
-        # quotient exact, or x a zero whose sign a correction would lose) or a NaN one (an inf
-        # scale: a row with an inf) keeps the quotient: x * 0 there, a zero of x's sign, NaN for the inf.
-        inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
-        quotient = x * inv
-        for _ in tl.static_range(2):
-            residual = tl.math.fma(-quotient, scale[:, None], x)
-            quotient = tl.where(tl.abs(residual) > 0, tl.math.fma(residual, inv, quotient), quotient)
+        quotient = _quotient_rn(x, scale[:, None])
         q = tl.clamp(quotient, -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + rows64, scale, mask=rows < M)

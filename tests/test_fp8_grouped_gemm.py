@@ -51,7 +51,7 @@ def _reference(a, a_scale, w, w_scale, offsets, gather, scatter, rows):
 
 def _checks() -> None:
     _interpreter_index_fix()
-    from teacher_server import fp8, fp8_grouped_gemm
+    from teacher_server import fp8, fp8_grouped_gemm, fp8_rows
 
     generator = torch.Generator().manual_seed(0)
     sizes = [7, 0, 30, 1, 8]
@@ -81,7 +81,8 @@ def _checks() -> None:
         q = torch.empty(10, 384, dtype=torch.float8_e4m3fn)
         scale = torch.empty(10, 3 if block else 1)
         fp8_grouped_gemm._swiglu_quantize_kernel[(3,)](x, weight, q, scale, 10, 384, x.stride(0), q.stride(0),
-                                                       scale.stride(0), BLOCK_SCALED=block, BLOCK_I=512, ROWS=4)
+                                                       scale.stride(0), INV_MAX=fp8_rows.INV_FP8_MAX,
+                                                       BLOCK_SCALED=block, BLOCK_I=512, ROWS=4)
         q_ref, scale_ref = fp8_grouped_gemm.swiglu_quantize_reference(x, weight, block)
         torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
         # The interpreter's float -> e4m3 conversion drops the carry where rounding reaches the next
@@ -89,6 +90,28 @@ def _checks() -> None:
         # rest are the same e4m3 values.
         same = q.view(torch.uint8) == q_ref.view(torch.uint8)
         assert same.float().mean() > 0.95, same.float().mean()
+        # Its quantization exactly: gates where SiLU is the identity in float32 (sigmoid(g) rounds to 1
+        # for g >= 17), so h = gate x up x weight in the same order as torch's; the kernel writing its
+        # quotients unrounded (float32). Scales amax x RN(1/448) as CUDA torch's `amax / 448`; each
+        # quotient torch's division; a zero's sign kept; a NaN row all NaN.
+        gate = (20 + 20 * torch.rand(10, 384, generator=generator)).to(torch.bfloat16)
+        up = torch.randn(10, 384, generator=generator) ** 3 * torch.exp2(torch.randint(-20, 21, (10, 1),
+                                                                                      generator=generator).float())
+        up[2, 5], up[3, ::7] = float("nan"), -0.0
+        x = torch.cat([gate, up.to(torch.bfloat16)], dim=1)
+        quotients = torch.empty(10, 384)
+        fp8_grouped_gemm._swiglu_quantize_kernel[(3,)](x, weight, quotients, scale, 10, 384, x.stride(0),
+                                                       quotients.stride(0), scale.stride(0),
+                                                       INV_MAX=fp8_rows.INV_FP8_MAX, BLOCK_SCALED=block,
+                                                       BLOCK_I=512, ROWS=4)
+        h = (torch.nn.functional.silu(x[:, :384].float()) * x[:, 384:].float() * weight.reshape(-1, 1))
+        blocks = h.reshape(10, 3 if block else 1, -1)
+        scale_ref = (blocks.abs().amax(dim=-1, keepdim=True) * fp8_rows.INV_FP8_MAX).clamp(min=1e-12)
+        quotients_ref = (blocks / scale_ref).clamp(-448.0, 448.0).reshape(10, 384)
+        assert torch.equal(scale.nan_to_num(-1.0), scale_ref.reshape(10, -1).nan_to_num(-1.0)), block
+        assert torch.equal(quotients.nan_to_num(-1.0), quotients_ref.nan_to_num(-1.0)), block
+        assert torch.equal(quotients.signbit()[~quotients_ref.isnan()], quotients_ref.signbit()[~quotients_ref.isnan()])
+        assert quotients[2, :128].isnan().all() and (quotients[3] == 0).any()
     _row_quantization_kernel(generator)
     print("interpreted kernels match")
 
