@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 PROTO_SRC := proto/teacher/v1/teacher.proto
 PROTO_OUT := distill_common/proto
 
-.PHONY: install proto proto-check test test-slow test-gpu smollm2 lint-deploy images serve demo demo-eagle3 bench-gpu clean
+.PHONY: install proto proto-check test test-slow test-gpu triton-aot smollm2 lint-deploy images serve demo demo-eagle3 bench-gpu clean
 
 $(STAMP): pyproject.toml requirements/ci.txt requirements/deploy-lint.txt
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,16 @@ smollm2: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu
+
+# The Triton kernels compiled for an H100/H200 (sm_90a) with the GPU image's Triton, on a machine
+# without a GPU: compile errors and shared memory over a block's are found before a GPU session
+# (bench/triton_aot.py; BENCHES=1 adds the tiles the benches sweep). Triton goes beside the venv,
+# not in it (in it, the interpreter tests would join the default suite).
+TRITON_AOT ?= triton==3.6.0
+AOT_LIB := $(VENV)/triton-aot
+triton-aot: $(STAMP)
+	test -d $(AOT_LIB)/triton || $(PY) -m pip install -q --no-deps --target $(AOT_LIB) "$(TRITON_AOT)"
+	PYTHONPATH=$(CURDIR):$(AOT_LIB) $(PY) -m bench.triton_aot $(if $(BENCHES),--benches)
 
 lint-deploy: $(STAMP)
 	$(PY) -m pytest -q tests/test_deploy.py
