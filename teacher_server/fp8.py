@@ -485,6 +485,9 @@ def adopt_published(model) -> int:
                 raise ValueError(f"{name}: FP8 weight scales of block {block}; the teacher serves 128 x 128 blocks "
                                  "(transformers' FineGrainedFP8Config with weight_block_size [128, 128])")
             layer = FP8Linear(weight.detach(), scale.detach(), "block", getattr(child, "bias", None))
+            # Hooks that the tensor-parallel plan put on the linear (its collectives) move with it.
+            layer._forward_hooks.update(child._forward_hooks)
+            layer._forward_pre_hooks.update(child._forward_pre_hooks)
             setattr(parent, name, layer)
             replaced += 1
     return replaced

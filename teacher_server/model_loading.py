@@ -47,7 +47,7 @@ def load_model(model_name: str, device: torch.device, world: World | None, dtype
     try:
         if world is not None:
             model = parallel.load_model(model_name, world, dtype=torch_dtype, trust_remote_code=trust_remote_code,
-                                        own_plan=quantize is not None)
+                                        own_plan=quantize is not None, published_fp8=published)
         elif published:
             with fp8.loaded_as_stored():
                 model = load_causal_lm(model_name, device=device, dtype=torch_dtype,
@@ -193,9 +193,6 @@ def _published_fp8(model_name: str, device: torch.device, world: World | None, t
             f"--model {model_name} is an FP8 checkpoint (128 x 128 block scales) and {problem}. Serve it on a "
             "GPU of compute capability 9.0 (H100, H200), or dequantize it first: load it with transformers' "
             "FineGrainedFP8Config(dequantize=True), save_pretrained, and serve that directory")
-    if world is not None:
-        raise fp8.FP8Unsupported(f"--model {model_name} is an FP8 checkpoint, and tensor parallelism shards "
-                                 "plain Linear weights: serve it on one GPU")
     return True
 
 

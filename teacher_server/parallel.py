@@ -32,6 +32,7 @@ mended in place; the orchestrator restarts the deployment.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import math
@@ -131,6 +132,19 @@ _WHOLE = ("q_a_proj", "kv_a_proj_with_mqa")  # MLA's latent projections
 _PER_HEAD = ("sinks",)
 
 
+# The tile of a published FP8 checkpoint's block scales (transformers' FineGrainedFP8Config).
+BLOCK = 128
+
+
+def block_scales(module) -> torch.Tensor | None:
+    """A linear's 128 x 128 tile scales where its weight is stored in e4m3 so (a published FP8
+    checkpoint as transformers loads it), else None."""
+    scale = getattr(module, "weight_scale_inv", None)
+    if scale is None or module.weight.dtype != torch.float8_e4m3fn or scale.dim() != 2:
+        return None
+    return scale
+
+
 class _Shard(ParallelStyle):
     """Keeps this rank's slice of a Linear as plain tensors; subclasses add the collective."""
 
@@ -164,6 +178,27 @@ class _Shard(ParallelStyle):
             setattr(module, name, torch.nn.Parameter(tensor, requires_grad=False))
 
 
+    def slice_block_scales(self, module, dim: int) -> None:
+        """A published FP8 linear's (transformers' FP8Linear: an e4m3 weight and `weight_scale_inv`,
+        one scale per 128 x 128 tile) tile scales, sliced as its weight is along `dim` (0: output
+        rows, 1: input columns): this rank's tiles, which need its part to hold whole tiles. Call it
+        before the weight is sliced. A linear without tile scales is left alone."""
+        scale = block_scales(module)
+        if scale is None:
+            return
+        length = module.weight.shape[dim]
+        part = length // self.size if length % self.size == 0 else -1
+        if part % BLOCK or scale.shape[dim] != -(-length // BLOCK):
+            sizes = [n for n in range(1, self.size) if length % n == 0 and (length // n) % BLOCK == 0]
+            raise ValueError(f"tensor parallelism over {self.size} ranks: an FP8 checkpoint's linear of "
+                             f"{tuple(module.weight.shape)} with {BLOCK} x {BLOCK} weight blocks splits its "
+                             f"{length} {'rows' if dim == 0 else 'columns'} into parts of whole blocks only; run "
+                             f"{' or '.join(map(str, sizes)) or 'one'} rank(s), or serve a dequantized copy")
+        blocks = part // BLOCK
+        self.replace(module, "weight_scale_inv", scale.detach().narrow(dim, self.rank * blocks, blocks).clone())
+
+
+
 class ColwiseShard(_Shard):
     """Output features split across ranks; with `gather`, the outputs are all-gathered
     (the full, unpadded width on every rank), else each rank keeps its slice."""
@@ -173,6 +208,10 @@ class ColwiseShard(_Shard):
 
     def shard(self, module) -> None:
         self.features = module.out_features
+        if self.gather and block_scales(module) is not None:
+            raise ValueError("tensor parallelism: the output head of this FP8 checkpoint is stored in FP8, which the "
+                             "teacher's plan does not split; serve it on one process")
+        self.slice_block_scales(module, 0)
         self.replace(module, "weight", self.slice(module.weight, 0, pad=self.gather))
         self.replace(module, "bias", None if module.bias is None else self.slice(module.bias, 0, pad=self.gather))
         if self.gather:
@@ -194,6 +233,7 @@ class RowwiseShard(_Shard):
     adds it once."""
 
     def shard(self, module) -> None:
+        self.slice_block_scales(module, 1)
         self.replace(module, "weight", self.slice(module.weight, 1))
         if self.rank != 0:
             module.bias = None
@@ -340,7 +380,7 @@ def _has(module, dotted: str) -> bool:
 
 
 def load_model(spec: str, world: "World", *, dtype: torch.dtype | None, trust_remote_code: bool = False,
-               own_plan: bool = False):
+               own_plan: bool = False, published_fp8: bool = False):
     """The model named by `spec`, sharded over the TP world; every rank calls it (it is collective).
 
     Saved models whose architecture declares a plan load through transformers' own
@@ -349,7 +389,9 @@ def load_model(spec: str, world: "World", *, dtype: torch.dtype | None, trust_re
     FP8 quantization at load replaces plain-tensor Linears, not transformers' DTensors), are
     built whole on each rank and sharded with `apply_plan`, except a saved MoE model's experts:
     each rank reads only its own where the checkpoint stores them one tensor per expert
-    (teacher_server/expert_loading.py).
+    (teacher_server/expert_loading.py). `published_fp8`: a published FP8 checkpoint (128 x 128
+    block scales), loaded as stored (fp8.loaded_as_stored) and sharded by the teacher's plan, each
+    linear's tile scales with its weight (whole tiles a rank) and each expert's with the expert.
     """
     from distill_common.models import BUILTIN_PREFIX, RANDOM_PREFIX, load_causal_lm, model_config
 
@@ -359,7 +401,7 @@ def load_model(spec: str, world: "World", *, dtype: torch.dtype | None, trust_re
     built_from_config = spec.startswith((BUILTIN_PREFIX, RANDOM_PREFIX))
     # MoE models take the teacher's own plan: transformers' expert parallelism runs its own experts
     # forward (and differs between its versions), not teacher_server/moe.py's.
-    own_plan = own_plan or bool(_declares_experts(config))
+    own_plan = own_plan or published_fp8 or bool(_declares_experts(config))
     # transformers places the shards on the machine's accelerator (cuda:LOCAL_RANK), whatever --device says.
     accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
     on_its_device = world.device.type == (accelerator.type if accelerator is not None else "cpu")
@@ -376,7 +418,10 @@ def load_model(spec: str, world: "World", *, dtype: torch.dtype | None, trust_re
     if not built_from_config and _declares_experts(config):
         model = _load_local_experts(spec, config, world, dtype=dtype, trust_remote_code=trust_remote_code)
     if model is None:
-        model = load_causal_lm(spec, device=world.device, dtype=dtype, trust_remote_code=trust_remote_code)
+        from teacher_server import fp8
+
+        with fp8.loaded_as_stored() if published_fp8 else contextlib.nullcontext():
+            model = load_causal_lm(spec, device=world.device, dtype=dtype, trust_remote_code=trust_remote_code)
     moe = is_moe(model)
     log.info("tensor parallel over %d ranks with torch's parallelize_module (q/k/v/gate/up colwise, o/down rowwise, "
              "lm_head colwise gathered; plain-tensor shards%s)", world.size,

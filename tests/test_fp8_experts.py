@@ -168,19 +168,17 @@ def _dequantized_by_hand(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.repeat_interleave(128, 0)[:q.shape[0]].repeat_interleave(128, 1)
 
 
-@pytest.fixture(scope="module")
-def published_dir(tmp_path_factory):
-    """A tiny qwen3_moe (its experts and routers as bench/moe_checks.py's `checkable_moe` draws them)
-    written as a published FP8 checkpoint: safetensors with per-expert e4m3 matrices and their tile
-    scales, config.json with transformers' fine-grained FP8 declaration.
-    Returns the directory and its stored tensors."""
+def write_published(path, shape: dict) -> dict:
+    """A tiny qwen3_moe of `shape` (its experts and routers as bench/moe_checks.py's `checkable_moe`
+    draws them) written to `path` as a published FP8 checkpoint: safetensors with per-expert e4m3
+    matrices and their tile scales, the attention's linears so too, config.json with transformers'
+    fine-grained FP8 declaration. Returns the stored tensors."""
     import json
 
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = tmp_path_factory.mktemp("published") / "qwen3-moe-fp8"
-    config = AutoConfig.for_model("qwen3_moe", **PUBLISHED)
+    config = AutoConfig.for_model("qwen3_moe", **shape)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     checkable_moe(model, torch.Generator().manual_seed(0))
@@ -200,7 +198,7 @@ def published_dir(tmp_path_factory):
             stored[name], stored[name + "_scale_inv"] = _quantize_tiles_by_hand(value)
         else:
             stored[name] = value.to(torch.bfloat16)
-    path.mkdir()
+    path.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in stored.items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
     config.torch_dtype = torch.bfloat16
@@ -209,7 +207,15 @@ def published_dir(tmp_path_factory):
     raw["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                                   "weight_block_size": [128, 128]}
     (path / "config.json").write_text(json.dumps(raw))
-    return path, stored
+    return stored
+
+
+@pytest.fixture(scope="module")
+def published_dir(tmp_path_factory):
+    """The published FP8 checkpoint of `write_published` in PUBLISHED's shape: its directory and
+    its stored tensors."""
+    path = tmp_path_factory.mktemp("published") / "qwen3-moe-fp8"
+    return path, write_published(path, PUBLISHED)
 
 
 def _published_experts_reference(stored: dict, layer: int, hidden: torch.Tensor, index: torch.Tensor,
