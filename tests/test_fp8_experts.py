@@ -101,6 +101,16 @@ def test_quantize_fp8_puts_every_experts_layer_in_fp8_equal_to_fake_quantization
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("experts", [1, 2, 3, 8])
+def test_the_load_check_holds_every_count_of_experts(experts):
+    """fp8_experts.verify, which every FP8 teacher runs at load, on weights of 1 to 8 experts (an
+    expert-parallel rank holds E / N of them: 2 for Mixtral's 8 over 4 ranks): each expert's product
+    is checked and the check passes (with 2 it once sent more rows than it had)."""
+    holder = torch.nn.Module()
+    holder.weight = fp8_experts.FP8ExpertWeights.quantize(torch.randn(experts, 48, 128), "block")
+    assert fp8_experts.verify(holder, torch.float32) == 1
+
+
 def test_gate_rows_interleaved_for_the_gpu_give_the_same_products_and_gate_off_it():
     """An expert weight whose gate and up rows were interleaved for the Triton kernel's gated
     epilogue (fp8_experts.interleave_gate), then run where that kernel does not (moved to a CPU):
