@@ -17,10 +17,14 @@ The layout read is the published one that transformers converts at load (checked
 loading in tests/test_expert_loading.py): one tensor per expert,
 `{experts}.{e}.gate_proj/up_proj/down_proj.weight` (Qwen2/3-MoE, DeepSeek-V3, Kimi-K2) or
 `.w1/.w3/.w2.weight` under `block_sparse_moe` (Mixtral), stacked into `gate_up_proj` [E, 2I, H]
-([gate | up]) and `down_proj` [E, H, I]. Any other: `plan` returns None with the reason, and the
-caller builds the whole model. Among them experts stored 3-D under the parameters' own names
-(gpt-oss in bf16): transformers goes back to a renamed key's own name where the model has that
-name, so it would read them whole; and quantized experts (block scales, MXFP4 blocks).
+([gate | up]) and `down_proj` [E, H, I]. A published FP8 checkpoint (transformers' fine-grained
+FP8, 128 x 128 blocks: Qwen3-235B-A22B-FP8, DeepSeek-V3) stores a `.weight_scale_inv` beside each
+e4m3 weight, one scale per tile, read the same way into transformers' FP8 experts
+(`gate_up_proj_scale_inv` [E, 2I / 128, H / 128], `down_proj_scale_inv`), the bytes as stored;
+the model must then load as stored (fp8.loaded_as_stored). Any other: `plan` returns None with the
+reason, and the caller builds the whole model. Among them experts stored 3-D under the parameters'
+own names (gpt-oss in bf16): transformers goes back to a renamed key's own name where the model
+has that name, so it would read them whole; and other quantizations (MXFP4 blocks, per-tensor FP8).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class _Source:
 
     module: str  # the module's name in the model
     per_expert: tuple[str, str, str, str]  # (container, gate, up, down): key f"{container}.{e}.{name}.weight"
+    scales: bool = False  # an FP8 checkpoint's: f"{container}.{e}.{name}.weight_scale_inv" beside each weight
 
 
 @dataclass
@@ -78,8 +83,14 @@ def plan(spec: str, config, rank: int, size: int, total: int, trust_remote_code:
         return None, "the model is not a local directory (download it and give its path)"
     if trust_remote_code:
         return None, "its code is the model's own (--trust-remote-code), whose experts' layout is its own"
+    scales = False
     if getattr(config, "quantization_config", None):
-        return None, "its config declares a quantization"
+        from teacher_server import fp8
+
+        declared = fp8.checkpoint_quantization(config) or {}
+        if declared.get("quant_method") != "fp8" or list(declared.get("weight_block_size") or ()) != [fp8.BLOCK] * 2:
+            return None, "its config declares a quantization other than FP8 in 128 x 128 blocks"
+        scales = True
     files, why = checkpoint_files(directory, config)
     if files is None:
         return None, why
@@ -91,12 +102,17 @@ def plan(spec: str, config, rank: int, size: int, total: int, trust_remote_code:
         return None, "its experts are not transformers' experts modules"
     sources = {}
     for module in modules:
-        source = _find(names[id(module)], module, files, total)
+        source = _find(names[id(module)], module, files, total, scales)
         if isinstance(source, str):
             return None, source
         sources[source.module] = source
     count = total // size
-    return ExpertPlan(rank * count, count, total, tuple({type(m) for m in modules}), sources, files), ""
+    classes = {type(m) for m in modules}
+    if scales:  # what transformers' FP8 loader builds in their place
+        from transformers.integrations.finegrained_fp8 import FP8Experts
+
+        classes.add(FP8Experts)
+    return ExpertPlan(rank * count, count, total, tuple(classes), sources, files), ""
 
 
 def checkpoint_files(directory: Path, config) -> tuple[dict[str, Path] | None, str]:
@@ -132,8 +148,9 @@ def checkpoint_files(directory: Path, config) -> tuple[dict[str, Path] | None, s
     return files, ""
 
 
-def _find(name: str, module, files: dict[str, Path], total: int) -> _Source | str:
-    """Where `module`'s experts are in the checkpoint, or why they cannot be read a rank at a time."""
+def _find(name: str, module, files: dict[str, Path], total: int, scales: bool = False) -> _Source | str:
+    """Where `module`'s experts are in the checkpoint (with `scales`, each weight's FP8 tile scales
+    beside it), or why they cannot be read a rank at a time."""
     params = {p for p, _ in module.named_parameters(recurse=False)}
     if any(True for _ in module.named_buffers(recurse=False)):
         return f"{name} has buffers beside its experts' weights"
@@ -147,9 +164,11 @@ def _find(name: str, module, files: dict[str, Path], total: int) -> _Source | st
             container = name[:-len(model_part)] + stored_part
             present = {key for key in files if key.startswith(container + ".")}  # one scan of the keys a container
             for gate, up, down in _PER_EXPERT_NAMES:
-                expected = {f"{container}.{e}.{p}.weight" for e in range(total) for p in (gate, up, down)}
+                suffixes = (".weight", ".weight_scale_inv") if scales else (".weight",)
+                expected = {f"{container}.{e}.{p}{suffix}" for e in range(total) for p in (gate, up, down)
+                            for suffix in suffixes}
                 if present == expected:
-                    return _Source(name, (container, gate, up, down))
+                    return _Source(name, (container, gate, up, down), scales)
     if any(".weight_scale" in key or key.endswith(("_blocks", "_scales", ".scale")) for key in stored):
         return f"{name}'s experts are stored quantized"
     return f"{name}'s experts are stored in a layout this teacher does not read a rank at a time"
@@ -180,7 +199,8 @@ def loaded_as_planned(expert_plan: ExpertPlan, loading_info: dict) -> str:
     here (missing: their parameters; unexpected: their renamed keys; nothing mismatched), else
     what it left otherwise (the renaming must not have kept any other weight from loading)."""
     missing = set(loading_info.get("missing_keys", ()))
-    planned = {f"{name}.{param}" for name in expert_plan.sources for param in ("gate_up_proj", "down_proj")}
+    planned = {f"{name}.{param}{suffix}" for name, source in expert_plan.sources.items()
+               for param in ("gate_up_proj", "down_proj") for suffix in (("", "_scale_inv") if source.scales else ("",))}
     others = sorted(key for key in loading_info.get("unexpected_keys", ()) if HIDDEN not in key)
     mismatched = loading_info.get("mismatched_keys") or ()
     if missing != planned:
@@ -216,9 +236,13 @@ def read_experts(model: torch.nn.Module, expert_plan: ExpertPlan) -> None:
             with torch.no_grad():
                 for j, e in enumerate(range(first, first + count)):
                     prefix = f"{container}.{e}."
-                    _copy(module.gate_up_proj[j], torch.cat([tensor(prefix + gate + ".weight"),
-                                                             tensor(prefix + up + ".weight")]), prefix + gate)
-                    _copy(module.down_proj[j], tensor(prefix + down + ".weight"), prefix + down)
+                    for suffix in (".weight", ".weight_scale_inv") if source.scales else (".weight",):
+                        param = "" if suffix == ".weight" else "_scale_inv"
+                        _copy(getattr(module, "gate_up_proj" + param)[j],
+                              torch.cat([tensor(prefix + gate + suffix), tensor(prefix + up + suffix)]),
+                              prefix + gate + suffix)
+                        _copy(getattr(module, "down_proj" + param)[j], tensor(prefix + down + suffix),
+                              prefix + down + suffix)
             module.num_experts = count
             module.expert_range = ExpertRange(first, count, expert_plan.total)
 
@@ -227,4 +251,7 @@ def _copy(param: torch.Tensor, value: torch.Tensor, key: str) -> None:
     if tuple(value.shape) != tuple(param.shape):
         raise ValueError(f"checkpoint tensor {key}: shape {tuple(value.shape)}, the model's "
                          f"{tuple(param.shape)}: the checkpoint does not fit its config.json")
+    if value.dtype != param.dtype and torch.float8_e4m3fn in (value.dtype, param.dtype):
+        raise ValueError(f"checkpoint tensor {key}: {value.dtype}, the model's {param.dtype}: an FP8 checkpoint "
+                         "must load as stored (e4m3 into e4m3)")
     param.copy_(value)

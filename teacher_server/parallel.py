@@ -416,7 +416,8 @@ def load_model(spec: str, world: "World", *, dtype: torch.dtype | None, trust_re
 
     model = None
     if not built_from_config and _declares_experts(config):
-        model = _load_local_experts(spec, config, world, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = _load_local_experts(spec, config, world, dtype=dtype, trust_remote_code=trust_remote_code,
+                                    published_fp8=published_fp8)
     if model is None:
         from teacher_server import fp8
 
@@ -430,13 +431,14 @@ def load_model(spec: str, world: "World", *, dtype: torch.dtype | None, trust_re
     return model
 
 
-def _load_local_experts(spec: str, config, world: "World", *, dtype: torch.dtype | None, trust_remote_code: bool):
+def _load_local_experts(spec: str, config, world: "World", *, dtype: torch.dtype | None, trust_remote_code: bool,
+                        published_fp8: bool = False):
     """A saved MoE model whose ranks each read only their experts (teacher_server/expert_loading.py),
     or None (said why) where its checkpoint's layout asks for the whole model on every rank."""
     from transformers.utils import logging as transformers_logging
 
     from distill_common.models import load_causal_lm
-    from teacher_server import expert_loading
+    from teacher_server import expert_loading, fp8
 
     total = _declares_experts(config)
     expert_plan, why = expert_loading.plan(spec, config, world.rank, world.size, total, trust_remote_code)
@@ -448,7 +450,8 @@ def _load_local_experts(spec: str, config, world: "World", *, dtype: torch.dtype
     transformers_logging.set_verbosity_error()  # its report of the expert keys left to read here, as unexpected
     loading_info: dict = {}
     try:
-        with expert_loading.local_experts(expert_plan) as key_mapping:
+        with expert_loading.local_experts(expert_plan) as key_mapping, \
+                (fp8.loaded_as_stored() if published_fp8 else contextlib.nullcontext()):
             model = load_causal_lm(spec, device=world.device, dtype=dtype, trust_remote_code=trust_remote_code,
                                    key_mapping=key_mapping, loading_info=loading_info)
     finally:

@@ -74,17 +74,57 @@ def test_each_rank_holds_its_slice_of_what_transformers_loads(tmp_path, model_ty
                 assert (span.first, span.count, span.total) == (rank * count, count, count * size)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def test_each_rank_holds_its_slice_of_a_published_fp8_checkpoint(tmp_path):
+    """A published FP8 checkpoint (per-expert e4m3 weights, each with its 128 x 128 tile scales):
+    each rank's FP8 experts (transformers' FP8Experts, loaded as stored) hold the bytes and scales
+    of its slice of transformers' whole load, every other parameter the whole load's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from teacher_server import fp8
+    from teacher_server.moe import experts_modules
+    from tests.test_fp8_experts import PUBLISHED, write_published
+
+    directory = tmp_path / "qwen3-moe-fp8"
+    write_published(directory, PUBLISHED)
+    config = AutoConfig.from_pretrained(directory)
+    with fp8.loaded_as_stored():
+        whole = dict(AutoModelForCausalLM.from_pretrained(directory).named_parameters())
+    for size in (2, 4):
+        for rank in range(size):
+            with fp8.loaded_as_stored():
+                model, expert_plan = _rank_model(directory, config, rank, size)
+            count = expert_plan.count
+            experts = {name for name, module in model.named_modules() if module in experts_modules(model)}
+            assert len(experts) == len(expert_plan.sources) == 2
+            checked = 0
+            for name, param in model.named_parameters():
+                reference = whole[name]
+                if name.rpartition(".")[0] in experts:
+                    reference = reference[rank * count:(rank + 1) * count]
+                    checked += 1
+                assert param.dtype == reference.dtype and param.shape == reference.shape, (size, rank, name)
+                assert torch.equal(_bytes(param), _bytes(reference)), (size, rank, name)
+            assert checked == 4 * len(experts)  # two e4m3 weights and their scales each
+
+
 def test_layouts_it_cannot_read_a_rank_at_a_time_say_why(tmp_path):
     from safetensors.torch import load_file, save_file
 
     directory, config = _saved(tmp_path, "qwen3_moe")
     state = load_file(directory / "model.safetensors")
-    # A published FP8 checkpoint's experts: block scales beside each weight.
+    # An unquantized checkpoint with one expert's block scales beside its weight.
     state["model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"] = torch.ones(1, 1)
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     expert_plan, why = expert_loading.plan(str(directory), config, 0, 2, 8, False)
     assert expert_plan is None and "stored quantized" in why
     assert expert_loading.plan(str(tmp_path / "absent"), config, 0, 2, 8, False)[1].startswith("the model is not")
+    config.quantization_config = {"quant_method": "mxfp4"}  # gpt-oss's published experts: packed 4-bit blocks
+    assert "other than FP8 in 128 x 128 blocks" in expert_loading.plan(str(directory), config, 0, 2, 8, False)[1]
+    config.quantization_config = None
     assert "its own" in expert_loading.plan(str(directory), config, 0, 2, 8, True)[1]  # --trust-remote-code
     (directory / "model.safetensors").unlink()
     index = directory / "model.safetensors.index.json"

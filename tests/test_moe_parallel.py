@@ -200,8 +200,8 @@ def test_tp_ep_over_4_ranks_equals_one_process(tmp_path):
 def test_tp_ep_of_a_published_fp8_checkpoint_over_2_ranks_equals_one_process(tmp_path):
     """A published FP8 checkpoint (e4m3 attention linears and experts, 128 x 128 tile scales) over 2
     gloo ranks: each linear's tile scales split with its weight (q's 512 rows and k/v's 256: 2 and 1
-    tiles a rank; o's 512 columns), each expert's with the expert; loaded whole on each rank (a rank
-    reads only its experts from unquantized checkpoints); every output kind equal to one process's,
+    tiles a rank; o's 512 columns), each expert's with the expert, each rank reading only its experts
+    and their scales from the checkpoint; every output kind equal to one process's,
     the activations in float32 (`_unquantized_activations`; with them quantized, the ranks' other
     order of sums moves a few values a whole e4m3 step, and this model's logits moved by 2.6% of the
     largest, measured once). With every rank given rank 0's tiles the logits are 0.167 off (of
@@ -210,7 +210,7 @@ def test_tp_ep_of_a_published_fp8_checkpoint_over_2_ranks_equals_one_process(tmp
 
     path = tmp_path / "qwen3-moe-fp8"
     write_published(path, {**PUBLISHED, "head_dim": 128})
-    _spawn(2, {"published FP8 qwen3_moe": (str(path), False)}, fp8_activations="float32")
+    _spawn(2, {"published FP8 qwen3_moe": (str(path), True)}, fp8_activations="float32")
 
 
 def _fp8_linear(rows: int, columns: int) -> torch.nn.Linear:
