@@ -12,17 +12,19 @@ bench/investigations/quantize_rows_speed.py, docs/performance.md). teacher_serve
 for the o projection's input, fp8_experts.py for the down product's after the gated first product.
 
 The kernel gives `quantize_rows`'s values on a GPU: the same scales (amax times the float32
-reciprocal of 448, as CUDA torch divides by a number), the same float32 quotients where x and the
-quotient are normal numbers (rounded to nearest, as torch's divisions; subnormal ones may differ
-in their last bits, far under e4m3's smallest step), the same e4m3 rounding, zeros' signs kept; a
-NaN in a row makes its scale and every element NaN, as torch's reductions do
-(tests/gpu/test_moe_gpu.py holds it to `quantize_rows` byte for byte).
+reciprocal of 448, as CUDA torch divides by a number), the same float32 quotients (rounded to
+nearest, as torch's divisions) where |x| is above about 1e-33 (nearer float32's smallest normal
+numbers a correction's residual underflows and a quotient may be an ulp off: such quotients round
+to 0 in e4m3 either way), the same e4m3 rounding, zeros' signs kept; a NaN in a row makes its scale
+and every element NaN, as torch's reductions do (tests/gpu/test_moe_gpu.py holds it to
+`quantize_rows` byte for byte).
 
 Before a layer takes the kernel (`serves`), `check` holds it to `quantize_rows` on that device, for
 that width and dtype, on rows that random ones rarely give (magnitudes spread over 2^-60..2^60, a
-zero row, -0s, a NaN, an inf, a row stride past the width): a kernel that differs there (a GPU or
-Triton it was not tested on) leaves the layer on torch's quantization, with a warning, instead of
-serving other values.
+zero row, -0s, a NaN, infs, e4m3's rounding ties), contiguous as the layers pass them (many rows,
+one row: Triton compiles each apart) and through a row stride: a kernel that differs there (a GPU
+or Triton it was not tested on) leaves the layer on torch's quantization, with a warning, instead
+of serving other values.
 """
 
 from __future__ import annotations
@@ -123,13 +125,28 @@ def check(width: int, device: torch.device, dtype: torch.dtype, run=None) -> str
     """What differs between the kernel (`run(x, q, scale)`, by default `launch`) and `quantize_rows`
     on `device` for rows of `width` in `dtype` ("" when nothing does): the scales, the float32
     quotients before the e4m3 rounding (exact: a one-ulp error shows here long before it reaches a
-    rounding boundary), the e4m3 bytes, and NaNs where torch has them, on 67 rows (a partial last
-    program) read through a row stride past the width."""
+    rounding boundary), the e4m3 bytes, and NaNs where torch has them. Three inputs, since Triton
+    compiles a kernel anew for a row stride or a row count divisible by 16 or equal to 1: 64
+    contiguous rows (as the layers call it), one row, and 67 rows (a partial last program) read
+    through a row stride past the width."""
     run = launch if run is None else run
+    wide = _check_rows(67, width, device, dtype)
+    cases = (("64 contiguous rows", wide[:64, :width].contiguous()), ("1 row", wide[5:6, :width].contiguous()),
+             ("67 rows through a row stride", wide[:, :width]))
+    for what, x in cases:
+        why = _differences(x, run)
+        if why:
+            return f"{why}, {what}"
+    return ""
+
+
+def _check_rows(rows: int, width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, width + 8] of what random rows rarely give: magnitudes 2^e a row, e spread over the
+    dtype's range (bf16: 2^-60..2^60; fp16: 2^-8..2^8); a zero row; -0s; a NaN; infs; and (row 5)
+    448 and the midpoints between neighbouring e4m3 values, both signs: its scale is 1, so its
+    quotients are those midpoints and their e4m3 rounding is a tie each (to even)."""
     generator = torch.Generator(device=device).manual_seed(0)
-    rows = 67
     wide = torch.randn(rows, width + 8, device=device, generator=generator) ** 3
-    # Each row's magnitude 2^e, e spread over the dtype's range (bf16: 2^-60..2^60; fp16: 2^-8..2^8).
     reach = min(60, int(torch.finfo(dtype).max).bit_length() // 2)
     exponents = torch.randint(-reach, reach + 1, (rows, 1), device=device, generator=generator)
     wide = (wide * torch.exp2(exponents.float())).to(dtype)
@@ -138,14 +155,23 @@ def check(width: int, device: torch.device, dtype: torch.dtype, run=None) -> str
     wide[2, width // 2] = float("nan")
     wide[3, width - 1] = float("inf")
     wide[4, 0] = float("-inf")
-    x = wide[:, :width]
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(FP8).float()  # e4m3's values from 0 to 448
+    midpoints = (grid[:-1] + grid[1:]) / 2
+    ties = torch.cat([midpoints, -midpoints]).to(device)
+    wide[5] = ties.repeat(-(-(width + 8) // ties.numel()))[: width + 8].to(dtype)
+    wide[5, 0] = FP8_MAX
+    return wide
+
+
+def _differences(x: torch.Tensor, run) -> str:
+    rows, width = x.shape
     q_ref, scale_ref = quantize_rows(x)
     quotients_ref = (x.float() / scale_ref).clamp(-FP8_MAX, FP8_MAX)
-    q, scale = torch.empty(rows, width, dtype=FP8, device=device), torch.empty(rows, 1, device=device)
-    quotients = torch.empty(rows, width, device=device)
+    q, scale = torch.empty(rows, width, dtype=FP8, device=x.device), torch.empty(rows, 1, device=x.device)
+    quotients = torch.empty(rows, width, device=x.device)
     try:
         run(x, q, scale)
-        run(x, quotients, torch.empty(rows, 1, device=device))
+        run(x, quotients, torch.empty(rows, 1, device=x.device))
     except Exception as e:  # noqa: BLE001 - any failure of the kernel (a compile error, a launch error) is the verdict
         return f"the kernel failed: {type(e).__name__}: {e}"
     if not torch.equal(scale.nan_to_num(-1.0), scale_ref.nan_to_num(-1.0)):

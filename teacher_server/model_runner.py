@@ -216,19 +216,22 @@ class ModelRunner:
         if needs is None:
             needs = ForwardNeeds(logits=True, hidden_layers=frozenset(range(self.info.num_layers + 1)) if hidden
                                  else frozenset())
-        if chunk is not None:
-            return self._forward_chunk(input_ids, attention_mask, needs, chunk.prefix, chunk.begin)
-        if self.world is None:
-            return self._forward(input_ids, attention_mask, needs)
-        # The followers start the same forward: with or without the hidden states and the
-        # output head (its gather is a collective), the rest is rank 0's alone.
-        self.world.broadcast_forward(input_ids, attention_mask, needs.hidden_states, logits=needs.logits)
-        try:
-            return self._forward(input_ids, attention_mask, needs)
-        except Exception as e:
-            # One rank out of a forward leaves the others waiting in its collectives: the
-            # world cannot be trusted again (an out-of-memory included).
-            raise self.world.fail("rank 0's forward failed", e) from e
+        # The caller's thread (the engine's, the API's) may not have the model's GPU current, and a
+        # Triton kernel of ours launches on the current one (a compiled layer sets it for its own).
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            if chunk is not None:
+                return self._forward_chunk(input_ids, attention_mask, needs, chunk.prefix, chunk.begin)
+            if self.world is None:
+                return self._forward(input_ids, attention_mask, needs)
+            # The followers start the same forward: with or without the hidden states and the
+            # output head (its gather is a collective), the rest is rank 0's alone.
+            self.world.broadcast_forward(input_ids, attention_mask, needs.hidden_states, logits=needs.logits)
+            try:
+                return self._forward(input_ids, attention_mask, needs)
+            except Exception as e:
+                # One rank out of a forward leaves the others waiting in its collectives: the
+                # world cannot be trusted again (an out-of-memory included).
+                raise self.world.fail("rank 0's forward failed", e) from e
 
     def follow(self) -> None:
         """Ranks other than 0: run every forward rank 0 broadcasts, until it says stop."""

@@ -139,6 +139,26 @@ def _truncated_to_e4m3(x, out, scale):
         out.view(torch.uint8)[over] -= 1  # one step toward zero (e4m3's magnitude bits are ordered)
 
 
+def _ties_away_from_zero(x, out, scale):
+    """e4m3 rounding right but at ties, which it takes away from zero instead of to even."""
+    from teacher_server import fp8_rows
+
+    _torch_kernel(x, out, scale)
+    if out.dtype == fp8_rows.FP8:
+        quotients = (x.float() / scale).clamp(-fp8_rows.FP8_MAX, fp8_rows.FP8_MAX)
+        below = out.float().abs() < quotients.abs()
+        up = out.view(torch.uint8).clone()
+        up[below] += 1  # the next e4m3 value away from zero
+        tie = below & ((up.view(fp8_rows.FP8).float() - quotients).abs() == (out.float() - quotients).abs())
+        out.view(torch.uint8)[tie] = up[tie]
+
+
+def _wrong_for_one_row(x, out, scale):
+    _torch_kernel(x, out, scale)
+    if x.shape[0] == 1:
+        scale.mul_(2)
+
+
 def _fails(x, out, scale):
     raise RuntimeError("PTX compilation failed")
 
@@ -148,15 +168,19 @@ def test_the_row_kernels_check_passes_its_arithmetic_and_catches_each_difference
     """fp8_rows.check, run before a layer takes the row kernel on its device: a kernel computing
     quantize_rows's values passes (widths of a partial block and of a whole one); one ulp off in one
     float32 quotient, -0 made +0, a NaN that does not make its row NaN, the row stride ignored,
-    e4m3 rounding toward zero, and a kernel that throws are each found and named."""
+    e4m3 rounding toward zero, ties rounded away from zero, a kernel wrong for a single row (Triton
+    compiles it apart), and a kernel that throws are each found and named."""
     from teacher_server import fp8_rows
 
     cpu = torch.device("cpu")
     for width in (200, 768):
         assert fp8_rows.check(width, cpu, dtype, _torch_kernel) == ""
-    cases = ((_one_ulp_off, "other float32 quotients in 1 of 67 rows"), (_minus_zero_made_plus, "quotients"),
-             (_nan_skipped, "other scales in 1 of 67 rows"), (_row_stride_ignored, "other scales"),
-             (_truncated_to_e4m3, "other e4m3 bytes"), (_fails, "the kernel failed: RuntimeError: PTX"))
+    cases = ((_one_ulp_off, "other float32 quotients in 1 of 64 rows, 64 contiguous rows"),
+             (_minus_zero_made_plus, "quotients"), (_nan_skipped, "other scales in 1 of 64 rows"),
+             (_row_stride_ignored, "of 67 rows, 67 rows through a row stride"),
+             (_truncated_to_e4m3, "other e4m3 bytes"), (_ties_away_from_zero, "other e4m3 bytes in"),
+             (_wrong_for_one_row, "other scales in 1 of 1 rows, 1 row"),
+             (_fails, "the kernel failed: RuntimeError: PTX"))
     for run, said in cases:
         assert said in fp8_rows.check(768, cpu, dtype, run), run.__name__
 
