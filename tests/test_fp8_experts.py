@@ -178,20 +178,23 @@ def _dequantized_by_hand(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.repeat_interleave(128, 0)[:q.shape[0]].repeat_interleave(128, 1)
 
 
-def write_published(path, shape: dict) -> dict:
-    """A tiny qwen3_moe of `shape` (its experts and routers as bench/moe_checks.py's `checkable_moe`
-    draws them) written to `path` as a published FP8 checkpoint: safetensors with per-expert e4m3
-    matrices and their tile scales, the attention's linears so too, config.json with transformers'
-    fine-grained FP8 declaration. Returns the stored tensors."""
+def write_published(path, shape: dict, model_type: str = "qwen3_moe") -> dict:
+    """A tiny model of `shape` written to `path` as a published FP8 checkpoint: safetensors with
+    per-expert e4m3 matrices and their tile scales, every other linear of the decoder (attention,
+    dense MLPs, shared experts) so too, config.json with transformers' fine-grained FP8 declaration.
+    A qwen3_moe's experts and routers are drawn as bench/moe_checks.py's `checkable_moe` draws them;
+    others' as initialised (std 0.3). Returns the stored tensors."""
     import json
 
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("qwen3_moe", **shape)
+    config = AutoConfig.for_model(model_type, **({} if model_type == "qwen3_moe" else {"initializer_range": 0.3}),
+                                  **shape)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    checkable_moe(model, torch.Generator().manual_seed(0))
+    if model_type == "qwen3_moe":
+        checkable_moe(model, torch.Generator().manual_seed(0))
     stored = {}
     for name, value in model.state_dict().items():
         value = value.detach()
@@ -204,7 +207,8 @@ def write_published(path, shape: dict) -> dict:
                     q, scale = _quantize_tiles_by_hand(part)
                     stored[f"{prefix}.{expert}.{projection}.weight"] = q
                     stored[f"{prefix}.{expert}.{projection}.weight_scale_inv"] = scale
-        elif name.endswith("_proj.weight") and ".self_attn." in name:
+        elif ".layers." in name and name.endswith(".weight") and value.dim() == 2 and not name.endswith(".gate.weight"):
+            # (every linear of the decoder but the routers, which published checkpoints keep as they are)
             stored[name], stored[name + "_scale_inv"] = _quantize_tiles_by_hand(value)
         else:
             stored[name] = value.to(torch.bfloat16)

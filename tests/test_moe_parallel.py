@@ -213,6 +213,31 @@ def test_tp_ep_of_a_published_fp8_checkpoint_over_2_ranks_equals_one_process(tmp
     _spawn(2, {"published FP8 qwen3_moe": (str(path), True)}, fp8_activations="float32")
 
 
+# DeepSeek-V3 in 128-wide pieces, so that each rank's part of every split linear is whole 128 x 128
+# tiles over 2 ranks: latent attention's q_b (2 heads x 256 rows) and kv_b (2 x 256), o (256 columns),
+# the dense first layer's MLP (256), a shared expert pair (2 x 128), routed experts of 128.
+DEEPSEEK_FP8 = dict(vocab_size=96, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
+                    num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                    n_group=2, topk_group=1, n_shared_experts=2, q_lora_rank=128, kv_lora_rank=128,
+                    qk_rope_head_dim=128, qk_nope_head_dim=128, v_head_dim=128, num_attention_heads=2,
+                    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+@pytest.mark.slow
+def test_tp_ep_of_a_published_fp8_deepseek_v3_over_2_ranks_equals_one_process(tmp_path):
+    """A published FP8 deepseek_v3 (every decoder linear in e4m3 with tile scales: latent attention,
+    the dense first layer's MLP, the shared experts, the routed experts one tensor each) over 2 gloo
+    ranks, each reading its 4 routed experts: every output kind equal to one process's (activations
+    in float32, as above)."""
+    from tests.test_fp8_experts import write_published
+
+    path = tmp_path / "deepseek-v3-fp8"
+    stored = write_published(path, DEEPSEEK_FP8, "deepseek_v3")
+    assert "model.layers.1.mlp.shared_experts.gate_proj.weight_scale_inv" in stored
+    assert "model.layers.0.self_attn.kv_b_proj.weight_scale_inv" in stored
+    _spawn(2, {"published FP8 deepseek_v3": (str(path), True)}, fp8_activations="float32")
+
+
 def _fp8_linear(rows: int, columns: int) -> torch.nn.Linear:
     """A linear as transformers' FP8 loader builds it for a published checkpoint: an e4m3 weight and
     `weight_scale_inv`, one scale per 128 x 128 tile (distinct, so a wrong tile shows)."""
