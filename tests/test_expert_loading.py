@@ -6,6 +6,7 @@ memory grows by its experts, not all of them. Outputs over real gloo ranks: test
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -51,27 +52,37 @@ def _rank_model(directory, config, rank: int, size: int):
 def test_each_rank_holds_its_slice_of_what_transformers_loads(tmp_path, model_type):
     from transformers import AutoModelForCausalLM
 
-    from teacher_server.moe import experts_modules
-
     directory, config = _saved(tmp_path, model_type)
     whole = dict(AutoModelForCausalLM.from_pretrained(directory).named_parameters())
+    for experts, checked in _each_rank_against(whole, directory, config):
+        assert experts > 0 and checked == 2 * experts  # gate_up_proj and down_proj
+
+
+def _each_rank_against(whole: dict, directory, config, loading=contextlib.nullcontext):
+    """Each rank's model at 2 and 4 ranks (loaded within `loading()`) against the whole load's
+    parameters: the experts' its slice, every other parameter the same (dtype, shape, bytes), and
+    each experts module's range. Yields (experts modules, expert parameters checked) per rank."""
+    from teacher_server.moe import experts_modules
+
     for size in (2, 4):
         for rank in range(size):
-            model, expert_plan = _rank_model(directory, config, rank, size)
+            with loading():
+                model, expert_plan = _rank_model(directory, config, rank, size)
             count = expert_plan.count
             experts = {name for name, module in model.named_modules() if module in experts_modules(model)}
-            assert len(experts) == len(expert_plan.sources) > 0
+            assert len(experts) == len(expert_plan.sources), (size, rank)
             checked = 0
             for name, param in model.named_parameters():
                 reference = whole[name]
                 if name.rpartition(".")[0] in experts:
                     reference = reference[rank * count:(rank + 1) * count]
                     checked += 1
-                assert param.shape == reference.shape and torch.equal(param, reference), (model_type, size, rank, name)
-            assert checked >= 2 * len(experts)
+                assert param.dtype == reference.dtype and param.shape == reference.shape, (size, rank, name)
+                assert torch.equal(_bytes(param), _bytes(reference)), (size, rank, name)
             for name in experts:
                 span = model.get_submodule(name).expert_range
                 assert (span.first, span.count, span.total) == (rank * count, count, count * size)
+            yield len(experts), checked
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -85,7 +96,6 @@ def test_each_rank_holds_its_slice_of_a_published_fp8_checkpoint(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from teacher_server import fp8
-    from teacher_server.moe import experts_modules
     from tests.test_fp8_experts import PUBLISHED, write_published
 
     directory = tmp_path / "qwen3-moe-fp8"
@@ -93,22 +103,8 @@ def test_each_rank_holds_its_slice_of_a_published_fp8_checkpoint(tmp_path):
     config = AutoConfig.from_pretrained(directory)
     with fp8.loaded_as_stored():
         whole = dict(AutoModelForCausalLM.from_pretrained(directory).named_parameters())
-    for size in (2, 4):
-        for rank in range(size):
-            with fp8.loaded_as_stored():
-                model, expert_plan = _rank_model(directory, config, rank, size)
-            count = expert_plan.count
-            experts = {name for name, module in model.named_modules() if module in experts_modules(model)}
-            assert len(experts) == len(expert_plan.sources) == 2
-            checked = 0
-            for name, param in model.named_parameters():
-                reference = whole[name]
-                if name.rpartition(".")[0] in experts:
-                    reference = reference[rank * count:(rank + 1) * count]
-                    checked += 1
-                assert param.dtype == reference.dtype and param.shape == reference.shape, (size, rank, name)
-                assert torch.equal(_bytes(param), _bytes(reference)), (size, rank, name)
-            assert checked == 4 * len(experts)  # two e4m3 weights and their scales each
+    for experts, checked in _each_rank_against(whole, directory, config, fp8.loaded_as_stored):
+        assert experts == 2 and checked == 4 * experts  # two e4m3 weights and their scales each
 
 
 def test_layouts_it_cannot_read_a_rank_at_a_time_say_why(tmp_path):
