@@ -5,6 +5,9 @@ block scales, against the one-expert-at-a-time dequantize-then-multiply product 
 SwiGLU-and-quantize kernel against its torch reference; teacher_server/fp8_rows.py's row kernel
 against its arithmetic. The interpreter must be chosen before the
 kernels are decorated, so the checks run in a child process (`python -m tests.test_fp8_grouped_gemm`).
+The quantizations' quotients are exact through fused multiply-adds, which Triton 3.9's interpreter
+computes as the GPU does (one rounding) and 3.6's does not (a product, then a sum): the checks
+say so first where the interpreter rounds twice.
 """
 
 from __future__ import annotations
@@ -49,9 +52,32 @@ def _reference(a, a_scale, w, w_scale, offsets, gather, scatter, rows):
     return out
 
 
+def _fused_fma() -> bool:
+    """Whether this interpreter's tl.math.fma rounds once, as the GPU's fma.rn.f32: (1 + 2^-12)^2 -
+    (1 + 2^-11) is 2^-24 so, 0 when the product is rounded first."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fma_kernel(a_ptr, out_ptr):
+        a = tl.load(a_ptr)
+        tl.store(out_ptr, tl.math.fma(a, a, -(a + a - 1.0)))
+
+    a, out = torch.tensor([1 + 2.0 ** -12]), torch.zeros(1)
+    fma_kernel[(1,)](a, out)
+    return out.item() == 2.0 ** -24
+
+
 def _checks() -> None:
     _interpreter_index_fix()
+    import triton
+
     from teacher_server import fp8, fp8_grouped_gemm, fp8_rows
+
+    assert _fused_fma(), (f"Triton {triton.__version__}'s interpreter rounds tl.math.fma twice (a product, then a "
+                          "sum), so the quantizations' exact quotients cannot be checked under it: run these "
+                          "checks with Triton 3.9's interpreter (pip install triton==3.9.0 into a directory of "
+                          "its own, on PYTHONPATH)")
 
     generator = torch.Generator().manual_seed(0)
     sizes = [7, 0, 30, 1, 8]
