@@ -211,10 +211,15 @@ def main() -> None:
         from triton.backends.compiler import GPUTarget
     except ImportError:
         sys.exit("bench.triton_aot needs Triton: pip install triton==3.6.0 (the GPU image's; no GPU needed)")
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        sys.exit(f"no ptxas at {ptxas}: this Triton wheel does not bundle NVIDIA's tools")
     target = GPUTarget("cuda", 90, 32)
+    try:  # the ptxas Triton itself compiles sm_90 with (its newer releases bundle two)
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(target.arch).path
+    except (ImportError, AttributeError):
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not ptxas or not os.path.exists(ptxas):
+        sys.exit(f"no ptxas at {ptxas}: this Triton wheel does not bundle NVIDIA's tools")
     chosen = [c for c in cases(args.benches) if not args.only or any(p in c.label for p in args.only.split(","))]
     lines = [f"Triton {triton.__version__}, sm_90a (H100/H200: {MAX_SHARED} bytes of shared memory a block), "
              f"{len(chosen)} kernels compiled, none run", "",
