@@ -155,7 +155,7 @@ def _find(name: str, module, files: dict[str, Path], total: int, scales: bool = 
     if any(True for _ in module.named_buffers(recurse=False)):
         return f"{name} has buffers beside its experts' weights"
     stored = {key for key in files if key.startswith(name + ".")}
-    if stored and stored == {f"{name}.{p}" for p in params}:
+    if stored and {f"{name}.{p}" for p in params} <= stored:  # (an FP8 one's scales beside them)
         return f"{name}'s experts are stored 3-D, as transformers keeps them, which it reads whole"
     if params == {"gate_up_proj", "down_proj"} and module.has_gate and not module.is_transposed:
         for (model_part, stored_part) in _CONTAINERS:

@@ -246,9 +246,7 @@ class FP8Linear(nn.Module):
             correction = input_mean.float().to(weight.device) @ (weight.float() - dequantize(q, scale)).t()
             bias = correction.to(weight.dtype) if bias is None else (bias.detach().float() + correction).to(bias.dtype)
         layer = cls(q, scale, scaling, bias, fast_accum)
-        # Hooks that parallelize_module put on the Linear (the TP collectives) move with it.
-        layer._forward_hooks.update(linear._forward_hooks)
-        layer._forward_pre_hooks.update(linear._forward_pre_hooks)
+        carry_hooks(linear, layer)  # the TP plan's collectives on the Linear move with it
         return layer
 
     def stored(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -358,6 +356,16 @@ def decoder_linears(model) -> dict[str, tuple[int, nn.Module, str, nn.Module]]:
                 if name in LINEAR_NAMES and isinstance(child, (nn.Linear, FP8Linear)):
                     found[f"{names[id(parent)]}.{name}"] = (index, parent, name, child)
     return found
+
+
+def carry_hooks(source: nn.Module, target: nn.Module) -> None:
+    """`source`'s forward hooks and pre-hooks onto `target` (which replaces it), with the flags torch
+    keeps beside them (hooks that take kwargs, hooks called always)."""
+    target._forward_hooks.update(source._forward_hooks)
+    target._forward_pre_hooks.update(source._forward_pre_hooks)
+    target._forward_hooks_with_kwargs.update(source._forward_hooks_with_kwargs)
+    target._forward_pre_hooks_with_kwargs.update(source._forward_pre_hooks_with_kwargs)
+    target._forward_hooks_always_called.update(source._forward_hooks_always_called)
 
 
 def quantize_model(model, plan: Fp8Plan, input_means: dict[str, torch.Tensor] | None = None) -> int:
@@ -485,9 +493,7 @@ def adopt_published(model) -> int:
                 raise ValueError(f"{name}: FP8 weight scales of block {block}; the teacher serves 128 x 128 blocks "
                                  "(transformers' FineGrainedFP8Config with weight_block_size [128, 128])")
             layer = FP8Linear(weight.detach(), scale.detach(), "block", getattr(child, "bias", None))
-            # Hooks that the tensor-parallel plan put on the linear (its collectives) move with it.
-            layer._forward_hooks.update(child._forward_hooks)
-            layer._forward_pre_hooks.update(child._forward_pre_hooks)
+            carry_hooks(child, layer)  # the tensor-parallel plan's collectives on the linear move with it
             setattr(parent, name, layer)
             replaced += 1
     return replaced

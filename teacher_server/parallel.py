@@ -187,8 +187,12 @@ class _Shard(ParallelStyle):
         if scale is None:
             return
         length = module.weight.shape[dim]
+        if scale.shape[dim] != -(-length // BLOCK):
+            raise ValueError(f"tensor parallelism: an FP8 checkpoint's linear of {tuple(module.weight.shape)} has "
+                             f"weight scales of {tuple(scale.shape)}, not one per {BLOCK} x {BLOCK} tile; serve it "
+                             "on one process")
         part = length // self.size if length % self.size == 0 else -1
-        if part % BLOCK or scale.shape[dim] != -(-length // BLOCK):
+        if part % BLOCK:
             sizes = [n for n in range(1, self.size) if length % n == 0 and (length // n) % BLOCK == 0]
             raise ValueError(f"tensor parallelism over {self.size} ranks: an FP8 checkpoint's linear of "
                              f"{tuple(module.weight.shape)} with {BLOCK} x {BLOCK} weight blocks splits its "

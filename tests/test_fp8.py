@@ -346,13 +346,20 @@ def test_quantize_model_keeps_layers_and_carries_hooks():
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     called = []
     model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, out: called.append(out.shape))
+    # and hooks registered with kwargs or to be called always keep those flags
+    model.model.layers[0].mlp.up_proj.register_forward_pre_hook(
+        lambda m, args, kwargs: called.append("pre with kwargs") or None, with_kwargs=True)
+    model.model.layers[0].mlp.up_proj.register_forward_hook(
+        lambda m, args, kwargs, out: called.append("with kwargs") or None, with_kwargs=True, always_call=True)
     assert fp8.quantize_model(model, fp8.Fp8Plan("row", keep_layers=(-1,))) == 14  # 7 linears x 2 layers
     kinds = [[type(getattr(layer.self_attn, n, None) or getattr(layer.mlp, n)).__name__ for n in fp8.LINEAR_NAMES]
              for layer in model.model.layers]
     assert kinds[0] == kinds[1] == ["FP8Linear"] * 7 and kinds[2] == ["Linear"] * 7
     assert model.lm_head.weight.dtype == model.model.embed_tokens.weight.dtype == torch.bfloat16
     model(input_ids=torch.randint(64, (1, 5)))
-    assert called == [torch.Size([1, 5, 64])]  # the hook a tensor-parallel plan puts there still runs
+    # the hooks a tensor-parallel plan puts there still run, each called as it was registered
+    assert called == ["pre with kwargs", "with kwargs", torch.Size([1, 5, 64])]
+    assert model.model.layers[0].mlp.up_proj._forward_hooks_always_called
     with pytest.raises(ValueError, match="the model has 3 decoder layers"):
         fp8.quantize_model(LlamaForCausalLM(config), fp8.Fp8Plan("row", keep_layers=(3,)))
 

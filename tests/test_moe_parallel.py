@@ -279,6 +279,10 @@ def test_a_published_fp8_linears_tile_scales_split_with_its_weight_in_whole_tile
         _shard_as(RowwiseShard(), 1, 4, _fp8_linear(128, 256))
     with pytest.raises(ValueError, match="output head of this FP8 checkpoint is stored in FP8"):
         _shard_as(ColwiseShard(gather=True), 0, 2, _fp8_linear(256, 256))
+    other_blocks = _fp8_linear(256, 256)
+    other_blocks.weight_scale_inv = torch.nn.Parameter(torch.ones(4, 4), requires_grad=False)  # 64 x 64 tiles
+    with pytest.raises(ValueError, match=r"weight scales of \(4, 4\), not one per 128 x 128 tile"):
+        _shard_as(ColwiseShard(), 0, 2, other_blocks)
 
 
 def test_experts_not_divisible_by_the_ranks_are_refused_before_loading():
