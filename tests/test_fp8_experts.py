@@ -178,12 +178,14 @@ def _dequantized_by_hand(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.repeat_interleave(128, 0)[:q.shape[0]].repeat_interleave(128, 1)
 
 
-def write_published(path, shape: dict, model_type: str = "qwen3_moe") -> dict:
+def write_published(path, shape: dict, model_type: str = "qwen3_moe", experts_3d: bool = False) -> dict:
     """A tiny model of `shape` written to `path` as a published FP8 checkpoint: safetensors with
     per-expert e4m3 matrices and their tile scales, every other linear of the decoder (attention,
     dense MLPs, shared experts) so too, config.json with transformers' fine-grained FP8 declaration.
     A qwen3_moe's experts and routers are drawn as bench/moe_checks.py's `checkable_moe` draws them;
-    others' as initialised (std 0.3). Returns the stored tensors."""
+    others' as initialised (std 0.3). `experts_3d`: the experts stored as transformers keeps them
+    instead ([E, N, K] e4m3 and [E, N / 128, K / 128] scales under the parameters' names), a layout
+    no rank reads a slice of. Returns the stored tensors."""
     import json
 
     from safetensors.torch import save_file
@@ -200,6 +202,11 @@ def write_published(path, shape: dict, model_type: str = "qwen3_moe") -> dict:
         value = value.detach()
         if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
             prefix = name.rsplit(".", 1)[0]
+            if experts_3d:
+                tiles = [_quantize_tiles_by_hand(matrix) for matrix in value]
+                stored[name] = torch.stack([q for q, _ in tiles])
+                stored[name + "_scale_inv"] = torch.stack([scale for _, scale in tiles])
+                continue
             for expert, matrix in enumerate(value):  # [2I, H] (gate rows, then up rows) or [H, I]
                 parts = ({"gate_proj": matrix.chunk(2)[0], "up_proj": matrix.chunk(2)[1]}
                          if name.endswith("gate_up_proj") else {"down_proj": matrix})

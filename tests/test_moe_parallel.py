@@ -113,7 +113,7 @@ def _rank(rank: int, size: int, port: int, specs: dict[str, tuple[str, bool]], f
                           control=dist.new_group(backend="gloo", timeout=timeout))
             said.clear()
             runner = ModelRunner(spec, "cpu", dtype="float32", world=world)
-            assert any(("read its experts" in line) == reads_experts for line in said), said
+            assert any("read its experts" in line for line in said) == reads_experts, said
             experts = moe.experts_modules(runner.model)
             total = experts[0].expert_range.total
             assert [m.down_proj.shape[0] for m in experts] == [total // size] * len(experts)
@@ -210,7 +210,12 @@ def test_tp_ep_of_a_published_fp8_checkpoint_over_2_ranks_equals_one_process(tmp
 
     path = tmp_path / "qwen3-moe-fp8"
     write_published(path, {**PUBLISHED, "head_dim": 128})
-    _spawn(2, {"published FP8 qwen3_moe": (str(path), True)}, fp8_activations="float32")
+    # and its experts stored 3-D: each rank loads them whole, then keeps its own (ExpertShard of
+    # transformers' FP8 experts, scales and all)
+    whole = tmp_path / "qwen3-moe-fp8-3d"
+    write_published(whole, {**PUBLISHED, "head_dim": 128}, experts_3d=True)
+    _spawn(2, {"published FP8 qwen3_moe": (str(path), True), "published FP8 qwen3_moe, 3-D experts": (str(whole), False)},
+           fp8_activations="float32")
 
 
 # DeepSeek-V3 in 128-wide pieces, so that each rank's part of every split linear is whole 128 x 128
