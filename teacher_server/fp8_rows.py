@@ -39,6 +39,8 @@ try:
 except ImportError:  # a CPU-only install: `quantize_rows_kernel` computes `quantize_rows`
     triton = None
 
+log = logging.getLogger(__name__)
+
 IMPLEMENTATION = "quantize_rows"  # what /v1/status's kernels name
 
 FP8 = torch.float8_e4m3fn
@@ -60,8 +62,6 @@ def kernel_serves(width: int, device: torch.device) -> bool:
     """Whether `quantize_rows_kernel` runs the Triton kernel for rows of `width` on `device`."""
     return triton is not None and device.type == "cuda" and width <= KERNEL_MAX_WIDTH
 
-
-log = logging.getLogger(__name__)
 
 # What CUDA torch multiplies by for `amax / 448` (a tensor divided by a Python number is computed
 # as a product with the number's float32 reciprocal there): quantize_rows's scales on a GPU.

@@ -177,7 +177,6 @@ class _Shard(ParallelStyle):
         else:
             setattr(module, name, torch.nn.Parameter(tensor, requires_grad=False))
 
-
     def slice_block_scales(self, module, dim: int) -> None:
         """A published FP8 linear's (transformers' FP8Linear: an e4m3 weight and `weight_scale_inv`,
         one scale per 128 x 128 tile) tile scales, sliced as its weight is along `dim` (0: output
@@ -200,7 +199,6 @@ class _Shard(ParallelStyle):
                              f"{' or '.join(map(str, sizes)) or 'one'} rank(s), or serve a dequantized copy")
         blocks = part // BLOCK
         self.replace(module, "weight_scale_inv", scale.detach().narrow(dim, self.rank * blocks, blocks).clone())
-
 
 
 class ColwiseShard(_Shard):
