@@ -45,6 +45,9 @@ from teacher_server.sessions import Batch, Session
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "teacher.v1.TeacherService"
+# The answers one SubmitStream holds for a client that does not read them, before it stops reading
+# that client's requests (a student reads its answers as they come: tens at most wait).
+STREAM_UNSENT_ANSWERS = 256
 # Compared against when no session has the id, so an unknown id costs the same compare.
 _NO_SESSION_SECRET = secrets.token_urlsafe(32)
 
@@ -183,11 +186,15 @@ class TeacherService:
 
         The stream's requests are read by a task of their own, so events go out while no
         request comes. The stream's metadata carries the session's secret (session_for), read once. The stream ends once the student ended its requests and what is
-        pending went out.
+        pending went out. With STREAM_UNSENT_ANSWERS answers waiting for a client that does not read
+        them, the reading waits too (its flow control then stops the client's sends), so a stream
+        holds a bounded number of answers, refusals included.
         """
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
         answers: deque[pb.SubmitResponse] = deque()
+        room = asyncio.Event()  # set while fewer than STREAM_UNSENT_ANSWERS answers wait
+        room.set()
         outbox = None  # the events of the session this stream submits to
         credentials = None
         requests_ended = False
@@ -228,6 +235,9 @@ class TeacherService:
                         answers.append(pb.SubmitResponse(batch_id=batch_id, error_code=e.code.value[0],
                                                          error_message=str(e)))
                         wake.set()
+                    if len(answers) >= STREAM_UNSENT_ANSWERS:
+                        room.clear()
+                        await room.wait()
             finally:
                 requests_ended = True
                 wake.set()
@@ -240,6 +250,8 @@ class TeacherService:
                 ended = requests_ended  # read before taking: what came before it is taken now
                 while answers:
                     yield answers.popleft()
+                    if len(answers) < STREAM_UNSENT_ANSWERS:
+                        room.set()
                 events = outbox.take() if outbox is not None else None
                 if events is not None:
                     yield events

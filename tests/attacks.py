@@ -330,6 +330,42 @@ class HalfOpenCalls(_AsyncAttack):
             await channel.close()
 
 
+class UnreadRefusals(Attack):
+    """Submit streams (a connection each) that write small requests as fast as the teacher takes
+    them, each refused (a session id and secret that name nothing), and never read an answer.
+    `written` holds how many requests the teacher had taken, sampled every 0.5 s (the teacher once
+    took them all and held every refusal it could not send: 700 MB a minute)."""
+
+    def __init__(self, address: str, token: str, streams: int = 4):
+        super().__init__()
+        self.address, self.token, self.streams = address, token, streams
+        self.written: list[int] = []
+
+    def run(self, stop: threading.Event) -> None:
+        metadata = bearer(self.token) + ((SESSION_SECRET_KEY, "not-a-secret"),)
+        request = pb.SubmitRequest(session_id="no-such-session", batch_id=1).SerializeToString()
+
+        def requests_():
+            while not stop.is_set():
+                self.counts["requests written"] += 1
+                yield request
+
+        # A small receive window that does not grow: the client's gRPC stops taking answers soon, as a
+        # client that never reads would on a slow link.
+        options = [("grpc.use_local_subchannel_pool", 1), ("grpc.http2.bdp_probe", 0),
+                   ("grpc.http2.lookahead_bytes", 16384)]
+        channels = [grpc.insecure_channel(self.address, options=options) for _ in range(self.streams)]
+        calls = [channel.stream_stream(SERVICE + "SubmitStream")(requests_(), metadata=metadata)
+                 for channel in channels]  # their answers never read
+        while not stop.is_set():
+            time.sleep(0.5)
+            self.written.append(self.counts["requests written"])
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            channel.close()
+
+
 class RendezvousWaits(_AsyncAttack):
     """The attacker's own session (a job token's Join, no group formed): `calls` WAITs at once,
     each naming `keys` keys none of which is set, and as many naming a handful."""

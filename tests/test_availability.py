@@ -31,8 +31,8 @@ from transformers import PreTrainedTokenizerFast
 from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from teacher_server.launcher import ServerProcess, child_env
 from tests.attacks import (CrossStudent, HalfOpenCalls, HostilePeers, IdleConnections, Observer, PipelinedUnread,
-                           RefusedCrossBatches, RendezvousWaits, SlowBodies, SlowConsumers, VocabularyJoins, Watch,
-                           bearer, rss_mib, transport_processes)
+                           RefusedCrossBatches, RendezvousWaits, SlowBodies, SlowConsumers, UnreadRefusals,
+                           VocabularyJoins, Watch, bearer, rss_mib, transport_processes)
 from tests.helpers import build_tiny_model, finish_student, free_port, start_student, wait_for_line, wait_until
 from tests.hostile_peer import MODES
 from tests.test_alignment import STUDENT_MERGES, TEACHER_MERGES, byte_level_tokenizer
@@ -177,6 +177,7 @@ ATTACKS = {
     "pipelined_unread": lambda server: PipelinedUnread(server.http_port, HTTP_MAX_CONNECTIONS),
     "idle_connections": lambda server: IdleConnections(server.grpc_port, GRPC_MAX_CONNECTIONS + 200),
     "half_open_calls": lambda server: HalfOpenCalls(server.address, ATTACKER),
+    "unread_refusals": lambda server: UnreadRefusals(server.address, ATTACKER),
     "slow_consumers": lambda server: SlowConsumers(server.address, ATTACKER, "attacker", shape=ATTACK_SHAPE),
     "heavy_slow_consumers": lambda server: SlowConsumers(server.address, HEAVY, "heavy", sessions=HEAVY_SESSIONS,
                                                          shape=HEAVY_SHAPE, weight=HEAVY_WEIGHT),
@@ -254,6 +255,18 @@ def test_half_open_calls_of_one_job_refuse_only_that_job(server, observer, hones
     under_attack(attack, observer, server, honest, SHORT_S)
     assert attack.counts["RESOURCE_EXHAUSTED"] > 100, attack.counts
     assert "job 'attacker' has" in attack.details["RESOURCE_EXHAUSTED"], attack.details
+
+
+def test_submit_streams_that_never_read_their_refusals_hold_a_bounded_number(server, observer, honest):
+    """Refused requests written as fast as the teacher takes them, their answers never read (the
+    client's receive window small): once 256 answers wait, the teacher stops reading that stream
+    until they go out. It held them all before: 121 MB more in these 12 s (700 MB a minute in an
+    outside check), against about 30 MB now (gRPC's and the allocator's, given back at the end)."""
+    attack = ATTACKS["unread_refusals"](server)
+    start_mib = rss_mib(server.proc.pid)
+    watch = under_attack(attack, observer, server, honest, 6 * SHORT_S)
+    assert attack.counts["requests written"] > 50_000, attack.counts
+    assert watch.peak_rss_mib < start_mib + 75, f"{watch.summary()}; at the start {start_mib:.0f} MiB"
 
 
 def test_sessions_that_never_receive_hold_their_share_only(server, observer, honest):
