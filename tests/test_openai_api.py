@@ -377,9 +377,21 @@ def test_generation_greedy_and_seeded_with_echo_and_logprobs(server, model):
     ({"prompt": [1, 2], "model": "other"}, 404, "model", "The model `other` does not exist."),
     ({"prompt": [1, 2], "max_tokens": 1000}, 400, "max_tokens", "more than this teacher generates"),
     ({"prompt": [1] * 9000, "max_tokens": 1}, 400, "prompt", "maximum context length"),
+    # What an outside check sent that once got a bare 500 (or a wrong answer):
+    ({"prompt": [1, 2], "n": True}, 400, "n", "does not support n > 1"),
+    ({"prompt": [1, 2], "seed": 2 ** 70}, 400, "seed", "must fit in 64 bits"),
+    ({"prompt": [1, 2], "prompt_logprobs": 1, "prompt_logprobs_temperature": 1e-300}, 400,
+     "prompt_logprobs_temperature", "use at least 0.001"),
+    ({"prompt": [1, 2], "prompt_logprob_token_ids": {"0": [1]}}, 400, "prompt_logprob_token_ids", "must be a list"),
+    ({"prompt": [1, 2], "prompt_logprob_token_ids": 7}, 400, "prompt_logprob_token_ids", "must be a list"),
+    ("nested", 400, None, "the request body is not JSON"),
 ])
 def test_bad_requests_get_vllms_error_shape_and_say_what_to_change(server, body, code, param, says):
-    response = _post(server, body)
+    if body == "nested":  # a prompt nested past Python's recursion limit
+        response = requests.post(f"{_http(server)}/v1/completions", data=b'{"prompt": ' + b"[" * 50_000 + b"]" * 50_000
+                                 + b"}", timeout=60, headers={"Authorization": f"Bearer {JOB_TOKEN}"})
+    else:
+        response = _post(server, body)
     assert response.status_code == code, response.text
     error = response.json()["error"]
     assert error["code"] == code and error["param"] == param and says in error["message"]
@@ -502,5 +514,39 @@ def test_trls_server_distillation_trainer_trains_from_the_teacher(model_dir, tmp
         assert len(losses) == 3 and all(math.isfinite(loss) and loss > 0 for loss in losses)
         served = {s["job_id"]: s for s in requests.get(f"{_http(server)}/v1/status", timeout=10).json()["sessions"]}
         assert served["openai-api"]["batches_sent"] >= 3 and served["openai-api"]["tokens_served"] > 0
+    finally:
+        server.stop()
+
+
+def test_sampling_many_prompts_leaves_the_teacher_answering_everyone_else(tmp_path):
+    """One request of 1,500 one-token prompts sampled at temperature 1 over a 128,256-token vocabulary
+    (builtin:wide): each prompt's softmax and draw run in a thread, off the loop that every tenant's
+    gRPC and HTTP calls share, so /healthz answers within a second throughout. On the loop they
+    held it about 2.3 ms a prompt here (an outside check: 18 s for 8,000 prompts, sessions of
+    other tenants expired)."""
+    import threading
+
+    tokens = tmp_path / "jobs.json"
+    tokens.write_text(json.dumps({"trl-job": {"token": JOB_TOKEN}}))
+    server = ServerProcess("--model", "builtin:wide", "--auth-token", OPERATOR, "--job-tokens", str(tokens))
+    try:
+        body = {"prompt": [[i % 512] for i in range(1500)], "max_tokens": 1, "temperature": 1.0, "seed": 1}
+        answered: dict = {}
+
+        def request() -> None:
+            answered["response"] = _post(server, body)
+
+        sampling = threading.Thread(target=request)
+        sampling.start()
+        waits = []
+        while sampling.is_alive():
+            started = time.monotonic()
+            assert requests.get(f"{_http(server)}/healthz", timeout=30).status_code == 200
+            waits.append(time.monotonic() - started)
+            time.sleep(0.05)
+        sampling.join()
+        response = answered["response"]
+        assert response.status_code == 200 and len(response.json()["choices"]) == 1500, response.text[:300]
+        assert len(waits) > 10 and max(waits) < 1.0, f"/healthz waited up to {max(waits):.2f} s ({len(waits)} probes)"
     finally:
         server.stop()

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from distill_common.outputs.logprobs import MIN_LOGPROB_TEMPERATURE
+
 # Generated tokens a request may ask for: each one is a forward over the whole sequence (no KV cache).
 MAX_NEW_TOKENS = 64
 # A logprob of -inf is written as this, as vLLM and OpenAI do.
@@ -133,7 +135,8 @@ def parse_completion(body, *, vocab_size: int, max_logprobs: int, max_prompts: i
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     for name, (defaults, what) in _ONLY_DEFAULT.items():
-        if name in body and body[name] not in defaults:
+        # (the same type too: `"n": true` equals 1 in Python, and is not an n)
+        if name in body and not any(type(body[name]) is type(d) and body[name] == d for d in defaults):
             raise ApiError(f"this teacher does not support {what}: leave `{name}` out", param=name)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
@@ -169,13 +172,17 @@ def parse_completion(body, *, vocab_size: int, max_logprobs: int, max_prompts: i
                        "it scores sequences; generate with an inference server", param="max_tokens")
     params.temperature = _number(body, "temperature", 1.0)
     params.seed = _int(body, "seed")
+    if params.seed is not None and not -2 ** 63 <= params.seed < 2 ** 64:
+        raise ApiError(f"`seed` must fit in 64 bits (-2**63 .. 2**64 - 1), got {params.seed}", param="seed")
     params.logprobs = _logprob_count(body, "logprobs", max_logprobs, vocab_size)
     params.prompt_logprobs = _logprob_count(body, "prompt_logprobs", max_logprobs, vocab_size)
     if params.echo and params.prompt_logprobs is None and params.logprobs is not None:
         params.prompt_logprobs = params.logprobs  # vLLM: echo with logprobs returns the prompt's too
     params.prompt_logprobs_temperature = _number(body, "prompt_logprobs_temperature", 1.0)
-    if params.prompt_logprobs_temperature == 0:
-        raise ApiError("`prompt_logprobs_temperature` must be positive", param="prompt_logprobs_temperature")
+    if params.prompt_logprobs_temperature < MIN_LOGPROB_TEMPERATURE:
+        raise ApiError(f"`prompt_logprobs_temperature` {params.prompt_logprobs_temperature:g} is too small to compute "
+                       f"in float32 (the values would overflow to NaN): use at least {MIN_LOGPROB_TEMPERATURE:g}",
+                       param="prompt_logprobs_temperature")
     params.ignore_eos = _bool(body, "ignore_eos", False)
     params.add_special_tokens = _bool(body, "add_special_tokens", True)
     params.return_tokens_as_token_ids = _bool(body, "return_tokens_as_token_ids", False)
@@ -210,6 +217,8 @@ def _score_ids(ids, prompts: int, cap: int, vocab: int) -> list:
                            param=name)
         return [row + [-1] * (width - len(row)) for row in value]
 
+    if not isinstance(ids, list):
+        raise ApiError(f"{name} must be a list: [rows, ids] for one prompt, or one such per prompt", param=name)
     if prompts > 1 or (ids and isinstance(ids[0], list) and ids[0] and isinstance(ids[0][0], list)):
         if not isinstance(ids, list) or len(ids) != prompts:
             raise ApiError(f"{name} must hold one [rows, ids] list per prompt ({prompts})", param=name)
