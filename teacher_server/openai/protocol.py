@@ -135,8 +135,9 @@ def parse_completion(body, *, vocab_size: int, max_logprobs: int, max_prompts: i
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     for name, (defaults, what) in _ONLY_DEFAULT.items():
-        # (the same type too: `"n": true` equals 1 in Python, and is not an n)
-        if name in body and not any(type(body[name]) is type(d) and body[name] == d for d in defaults):
+        # (true and false only where a default is one: `"n": true` equals 1 in Python, and is not an n)
+        if name in body and not any(isinstance(body[name], bool) == isinstance(d, bool) and body[name] == d
+                                    for d in defaults):
             raise ApiError(f"this teacher does not support {what}: leave `{name}` out", param=name)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
@@ -220,7 +221,7 @@ def _score_ids(ids, prompts: int, cap: int, vocab: int) -> list:
     if not isinstance(ids, list):
         raise ApiError(f"{name} must be a list: [rows, ids] for one prompt, or one such per prompt", param=name)
     if prompts > 1 or (ids and isinstance(ids[0], list) and ids[0] and isinstance(ids[0][0], list)):
-        if not isinstance(ids, list) or len(ids) != prompts:
+        if len(ids) != prompts:
             raise ApiError(f"{name} must hold one [rows, ids] list per prompt ({prompts})", param=name)
         return [matrix(one, f"[{index}]") for index, one in enumerate(ids)]
     return [matrix(ids, "")]
