@@ -190,14 +190,13 @@ class _Shard(ParallelStyle):
             raise ValueError(f"tensor parallelism: an FP8 checkpoint's linear of {tuple(module.weight.shape)} has "
                              f"weight scales of {tuple(scale.shape)}, not one per {BLOCK} x {BLOCK} tile; serve it "
                              "on one process")
-        part = length // self.size if length % self.size == 0 else -1
-        if part % BLOCK:
+        if length % self.size or (length // self.size) % BLOCK:
             sizes = [n for n in range(1, self.size) if length % n == 0 and (length // n) % BLOCK == 0]
             raise ValueError(f"tensor parallelism over {self.size} ranks: an FP8 checkpoint's linear of "
                              f"{tuple(module.weight.shape)} with {BLOCK} x {BLOCK} weight blocks splits its "
                              f"{length} {'rows' if dim == 0 else 'columns'} into parts of whole blocks only; run "
                              f"{' or '.join(map(str, sizes)) or 'one'} rank(s), or serve a dequantized copy")
-        blocks = part // BLOCK
+        blocks = length // self.size // BLOCK
         self.replace(module, "weight_scale_inv", scale.detach().narrow(dim, self.rank * blocks, blocks).clone())
 
 
