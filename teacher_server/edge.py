@@ -136,6 +136,26 @@ class RateLimitedLog:
             self._last, self._count = now, 0
 
 
+class _PeerWarnings:
+    """uvicorn's logger as GuardedH11Protocol uses it: its warnings, each about one request of
+    a peer's (an invalid request, an unsupported upgrade), a line per 10 s each with a count
+    (they were a line a request, 3,800 a second from one client without a token); the rest as
+    uvicorn logs it."""
+
+    def __init__(self, logger: logging.Logger):
+        self._logger = logger
+        self._limits: dict[str, RateLimitedLog] = {}  # by message: uvicorn's are a few constants
+
+    def warning(self, message: str, *args) -> None:
+        limited = self._limits.get(message)
+        if limited is None:
+            limited = self._limits[message] = RateLimitedLog()
+        limited.warning(message, *args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._logger, name)
+
+
 def install_accept_error_log(loop: asyncio.AbstractEventLoop) -> None:
     """Accept errors for want of descriptors or memory become one line every 10 s."""
     limited = RateLimitedLog()
@@ -420,6 +440,7 @@ class HttpConnections:
         self.send_timed_out_log = RateLimitedLog()
         self.send_slow_log = RateLimitedLog()
         self.body_log = RateLimitedLog()
+        self.peer_warnings = _PeerWarnings(logging.getLogger("uvicorn.error"))
 
     def to_displace(self, newcomer: "GuardedH11Protocol") -> "GuardedH11Protocol":
         """The connection a newcomer past the cap closes: among the DISPLACE_SCAN oldest
@@ -594,6 +615,9 @@ class GuardedH11Protocol(H11Protocol):
       waits, reading paused), so that no request dear to parse (a body in one-byte chunks, a
       whole read of headers) holds the loop that every connection and the gRPC port share.
 
+    - uvicorn's warnings about a peer's request (invalid, an upgrade it does not serve) are a
+      line per 10 s each, with a count (`_PeerWarnings`).
+
     The headers' size is h11's limit (16 KiB, a 400 beyond: h11 counts it while they are
     incomplete, which they are at every slice past it), so a connection buffers little.
     Built with functools.partial(GuardedH11Protocol, connections=HttpConnections(...)).
@@ -601,6 +625,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def __init__(self, *args, connections: HttpConnections, **kwargs):
         super().__init__(*args, **kwargs)
+        self.logger = connections.peer_warnings
         self.guard = connections
         self._waiting_for: str | None = None  # _REQUEST, _TAKEN or None
         self._deadline: asyncio.TimerHandle | None = None

@@ -536,6 +536,24 @@ def test_headers_over_16_kib_are_refused_however_they_arrive(server):
     assert requests.get(f"{server.http}/healthz", timeout=3).status_code == 200
 
 
+def test_invalid_requests_are_logged_a_line_at_a_time(server):
+    """uvicorn logs a warning per invalid request (or unsupported upgrade): 3,800 lines a second
+    from one client without a token, filling the teacher's log. Now a line per 10 s, with a count."""
+    start = len(server.log_lines)
+    for request in (b"GET / HTTP/1.1\r\nHost: teacher\r\nContent-Length: x\r\n\r\n",
+                    b"GET /healthz HTTP/1.1\r\nHost: teacher\r\nConnection: upgrade\r\nUpgrade: x\r\n\r\n"):
+        for _ in range(200):
+            with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
+                sock.sendall(request)
+                sock.settimeout(10)
+                assert sock.recv(4096)[:12] in (b"HTTP/1.1 400", b"HTTP/1.1 200")
+    time.sleep(0.5)
+    new = server.log_lines[start:]
+    for text in ("Invalid HTTP request received", "Unsupported upgrade request"):
+        lines = [line for line in new if text in line]
+        assert len(lines) <= 1 and (lines or _logged(server, start, text)), new[:10]
+
+
 def test_requests_dear_to_parse_starve_no_probes(server):
     """Bodies in one-byte chunks (an h11 event per byte) and header blocks of 97 KB, sent whole by
     as many connections as the cap, each answer read, no token: the loop parsed each whole read
