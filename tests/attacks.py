@@ -182,6 +182,11 @@ class IdleConnections(_Sockets):
         return H2_PREFACE
 
 
+def many_headers(count: int) -> bytes:
+    """A GET /healthz with `count` empty header lines (12,000: 97 KB, past h11's 16 KiB)."""
+    return b"GET /healthz HTTP/1.1\r\nHost: teacher\r\n" + b"".join(b"x%d:\r\n" % i for i in range(count)) + b"\r\n"
+
+
 class CostlyParses(Attack):
     """`connections` HTTP connections, each sending requests one after another (every answer read)
     that are cheap to send and dear to parse, no token needed: a body of `body_bytes` in chunks of
@@ -195,7 +200,7 @@ class CostlyParses(Attack):
         self.requests = [
             b"POST /healthz HTTP/1.1\r\nHost: teacher\r\nTransfer-Encoding: chunked\r\n\r\n"
             + b"1\r\nx\r\n" * (body_bytes // 6) + b"0\r\n\r\n",
-            b"GET /healthz HTTP/1.1\r\nHost: teacher\r\n" + b"".join(b"x%d:\r\n" % i for i in range(headers)) + b"\r\n"]
+            many_headers(headers)]
         allow_descriptors(connections)
 
     def run(self, stop: threading.Event) -> None:

@@ -28,7 +28,7 @@ from distill_common.proto.teacher.v1 import teacher_pb2 as pb
 from student_trainer import TeacherClient
 from student_trainer.errors import InvalidRequest
 from teacher_server.launcher import ServerProcess, child_env
-from tests.attacks import _TCP_ESTABLISHED, CostlyParses, PipelinedUnread, _tcp_state
+from tests.attacks import _TCP_ESTABLISHED, CostlyParses, PipelinedUnread, _tcp_state, many_headers
 from teacher_server.openai.routes import ANSWER_PIECE_BYTES
 from tests.helpers import build_tiny_model, wait_until
 
@@ -527,8 +527,7 @@ def test_pipelined_requests_never_read_starve_no_probes(server):
 def test_headers_over_16_kib_are_refused_however_they_arrive(server):
     """h11 counts its 16 KiB only while the headers are incomplete: 97 KB of them read at once were
     parsed (a 200, 14 ms of the loop's time each); now the teacher hands h11 a few KiB at a time."""
-    request = (b"GET /healthz HTTP/1.1\r\nHost: teacher\r\n" + b"".join(b"x%d:\r\n" % i for i in range(12_000))
-               + b"\r\n")
+    request = many_headers(12_000)
     with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
         sock.sendall(request)
         sock.settimeout(10)
