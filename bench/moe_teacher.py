@@ -275,9 +275,9 @@ def experts_probe(iters: int, models: list[str]) -> list[str]:
                                 aq, a_s, module.weight, module.weight_scale, offsets, rows_in, rows_out, out,
                                 config=config, fast_accum=fast))
                     best = [getattr(getattr(fp8_grouped_gemm, tuned, None), "best_config", None)
-                            for tuned in ("_tuned_kernel", "_tuned_persistent")]
-                    print(f"{name} {spread} {product} {scaling}: autotuned plain {best[0]}, persistent {best[1]}",
-                          flush=True)
+                            for tuned in ("_tuned_kernel", "_tuned_persistent", "_tuned_persistent_tma")]
+                    print(f"{name} {spread} {product} {scaling}: autotuned plain {best[0]}, persistent {best[1]}, "
+                          f"persistent with TMA {best[2]}", flush=True)
     return lines
 
 

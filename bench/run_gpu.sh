@@ -17,7 +17,7 @@
 # two GPUs: recipeserved (the seed recipe with its teacher served, and colocated), eagle3served and
 # eagle3servedlong (EAGLE-3 from a served target, with the colocated baseline).
 # Investigations (bench/investigations/): tpsend, disk, fp8tiles, fp8tileswidek, fp8gap, fp8gapgraphs,
-# fp8gapgraphstma, fp8gapgraphsrouter, fp8gapgraphssort, fp8gapgraphsinductor, quantize, qkv, topk.
+# fp8gapgraphsnotma, fp8gapgraphsrouter, fp8gapgraphssort, fp8gapgraphsinductor, quantize, qkv, topk.
 # Run from the repository root: every bench is a module of this checkout (python3 -m bench.x).
 set -uo pipefail
 # shellcheck source=bench/gpu_env.sh
@@ -132,9 +132,9 @@ print('stubs import under grpcio', grpc.__version__)" ;;
     # The same under --cuda-graphs (the decoder replayed as one graph: the timed forward without host gaps).
     fp8gapgraphs) timeout 400 python3 -m bench.investigations.fp8_forward_gap --cuda-graphs 2 --kernels 40 \
               --out "$out/gap_graphs.md" 2>&1 | quiet | tail -110 ;;
-    # The same with the 128 x 256 tile reading its weights through TMA among the autotuned tiles (not served).
-    fp8gapgraphstma) timeout 400 python3 -m bench.investigations.fp8_forward_gap --cuda-graphs 2 --kernels 12 \
-              --tma-tile --out "$out/gap_graphs_tma.md" 2>&1 | quiet | tail -50 ;;
+    # The same without the 128 x 256 tile that reads its weights through TMA (as served before 2026-12-06).
+    fp8gapgraphsnotma) timeout 400 python3 -m bench.investigations.fp8_forward_gap --cuda-graphs 2 --kernels 12 \
+              --no-tma --out "$out/gap_graphs_notma.md" 2>&1 | quiet | tail -50 ;;
     # The same with the routers as the model writes them (inductor's softmax, torch's top-k) instead of
     # teacher_server/routing.py's kernel: the kernel's share of both forwards.
     fp8gapgraphsrouter) timeout 400 python3 -m bench.investigations.fp8_forward_gap --cuda-graphs 2 --kernels 16 \

@@ -160,7 +160,8 @@ def cases(benches: bool) -> list[Case]:
     for config in g.PERSISTENT_CONFIGS:
         fixed = g.launch_config(config)
         out += _product_cases(fixed, True, True, f"persistent {fixed['BLOCK_M']}x{fixed['BLOCK_N']} "
-                                                 f"w{fixed['num_warps']} s{fixed['num_stages']} x{fixed['PER_SM']}")
+                                                 f"w{fixed['num_warps']} s{fixed['num_stages']} x{fixed['PER_SM']}"
+                                                 f"{' TMA' if fixed.get('TMA_W') else ''}")
     # The router: Qwen3-MoE's 128 experts top-8, Mixtral's 8 top-2, OLMoE's 64 top-8, the widest.
     for dtype in ("bf16", "fp32"):
         for experts, k in ((128, 8), (8, 2), (64, 8), (routing.KERNEL_MAX_EXPERTS, routing.KERNEL_MAX_K)):

@@ -31,7 +31,7 @@ expert's M-tiles follow each other (its weights stay in L2). Two kernels walk th
                  programs past the last tile return at once (the promoted sums and block scales)
     persistent   a few programs an SM loop over the tiles with the tile counts read once, Triton's
                  pipelining flattened over the loop (the next tile's first K steps load during a
-                 tile's epilogue), the weights optionally through TMA: fast accumulation, where it
+                 tile's epilogue), one tile reading the weights through TMA: fast accumulation, where it
                  ran Qwen3-30B-A3B's two products 1.32x bf16 against the plain kernel's 1.24x
                  (bench/investigations/fp8_grouped_tiles.py, an H200; with promoted sums its large
                  tiles spill and it ran 0.4-0.6x bf16, so those stay on the plain kernel)
@@ -107,10 +107,13 @@ def _persistent_configs() -> list:
     # fastest with fast accumulation on Qwen3-30B-A3B's layers (H200, Triton 3.6,
     # bench/investigations/fp8_grouped_tiles.py: 128 x 256 in 4 stages flattened, 1.32x bf16 over
     # both products where the plain kernel's best gave 1.24x; in 3 stages 1.23x), and 64 x 128 two an
-    # SM for small groups. TMA gained nothing there (1.23x for the best tiles) and is left to explicit
-    # configurations. With sums promoted at every K step the large tiles spill (0.4-0.6x bf16): the
-    # plain kernel runs those.
-    shapes = [(128, 256, 8, 4, 1, True, False), (128, 256, 8, 3, 1, True, False), (64, 128, 4, 4, 2, True, False)]
+    # SM for small groups. With sums promoted at every K step the large tiles spill (0.4-0.6x bf16): the
+    # plain kernel runs those. The first tile with its weights read through TMA was the fastest of the
+    # 2026-12-05 sweep on an H200 (both products 1.510 ms where the autotuned set gave 1.573,
+    # bench/investigations/fp8_forward_gap.py --tma-tile): it is autotuned where the weights allow TMA
+    # (`_tma_fits`), the other three everywhere.
+    shapes = [(128, 256, 8, 4, 1, True, False), (128, 256, 8, 3, 1, True, False), (64, 128, 4, 4, 2, True, False),
+              (128, 256, 8, 4, 1, True, True)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": BLOCK, "PER_SM": p, "FLATTEN": f, "TMA_W": t},
                           num_warps=w, num_stages=s) for m, n, w, s, p, f, t in shapes]
 
@@ -326,7 +329,10 @@ if triton is not None:
             return triton.autotune(configs=configs, key=_KEY)(kernel)
 
     _tuned_kernel = _autotuned(_grouped_fp8_mm_kernel, CONFIGS)
-    _tuned_persistent = _autotuned(_grouped_fp8_mm_persistent_kernel, PERSISTENT_CONFIGS)
+    # Two autotuners, each with its own cache: weights TMA cannot read never meet a TMA tile.
+    _tuned_persistent = _autotuned(_grouped_fp8_mm_persistent_kernel,
+                                   [c for c in PERSISTENT_CONFIGS if not c.kwargs["TMA_W"]])
+    _tuned_persistent_tma = _autotuned(_grouped_fp8_mm_persistent_kernel, PERSISTENT_CONFIGS)
 else:
     CONFIGS = PERSISTENT_CONFIGS = []
 
@@ -345,6 +351,11 @@ def _set_tma_allocator() -> None:
     """Before every persistent launch: Triton keeps its allocator per thread (a context variable),
     and the teacher checks its kernels at load in one thread and runs its forwards in another."""
     triton.set_allocator(_tma_scratch)
+
+
+def _tma_fits(w: torch.Tensor) -> bool:
+    """Whether TMA can read the weights [E, N, K]: one block of memory, rows 16-byte aligned."""
+    return w.is_contiguous() and w.shape[-1] % 16 == 0 and w.data_ptr() % 16 == 0
 
 
 def launch_config(config) -> dict:
@@ -423,7 +434,7 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: tor
         def grid(meta):
             return (tiles(meta),)
     if config is None:
-        tuned = _tuned_persistent if persistent else _tuned_kernel
+        tuned = (_tuned_persistent_tma if _tma_fits(w) else _tuned_persistent) if persistent else _tuned_kernel
         if gate_group and any(c.kwargs["BLOCK_N"] % (2 * gate_group) for c in tuned.configs):
             raise ValueError(f"grouped FP8 kernel: gate groups of {gate_group} rows do not fit every autotuned "
                              f"tile; interleave by {GATE_GROUP}")
@@ -435,7 +446,7 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: tor
                          f"64, {BLOCK} or {2 * BLOCK}")
     if persistent:
         meta.update(PER_SM=config["PER_SM"], FLATTEN=config.get("FLATTEN", False), TMA_W=config.get("TMA_W", False))
-        if meta["TMA_W"] and not (w.is_contiguous() and k % 16 == 0 and w.data_ptr() % 16 == 0):
+        if meta["TMA_W"] and not _tma_fits(w):
             raise ValueError("grouped FP8 kernel: TMA reads contiguous weights with K a multiple of 16")
     kernel = _grouped_fp8_mm_persistent_kernel if persistent else _grouped_fp8_mm_kernel
     kernel[grid(meta)](*args, **constants, **meta, num_warps=config.get("num_warps", 4),

@@ -58,10 +58,9 @@ def main() -> None:
     parser.add_argument("--router", choices=("kernel", "torch"), default="kernel",
                         help="the routers' softmax and top-k: teacher_server/routing.py's kernel (as served) or the "
                              "model's own (inductor's softmax, torch's top-k: as served before 2026-12-05)")
-    parser.add_argument("--tma-tile", action="store_true",
-                        help="add the fastest persistent tile with its weights read through TMA (128 x 256, 4 "
-                             "stages, flattened) to the grouped FP8 kernel's autotuned set, which the server does "
-                             "not serve: the fastest variant in fp8_grouped_tiles.py's sweep of 2026-12-05")
+    parser.add_argument("--no-tma", action="store_true",
+                        help="leave the persistent tile that reads its weights through TMA out of the grouped FP8 "
+                             "kernel's autotuned set (as served before 2026-12-06)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     import torch._inductor.config as inductor
@@ -89,15 +88,9 @@ def main() -> None:
     if args.cuda_graphs and {"bf16", "fp8", "fp8-inductor"} <= set(chosen):
         parser.error("--cuda-graphs with bf16, fp8 and fp8-inductor builds three models, which do not fit one "
                      "141 GB GPU (captured graphs replay one quantizer: the FP8 variants cannot share a model)")
-    if args.tma_tile:
-        import triton
-
-        served = fp8_grouped_gemm.PERSISTENT_CONFIGS[0]
-        tma = triton.Config({**served.kwargs, "TMA_W": True}, num_warps=served.num_warps,
-                            num_stages=served.num_stages)
-        fp8_grouped_gemm._tuned_persistent = fp8_grouped_gemm._autotuned(
-            fp8_grouped_gemm._grouped_fp8_mm_persistent_kernel, [*fp8_grouped_gemm.PERSISTENT_CONFIGS, tma])
-        print(f"the persistent kernel's autotuned set with {tma} added", flush=True)
+    if args.no_tma:
+        fp8_grouped_gemm._tuned_persistent_tma = fp8_grouped_gemm._tuned_persistent
+        print("the persistent kernel's autotuned set without its TMA tile", flush=True)
     config = config_of("qwen3-30b-a3b")
     runners, kernel = {}, {}
     for variant in chosen:
