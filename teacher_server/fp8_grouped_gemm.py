@@ -109,9 +109,9 @@ def _persistent_configs() -> list:
     # both products where the plain kernel's best gave 1.24x; in 3 stages 1.23x), and 64 x 128 two an
     # SM for small groups. With sums promoted at every K step the large tiles spill (0.4-0.6x bf16): the
     # plain kernel runs those. The first tile with its weights read through TMA was the fastest of the
-    # 2026-12-05 sweep on an H200 (both products 1.510 ms where the autotuned set gave 1.573,
-    # bench/investigations/fp8_forward_gap.py --tma-tile): it is autotuned where the weights allow TMA
-    # (`_tma_fits`), the other three everywhere.
+    # 2026-12-05 sweep on an H200 (both products 1.510 ms where the autotuned set gave 1.573; the FP8
+    # forward 1.404x bf16 with it, 1.392x without, docs/performance.md): autotuned where the weights
+    # allow TMA (`_tma_fits`), the other three everywhere.
     shapes = [(128, 256, 8, 4, 1, True, False), (128, 256, 8, 3, 1, True, False), (64, 128, 4, 4, 2, True, False),
               (128, 256, 8, 4, 1, True, True)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": BLOCK, "PER_SM": p, "FLATTEN": f, "TMA_W": t},
