@@ -123,16 +123,18 @@ class RateLimitedLog:
     """At most one line per `interval_s` for an event that can recur thousands of times a
     second, with how often it happened since the last line."""
 
-    def __init__(self, interval_s: float = 10.0):
+    def __init__(self, interval_s: float = 10.0, logger: logging.Logger | None = None, level: int = logging.WARNING):
         self.interval_s = interval_s
+        self._logger, self._level = logger or log, level
         self._last = float("-inf")
         self._count = 0
 
     def warning(self, message: str, *args) -> None:
+        """The line at this log's level (WARNING unless told), if none went out in `interval_s`."""
         self._count += 1
         now = time.monotonic()
         if now - self._last >= self.interval_s:
-            log.warning(message + " [%d since the last such line]", *args, self._count)
+            self._logger.log(self._level, message + " [%d since the last such line]", *args, self._count)
             self._last, self._count = now, 0
 
 

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from distill_common.outputs import OutputRequest, TeacherFacts
-from teacher_server.edge import Callers
+from teacher_server.edge import Callers, RateLimitedLog
 from teacher_server.errors import ServiceError
 from teacher_server.model_runner import Chunk, Prefix
 from teacher_server.openai.budget import AnswerBudget, AnswerBudgetBusy, AnswerTooLarge, answer_bytes, entry_bytes
@@ -26,6 +26,9 @@ from teacher_server.openai.protocol import ApiError, CompletionParams, TokenText
 from teacher_server.openai.writer import JsonWriter, WriterBusy, WriterFailed
 
 log = logging.getLogger(__name__)
+# A client that leaves early is a line per 10 s at most, with a count: a token holder's loop of
+# requests it drops at once was otherwise a line each.
+_clients_left_log = RateLimitedLog(logger=log, level=logging.INFO)
 
 # The most bytes of whole distributions (one per row, to sample the next token from) a batch holds:
 # 1-token prompts would otherwise make a batch of --max-batch-tokens rows of the vocabulary each.
@@ -432,7 +435,7 @@ def add_routes(app: FastAPI, completions: Completions, callers: Callers, ready) 
             if not serving.done():
                 serving.cancel()  # its lease, if it has one, goes back as it ends
         if not serving.done():
-            log.info("a client left before its completion was answered: its request was dropped")
+            _clients_left_log.warning("a client left before its completion was answered: its request was dropped")
             return Response(status_code=499)  # sent nowhere: the client is gone
         return serving.result()
 
