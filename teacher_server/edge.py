@@ -129,7 +129,7 @@ class RateLimitedLog:
         self._last = float("-inf")
         self._count = 0
 
-    def warning(self, message: str, *args) -> None:
+    def emit(self, message: str, *args) -> None:
         """The line at this log's level (WARNING unless told), if none went out in `interval_s`."""
         self._count += 1
         now = time.monotonic()
@@ -152,7 +152,7 @@ class _PeerWarnings:
         limited = self._limits.get(message)
         if limited is None:
             limited = self._limits[message] = RateLimitedLog()
-        limited.warning(message, *args)
+        limited.emit(message, *args)
 
     def __getattr__(self, name: str):
         return getattr(self._logger, name)
@@ -167,7 +167,7 @@ def install_accept_error_log(loop: asyncio.AbstractEventLoop) -> None:
         error = context.get("exception")
         if (isinstance(error, OSError) and error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
                 and context.get("message", "").startswith("socket.accept()")):
-            limited.warning("cannot accept connections: %s; raise the descriptor limit (ulimit -n) or lower "
+            limited.emit("cannot accept connections: %s; raise the descriptor limit (ulimit -n) or lower "
                             "--http-max-connections", error)
             return
         if default is not None:
@@ -652,7 +652,7 @@ class GuardedH11Protocol(H11Protocol):
         self._track()
         if len(self.guard.open) > self.guard.max_connections:
             oldest = self.guard.to_displace(self)
-            self.guard.displaced_log.warning("closed the oldest HTTP connection waiting on its peer or pipelining: "
+            self.guard.displaced_log.emit("closed the oldest HTTP connection waiting on its peer or pipelining: "
                                              "%d open, the --http-max-connections limit", len(self.guard.open) - 1)
             oldest._close()
 
@@ -741,7 +741,7 @@ class GuardedH11Protocol(H11Protocol):
         return max(declared_bytes, self._body_bytes) > self.guard.max_body_bytes
 
     def _refuse_body(self) -> None:
-        self.guard.body_log.warning("refused a HTTP request body over %d bytes (--http-max-body-bytes)",
+        self.guard.body_log.emit("refused a HTTP request body over %d bytes (--http-max-body-bytes)",
                                     self.guard.max_body_bytes)
         if self.cycle is None or not self.cycle.response_started:
             text = f"request bodies are limited to {self.guard.max_body_bytes} bytes (--http-max-body-bytes)\n"
@@ -843,14 +843,14 @@ class GuardedH11Protocol(H11Protocol):
             taking.last_taken = now
         guard = self.guard
         if now - taking.last_taken >= guard.send_timeout_s:
-            guard.send_timed_out_log.warning("closed a HTTP connection whose peer had taken nothing of the answer for "
+            guard.send_timed_out_log.emit("closed a HTTP connection whose peer had taken nothing of the answer for "
                                              "%.0f s (--http-send-timeout-s)", guard.send_timeout_s)
             self._close()
             return
         waited_s = now - taking.start
         taken = acked - taking.acked_at_start
         if taken < guard.min_send_bytes_per_s * (waited_s - guard.send_timeout_s):
-            guard.send_slow_log.warning("closed a HTTP connection whose peer took %d bytes of the answer in %.1f s, "
+            guard.send_slow_log.emit("closed a HTTP connection whose peer took %d bytes of the answer in %.1f s, "
                                         "less than %d bytes/s past the first %.0f s (--http-min-send-bytes-per-s, "
                                         "--http-send-timeout-s)", taken, waited_s, guard.min_send_bytes_per_s,
                                         guard.send_timeout_s)
@@ -862,7 +862,7 @@ class GuardedH11Protocol(H11Protocol):
         self._deadline = self.loop.call_later(SEND_GROW_CHECK_S if grow else guard.send_check_s, self._check_taken)
 
     def _header_timeout(self) -> None:
-        self.guard.timed_out_log.warning("closed a HTTP connection with no complete request after %.0f s "
+        self.guard.timed_out_log.emit("closed a HTTP connection with no complete request after %.0f s "
                                          "(--http-header-timeout-s)", self.guard.header_timeout_s)
         self._close()
 

@@ -473,8 +473,11 @@ def test_an_answer_too_large_for_the_teachers_memory_is_refused_and_the_bytes_co
             left.close()
         wait_until(lambda: _gauges(server)["teacher_api_requests_waiting"] == 0, 30, "the waits dropped")
         time.sleep(0.5)
-        left_lines = [line for line in server.log_lines[start:] if "a client left before its completion" in line]
-        assert len(left_lines) <= 1, left_lines
+        left = "a client left before its completion"
+        left_lines = [line for line in server.log_lines[start:] if left in line]
+        # One line, or none where one came less than 10 s before (the server logs no other cause of it).
+        assert len(left_lines) == 1 or not left_lines and any(left in line for line in server.log_lines[:start]), \
+            left_lines
         assert _gauges(server)["teacher_api_answer_bytes"] == charged
     wait_until(lambda: _gauges(server)["teacher_api_answer_bytes"] == 0, 30, "the charge given back")
     time.sleep(0.5)

@@ -435,7 +435,7 @@ def add_routes(app: FastAPI, completions: Completions, callers: Callers, ready) 
             if not serving.done():
                 serving.cancel()  # its lease, if it has one, goes back as it ends
         if not serving.done():
-            _clients_left_log.warning("a client left before its completion was answered: its request was dropped")
+            _clients_left_log.emit("a client left before its completion was answered: its request was dropped")
             return Response(status_code=499)  # sent nowhere: the client is gone
         return serving.result()
 
