@@ -329,8 +329,12 @@ def verify(model: nn.Module, dtype: torch.dtype, rows: int = 96) -> int:
                 gate, up = sorted_want.float().chunk(2, dim=-1)
                 cases.append((module.gated(tokens, offsets, route, rows=gather),
                               torch.nn.functional.silu(gate) * up * route.unsqueeze(-1)))
-            errors = [((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
-                      for got, want in cases]
+            errors = [_relative_error(got, want) for got, want in cases]
+            # The product above ran the tile the autotuner picked for these few rows; a forward's
+            # many rows may pick another: each one it may pick, gathered and scattered (and gated).
+            tiles = [] if module.kernel != "triton" else check_tiles(
+                module, tokens, offsets, gather, scatter, cases[1][1],
+                *((route, cases[2][1]) if module.gate_group else (None, None)))
         if not max(errors) <= _CHECK_RTOL:
             raise fp8.FP8Unsupported(f"FP8 experts {name} ({module.extra_repr()}) on {device}: the grouped product "
                                      f"is off the dequantize-then-multiply reference by {max(errors):.3g} (relative; "
@@ -338,7 +342,44 @@ def verify(model: nn.Module, dtype: torch.dtype, rows: int = 96) -> int:
                                      + (f", gated {errors[2]:.3g}" if module.gate_group else "") + "): the "
                                      f"{module.kernel} product reads its operands otherwise. Serve the model without "
                                      "--quantize fp8")
+        for tile, error in tiles:
+            if not error <= _CHECK_RTOL:
+                raise fp8.FP8Unsupported(f"FP8 experts {name} ({module.extra_repr()}) on {device}: the grouped "
+                                         f"product with the tile {tile} is off the dequantize-then-multiply reference "
+                                         f"by {error:.3g} (relative), and the kernel's autotuner may pick that tile. "
+                                         "Serve the model without --quantize fp8, or report this with the GPU and "
+                                         "the Triton version")
     return len(checked)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
+
+
+def check_tiles(module: FP8ExpertWeights, tokens: torch.Tensor, offsets: torch.Tensor, gather: torch.Tensor,
+                scatter: torch.Tensor, want: torch.Tensor, route: torch.Tensor | None = None,
+                gated_want: torch.Tensor | None = None) -> list[tuple[dict, float]]:
+    """The Triton product of each tile fp8_grouped_gemm's autotuner may pick for `module`, against
+    `want` (the rows of `tokens` gathered, multiplied and scattered, [gather's length, N], all rows
+    held by an expert): [(tile, relative error)]; with `route` and `gated_want` also the gated
+    product of each (sorted order, [M, N / 2]), its tile marked "gated"."""
+    xq, xs = module.quantize_input(tokens)
+    m, n = gather.shape[0], module.weight.shape[1]
+    results = []
+    for tile in fp8_grouped_gemm.served_configs(module.weight, module.weight_scale, module.fast_accum):
+        out = torch.empty(m, n, dtype=tokens.dtype, device=tokens.device)
+        fp8_grouped_gemm.launch(xq, xs, module.weight, module.weight_scale, offsets, gather, scatter, out,
+                                config=tile, fast_accum=module.fast_accum)
+        if module.gate_group:
+            out = fp8_grouped_gemm.deinterleave_gate(out, module.gate_group)
+        results.append((tile, _relative_error(out, want)))
+        if gated_want is not None:
+            gated = torch.empty(m, n // 2, dtype=tokens.dtype, device=tokens.device)
+            fp8_grouped_gemm.launch(xq, xs, module.weight, module.weight_scale, offsets, gather, None, gated,
+                                    config=tile, fast_accum=module.fast_accum, route=route,
+                                    gate_group=module.gate_group)
+            results.append(({**tile, "gated": True}, _relative_error(gated, gated_want)))
+    return results
 
 
 def adopt_published(model: nn.Module) -> int:

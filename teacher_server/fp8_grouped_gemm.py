@@ -358,6 +358,15 @@ def _tma_fits(w: torch.Tensor) -> bool:
     return w.is_contiguous() and w.shape[-1] % 16 == 0 and w.data_ptr() % 16 == 0
 
 
+def served_configs(w: torch.Tensor, w_scale: torch.Tensor, fast_accum: bool) -> list[dict]:
+    """The tiles `launch`'s autotuner may pick for weights `w` and their scales (`launch_config`'s
+    form): the persistent kernel's for fast accumulation with row scales (its TMA tile where
+    `_tma_fits`), the plain kernel's otherwise."""
+    if not fast_accum or w_scale.dim() == 3:
+        return [launch_config(c) for c in CONFIGS]
+    return [launch_config(c) for c in PERSISTENT_CONFIGS if _tma_fits(w) or not c.kwargs["TMA_W"]]
+
+
 def launch_config(config) -> dict:
     """One of `CONFIGS` or `PERSISTENT_CONFIGS` as `launch`'s fixed `config`."""
     fixed = dict(BLOCK_M=config.kwargs["BLOCK_M"], BLOCK_N=config.kwargs["BLOCK_N"],

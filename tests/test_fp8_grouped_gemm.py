@@ -139,7 +139,42 @@ def _checks() -> None:
         assert torch.equal(quotients.signbit()[~quotients_ref.isnan()], quotients_ref.signbit()[~quotients_ref.isnan()])
         assert quotients[2, :128].isnan().all() and (quotients[3] == 0).any()
     _row_quantization_kernel(generator)
+    _served_tiles(generator)
     print("interpreted kernels match")
+
+
+def _served_tiles(generator) -> None:
+    """fp8_experts.check_tiles, which the teacher's start-up check runs on a GPU: each tile the
+    autotuner may serve (the plain kernel's, the persistent kernel's with fast accumulation, its TMA
+    tile among them), gathered, scattered and gated, within the check's tolerance of the reference;
+    and scales read wrongly are far outside it for every tile."""
+    from teacher_server import fp8_experts, fp8_grouped_gemm
+
+    sizes = [30, 0, 40, 26]
+    offsets = torch.tensor(sizes).cumsum(0).int()
+    rows = sum(sizes)
+    tokens = (torch.randn(50, 256, generator=generator) ** 3).to(torch.bfloat16)
+    gather = torch.randint(0, 50, (rows,), generator=generator)
+    scatter = torch.randperm(rows, generator=generator)
+    route = torch.rand(rows, generator=generator)
+    for scaling, fast in (("row", True), ("row", False), ("block", False)):
+        module = fp8_experts.FP8ExpertWeights.quantize(torch.randn(4, 256, 256, generator=generator) ** 3, scaling,
+                                                       fast_accum=fast)
+        module.kernel = "triton"  # the interpreter runs it on the CPU
+        sorted_want = fp8_experts.reference_product(module, tokens.index_select(0, gather), offsets)
+        want = torch.empty_like(sorted_want).index_copy_(0, scatter, sorted_want)
+        gate, up = sorted_want.float().chunk(2, dim=-1)
+        gated = scaling == "row" and module.interleave_gate(64)
+        tiles = fp8_experts.check_tiles(module, tokens, offsets, gather, scatter, want,
+                                        *((route, torch.nn.functional.silu(gate) * up * route[:, None])
+                                          if gated else (None, None)))
+        served = fp8_grouped_gemm.served_configs(module.weight, module.weight_scale, module.fast_accum)
+        assert len(tiles) == len(served) * (2 if gated else 1), (scaling, tiles)
+        assert any(tile.get("TMA_W") for tile, _ in tiles) == fast, tiles
+        assert all(error <= fp8_experts._CHECK_RTOL for _, error in tiles), (scaling, fast, tiles)
+        module.weight_scale = module.weight_scale.flip(0)  # each expert's scales read as another's
+        tiles = fp8_experts.check_tiles(module, tokens, offsets, gather, scatter, want)
+        assert all(error > 0.2 for _, error in tiles), (scaling, fast, tiles)
 
 
 def _row_quantization_kernel(generator) -> None:
