@@ -38,7 +38,8 @@ A published checkpoint's experts come from transformers' FP8 loader (its `FP8Exp
 Measured on an H200: docs/performance.md, "MoE teachers on one GPU".
 
 `reference_product` is the slow, obvious version (one expert at a time, the quantization written
-out): what `verify` holds the device's product to at load, and what the tests hold both to.
+out): what `verify` holds the device's product to at load (each tile the Triton kernel's
+autotuner may pick: `check_tiles`), and what the tests hold both to.
 """
 
 from __future__ import annotations
