@@ -168,7 +168,7 @@ def install_accept_error_log(loop: asyncio.AbstractEventLoop) -> None:
         if (isinstance(error, OSError) and error.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
                 and context.get("message", "").startswith("socket.accept()")):
             limited.emit("cannot accept connections: %s; raise the descriptor limit (ulimit -n) or lower "
-                            "--http-max-connections", error)
+                         "--http-max-connections", error)
             return
         if default is not None:
             default(loop, context)
@@ -653,7 +653,7 @@ class GuardedH11Protocol(H11Protocol):
         if len(self.guard.open) > self.guard.max_connections:
             oldest = self.guard.to_displace(self)
             self.guard.displaced_log.emit("closed the oldest HTTP connection waiting on its peer or pipelining: "
-                                             "%d open, the --http-max-connections limit", len(self.guard.open) - 1)
+                                          "%d open, the --http-max-connections limit", len(self.guard.open) - 1)
             oldest._close()
 
     def data_received(self, data: bytes) -> None:
@@ -742,7 +742,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _refuse_body(self) -> None:
         self.guard.body_log.emit("refused a HTTP request body over %d bytes (--http-max-body-bytes)",
-                                    self.guard.max_body_bytes)
+                                 self.guard.max_body_bytes)
         if self.cycle is None or not self.cycle.response_started:
             text = f"request bodies are limited to {self.guard.max_body_bytes} bytes (--http-max-body-bytes)\n"
             self.transport.write(b"HTTP/1.1 413 Content Too Large\r\ncontent-type: text/plain\r\n"
@@ -844,16 +844,16 @@ class GuardedH11Protocol(H11Protocol):
         guard = self.guard
         if now - taking.last_taken >= guard.send_timeout_s:
             guard.send_timed_out_log.emit("closed a HTTP connection whose peer had taken nothing of the answer for "
-                                             "%.0f s (--http-send-timeout-s)", guard.send_timeout_s)
+                                          "%.0f s (--http-send-timeout-s)", guard.send_timeout_s)
             self._close()
             return
         waited_s = now - taking.start
         taken = acked - taking.acked_at_start
         if taken < guard.min_send_bytes_per_s * (waited_s - guard.send_timeout_s):
             guard.send_slow_log.emit("closed a HTTP connection whose peer took %d bytes of the answer in %.1f s, "
-                                        "less than %d bytes/s past the first %.0f s (--http-min-send-bytes-per-s, "
-                                        "--http-send-timeout-s)", taken, waited_s, guard.min_send_bytes_per_s,
-                                        guard.send_timeout_s)
+                                     "less than %d bytes/s past the first %.0f s (--http-min-send-bytes-per-s, "
+                                     "--http-send-timeout-s)", taken, waited_s, guard.min_send_bytes_per_s,
+                                     guard.send_timeout_s)
             self._close()
             return
         grow = took >= self._send_buffer_bytes and self._send_buffer_bytes < HTTP_SEND_BUFFER_MAX_BYTES
@@ -863,7 +863,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _header_timeout(self) -> None:
         self.guard.timed_out_log.emit("closed a HTTP connection with no complete request after %.0f s "
-                                         "(--http-header-timeout-s)", self.guard.header_timeout_s)
+                                      "(--http-header-timeout-s)", self.guard.header_timeout_s)
         self._close()
 
     def _close(self) -> None:
