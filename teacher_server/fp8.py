@@ -281,6 +281,11 @@ class FP8Linear(nn.Module):
                 + (", fast_accum=True" if self.fast_accum else ""))
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want| in float32: what the self-checks (`verify`, fp8_experts.verify) bound."""
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
+
+
 def verify(model, dtype: torch.dtype, rows: int = 64) -> int:
     """Checks one FP8Linear of each shape and input quantization against `FP8Linear.reference` on
     random heavy-tailed inputs, on the layers' own device, before the teacher serves anything: a
@@ -299,7 +304,7 @@ def verify(model, dtype: torch.dtype, rows: int = 64) -> int:
         with torch.inference_mode():
             got = module.forward(x).float()  # forward, not __call__: no tensor-parallel hook runs
             want = module.reference(x).float()
-        error = ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
+        error = relative_error(got, want)
         if not error < _CHECK_RTOL:
             raise FP8Unsupported(
                 f"FP8 self-check failed: {name} ({module.in_features} -> {module.out_features}, {module.scaling} "

@@ -330,7 +330,7 @@ def verify(model: nn.Module, dtype: torch.dtype, rows: int = 96) -> int:
                 gate, up = sorted_want.float().chunk(2, dim=-1)
                 cases.append((module.gated(tokens, offsets, route, rows=gather),
                               torch.nn.functional.silu(gate) * up * route.unsqueeze(-1)))
-            errors = [_relative_error(got, want) for got, want in cases]
+            errors = [fp8.relative_error(got, want) for got, want in cases]
             # The product above ran the tile the autotuner picked for these few rows; a forward's
             # many rows may pick another: each one it may pick, gathered and scattered (and gated).
             tiles = [] if module.kernel != "triton" else check_tiles(
@@ -353,10 +353,6 @@ def verify(model: nn.Module, dtype: torch.dtype, rows: int = 96) -> int:
     return len(checked)
 
 
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-30)).item()
-
-
 def check_tiles(module: FP8ExpertWeights, tokens: torch.Tensor, offsets: torch.Tensor, gather: torch.Tensor,
                 scatter: torch.Tensor, want: torch.Tensor, route: torch.Tensor | None = None,
                 gated_want: torch.Tensor | None = None) -> list[tuple[dict, float]]:
@@ -373,13 +369,13 @@ def check_tiles(module: FP8ExpertWeights, tokens: torch.Tensor, offsets: torch.T
                                 config=tile, fast_accum=module.fast_accum)
         if module.gate_group:
             out = fp8_grouped_gemm.deinterleave_gate(out, module.gate_group)
-        results.append((tile, _relative_error(out, want)))
+        results.append((tile, fp8.relative_error(out, want)))
         if gated_want is not None:
             gated = torch.empty(m, n // 2, dtype=tokens.dtype, device=tokens.device)
             fp8_grouped_gemm.launch(xq, xs, module.weight, module.weight_scale, offsets, gather, None, gated,
                                     config=tile, fast_accum=module.fast_accum, route=route,
                                     gate_group=module.gate_group)
-            results.append(({**tile, "gated": True}, _relative_error(gated, gated_want)))
+            results.append(({**tile, "gated": True}, fp8.relative_error(gated, gated_want)))
     return results
 
 

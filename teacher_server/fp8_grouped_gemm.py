@@ -358,13 +358,18 @@ def _tma_fits(w: torch.Tensor) -> bool:
     return w.is_contiguous() and w.shape[-1] % 16 == 0 and w.data_ptr() % 16 == 0
 
 
+def _tuned(w: torch.Tensor, block_scaled: bool, fast_accum: bool):
+    """The autotuner `launch` runs for weights `w`: the persistent kernel's for fast accumulation
+    with row scales (the set with its TMA tile where `_tma_fits`), the plain kernel's otherwise
+    (bench/investigations/fp8_grouped_tiles.py)."""
+    if not fast_accum or block_scaled:
+        return _tuned_kernel
+    return _tuned_persistent_tma if _tma_fits(w) else _tuned_persistent
+
+
 def served_configs(w: torch.Tensor, w_scale: torch.Tensor, fast_accum: bool) -> list[dict]:
-    """The tiles `launch`'s autotuner may pick for weights `w` and their scales (`launch_config`'s
-    form): the persistent kernel's for fast accumulation with row scales (its TMA tile where
-    `_tma_fits`), the plain kernel's otherwise."""
-    if not fast_accum or w_scale.dim() == 3:
-        return [launch_config(c) for c in CONFIGS]
-    return [launch_config(c) for c in PERSISTENT_CONFIGS if _tma_fits(w) or not c.kwargs["TMA_W"]]
+    """The tiles `launch`'s autotuner may pick for weights `w` and their scales, in `launch_config`'s form."""
+    return [launch_config(c) for c in _tuned(w, w_scale.dim() == 3, fast_accum).configs]
 
 
 def launch_config(config) -> dict:
@@ -443,7 +448,7 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: tor
         def grid(meta):
             return (tiles(meta),)
     if config is None:
-        tuned = (_tuned_persistent_tma if _tma_fits(w) else _tuned_persistent) if persistent else _tuned_kernel
+        tuned = _tuned(w, block_scaled, fast_accum)
         if gate_group and any(c.kwargs["BLOCK_N"] % (2 * gate_group) for c in tuned.configs):
             raise ValueError(f"grouped FP8 kernel: gate groups of {gate_group} rows do not fit every autotuned "
                              f"tile; interleave by {GATE_GROUP}")

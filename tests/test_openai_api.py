@@ -469,8 +469,8 @@ def test_an_answer_too_large_for_the_teachers_memory_is_refused_and_the_bytes_co
         peers = [_raw_post(server, {"prompt": long_prompts[:2], "max_tokens": 1, "prompt_logprobs": 300}, b"\r\n")
                  for _ in range(12)]
         wait_until(lambda: _gauges(server)["teacher_api_requests_waiting"] == 12, 30, "the others waiting")
-        for left in peers:
-            left.close()
+        for waiting in peers:
+            waiting.close()
         wait_until(lambda: _gauges(server)["teacher_api_requests_waiting"] == 0, 30, "the waits dropped")
         time.sleep(0.5)
         left = "a client left before its completion"
